@@ -1,0 +1,350 @@
+"""Persistent multi-process worlds: start N real ranks once, then run many jobs on them.
+
+A gloo world of 8 costs ~10 s to start on two cores, so sweeps and tests reuse one world per
+(world size, backend). Ranks are forked from the driver after the heavy imports, report their
+progress, and are killed as a group when anything fails: no rank outlives its driver.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import datetime
+import os
+import signal
+import socket
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron.*")
+# Imported here, in the driver, so forked ranks inherit them instead of paying ~5 s each.
+from megatron.core import parallel_state as ps  # noqa: E402
+from tensordict import TensorDict  # noqa: E402, F401
+
+from strategies import ProcessGroups  # noqa: E402
+
+
+class WorldError(RuntimeError):
+    """A rank failed, crashed or stopped responding; the message names the rank and phase."""
+
+
+@dataclass
+class RankContext:
+    """What a task running on a rank gets: who it is, and how to report progress."""
+
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+    conn: Connection | None = None
+    step: int = 0
+    cache: dict = field(default_factory=dict)
+
+    def report(self, phase: str) -> None:
+        """Tell the driver what this rank is doing now (used to name a hung rank)."""
+        self.step += 1
+        if self.conn is not None:
+            self.conn.send(("phase", self.step, phase))
+
+    def groups_for(self, layout):
+        """The strategies' ProcessGroups for ``layout``, built through megatron-core once and
+        cached; a new layout tears down Megatron's state and builds it again (collective)."""
+        key = ("groups", layout)
+        if key not in self.cache:
+            layout.check_world(self.world_size)
+            self.cache = {k: v for k, v in self.cache.items() if k[0] != "groups"}
+            if ps.model_parallel_is_initialized():
+                ps.destroy_model_parallel()
+            ps.initialize_model_parallel(**layout.megatron_kwargs(), create_gloo_process_groups=False)
+            self.cache[key] = ProcessGroups.from_megatron(
+                order="-".join(layout.tokens), device=self.device
+            )
+        return self.cache[key]
+
+
+def _die_with_parent() -> None:
+    # A rank must never outlive its driver (Ctrl-C, kill -9 of the driver, a crashed test).
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _device_for(backend: str, device: str, local_rank: int) -> torch.device:
+    if device == "cuda" or backend == "nccl":
+        index = local_rank % max(torch.cuda.device_count(), 1)
+        if backend == "nccl" or device == "cuda":
+            torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def _worker(
+    local_rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    device: str,
+    timeout_s: float,
+    conns: list[Connection],
+) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver owns Ctrl-C and kills us
+    conn = conns[local_rank]
+    for i, c in enumerate(conns):
+        if i != local_rank:
+            c.close()
+    torch.set_num_threads(1)  # N ranks share 2 cores; more threads only oversubscribe
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    try:
+        dev = _device_for(backend, device, local_rank)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=local_rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        ctx = RankContext(local_rank, world_size, backend, dev, conn)
+        conn.send(("ready", 0, None))
+    except Exception:
+        conn.send(("error", 0, traceback.format_exc()))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        fn, args = msg
+        try:
+            conn.send(("ok", ctx.step, fn(ctx, *args)))
+        except Exception as exc:  # report, keep serving; the driver decides the world's fate
+            conn.send(("error", ctx.step, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class World:
+    """N ranks started once with torch.multiprocessing (fork), serving tasks until closed."""
+
+    def __init__(
+        self,
+        world_size: int,
+        backend: str = "gloo",
+        device: str = "cpu",
+        timeout_s: float = 120.0,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.backend = backend
+        self.device = device
+        self.timeout_s = timeout_s
+        self._ctx = None
+        self._conns: list[Connection] = []
+        self._last: dict[int, tuple[int, str]] = {}
+        self.start_s = 0.0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> World:
+        t0 = time.perf_counter()
+        mp = tmp.get_context("fork")
+        pairs = [mp.Pipe(duplex=True) for _ in range(self.world_size)]
+        self._conns = [a for a, _ in pairs]
+        children = [b for _, b in pairs]
+        # Gloo's own timeout sits past ours, so the driver names the hung rank first.
+        self._ctx = tmp.start_processes(
+            _worker,
+            args=(
+                self.world_size,
+                _free_port(),
+                self.backend,
+                self.device,
+                self.timeout_s + 5,
+                children,
+            ),
+            nprocs=self.world_size,
+            join=False,
+            start_method="fork",
+        )
+        for c in children:
+            c.close()
+        self._collect("starting the world", self.timeout_s)
+        self.start_s = time.perf_counter() - t0
+        _LIVE.add(self)
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._ctx is not None and all(p.is_alive() for p in self._ctx.processes)
+
+    def close(self, kill: bool = False) -> None:
+        if self._ctx is None:
+            return
+        procs = self._ctx.processes
+        if not kill:
+            for c in self._conns:
+                try:
+                    c.send(None)
+                except (OSError, BrokenPipeError):
+                    pass
+            deadline = time.monotonic() + 5
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(5)
+        for c in self._conns:
+            c.close()
+        self._ctx = None
+        _LIVE.discard(self)
+
+    def __enter__(self) -> World:
+        return self.start() if self._ctx is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.close(kill=exc[0] is not None)
+
+    # -- tasks -----------------------------------------------------------------------------
+    def run(
+        self, fn: Callable[..., Any], *args: Any, what: str = "", timeout_s: float | None = None
+    ) -> list[Any]:
+        """Run ``fn(ctx, *args)`` on every rank; return the per-rank results in rank order.
+
+        Any rank's error, crash or silence (no progress for ``timeout_s``) kills the whole
+        world and raises WorldError naming the rank and what it was doing.
+        """
+        if not self.alive:
+            raise WorldError("the world is not running (it was closed or a rank died)")
+        for c in self._conns:
+            c.send((fn, args))
+        return self._collect(what or getattr(fn, "__name__", "task"), timeout_s or self.timeout_s)
+
+    def _collect(self, what: str, timeout_s: float) -> list[Any]:
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        self._last = {r: (0, what) for r in range(self.world_size)}
+        conn_rank = {c: r for r, c in enumerate(self._conns)}
+        sentinels = {p.sentinel: r for r, p in enumerate(self._ctx.processes)}
+        last_progress = time.monotonic()
+
+        def handle(rank: int, conn: Connection) -> bool:
+            nonlocal last_progress
+            try:
+                kind, step, payload = conn.recv()
+            except (EOFError, OSError):
+                return False
+            last_progress = time.monotonic()
+            if kind == "phase":
+                self._last[rank] = (step, payload)
+            elif kind == "error":
+                errors[rank] = payload
+            else:
+                results[rank] = payload
+            return True
+
+        while len(results) + len(errors) < self.world_size:
+            pending = [c for c, r in conn_rank.items() if r not in results and r not in errors]
+            ready = wait(pending + list(sentinels), timeout=1.0)
+            now = time.monotonic()
+            for obj in ready:
+                if obj in sentinels:
+                    rank = sentinels[obj]
+                    conn = self._conns[rank]
+                    while rank not in results and rank not in errors and conn.poll():
+                        if not handle(rank, conn):  # drain what it said before dying
+                            break
+                    if rank in results or rank in errors:
+                        continue
+                    code = self._ctx.processes[rank].exitcode
+                    phase = self._last[rank][1]
+                    self.close(kill=True)
+                    raise WorldError(
+                        f"rank {rank} exited with code {code} while {phase!r} ({what}); "
+                        "the world was torn down"
+                    )
+                handle(conn_rank[obj], obj)
+            if errors and len(results) + len(errors) < self.world_size:
+                # One rank failed; the others may now block in a collective forever.
+                if now - last_progress > min(5.0, timeout_s):
+                    break
+            elif now - last_progress > timeout_s:
+                laggard = min(
+                    (r for r in range(self.world_size) if r not in results),
+                    key=lambda r: self._last[r][0],
+                )
+                phases = "; ".join(
+                    f"rank {r}: {self._last[r][1]!r}"
+                    for r in range(self.world_size)
+                    if r not in results
+                )
+                self.close(kill=True)
+                raise WorldError(
+                    f"rank {laggard} stopped responding for {timeout_s:.0f} s while "
+                    f"{self._last[laggard][1]!r} ({what}); last phases: {phases}; "
+                    "the world was torn down"
+                )
+        if errors:
+            rank = min(errors)
+            if len(results) + len(errors) < self.world_size:
+                self.close(kill=True)  # some ranks may sit in a collective forever
+            first_line = errors[rank].strip().splitlines()[0]
+            raise WorldError(
+                f"rank {rank} failed in {what}: {first_line}\n--- traceback of rank {rank} ---\n"
+                f"{errors[rank]}"
+            )
+        return [results[r] for r in range(self.world_size)]
+
+
+_LIVE: set[World] = set()
+_CACHE: dict[tuple, World] = {}
+
+
+def get_world(
+    world_size: int, backend: str = "gloo", device: str = "cpu", timeout_s: float = 120.0
+) -> World:
+    """A running world of this shape, reused across jobs of one process (sweeps, tests)."""
+    key = (world_size, backend, device)
+    world = _CACHE.get(key)
+    if world is not None and world.alive:
+        world.timeout_s = timeout_s
+        return world
+    world = World(world_size, backend, device, timeout_s).start()
+    _CACHE[key] = world
+    return world
+
+
+def close_all() -> None:
+    for world in list(_LIVE):
+        world.close(kill=True)
+    _CACHE.clear()
+
+
+atexit.register(close_all)

@@ -1,0 +1,1 @@
+from strategies.base import *

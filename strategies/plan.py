@@ -1,0 +1,94 @@
+"""Communication plans: what a strategy will do for a layout and payload, stated without running.
+
+A plan lists every collective every replica issues (kind, global ranks, root, bytes, step) and
+the local work per role. The cost model prices plans; a test checks each plan against the
+collectives a real gloo run records (``strategies.trace``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+CommKind = Literal["broadcast", "scatter", "all_gather"]
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One collective on one group."""
+
+    kind: CommKind
+    """The collective."""
+    ranks: tuple[int, ...]
+    """Global ranks of the group, in group-rank order."""
+    root: int | None
+    """Global rank of the source (broadcast, scatter); None for all_gather."""
+    nbytes: int
+    """Message size: broadcast = bytes every rank ends with; scatter = bytes per rank (one
+    chunk); all_gather = total gathered bytes per rank (nccl-tests convention)."""
+    step: int
+    """Comms with the same step run at the same time on disjoint groups; steps run in order."""
+    what: str = "payload"
+    """What travels: 'sizes', 'pickle', 'header', 'payload', 'chunk'."""
+    exact: bool = True
+    """False when nbytes is an estimate (pickle sizes predicted without pickling)."""
+
+
+@dataclass(frozen=True)
+class LocalWork:
+    """Bytes a rank touches outside the network, per call."""
+
+    pickled_bytes: int = 0
+    """Bytes produced by pickle.dumps (source) or consumed by pickle.loads (receiver)."""
+    packed_bytes: int = 0
+    """Bytes copied into a flat send buffer."""
+    copied_bytes: int = 0
+    """Other host copies (buffer growth, copy-out of received data)."""
+    d2h_bytes: int = 0
+    """Device to host copies (pickling CUDA tensors)."""
+    h2d_bytes: int = 0
+    """Host to device copies."""
+
+
+@dataclass
+class Plan:
+    """Everything one call of ``get_data_input`` does, for every replica of a layout."""
+
+    strategy: str
+    comms: list[Comm] = field(default_factory=list)
+    leader: LocalWork = field(default_factory=LocalWork)
+    """Work on each replica leader."""
+    receiver: LocalWork = field(default_factory=LocalWork)
+    """Work on a rank that only receives (the heaviest such role)."""
+    forwarder: LocalWork = field(default_factory=LocalWork)
+    """Work on a rank that receives and then sends on (stage-0 ranks in two-hop strategies)."""
+
+    def for_rank(self, rank: int) -> list[Comm]:
+        """The comms ``rank`` takes part in, in issue order."""
+        return [c for c in self.comms if rank in c.ranks]
+
+    @property
+    def steps(self) -> int:
+        return 1 + max((c.step for c in self.comms), default=-1)
+
+
+@dataclass(frozen=True)
+class PayloadSpec:
+    """What a plan needs to know about a batch, without holding its data."""
+
+    tensor_bytes: int
+    """Sum of the batch's tensor bytes (``payload_bytes`` in records)."""
+    n_tensors: int
+    """Number of tensor leaves."""
+    header_bytes: int
+    """Encoded size of the header strategies send (exact: encoding is cheap and pure)."""
+    pickle_bytes: int
+    """Bytes ``pickle`` produces for the TensorDict (exact when measured, else estimated)."""
+    non_tensor_bytes: int = 0
+    """Pickled bytes of non_tensor_batch."""
+    broadcast_non_tensor: bool = False
+    """meta_info['_broadcast_non_tensor_batch']."""
+    pickle_exact: bool = False
+    """Whether pickle_bytes was measured."""
+    dtype_bytes: tuple[int, ...] = ()
+    """Tensor bytes per distinct dtype (strategies that send one buffer per dtype)."""
