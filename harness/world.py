@@ -16,9 +16,10 @@ import socket
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,7 +64,9 @@ class RankContext:
             self.cache = {k: v for k, v in self.cache.items() if k[0] != "groups"}
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()
-            ps.initialize_model_parallel(**layout.megatron_kwargs(), create_gloo_process_groups=False)
+            ps.initialize_model_parallel(
+                **layout.megatron_kwargs(), create_gloo_process_groups=False
+            )
             self.cache[key] = ProcessGroups.from_megatron(
                 order="-".join(layout.tokens), device=self.device
             )

@@ -220,6 +220,8 @@ class Strategy:
     """
 
     name: ClassVar[str] = ""
+    selectable: ClassVar[bool] = True
+    """False for the floor, which is a measured limit rather than a way to ship data."""
     claims: ClassVar[str] = ""
     """Collectives per call, in words (checked by the tests that count them)."""
 
@@ -236,6 +238,11 @@ class Strategy:
 
     def get_data_input(self, batch: DataProto) -> DataProto:
         raise NotImplementedError
+
+    @classmethod
+    def plan(cls, layout, spec):
+        """The collectives and local work of one call, for every replica (strategies.plan)."""
+        raise NotImplementedError(f"strategy {cls.name!r} states no plan")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.groups.rank})"

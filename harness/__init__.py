@@ -1,0 +1,1 @@
+"""bcastbench harness: worlds, payloads, timing, verification, records, sweeps and reports."""

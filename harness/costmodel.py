@@ -1,0 +1,682 @@
+"""Price a communication ``Plan`` on a cluster with the Hockney α–β model, without running it.
+
+Clusters come from ``conf/cluster/*.yaml`` (schema ``ClusterConfig``, human units: µs, GB/s) and
+are turned into ``Cluster`` (SI units: s, s/byte). ``price`` says how long a plan takes, on which
+link, and whether latency (α) or bandwidth (β) dominates. Pure: no process group, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from strategies.layout import Layout
+from strategies.plan import Comm, LocalWork, Plan
+
+COLLECTIVES = ("broadcast", "scatter", "all_gather")
+BROADCAST_ALGORITHMS = ("tree", "ring")
+SCATTER_ALGORITHMS = ("binomial", "linear")
+ALLGATHER_ALGORITHMS = ("recursive_doubling", "ring")
+GB = 1e9  # GB/s here is the nccl-tests unit, 1e9 bytes/s (not Gbit/s, not GiB/s)
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "cluster"
+
+BroadcastAlgorithm = Literal["tree", "ring"]
+ScatterAlgorithm = Literal["binomial", "linear"]
+AllgatherAlgorithm = Literal["recursive_doubling", "ring"]
+LinkName = Literal["intra", "inter", "none"]
+
+
+class ClusterError(ValueError):
+    """A cluster description that cannot be priced; the message names the field and value."""
+
+
+# --------------------------------------------------------------------------------------------
+# The model's own form: every collective costs a·α + b·β. Calibration fits α, β with exactly
+# these coefficients, so that a calibrated cluster reproduces its measurements by construction.
+# --------------------------------------------------------------------------------------------
+def ceil_log2(p: int) -> int:
+    return (p - 1).bit_length() if p > 1 else 0
+
+
+def coefficients(
+    kind: str,
+    group_size: int,
+    nbytes: int,
+    broadcast_algorithm: str = "tree",
+    scatter_algorithm: str = "binomial",
+    allgather_algorithm: str = "recursive_doubling",
+) -> tuple[float, float]:
+    """``(a, b)`` with T = a·α + b·β for one collective (Thakur, Rabenseifner & Gropp 2005).
+
+    ``nbytes`` follows ``Comm.nbytes``: broadcast = bytes every rank ends with; scatter = one
+    chunk (each rank's share); all_gather = total gathered bytes per rank.
+    """
+    p = group_size
+    if p <= 1:
+        return 0.0, 0.0  # a group of one moves nothing
+    if kind == "broadcast":
+        if broadcast_algorithm == "tree":  # binomial tree: ⌈log₂p⌉ rounds of the whole message
+            rounds = ceil_log2(p)
+            return float(rounds), float(rounds * nbytes)
+        if broadcast_algorithm == "ring":  # pipelined chain: fill p−1 hops, then n·β
+            return float(p - 1), float(nbytes)
+        raise ClusterError(f"unknown broadcast_algorithm {broadcast_algorithm!r}")
+    if kind == "scatter":
+        # The root's p−1 chunks all leave it, whatever the tree: ((p−1)/p)·(p·chunk)·β.
+        if scatter_algorithm == "binomial":
+            return float(ceil_log2(p)), float((p - 1) * nbytes)
+        if scatter_algorithm == "linear":  # one message per receiver, back to back
+            return float(p - 1), float((p - 1) * nbytes)
+        raise ClusterError(f"unknown scatter_algorithm {scatter_algorithm!r}")
+    if kind == "all_gather":
+        share = (p - 1) / p * nbytes
+        if allgather_algorithm == "recursive_doubling":
+            return float(ceil_log2(p)), share
+        if allgather_algorithm == "ring":
+            return float(p - 1), share
+        raise ClusterError(f"unknown allgather_algorithm {allgather_algorithm!r}")
+    raise ClusterError(f"unknown collective {kind!r}; valid kinds are {list(COLLECTIVES)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Runtime types (SI units)
+# --------------------------------------------------------------------------------------------
+def _check_positive(where: str, value: Any, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ClusterError(f"{where} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ClusterError(f"{where} must be finite and {bound}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link's Hockney parameters: a message of n bytes costs ``alpha_s + n·beta_s_per_byte``."""
+
+    alpha_s: float
+    """Start-up latency per message (software + wire), seconds."""
+    beta_s_per_byte: float
+    """Inverse bandwidth, seconds per byte (1 / payload bytes per second)."""
+
+    def __post_init__(self) -> None:
+        _check_positive("alpha_s", self.alpha_s, allow_zero=True)
+        _check_positive("beta_s_per_byte", self.beta_s_per_byte)
+
+    @property
+    def bandwidth_gbytes_per_s(self) -> float:
+        return 1.0 / self.beta_s_per_byte / GB
+
+    @classmethod
+    def from_human(cls, alpha_us: float, bandwidth_gbytes_per_s: float) -> Link:
+        return cls(alpha_us * 1e-6, 1.0 / (bandwidth_gbytes_per_s * GB))
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A machine room as the cost model sees it. Ranks fill nodes in blocks of gpus_per_node."""
+
+    name: str
+    """Preset name, carried into predictions and reports."""
+    gpus_per_node: int
+    """Ranks per node; global rank r lives on node r // gpus_per_node (Megatron's orders put TP,
+    then CP, innermost, so a TP group fills a node first)."""
+    nics_per_node: int
+    """Network ports per node usable at once; concurrent cross-node groups beyond this many share
+    a node's ports and divide their bandwidth."""
+    intra: Link
+    """Link between two ranks on the same node (NVLink, or loopback for a local world)."""
+    inter: Link
+    """One port of the inter-node network; a group spanning nodes is priced on it."""
+    broadcast_algorithm: BroadcastAlgorithm = "tree"
+    """'tree': binomial ⌈log₂p⌉(α+nβ) (gloo); 'ring': pipelined chain (p−1)α+nβ (NCCL)."""
+    scatter_algorithm: ScatterAlgorithm = "binomial"
+    """'binomial': ⌈log₂p⌉α; 'linear': (p−1)α (root sends each chunk); β term (p−1)·chunk·β."""
+    allgather_algorithm: AllgatherAlgorithm = "recursive_doubling"
+    """'recursive_doubling': ⌈log₂p⌉α; 'ring': (p−1)α; β term ((p−1)/p)·n·β either way."""
+    intra_by_kind: Mapping[str, Link] = field(default_factory=dict)
+    """Per-collective overrides of ``intra`` (a calibrated local world fits each kind alone)."""
+    inter_by_kind: Mapping[str, Link] = field(default_factory=dict)
+    """Per-collective overrides of ``inter``."""
+    d2h_bytes_per_s: float = 25e9
+    """Device→host copy throughput (pickling CUDA tensors goes through host memory)."""
+    h2d_bytes_per_s: float = 25e9
+    """Host→device copy throughput (unpickled tensors go back to the GPU)."""
+    pickle_bytes_per_s: float = 1e9
+    """pickle.dumps throughput, bytes of pickle produced per second."""
+    unpickle_bytes_per_s: float = 1e9
+    """pickle.loads throughput, bytes of pickle consumed per second."""
+    memcpy_bytes_per_s: float = 5e9
+    """Host memcpy throughput of one rank (packing into / copying out of a flat buffer)."""
+
+    def __post_init__(self) -> None:
+        where = f"cluster {self.name!r}"
+        for name in ("gpus_per_node", "nics_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ClusterError(f"{where}: {name} must be a positive integer, got {value!r}")
+        for name, valid in (
+            ("broadcast_algorithm", BROADCAST_ALGORITHMS),
+            ("scatter_algorithm", SCATTER_ALGORITHMS),
+            ("allgather_algorithm", ALLGATHER_ALGORITHMS),
+        ):
+            if getattr(self, name) not in valid:
+                raise ClusterError(
+                    f"{where}: {name} must be one of {list(valid)}, got {getattr(self, name)!r}"
+                )
+        for name in ("intra", "inter"):
+            if not isinstance(getattr(self, name), Link):
+                raise ClusterError(f"{where}: {name} must be a Link, got {getattr(self, name)!r}")
+        for name in ("intra_by_kind", "inter_by_kind"):
+            for kind, link in getattr(self, name).items():
+                if kind not in COLLECTIVES:
+                    raise ClusterError(
+                        f"{where}: {name} has unknown collective {kind!r}; "
+                        f"valid kinds are {list(COLLECTIVES)}"
+                    )
+                if not isinstance(link, Link):
+                    raise ClusterError(f"{where}: {name}.{kind} must be a Link, got {link!r}")
+        for name in (
+            "d2h_bytes_per_s",
+            "h2d_bytes_per_s",
+            "pickle_bytes_per_s",
+            "unpickle_bytes_per_s",
+            "memcpy_bytes_per_s",
+        ):
+            _check_positive(f"{where}: {name}", getattr(self, name))
+
+    def link(self, kind: str, crosses_nodes: bool) -> Link:
+        """The α/β a collective of ``kind`` pays, inside a node or across nodes."""
+        if crosses_nodes:
+            return self.inter_by_kind.get(kind, self.inter)
+        return self.intra_by_kind.get(kind, self.intra)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def algorithms(self) -> dict[str, str]:
+        return dict(
+            broadcast_algorithm=self.broadcast_algorithm,
+            scatter_algorithm=self.scatter_algorithm,
+            allgather_algorithm=self.allgather_algorithm,
+        )
+
+    def collective_s(self, kind: str, group_size: int, nbytes: int, crosses_nodes: bool) -> float:
+        """Seconds for one collective alone on its link (no sharing)."""
+        a, b = coefficients(kind, group_size, nbytes, **self.algorithms())
+        link = self.link(kind, crosses_nodes)
+        return a * link.alpha_s + b * link.beta_s_per_byte
+
+
+# --------------------------------------------------------------------------------------------
+# Predictions
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CommCost:
+    """The price of one collective as issued in its step."""
+
+    step: int
+    kind: str
+    what: str
+    group_size: int
+    first_rank: int
+    """Lowest global rank of the group (names the group in a report)."""
+    nbytes: int
+    link: LinkName
+    """'intra', 'inter', or 'none' for a group of one."""
+    nodes: int
+    """Distinct nodes the group touches."""
+    nic_share: float
+    """How many groups share each port at the busiest node the group touches (≥ 1); the β term
+    is multiplied by it."""
+    alpha_s: float
+    """Latency term a·α."""
+    beta_s: float
+    """Bandwidth term b·β·nic_share."""
+    exact: bool
+
+    @property
+    def total_s(self) -> float:
+        return self.alpha_s + self.beta_s
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One step: concurrent collectives on disjoint groups; the slowest sets the pace."""
+
+    step: int
+    critical: CommCost
+    """The slowest collective of the step."""
+    n_comms: int
+    n_inter: int
+    """How many of the step's collectives cross nodes."""
+    max_nic_share: float
+
+    @property
+    def total_s(self) -> float:
+        return self.critical.total_s
+
+
+@dataclass(frozen=True)
+class LocalCost:
+    """Work one role does off the network, priced from ``LocalWork`` and the host throughputs."""
+
+    role: Literal["leader", "forwarder", "receiver"]
+    pickle_s: float
+    unpickle_s: float
+    memcpy_s: float
+    d2h_s: float
+    h2d_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.pickle_s + self.unpickle_s + self.memcpy_s + self.d2h_s + self.h2d_s
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What ``price`` says about one plan on one cluster."""
+
+    strategy: str
+    cluster: str
+    layout: str
+    total_s: float
+    """Critical path: leader work + Σ steps (slowest comm each) + forwarder + receiver work."""
+    comm_s: float
+    local_s: float
+    alpha_s: float
+    """Latency share of comm_s (sum over steps of the critical comm's α term)."""
+    beta_s: float
+    """Bandwidth share of comm_s, NIC sharing included."""
+    inter_s: float
+    """Part of comm_s spent in steps whose critical comm crosses nodes."""
+    steps: tuple[StepCost, ...]
+    local: tuple[LocalCost, ...]
+    exact: bool
+    """False when any comm's size was an estimate."""
+
+    def dominant(self) -> str:
+        """One phrase for a report: which link and which term dominate the total."""
+        if self.total_s <= 0:
+            return "nothing to do"
+        parts = {"local work": self.local_s}
+        for link in ("intra", "inter"):
+            steps = [s for s in self.steps if s.critical.link == link]
+            parts[f"{link}-node α"] = sum(s.critical.alpha_s for s in steps)
+            parts[f"{link}-node β"] = sum(s.critical.beta_s for s in steps)
+        name, value = max(parts.items(), key=lambda kv: kv[1])
+        return f"{name} ({100 * value / self.total_s:.0f}% of {self.total_s * 1e3:.3g} ms)"
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per step and per local role, for a pandas DataFrame."""
+        out: list[dict[str, Any]] = []
+        for s in self.steps:
+            c = s.critical
+            out.append(
+                dict(
+                    strategy=self.strategy,
+                    cluster=self.cluster,
+                    part=f"step {s.step}",
+                    kind=c.kind,
+                    what=c.what,
+                    link=c.link,
+                    group_size=c.group_size,
+                    nodes=c.nodes,
+                    nbytes=c.nbytes,
+                    n_comms=s.n_comms,
+                    n_inter=s.n_inter,
+                    nic_share=c.nic_share,
+                    alpha_s=c.alpha_s,
+                    beta_s=c.beta_s,
+                    total_s=c.total_s,
+                    exact=c.exact,
+                )
+            )
+        for w in self.local:
+            out.append(
+                dict(
+                    strategy=self.strategy,
+                    cluster=self.cluster,
+                    part=f"local {w.role}",
+                    kind="local",
+                    what="pickle/unpickle/memcpy/d2h/h2d",
+                    link="host",
+                    alpha_s=0.0,
+                    beta_s=w.total_s,
+                    total_s=w.total_s,
+                    exact=True,
+                )
+            )
+        return out
+
+    def summary(self) -> str:
+        lines = [
+            f"{self.strategy} on {self.cluster} ({self.layout}): {self.total_s * 1e3:.4g} ms"
+            f"{'' if self.exact else ' (estimated sizes)'}; dominated by {self.dominant()}"
+        ]
+        for s in self.steps:
+            c = s.critical
+            lines.append(
+                f"  step {s.step}: {c.kind} {c.what} {c.nbytes} B over {c.group_size} ranks "
+                f"on {c.link} ({c.nodes} nodes, {s.n_comms} groups, share {c.nic_share:g}): "
+                f"α {c.alpha_s * 1e3:.4g} ms + β {c.beta_s * 1e3:.4g} ms"
+            )
+        for w in self.local:
+            if w.total_s:
+                lines.append(f"  local {w.role}: {w.total_s * 1e3:.4g} ms")
+        return "\n".join(lines)
+
+
+def price_local(work: LocalWork, cluster: Cluster, role: str) -> LocalCost:
+    """Seconds of host work for one role. A forwarder unpickles what it got and pickles it again
+    to send it on, so its pickled bytes pay both directions."""
+    pickled = work.pickled_bytes
+    return LocalCost(
+        role=role,  # type: ignore[arg-type]
+        pickle_s=pickled / cluster.pickle_bytes_per_s if role != "receiver" else 0.0,
+        unpickle_s=pickled / cluster.unpickle_bytes_per_s if role != "leader" else 0.0,
+        memcpy_s=(work.packed_bytes + work.copied_bytes) / cluster.memcpy_bytes_per_s,
+        d2h_s=work.d2h_bytes / cluster.d2h_bytes_per_s,
+        h2d_s=work.h2d_bytes / cluster.h2d_bytes_per_s,
+    )
+
+
+def _price_step(step: int, comms: list[Comm], cluster: Cluster) -> StepCost:
+    g = cluster.gpus_per_node
+    algos = cluster.algorithms()
+    # First pass: which groups cross nodes, and how many crossing groups leave each node.
+    spans: list[tuple[int, ...] | None] = []
+    crossing_at: Counter[int] = Counter()
+    for c in comms:
+        lo, hi = min(c.ranks), max(c.ranks)
+        if lo // g == hi // g:
+            spans.append(None)
+            continue
+        nodes = tuple({r // g for r in c.ranks})
+        spans.append(nodes)
+        crossing_at.update(nodes)
+    nics = cluster.nics_per_node
+    best: CommCost | None = None
+    n_inter = 0
+    max_share = 1.0
+    for c, nodes in zip(comms, spans):
+        p = len(c.ranks)
+        a, b = coefficients(c.kind, p, c.nbytes, **algos)
+        if nodes is None:
+            link_name: LinkName = "intra" if p > 1 else "none"
+            share = 1.0
+            n_nodes = 1
+            link = cluster.link(c.kind, crosses_nodes=False)
+        else:
+            link_name = "inter"
+            n_inter += 1
+            n_nodes = len(nodes)
+            # k groups leaving one node over m ports each get m/k of a port (even striping).
+            share = max(1.0, max(crossing_at[n] for n in nodes) / nics)
+            max_share = max(max_share, share)
+            link = cluster.link(c.kind, crosses_nodes=True)
+        alpha_s = a * link.alpha_s
+        beta_s = b * link.beta_s_per_byte * share
+        if best is None or alpha_s + beta_s > best.total_s:
+            best = CommCost(
+                step=step,
+                kind=c.kind,
+                what=c.what,
+                group_size=p,
+                first_rank=min(c.ranks),
+                nbytes=c.nbytes,
+                link=link_name,
+                nodes=n_nodes,
+                nic_share=share,
+                alpha_s=alpha_s,
+                beta_s=beta_s,
+                exact=c.exact,
+            )
+    assert best is not None
+    return StepCost(step, best, len(comms), n_inter, max_share)
+
+
+def _check_disjoint(step: int, comms: Iterable[Comm]) -> None:
+    seen: dict[int, Comm] = {}
+    for c in comms:
+        for r in c.ranks:
+            if r in seen:
+                raise ValueError(
+                    f"step {step}: rank {r} is in two concurrent groups ({seen[r].kind} from "
+                    f"{seen[r].root}, {c.kind} from {c.root}); same-step comms must be disjoint"
+                )
+            seen[r] = c
+
+
+def price(
+    plan: Plan, cluster: Cluster, layout: Layout | None = None, check: bool = True
+) -> Prediction:
+    """Predict one call of ``plan`` on ``cluster``.
+
+    Steps run in order; a step's comms run at once on disjoint groups and share each node's
+    ports, so a step costs its slowest comm. Local work is taken as serial with the network (a
+    conservative critical path): leader, forwarder and receiver work are added once each.
+    ``check`` verifies ranks fit ``layout`` and same-step groups are disjoint (cheap, O(ranks)).
+    """
+    by_step: dict[int, list[Comm]] = {}
+    for c in plan.comms:
+        if c.kind not in COLLECTIVES:
+            raise ValueError(f"plan {plan.strategy!r}: unknown collective {c.kind!r}")
+        if c.nbytes < 0:
+            raise ValueError(f"plan {plan.strategy!r}: negative nbytes in {c}")
+        by_step.setdefault(c.step, []).append(c)
+    if check:
+        world = layout.world_size if layout is not None else None
+        for step, comms in by_step.items():
+            _check_disjoint(step, comms)
+            if world is not None:
+                top = max(max(c.ranks) for c in comms)
+                if top >= world:
+                    raise ValueError(
+                        f"plan {plan.strategy!r} step {step} names rank {top}, outside "
+                        f"{layout.describe()} (world {world})"  # type: ignore[union-attr]
+                    )
+    steps = tuple(_price_step(s, by_step[s], cluster) for s in sorted(by_step))
+    local = tuple(
+        price_local(work, cluster, role)
+        for role, work in (
+            ("leader", plan.leader),
+            ("forwarder", plan.forwarder),
+            ("receiver", plan.receiver),
+        )
+    )
+    comm_s = sum(s.total_s for s in steps)
+    local_s = sum(w.total_s for w in local)
+    return Prediction(
+        strategy=plan.strategy,
+        cluster=cluster.name,
+        layout=layout.describe() if layout is not None else "?",
+        total_s=comm_s + local_s,
+        comm_s=comm_s,
+        local_s=local_s,
+        alpha_s=sum(s.critical.alpha_s for s in steps),
+        beta_s=sum(s.critical.beta_s for s in steps),
+        inter_s=sum(s.total_s for s in steps if s.critical.link == "inter"),
+        steps=steps,
+        local=local,
+        exact=all(c.exact for c in plan.comms),
+    )
+
+
+def lower_bound_s(cluster: Cluster, group_size: int, nbytes: int, crosses_nodes: bool) -> float:
+    """max(⌈log₂p⌉·α, n·β): no broadcast of n bytes to p ranks on this link can beat it."""
+    link = cluster.link("broadcast", crosses_nodes)
+    return max(ceil_log2(group_size) * link.alpha_s, nbytes * link.beta_s_per_byte)
+
+
+# --------------------------------------------------------------------------------------------
+# Config schema (Hydra structured config, human units) and loading
+# --------------------------------------------------------------------------------------------
+@dataclass
+class LinkConfig:
+    """A link in the units vendors and nccl-tests quote."""
+
+    alpha_us: float = 0.0
+    """Per-message latency, microseconds."""
+    bandwidth_gbytes_per_s: float = 1.0
+    """Payload bandwidth, GB/s = 1e9 bytes/s (divide a Gbit/s line rate by 8)."""
+
+
+@dataclass
+class ClusterConfig:
+    """Schema of ``conf/cluster/*.yaml``; ``Cluster.from_config`` validates and converts it."""
+
+    _target_: str = "harness.costmodel.build_cluster"
+    name: str = "unnamed"
+    """Preset name."""
+    gpus_per_node: int = 8
+    """Ranks per node (global rank // gpus_per_node is the node)."""
+    nics_per_node: int = 1
+    """Inter-node ports per node usable at once."""
+    intra: LinkConfig = field(default_factory=LinkConfig)
+    """Same-node link (NVLink, or loopback)."""
+    inter: LinkConfig = field(default_factory=LinkConfig)
+    """One inter-node port."""
+    broadcast_algorithm: str = "tree"
+    """'tree' (gloo's binomial tree) or 'ring' (NCCL's pipelined chain)."""
+    scatter_algorithm: str = "binomial"
+    """'binomial' or 'linear'."""
+    allgather_algorithm: str = "recursive_doubling"
+    """'recursive_doubling' or 'ring'."""
+    intra_by_kind: dict[str, LinkConfig] = field(default_factory=dict)
+    """Per-collective overrides of ``intra`` (keys: broadcast, scatter, all_gather)."""
+    inter_by_kind: dict[str, LinkConfig] = field(default_factory=dict)
+    """Per-collective overrides of ``inter``."""
+    d2h_gbytes_per_s: float = 25.0
+    """Device→host copy, GB/s."""
+    h2d_gbytes_per_s: float = 25.0
+    """Host→device copy, GB/s."""
+    pickle_gbytes_per_s: float = 1.0
+    """pickle.dumps output rate, GB/s."""
+    unpickle_gbytes_per_s: float = 1.0
+    """pickle.loads input rate, GB/s."""
+    memcpy_gbytes_per_s: float = 5.0
+    """One rank's host memcpy, GB/s."""
+
+
+def _link_from(where: str, cfg: Any) -> Link:
+    alpha_us = _check_positive(f"{where}.alpha_us", _get(cfg, "alpha_us"), allow_zero=True)
+    bw = _check_positive(f"{where}.bandwidth_gbytes_per_s", _get(cfg, "bandwidth_gbytes_per_s"))
+    return Link.from_human(alpha_us, bw)
+
+
+def _get(cfg: Any, key: str) -> Any:
+    return (
+        cfg[key] if isinstance(cfg, Mapping) or hasattr(cfg, "__getitem__") else getattr(cfg, key)
+    )
+
+
+def cluster_from_config(cfg: Any) -> Cluster:
+    """``Cluster`` from a ``ClusterConfig``, a DictConfig or a plain dict (human units)."""
+    if not isinstance(cfg, Mapping) and hasattr(cfg, "__dataclass_fields__"):
+        cfg = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    known = {f.name for f in fields(ClusterConfig)}
+    unknown = sorted(set(cfg.keys()) - known)
+    name = str(cfg.get("name", "unnamed"))
+    if unknown:
+        raise ClusterError(
+            f"cluster {name!r}: unknown keys {unknown}; valid keys are {sorted(known)}"
+        )
+    defaults = ClusterConfig()
+
+    def get(key: str) -> Any:
+        return cfg[key] if key in cfg else getattr(defaults, key)
+
+    def rate(key: str) -> float:
+        return _check_positive(f"cluster {name!r}: {key}", get(key)) * GB
+
+    def by_kind(key: str) -> dict[str, Link]:
+        return {
+            str(kind): _link_from(f"cluster {name!r}: {key}.{kind}", link)
+            for kind, link in (get(key) or {}).items()
+        }
+
+    return Cluster(
+        name=name,
+        gpus_per_node=get("gpus_per_node"),
+        nics_per_node=get("nics_per_node"),
+        intra=_link_from(f"cluster {name!r}: intra", get("intra")),
+        inter=_link_from(f"cluster {name!r}: inter", get("inter")),
+        broadcast_algorithm=get("broadcast_algorithm"),
+        scatter_algorithm=get("scatter_algorithm"),
+        allgather_algorithm=get("allgather_algorithm"),
+        intra_by_kind=by_kind("intra_by_kind"),
+        inter_by_kind=by_kind("inter_by_kind"),
+        d2h_bytes_per_s=rate("d2h_gbytes_per_s"),
+        h2d_bytes_per_s=rate("h2d_gbytes_per_s"),
+        pickle_bytes_per_s=rate("pickle_gbytes_per_s"),
+        unpickle_bytes_per_s=rate("unpickle_gbytes_per_s"),
+        memcpy_bytes_per_s=rate("memcpy_gbytes_per_s"),
+    )
+
+
+def build_cluster(**cfg: Any) -> Cluster:
+    """Hydra ``_target_`` of ``ClusterConfig``: ``hydra.utils.instantiate(cfg.cluster)``."""
+    cfg.pop("_target_", None)
+    return cluster_from_config(cfg)
+
+
+def cluster_to_config(cluster: Cluster) -> ClusterConfig:
+    """The inverse of ``cluster_from_config`` (what ``harness.calibrate`` writes)."""
+
+    def human(link: Link) -> LinkConfig:
+        return LinkConfig(link.alpha_s * 1e6, link.bandwidth_gbytes_per_s)
+
+    return ClusterConfig(
+        name=cluster.name,
+        gpus_per_node=cluster.gpus_per_node,
+        nics_per_node=cluster.nics_per_node,
+        intra=human(cluster.intra),
+        inter=human(cluster.inter),
+        broadcast_algorithm=cluster.broadcast_algorithm,
+        scatter_algorithm=cluster.scatter_algorithm,
+        allgather_algorithm=cluster.allgather_algorithm,
+        intra_by_kind={k: human(v) for k, v in cluster.intra_by_kind.items()},
+        inter_by_kind={k: human(v) for k, v in cluster.inter_by_kind.items()},
+        d2h_gbytes_per_s=cluster.d2h_bytes_per_s / GB,
+        h2d_gbytes_per_s=cluster.h2d_bytes_per_s / GB,
+        pickle_gbytes_per_s=cluster.pickle_bytes_per_s / GB,
+        unpickle_gbytes_per_s=cluster.unpickle_bytes_per_s / GB,
+        memcpy_gbytes_per_s=cluster.memcpy_bytes_per_s / GB,
+    )
+
+
+def load_cluster(name_or_path: str | Path) -> Cluster:
+    """A preset by name (``conf/cluster/<name>.yaml``) or a YAML path, type-checked against
+    ``ClusterConfig`` and then value-checked; errors name the file, the field and the value."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = CONF_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        presets = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
+        raise ClusterError(f"no cluster file {path}; presets in {CONF_DIR}: {presets}")
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(ClusterConfig), OmegaConf.load(path))
+        plain = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:
+        raise ClusterError(f"{path}: {exc}") from exc
+    try:
+        return cluster_from_config(plain)
+    except ClusterError as exc:
+        raise ClusterError(f"{path}: {exc}") from exc
+
+
+def register_configs() -> None:
+    """Store ``ClusterConfig`` as ``cluster/schema`` in Hydra's ConfigStore (for a root config
+    that declares ``cluster: ClusterConfig`` or a YAML that lists ``schema`` in its defaults)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(group="cluster", name="schema", node=ClusterConfig)

@@ -1,0 +1,72 @@
+"""``floor``: the measured limit, not a way to ship a batch.
+
+One raw broadcast of an already packed flat buffer of the batch's tensor bytes over the whole
+replica: no header, no packing, no unpacking (``../shared/brief/measurement.md``). Receivers
+allocate a fresh buffer per call, as any real receiver must. ``prepare`` (untimed) packs the
+leader's buffer and tells receivers its size. ``get_data_input`` leaves the DataProto as it
+was; the bytes it received stay in ``received`` for the harness to verify.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from strategies.base import DataProto, Strategy
+from strategies.codec import nbytes_of
+from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
+
+
+class Floor(Strategy):
+    name = "floor"
+    selectable = False
+    claims = "1 broadcast over the replica"
+
+    def __init__(self, groups) -> None:
+        super().__init__(groups)
+        self.nbytes = 0
+        self.sent: torch.Tensor | None = None
+        self.received: torch.Tensor | None = None
+
+    def prepare(self, batch: DataProto) -> None:
+        g = self.groups
+        size = torch.zeros(1, dtype=torch.int64)
+        if g.is_leader:
+            parts = [
+                t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+                for _, t in batch.batch.items(include_nested=True, leaves_only=True)
+            ]
+            self.sent = torch.cat([p.to(g.device) for p in parts]) if parts else torch.empty(0)
+            size[0] = self.sent.numel()
+        dist.broadcast(size, src=g.leader, group=g.cpu_replica_group)
+        self.nbytes = int(size[0])
+
+    def get_data_input(self, batch: DataProto) -> DataProto:
+        g = self.groups
+        if g.replica_ranks == (g.rank,):
+            return batch
+        if g.is_leader:
+            dist.broadcast(self.sent, src=g.leader, group=g.replica_group)
+            self.received = self.sent
+        else:
+            buf = torch.empty(self.nbytes, dtype=torch.uint8, device=g.device)
+            dist.broadcast(buf, src=g.leader, group=g.replica_group)
+            self.received = buf
+        return batch
+
+    @classmethod
+    def plan(cls, layout, spec: PayloadSpec) -> Plan:
+        comms = []
+        if layout.replica_size > 1:
+            comms = [
+                Comm("broadcast", tuple(r), r[0], spec.tensor_bytes, 0, "payload")
+                for r in layout.replica_groups()
+            ]
+        return Plan(cls.name, comms, leader=LocalWork(), receiver=LocalWork())
+
+
+def tensor_bytes(batch: DataProto) -> int:
+    return sum(nbytes_of(t) for _, t in batch.batch.items(include_nested=True, leaves_only=True))
+
+
+STRATEGY = Floor

@@ -1,0 +1,101 @@
+"""``header``: the seed's two hops (TP×CP on stage 0, then PP), tensors only, no pickle of
+tensor data.
+
+The leader packs a compact binary header (keys, dtypes, shapes, offsets) and every tensor of
+every dtype into one flat buffer (``strategies.codec``). Each hop moves it with a ``Wire``:
+receivers post a first broadcast of the size the previous call announced, so in steady state a
+hop is ONE broadcast (two when the batch outgrows the announced size, e.g. the first call).
+Stage-0 ranks forward the received buffer unchanged on the PP hop; receivers get zero-copy
+views. Non-tensor data travels (pickled, inside the same buffer) only when flagged.
+Options: see ``strategies.packed.PackedStrategy``.
+"""
+
+from __future__ import annotations
+
+from strategies.base import DataProto
+from strategies.codec import Header
+from strategies.packed import PackedStrategy
+from strategies.pickled import stage0_tp_cp_groups
+from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
+
+
+class HeaderStrategy(PackedStrategy):
+    name = "header"
+    claims = "1 broadcast per hop in steady state (2 when the batch outgrows the announced size)"
+
+    def get_data_input(self, batch: DataProto) -> DataProto:
+        g = self.groups
+        if g.replica_ranks == (g.rank,):
+            return batch
+        header: Header | None = None
+        buf = None
+        total = 0
+        if g.is_leader:
+            buf, header, total = self.pack(batch)
+        if g.pp_rank == 0 and g.tp_cp_size > 1:
+            src = g.tp_cp_ranks[0]
+            if g.rank == src:
+                self.wire.send(buf, total, g.tp_cp_group, src)
+            else:
+                buf, header = self.wire.recv(g.tp_cp_group, src)
+                total = header.total_bytes
+        if g.pp_size > 1:
+            src = g.pp_ranks[0]
+            if g.rank == src:
+                self.wire.send(buf, total, g.pp_group, src)
+            else:
+                buf, header = self.wire.recv(g.pp_group, src)
+        self.wire.finish(self.wire.next_expect(total) if g.is_leader else header.next_expect)
+        if not g.is_leader:
+            self.finish_receiver(batch, buf, header)
+        return batch
+
+    @classmethod
+    def plan(cls, layout, spec: PayloadSpec, expect: int | None = None) -> Plan:
+        """Steady state by default (first message = this batch's size); pass ``expect`` to
+        plan a call that follows a different announced size."""
+        total = spec.header_bytes + spec.tensor_bytes
+        if spec.broadcast_non_tensor:
+            total += -(-spec.non_tensor_bytes // 64) * 64
+        first = expect if expect is not None else _steady_expect(total)
+        comms: list[Comm] = []
+        step = 0
+        hops = []
+        if layout.tp_cp > 1:
+            hops.append(stage0_tp_cp_groups(layout))
+        if layout.pp > 1:
+            hops.append(layout.groups("pp"))
+        for groups in hops:
+            step = _wire_comms(comms, groups, total, first, step)
+        return Plan(
+            cls.name,
+            comms,
+            leader=LocalWork(packed_bytes=total),
+            receiver=LocalWork(
+                pickled_bytes=spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
+            ),
+            forwarder=LocalWork(
+                pickled_bytes=spec.non_tensor_bytes if spec.broadcast_non_tensor else 0,
+                copied_bytes=first if total > first else 0,
+            ),
+        )
+
+
+def _steady_expect(total: int) -> int:
+    from strategies.wire import Wire
+
+    return Wire(None, 0).next_expect(total)
+
+
+def _wire_comms(comms: list[Comm], groups, total: int, first: int, step: int) -> int:
+    for ranks in groups:
+        comms.append(Comm("broadcast", tuple(ranks), ranks[0], first, step, "header+payload"))
+    step += 1
+    if total > first:
+        for ranks in groups:
+            comms.append(Comm("broadcast", tuple(ranks), ranks[0], total - first, step, "payload"))
+        step += 1
+    return step
+
+
+STRATEGY = HeaderStrategy

@@ -1,0 +1,66 @@
+"""Shared machinery of the header-based strategies: pack on the leader, move the message with
+a ``Wire``, unpack as views. Not a strategy itself (no ``STRATEGY``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strategies.base import DataProto, Strategy
+from strategies.codec import DEFAULT_MAX_BYTES, Header, pack, unpack
+from strategies.wire import Wire
+
+
+class PackedStrategy(Strategy):
+    """Options (all strategies built on it):
+
+    - ``initial_bytes`` (64 KiB): first-message size before any call has announced one;
+    - ``eager_max_bytes`` (256 MiB): largest first message a receiver will post;
+    - ``max_bytes`` (16 GiB): receivers refuse a header that claims more than this.
+    """
+
+    def __init__(
+        self,
+        groups,
+        initial_bytes: int = 64 << 10,
+        eager_max_bytes: int = 256 << 20,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> None:
+        super().__init__(groups)
+        self.wire = Wire(groups.device, groups.rank, initial_bytes, eager_max_bytes, max_bytes)
+        self._pack_buf: torch.Tensor | None = None  # leader's send buffer, reused across calls
+
+    def pack(self, batch: DataProto, pad_to: int = 1) -> tuple[torch.Tensor, Header, int]:
+        """Leader: pack into the reused buffer; returns (buffer, header, total bytes)."""
+        batch.validate(self.groups.rank)
+        nt = batch.non_tensor_batch if batch.broadcast_non_tensor else None
+        buf, header = pack(
+            batch.batch,
+            nt,
+            out=self._pack_buf,
+            min_capacity=self.wire.expect,
+            rank=self.groups.rank,
+        )
+        total = header.total_bytes
+        padded = -(-total // pad_to) * pad_to
+        if buf.numel() < max(padded, self.wire.expect):
+            grown = torch.empty(max(padded, self.wire.expect), dtype=torch.uint8, device=buf.device)
+            grown[:total].copy_(buf[:total])
+            buf = grown
+        # Grow by 1/4 so slowly growing batches do not reallocate every call.
+        if self._pack_buf is None or buf.data_ptr() != self._pack_buf.data_ptr():
+            spare = torch.empty(
+                buf.numel() + buf.numel() // 4, dtype=torch.uint8, device=buf.device
+            )
+            spare[:total].copy_(buf[:total])
+            buf = spare
+        self._pack_buf = buf
+        self.wire.stamp(buf, total)
+        return buf, header, total
+
+    def finish_receiver(self, batch: DataProto, buf: torch.Tensor, header: Header) -> DataProto:
+        td, non_tensor = unpack(buf, header, td_device=None)
+        batch.batch = td
+        if non_tensor is not None:
+            batch.non_tensor_batch = non_tensor
+        return batch

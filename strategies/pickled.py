@@ -1,0 +1,106 @@
+"""``pickled``: the seed's algorithm (ROLL ``MegatronInferStrategy.get_data_input``), exactly.
+
+Hop 1, only on PP stage 0 and only if tp·cp > 1: ``broadcast_object_list`` over the TP×CP
+group; hop 2, only if pp > 1: the same over the PP group; the source is always the group's
+rank 0. By default only ``batch.batch`` (the TensorDict) travels; with
+``meta_info["_broadcast_non_tensor_batch"]`` the whole DataProto travels and its batch and
+non_tensor_batch are copied back. Every hop is two collectives (sizes, then pickled bytes) and
+a host sync. This is the baseline every figure is compared with.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import torch.distributed as dist
+
+from strategies.base import DataProto, Strategy
+from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
+
+
+def broadcast_obj(obj, group):
+    """The seed's helper: group rank 0 holds the object, everyone returns it."""
+    obj_list = [obj if dist.get_rank(group) == 0 else None]
+    src_rank = dist.get_process_group_ranks(group)[0]
+    dist.broadcast_object_list(obj_list, src=src_rank, group=group)
+    return obj_list[0]
+
+
+def stage0_tp_cp_groups(layout) -> list[list[int]]:
+    """TP×CP groups of pipeline stage 0, one per replica."""
+    return [g for g in layout.groups("tp-cp") if layout.coords(g[0])["pp"] == 0]
+
+
+class Pickled(Strategy):
+    name = "pickled"
+    claims = "2 collectives per hop (sizes, pickled bytes): 2 on stage 0 with tp·cp>1, +2 for pp>1"
+
+    def get_data_input(self, batch: DataProto) -> DataProto:
+        g = self.groups
+        whole = batch.broadcast_non_tensor
+        if g.pp_rank == 0 and g.tp_cp_size > 1:
+            self._hop(batch, g.tp_cp_group, whole)
+        if g.pp_size > 1:
+            self._hop(batch, g.pp_group, whole)
+        return batch
+
+    @staticmethod
+    def _hop(batch: DataProto, group, whole: bool) -> None:
+        if whole:
+            tmp = broadcast_obj(batch, group)
+            batch.batch = tmp.batch
+            batch.non_tensor_batch = tmp.non_tensor_batch
+        else:
+            batch.batch = broadcast_obj(batch.batch, group)
+
+    @classmethod
+    def plan(cls, layout, spec: PayloadSpec) -> Plan:
+        nbytes = spec.pickle_bytes + (spec.non_tensor_bytes if spec.broadcast_non_tensor else 0)
+        comms = []
+        step = 0
+        if layout.tp_cp > 1:
+            for ranks in stage0_tp_cp_groups(layout):
+                comms.append(Comm("broadcast", tuple(ranks), ranks[0], 8, step, "sizes"))
+            for ranks in stage0_tp_cp_groups(layout):
+                comms.append(
+                    Comm(
+                        "broadcast",
+                        tuple(ranks),
+                        ranks[0],
+                        nbytes,
+                        step + 1,
+                        "pickle",
+                        spec.pickle_exact,
+                    )
+                )
+            step += 2
+        if layout.pp > 1:
+            for ranks in layout.groups("pp"):
+                comms.append(Comm("broadcast", tuple(ranks), ranks[0], 8, step, "sizes"))
+            for ranks in layout.groups("pp"):
+                comms.append(
+                    Comm(
+                        "broadcast",
+                        tuple(ranks),
+                        ranks[0],
+                        nbytes,
+                        step + 1,
+                        "pickle",
+                        spec.pickle_exact,
+                    )
+                )
+        hops = (layout.tp_cp > 1) + (layout.pp > 1)
+        return Plan(
+            cls.name,
+            comms,
+            leader=LocalWork(pickled_bytes=nbytes * hops),
+            receiver=LocalWork(pickled_bytes=nbytes),
+            forwarder=LocalWork(pickled_bytes=2 * nbytes),
+        )
+
+
+def measure_pickle_bytes(obj) -> int:
+    return len(pickle.dumps(obj))
+
+
+STRATEGY = Pickled

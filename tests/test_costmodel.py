@@ -1,0 +1,373 @@
+"""Tier-1 tests of the cost model (no process group) and one short calibration on a real world.
+
+Hand-made plans are priced against the formulas in brief/measurement.md; the emulated preset is
+checked against the brief's measured table; presets must load, and bad values must say why.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from harness.costmodel import (
+    CONF_DIR,
+    Cluster,
+    ClusterConfig,
+    ClusterError,
+    Link,
+    build_cluster,
+    ceil_log2,
+    cluster_from_config,
+    cluster_to_config,
+    coefficients,
+    load_cluster,
+    lower_bound_s,
+    price,
+    register_configs,
+)
+from strategies.layout import Layout
+from strategies.plan import Comm, LocalWork, Plan
+
+MIB = 2**20
+INTRA = Link(alpha_s=1e-5, beta_s_per_byte=1e-11)
+INTER = Link(alpha_s=1e-4, beta_s_per_byte=1e-9)
+
+
+def toy_cluster(**kw) -> Cluster:
+    base = dict(name="toy", gpus_per_node=4, nics_per_node=1, intra=INTRA, inter=INTER)
+    base.update(kw)
+    return Cluster(**base)
+
+
+def bcast(ranks, nbytes, step=0, root=None) -> Comm:
+    ranks = tuple(ranks)
+    return Comm("broadcast", ranks, ranks[0] if root is None else root, nbytes, step)
+
+
+# -- formulas --------------------------------------------------------------------------------
+@pytest.mark.parametrize("p,expected", [(1, 0), (2, 1), (3, 2), (4, 2), (5, 3), (8, 3), (9, 4)])
+def test_ceil_log2(p, expected):
+    assert ceil_log2(p) == expected
+
+
+def test_tree_broadcast_matches_formula():
+    cluster = toy_cluster(gpus_per_node=8)
+    n = 3 * MIB
+    plan = Plan("t", [bcast(range(8), n)])
+    pred = price(plan, cluster, Layout(tp=8))
+    expected = 3 * (INTRA.alpha_s + n * INTRA.beta_s_per_byte)  # ⌈log₂8⌉(α + nβ)
+    assert pred.total_s == pytest.approx(expected)
+    step = pred.steps[0].critical
+    assert step.link == "intra"
+    assert step.alpha_s == pytest.approx(3 * INTRA.alpha_s)
+    assert step.beta_s == pytest.approx(3 * n * INTRA.beta_s_per_byte)
+
+
+def test_ring_broadcast_is_pipelined():
+    cluster = toy_cluster(gpus_per_node=8, broadcast_algorithm="ring")
+    n = 3 * MIB
+    pred = price(Plan("t", [bcast(range(8), n)]), cluster, Layout(tp=8))
+    assert pred.total_s == pytest.approx(7 * INTRA.alpha_s + n * INTRA.beta_s_per_byte)
+
+
+def test_scatter_and_allgather_match_van_de_geijn():
+    p, total = 4, 4 * MIB
+    chunk = total // p
+    a, b = coefficients("scatter", p, chunk)
+    assert (a, b) == (2, (p - 1) / p * total)
+    a, b = coefficients("all_gather", p, total)
+    assert (a, b) == (2, (p - 1) / p * total)
+    a, _ = coefficients("all_gather", p, total, allgather_algorithm="ring")
+    assert a == p - 1
+    a, _ = coefficients("scatter", p, chunk, scatter_algorithm="linear")
+    assert a == p - 1
+    # scatter + ring all-gather: (log₂p + p − 1)α + 2((p−1)/p)nβ (measurement.md)
+    cluster = toy_cluster(allgather_algorithm="ring")
+    plan = Plan(
+        "sag",
+        [
+            Comm("scatter", (0, 1, 2, 3), 0, chunk, 0, "chunk"),
+            Comm("all_gather", (0, 1, 2, 3), None, total, 1, "chunk"),
+        ],
+    )
+    pred = price(plan, cluster, Layout(tp=4))
+    expected = (2 + 3) * INTRA.alpha_s + 2 * 0.75 * total * INTRA.beta_s_per_byte
+    assert pred.total_s == pytest.approx(expected)
+
+
+def test_group_of_one_is_free():
+    pred = price(Plan("t", [bcast([5], MIB)]), toy_cluster(), Layout(tp=8))
+    assert pred.total_s == 0 and pred.steps[0].critical.link == "none"
+
+
+def test_unknown_kind_and_overlapping_groups_are_rejected():
+    with pytest.raises(ValueError, match="two concurrent groups"):
+        price(Plan("t", [bcast([0, 1], 8), bcast([1, 2], 8)]), toy_cluster(), Layout(tp=4))
+    with pytest.raises(ValueError, match="outside"):
+        price(Plan("t", [bcast([0, 9], 8)]), toy_cluster(), Layout(tp=4))
+    with pytest.raises(ValueError, match="unknown collective"):
+        price(Plan("t", [Comm("all_reduce", (0, 1), None, 8, 0)]), toy_cluster())  # type: ignore[arg-type]
+
+
+def test_per_kind_override_is_used():
+    slow = Link(1e-3, 1e-8)
+    cluster = toy_cluster(intra_by_kind={"scatter": slow})
+    assert cluster.link("scatter", False) == slow
+    assert cluster.link("broadcast", False) == INTRA
+    assert cluster.link("scatter", True) == INTER
+
+
+# -- nodes and NICs --------------------------------------------------------------------------
+def test_inter_node_group_pays_inter_link():
+    cluster = toy_cluster(gpus_per_node=4)
+    n = MIB
+    inside = price(Plan("t", [bcast([0, 3], n)]), cluster, Layout(tp=8))
+    across = price(Plan("t", [bcast([0, 4], n)]), cluster, Layout(tp=8))
+    assert inside.steps[0].critical.link == "intra"
+    assert across.steps[0].critical.link == "inter"
+    assert across.total_s == pytest.approx(INTER.alpha_s + n * INTER.beta_s_per_byte)
+    assert across.inter_s == across.comm_s
+    assert "inter-node β" in across.dominant()
+    assert "intra-node" in inside.dominant()
+
+
+def test_nic_sharing_divides_bandwidth():
+    # tp=2 inside a node, pp=2 across: after TP, both PP groups cross from node 0 to node 1.
+    n = 16 * MIB
+    cluster = toy_cluster(gpus_per_node=2, nics_per_node=1)
+    pp_groups = [bcast([0, 2], n), bcast([1, 3], n)]
+    shared = price(Plan("t", pp_groups), cluster, Layout(tp=2, pp=2))
+    c = shared.steps[0].critical
+    assert c.nic_share == 2 and shared.steps[0].n_inter == 2
+    assert c.beta_s == pytest.approx(2 * n * INTER.beta_s_per_byte)
+    rails = price(Plan("t", pp_groups), replace(cluster, nics_per_node=2), Layout(tp=2, pp=2))
+    assert rails.steps[0].critical.nic_share == 1
+    assert rails.total_s == pytest.approx(INTER.alpha_s + n * INTER.beta_s_per_byte)
+    # Groups on different node pairs do not share: nodes 0-1 and 2-3.
+    apart = price(Plan("t", [bcast([0, 2], n), bcast([4, 6], n)]), cluster, Layout(tp=2, pp=4))
+    assert apart.steps[0].critical.nic_share == 1
+
+
+def test_steps_add_and_concurrent_comms_take_the_max():
+    cluster = toy_cluster(gpus_per_node=8)
+    plan = Plan("t", [bcast([0, 1], MIB, 0), bcast([2, 3], 4 * MIB, 0), bcast([0, 4], MIB, 1)])
+    pred = price(plan, cluster, Layout(tp=8))
+    t_small = cluster.collective_s("broadcast", 2, MIB, False)
+    t_big = cluster.collective_s("broadcast", 2, 4 * MIB, False)
+    assert pred.total_s == pytest.approx(t_big + t_small)
+    assert pred.steps[0].critical.nbytes == 4 * MIB and pred.steps[0].n_comms == 2
+
+
+def test_local_work_is_priced_by_role():
+    cluster = toy_cluster(
+        pickle_bytes_per_s=1e9, unpickle_bytes_per_s=2e9, memcpy_bytes_per_s=4e9,
+        d2h_bytes_per_s=8e9, h2d_bytes_per_s=16e9,
+    )  # fmt: skip
+    plan = Plan(
+        "t",
+        [bcast([0, 1], 0)],
+        leader=LocalWork(pickled_bytes=10**9, d2h_bytes=8 * 10**9),
+        forwarder=LocalWork(pickled_bytes=10**9),
+        receiver=LocalWork(pickled_bytes=10**9, copied_bytes=4 * 10**9, h2d_bytes=16 * 10**9),
+    )
+    pred = price(plan, cluster, Layout(tp=2))
+    roles = {w.role: w for w in pred.local}
+    assert roles["leader"].total_s == pytest.approx(1 + 1)
+    assert roles["forwarder"].total_s == pytest.approx(1 + 0.5)  # unpickle, then pickle again
+    assert roles["receiver"].total_s == pytest.approx(0.5 + 1 + 1)
+    assert pred.local_s == pytest.approx(2 + 1.5 + 2.5)
+    assert pred.dominant().startswith("local work")
+    assert {r["part"] for r in pred.rows()} >= {"step 0", "local leader", "local receiver"}
+
+
+def test_estimated_sizes_are_flagged():
+    plan = Plan("t", [Comm("broadcast", (0, 1), 0, 100, 0, "pickle", exact=False)])
+    pred = price(plan, toy_cluster(), Layout(tp=2))
+    assert not pred.exact and "estimated" in pred.summary()
+
+
+def test_lower_bound():
+    cluster = toy_cluster()
+    assert lower_bound_s(cluster, 8, 1, False) == pytest.approx(3 * INTRA.alpha_s)
+    assert lower_bound_s(cluster, 2, 10**9, True) == pytest.approx(1.0)
+
+
+# -- the brief's emulated cluster --------------------------------------------------------------
+def _emulated_plans(n: int) -> dict[str, Plan]:
+    tp_groups, pp_groups = [(0, 1), (2, 3)], [(0, 2), (1, 3)]
+    chunk = n // 2
+    return {
+        "tp_then_pp": Plan("tp_then_pp", [bcast(tp_groups[0], n, 0)] + [bcast(g, n, 1) for g in pp_groups]),  # fmt: skip
+        "pp_then_tp": Plan("pp_then_tp", [bcast(pp_groups[0], n, 0)] + [bcast(g, n, 1) for g in tp_groups]),  # fmt: skip
+        "scatter_allgather": Plan(
+            "scatter_allgather",
+            [Comm("scatter", tp_groups[0], 0, chunk, 0, "chunk")]
+            + [bcast(g, chunk, 1) for g in pp_groups]
+            + [Comm("all_gather", g, None, n, 2, "chunk") for g in tp_groups],
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "preset,strategy,measured_ms",
+    [
+        ("emulated", "tp_then_pp", 287),
+        ("emulated", "pp_then_tp", 146),
+        ("emulated", "scatter_allgather", 155),
+        ("emulated_rails", "tp_then_pp", 147),
+        ("emulated_rails", "pp_then_tp", 148),
+        ("emulated_rails", "scatter_allgather", 86),
+    ],
+)
+def test_emulated_preset_reproduces_the_briefs_table(preset, strategy, measured_ms):
+    """brief/beyond-one-machine.md, 16 MiB, tp=2 in a node, pp=2 across a 1 Gbit link."""
+    layout = Layout(tp=2, pp=2)
+    pred = price(_emulated_plans(16 * MIB)[strategy], load_cluster(preset), layout)
+    # Link-bound strategies matched within ±2.2 % there; the intra-node phases are CPU-bound and
+    # noisy (±20 %) on 2 cores, which matters only where the inter-node time shrinks (rails).
+    tolerance = 0.12 if strategy == "scatter_allgather" and preset.endswith("rails") else 0.04
+    assert pred.total_s * 1e3 == pytest.approx(measured_ms, rel=tolerance)
+
+
+# -- scale -----------------------------------------------------------------------------------
+def _two_hop_plan(layout: Layout, nbytes: int) -> Plan:
+    """Leader → its TP·CP group (step 0), then every stage-0 rank → its PP group (step 1)."""
+    comms = [bcast(g, nbytes, 0) for g in layout.groups("tp-cp") if layout.coords(g[0])["pp"] == 0]
+    comms += [bcast(g, nbytes, 1) for g in layout.groups("pp")]
+    return Plan("two_hop", comms, leader=LocalWork(packed_bytes=nbytes))
+
+
+def test_16k_rank_plan_prices_fast():
+    layout = Layout(dp=128, pp=8, tp=8, cp=2)
+    assert layout.world_size == 16384
+    plan = _two_hop_plan(layout, 64 * MIB)
+    assert len(plan.comms) > 2000
+    cluster = load_cluster("h200_ib")
+    t0 = time.perf_counter()
+    pred = price(plan, cluster, layout)
+    elapsed_s = time.perf_counter() - t0
+    assert elapsed_s < 0.5, f"pricing {len(plan.comms)} comms took {elapsed_s:.2f} s"
+    # TP·CP = 16 spans 2 nodes of 8, so step 0 crosses; PP groups cross with one group per GPU.
+    assert [s.critical.link for s in pred.steps] == ["inter", "inter"]
+    assert pred.steps[1].n_comms == 2048 and pred.steps[1].max_nic_share == 1
+
+
+# -- presets and validation ------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(p.stem for p in CONF_DIR.glob("*.yaml")))
+def test_presets_load(name):
+    cluster = load_cluster(name)
+    assert cluster.name == name
+    # round trip through the schema
+    assert cluster_from_config(cluster_to_config(cluster)) == cluster
+
+
+def test_required_presets_exist():
+    assert {"local", "h200_ib", "emulated"} <= {p.stem for p in CONF_DIR.glob("*.yaml")}
+
+
+def test_h200_nvlink_beats_ib_and_has_rails():
+    c = load_cluster("h200_ib")
+    assert c.gpus_per_node == 8 and c.nics_per_node == 8 and c.broadcast_algorithm == "ring"
+    assert c.intra.bandwidth_gbytes_per_s == pytest.approx(450)
+    assert c.inter.bandwidth_gbytes_per_s == pytest.approx(50)
+
+
+def test_every_preset_figure_has_a_source_comment():
+    """Each value line in the hand-written presets sits under a comment (its source)."""
+    for name in ("h200_ib", "emulated", "emulated_rails"):
+        lines = (CONF_DIR / f"{name}.yaml").read_text().splitlines()
+        for i, line in enumerate(lines):
+            key, _, value = line.strip().partition(":")
+            if key.endswith(("_us", "_per_s")) and value.strip():
+                above = [x.strip() for x in lines[max(0, i - 4) : i]]
+                assert any(x.startswith("#") for x in above), f"{name}.yaml:{i + 1} {line!r}"
+
+
+@pytest.mark.parametrize(
+    "patch,message",
+    [
+        ({"gpus_per_node": 0}, "gpus_per_node must be a positive integer, got 0"),
+        ({"nics_per_node": -1}, "nics_per_node must be a positive integer"),
+        ({"intra": {"alpha_us": -1, "bandwidth_gbytes_per_s": 1}}, "intra.alpha_us must be"),
+        ({"inter": {"alpha_us": 1, "bandwidth_gbytes_per_s": 0}}, "bandwidth_gbytes_per_s"),
+        ({"broadcast_algorithm": "star"}, "broadcast_algorithm must be one of"),
+        ({"pickle_gbytes_per_s": float("nan")}, "pickle_gbytes_per_s must be finite"),
+        ({"intra_by_kind": {"all_reduce": {"alpha_us": 1}}}, "unknown collective 'all_reduce'"),
+        ({"bogus": 1}, "unknown keys ['bogus']"),
+    ],
+)
+def test_bad_values_say_what_is_wrong(patch, message):
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_container(OmegaConf.structured(ClusterConfig(name="bad")))
+    cfg.update(patch)
+    with pytest.raises(ClusterError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        cluster_from_config(cfg)
+
+
+def test_bad_yaml_names_the_file(tmp_path: Path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\ngpus_per_node: eight\n")
+    with pytest.raises(ClusterError, match=r"bad\.yaml.*gpus_per_node"):
+        load_cluster(bad)
+    bad.write_text("name: bad\nintra: {alpha_us: 1, bandwidth_gbytes_per_s: -3}\n")
+    with pytest.raises(ClusterError, match=r"bad\.yaml.*intra\.bandwidth_gbytes_per_s.*-3"):
+        load_cluster(bad)
+    with pytest.raises(ClusterError, match="presets in"):
+        load_cluster("no_such_cluster")
+
+
+def test_hydra_composes_and_instantiates_presets():
+    from dataclasses import dataclass, field
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.utils import instantiate
+    from omegaconf import MISSING
+
+    @dataclass
+    class Root:
+        defaults: list = field(default_factory=lambda: ["_self_", {"cluster": "local"}])
+        cluster: ClusterConfig = MISSING
+
+    register_configs()
+    ConfigStore.instance().store(name="costmodel_test_root", node=Root)
+    with initialize_config_dir(config_dir=str(CONF_DIR.parent), version_base="1.3"):
+        cfg = compose("costmodel_test_root", overrides=["cluster=h200_ib"])
+        assert cfg.cluster.nics_per_node == 8
+        cluster = instantiate(cfg.cluster)
+        assert isinstance(cluster, Cluster) and cluster == load_cluster("h200_ib")
+        with pytest.raises(Exception, match="gpus_per_node"):
+            compose("costmodel_test_root", overrides=["cluster=h200_ib", "cluster.gpus_per_node=x"])
+    assert build_cluster(**cluster_to_config(cluster).__dict__) == cluster
+
+
+# -- calibration on a real world -------------------------------------------------------------
+@pytest.mark.world
+def test_calibrate_short_world_of_two(tmp_path: Path):
+    from harness.calibrate import SHORT_SIZES, calibrate
+
+    out = tmp_path / "local.yaml"
+    t0 = time.perf_counter()
+    cluster, fits, samples = calibrate(
+        world_size=2, sizes=SHORT_SIZES, reps=5, out=out, host_bytes=2 * MIB, verbose=False
+    )
+    assert time.perf_counter() - t0 < 30
+    assert load_cluster(out) == load_cluster(out)  # written, loads, validates
+    loaded = load_cluster(out)
+    assert loaded.name == "local" and set(loaded.intra_by_kind) == {"broadcast", "scatter", "all_gather"}
+    assert "harness.calibrate" in out.read_text().splitlines()[0]
+    assert not list(tmp_path.glob(".local.yaml.*")), "temp file left behind"
+    assert len(samples) == 3 * len(SHORT_SIZES)
+    for kind, fit in fits.items():
+        assert fit.link.alpha_s >= 0 and math.isfinite(fit.link.beta_s_per_byte), kind
+        # prediction = model: the written file prices each measured shape as the fit does
+        for s in (s for s in samples if s.kind == kind):
+            a, b = coefficients(kind, s.group_size, s.nbytes, **loaded.algorithms())
+            link = loaded.link(kind, crosses_nodes=False)
+            fitted = a * fit.link.alpha_s + b * fit.link.beta_s_per_byte
+            assert a * link.alpha_s + b * link.beta_s_per_byte == pytest.approx(fitted, rel=1e-3)
