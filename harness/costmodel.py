@@ -228,11 +228,12 @@ class CommCost:
     """Lowest global rank of the group (names the group in a report)."""
     nbytes: int
     link: LinkName
-    """'intra', 'inter', or 'none' for a group of one."""
+    """'intra', 'inter' (the group spans nodes; a tree broadcast pays inter only in the rounds
+    whose edges cross), or 'none' for a group of one."""
     nodes: int
     """Distinct nodes the group touches."""
     nic_share: float
-    """How many groups share each port at the busiest node the group touches (≥ 1); the β term
+    """How many flows share each port at the busiest node the group touches (≥ 1); the β term
     is multiplied by it."""
     alpha_s: float
     """Latency term a·α."""
@@ -386,42 +387,98 @@ def price_local(work: LocalWork, cluster: Cluster, role: str) -> LocalCost:
     )
 
 
+def tree_rounds(ranks: tuple[int, ...], root: int | None) -> list[list[tuple[int, int]]]:
+    """Edges (sender, receiver) of each round of a binomial-tree broadcast, in global ranks.
+
+    Round k sends over distance 2^k from the root in group order (0→1, then 0→2 and 1→3, …);
+    node boundaries play no part, so on the brief's emulated cluster a 4-rank broadcast crosses
+    the slow link twice at once (2·S on one link per node) — what was measured there.
+    """
+    p = len(ranks)
+    start = ranks.index(root) if root is not None and root in ranks else 0
+    order = ranks[start:] + ranks[:start]
+    rounds = []
+    d = 1
+    while d < p:
+        rounds.append([(order[i], order[i + d]) for i in range(min(d, p - d))])
+        d *= 2
+    return rounds
+
+
 def _price_step(step: int, comms: list[Comm], cluster: Cluster) -> StepCost:
     g = cluster.gpus_per_node
     algos = cluster.algorithms()
-    # First pass: which groups cross nodes, and how many crossing groups leave each node.
+    nics = cluster.nics_per_node
+    # First pass: which groups cross nodes, and how many flows leave each node. A tree broadcast
+    # that crosses is priced round by round (its crossing edges per round are its flows); any
+    # other crossing collective is one flow from each node it touches for its whole duration.
     spans: list[tuple[int, ...] | None] = []
-    crossing_at: Counter[int] = Counter()
-    for c in comms:
+    trees: dict[int, list[list[tuple[int, int]]]] = {}
+    whole_at: Counter[int] = Counter()  # flows lasting the whole step, per node
+    round_at: list[Counter[int]] = []  # tree flows per round, per node (groups in lock-step)
+    for i, c in enumerate(comms):
         lo, hi = min(c.ranks), max(c.ranks)
         if lo // g == hi // g:
             spans.append(None)
             continue
         nodes = tuple({r // g for r in c.ranks})
         spans.append(nodes)
-        crossing_at.update(nodes)
-    nics = cluster.nics_per_node
+        if c.kind == "broadcast" and cluster.broadcast_algorithm == "tree":
+            trees[i] = rounds = tree_rounds(tuple(c.ranks), c.root)
+            while len(round_at) < len(rounds):
+                round_at.append(Counter())
+            for k, edges in enumerate(rounds):
+                round_at[k].update(s // g for s, r in edges if s // g != r // g)
+        else:
+            whole_at.update(nodes)
+
+    def share_at(node: int, k: int | None) -> float:
+        if k is None:  # a whole-duration flow meets the busiest round of the trees
+            tree_flows = max((rc[node] for rc in round_at), default=0)
+        else:
+            tree_flows = round_at[k][node]
+        # k flows leaving one node over m ports each get m/k of a port (even striping).
+        return max(1.0, (whole_at[node] + tree_flows) / nics)
+
     best: CommCost | None = None
     n_inter = 0
     max_share = 1.0
-    for c, nodes in zip(comms, spans):
+    for i, (c, nodes) in enumerate(zip(comms, spans)):
         p = len(c.ranks)
-        a, b = coefficients(c.kind, p, c.nbytes, **algos)
         if nodes is None:
-            link_name: LinkName = "intra" if p > 1 else "none"
-            share = 1.0
-            n_nodes = 1
+            a, b = coefficients(c.kind, p, c.nbytes, **algos)
             link = cluster.link(c.kind, crosses_nodes=False)
-        else:
-            link_name = "inter"
-            n_inter += 1
-            n_nodes = len(nodes)
-            # k groups leaving one node over m ports each get m/k of a port (even striping).
-            share = max(1.0, max(crossing_at[n] for n in nodes) / nics)
+            link_name: LinkName = "intra" if p > 1 else "none"
+            share, n_nodes = 1.0, 1
+            alpha_s, beta_s = a * link.alpha_s, b * link.beta_s_per_byte
+        elif i in trees:
+            link_name, n_nodes, n_inter = "inter", len(nodes), n_inter + 1
+            intra = cluster.link(c.kind, crosses_nodes=False)
+            inter = cluster.link(c.kind, crosses_nodes=True)
+            alpha_s = beta_s = 0.0
+            share = 1.0
+            for k, edges in enumerate(trees[i]):
+                # A round lasts as long as its slowest edge.
+                worst = (0.0, 0.0, 1.0)
+                for s, r in edges:
+                    if s // g == r // g:
+                        edge = (intra.alpha_s, c.nbytes * intra.beta_s_per_byte, 1.0)
+                    else:
+                        f = share_at(s // g, k)
+                        edge = (inter.alpha_s, c.nbytes * inter.beta_s_per_byte * f, f)
+                    if edge[0] + edge[1] > worst[0] + worst[1]:
+                        worst = edge
+                alpha_s += worst[0]
+                beta_s += worst[1]
+                share = max(share, worst[2])
             max_share = max(max_share, share)
+        else:
+            a, b = coefficients(c.kind, p, c.nbytes, **algos)
             link = cluster.link(c.kind, crosses_nodes=True)
-        alpha_s = a * link.alpha_s
-        beta_s = b * link.beta_s_per_byte * share
+            link_name, n_nodes, n_inter = "inter", len(nodes), n_inter + 1
+            share = max(share_at(n, None) for n in nodes)
+            max_share = max(max_share, share)
+            alpha_s, beta_s = a * link.alpha_s, b * link.beta_s_per_byte * share
         if best is None or alpha_s + beta_s > best.total_s:
             best = CommCost(
                 step=step,
@@ -565,15 +622,20 @@ class ClusterConfig:
 
 
 def _link_from(where: str, cfg: Any) -> Link:
-    alpha_us = _check_positive(f"{where}.alpha_us", _get(cfg, "alpha_us"), allow_zero=True)
-    bw = _check_positive(f"{where}.bandwidth_gbytes_per_s", _get(cfg, "bandwidth_gbytes_per_s"))
+    alpha_us = _check_positive(f"{where}.alpha_us", _get(where, cfg, "alpha_us"), allow_zero=True)
+    bw = _check_positive(
+        f"{where}.bandwidth_gbytes_per_s", _get(where, cfg, "bandwidth_gbytes_per_s")
+    )
     return Link.from_human(alpha_us, bw)
 
 
-def _get(cfg: Any, key: str) -> Any:
-    return (
-        cfg[key] if isinstance(cfg, Mapping) or hasattr(cfg, "__getitem__") else getattr(cfg, key)
-    )
+def _get(where: str, cfg: Any, key: str) -> Any:
+    try:
+        return cfg[key] if isinstance(cfg, Mapping) else getattr(cfg, key)
+    except (KeyError, AttributeError):
+        raise ClusterError(
+            f"{where} has no {key}; a link needs alpha_us and bandwidth_gbytes_per_s"
+        ) from None
 
 
 def cluster_from_config(cfg: Any) -> Cluster:
@@ -596,6 +658,12 @@ def cluster_from_config(cfg: Any) -> Cluster:
         return _check_positive(f"cluster {name!r}: {key}", get(key)) * GB
 
     def by_kind(key: str) -> dict[str, Link]:
+        unknown_kinds = sorted(set(get(key) or {}) - set(COLLECTIVES))
+        if unknown_kinds:  # before the links, so a typo in a kind is named as such
+            raise ClusterError(
+                f"cluster {name!r}: {key} has unknown collective {unknown_kinds[0]!r}; "
+                f"valid kinds are {list(COLLECTIVES)}"
+            )
         return {
             str(kind): _link_from(f"cluster {name!r}: {key}.{kind}", link)
             for kind, link in (get(key) or {}).items()

@@ -178,7 +178,7 @@ class Emulation:
         self._procs: list[subprocess.Popen] = []
         self._old_handlers: dict[int, object] = {}
         self._closed = True
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a signal may arrive while close() holds it
 
     # -- addressing ----------------------------------------------------------------------
     @property

@@ -134,7 +134,7 @@ def run_job_on_rank(ctx, spec: JobSpec) -> dict:
             _sync(device)
             times[name].append(time.perf_counter() - t0)
     # Untimed: one recorded call per strategy (collectives, local work), one for peak memory.
-    collectives, work, peak_rss, peak_cuda = {}, {}, {}, {}
+    collectives, work, peak_rss, peak_rss_delta, peak_cuda = {}, {}, {}, {}, {}
     for name in order:
         ctx.report(f"counting collectives of {name}")
         dist.barrier()
@@ -151,7 +151,8 @@ def run_job_on_rank(ctx, spec: JobSpec) -> dict:
             cuda_base = torch.cuda.memory_allocated(device)
         call(name)
         _sync(device)
-        peak_rss[name] = max(0, _rss_peak() - base)
+        peak_rss[name] = _rss_peak()  # VmHWM since the reset: this call's high-water mark
+        peak_rss_delta[name] = max(0, peak_rss[name] - base)
         peak_cuda[name] = (
             torch.cuda.max_memory_allocated(device) - cuda_base if device.type == "cuda" else 0
         )
@@ -169,6 +170,7 @@ def run_job_on_rank(ctx, spec: JobSpec) -> dict:
         "collectives": collectives,
         "work": work,
         "peak_rss_bytes": peak_rss,
+        "peak_rss_delta_bytes": peak_rss_delta,
         "peak_cuda_bytes": peak_cuda,
         "problems": problems,
         "payload_bytes": (
@@ -238,6 +240,7 @@ def summarize(spec: JobSpec, rank_results: list[dict]) -> dict:
             "collectives_leader": len(leaders[0]["collectives"][name]),
             "comm_bytes_leader": sum(c[3] for c in leaders[0]["collectives"][name]),
             "peak_rss_bytes": max(r["peak_rss_bytes"][name] for r in rank_results),
+            "peak_rss_delta_bytes": max(r["peak_rss_delta_bytes"][name] for r in rank_results),
             "peak_cuda_bytes": max(r["peak_cuda_bytes"][name] for r in rank_results),
             "work_leader": leaders[0]["work"][name],
             "work_receiver_max": _max_work(

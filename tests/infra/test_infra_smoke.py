@@ -229,12 +229,12 @@ def test_emulated_rails_each_rank_uses_its_own_link(netns_ok):
         assert [emu.rank_ifname(r) for r in range(4)] == ["eth0", "eth1", "eth0", "eth1"]
         assert len({emu.rank_ip(r) for r in range(4)}) == 4
         before = emu.link_bytes()
-        result = _torchrun_probe(emu, "1,3", repeats=1)
+        result = _torchrun_probe(emu, "1,3", repeats=3)
         after = emu.link_bytes()
     grew = {k: after[k] - before[k] for k in after}
     assert grew["n0g1"] >= MIB16, grew  # rank 1's own rail carried the payload
     assert grew["n0g0"] < 0.05 * MIB16, grew  # and rank 0's rail did not
-    assert 0.85 <= result["mbit_s"] / (cfg.rate_mbit * PAYLOAD) <= 1.15, result
+    assert 0.85 <= result["best_mbit_s"] / (cfg.rate_mbit * PAYLOAD) <= 1.15, result
 
 
 def test_emulation_cleans_up_on_exception_and_sigterm(netns_ok, tmp_path):

@@ -1,0 +1,51 @@
+"""``python -m harness`` / ``bcastbench``: one job, or a Hydra multirun sweep (-m)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+import warnings
+
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron.*")
+logging.getLogger("megatron").setLevel(logging.WARNING)  # its import-time INFO lines are noise
+
+import hydra  # noqa: E402
+
+from harness.config import ConfigError, register  # noqa: E402
+
+CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+@hydra.main(version_base="1.3", config_path=CONF, config_name="config")
+def _task(cfg):
+    from harness import app
+    from harness.world import WorldError
+
+    try:
+        return app.run(cfg)
+    except (ConfigError, WorldError) as exc:
+        # A clear one-paragraph message instead of a stack through Hydra's internals.
+        print(f"bcastbench: {type(exc).__name__}: {exc}", file=sys.stderr)
+        raise
+
+
+def _torchrun_rank() -> int | None:
+    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ):
+        return int(os.environ.get("RANK", 0))
+    return None
+
+
+def main() -> None:
+    register()
+    rank = _torchrun_rank()
+    if rank:
+        # Under torchrun every rank runs this app; only rank 0 owns the output directory.
+        scratch = tempfile.mkdtemp(prefix=f"bcastbench-rank{rank}-")
+        sys.argv += [f"hydra.run.dir={scratch}", "hydra.output_subdir=null", "hydra/job_logging=none"]
+    _task()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The Hydra task: validate a job, run it on a world (started here, or joined under torchrun),
+summarize, and write its record atomically into the job's output directory.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+
+from harness import records
+from harness.config import ConfigError, validate
+from harness.runner import JobSpec, run_job_on_rank, summarize
+from harness.world import RankContext, WorldError, _device_for, get_world
+
+
+def under_torchrun() -> bool:
+    """torchrun (elastic agent) sets TORCHELASTIC_RUN_ID; a bare RANK/WORLD_SIZE also counts."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    )
+
+
+def spec_of(cfg, layout) -> JobSpec:
+    return JobSpec(
+        strategy=cfg.strategy.name,
+        layout=layout,
+        payload=cfg.payload.name,
+        batch_size=int(cfg.payload.batch_size),
+        seq_len=int(cfg.payload.seq_len),
+        broadcast_non_tensor=cfg.payload.broadcast_non_tensor,
+        seed=int(cfg.payload.seed),
+        iters=int(cfg.iters),
+        warmup=int(cfg.warmup),
+        references=tuple(cfg.references),
+        options=OmegaConf.to_container(cfg.strategy.options, resolve=True) or {},
+        fault_rank=int(cfg.fault.rank),
+        fault_at_iter=int(cfg.fault.at_iter),
+        fault_kind=str(cfg.fault.kind),
+    )
+
+
+def _run_torchrun(cfg, spec: JobSpec) -> tuple[list[dict] | None, float]:
+    """Every torchrun process runs this; rank 0 gets all ranks' results."""
+    t0 = time.perf_counter()
+    if not dist.is_initialized():
+        dist.init_process_group(
+            cfg.backend.name, timeout=datetime.timedelta(seconds=float(cfg.timeout_s) + 5)
+        )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    validate(cfg, world)
+    device = _device_for(cfg.backend.name, cfg.backend.device, int(os.environ.get("LOCAL_RANK", 0)))
+    ctx = _TORCHRUN_CTX.get("ctx")
+    if ctx is None or ctx.world_size != world:
+        ctx = RankContext(rank, world, cfg.backend.name, device)
+        _TORCHRUN_CTX["ctx"] = ctx
+    start_s = time.perf_counter() - t0
+    mine = run_job_on_rank(ctx, spec)
+    gathered = [None] * world if rank == 0 else None
+    group = dist.new_group(backend="gloo") if cfg.backend.name != "gloo" else None
+    dist.gather_object(mine, gathered, dst=0, group=group)
+    return gathered, start_s
+
+
+_TORCHRUN_CTX: dict = {}
+
+
+def run(cfg) -> dict | None:
+    """Run one job; returns its record (None on torchrun ranks other than 0)."""
+    layout_name = HydraConfig.get().runtime.choices.get("layout", "custom")
+    if under_torchrun():
+        layout = validate(cfg, int(os.environ["WORLD_SIZE"]))
+        spec = spec_of(cfg, layout)
+        results, start_s = _run_torchrun(cfg, spec)
+        if results is None:
+            return None
+    else:
+        layout = validate(cfg)
+        spec = spec_of(cfg, layout)
+        world = get_world(
+            layout.world_size, cfg.backend.name, cfg.backend.device, float(cfg.timeout_s)
+        )
+        start_s = world.start_s
+        world.start_s = 0.0  # paid once; later jobs on this world started nothing
+        results = world.run(run_job_on_rank, spec, what=f"job {spec.strategy} on {layout_name}")
+    summary = summarize(spec, results)
+    record = records.build(cfg, layout, spec, summary, layout_name, start_s)
+    out = Path(HydraConfig.get().runtime.output_dir) / "result.json"
+    records.write_atomic(out, record)
+    return record
+
+
+__all__ = ["ConfigError", "WorldError", "run", "torch"]
