@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -32,7 +34,9 @@ def _task(cfg):
 
 
 def _torchrun_rank() -> int | None:
-    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ):
+    if "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "MASTER_ADDR" in os.environ
+    ):
         return int(os.environ.get("RANK", 0))
     return None
 
@@ -43,7 +47,12 @@ def main() -> None:
     if rank:
         # Under torchrun every rank runs this app; only rank 0 owns the output directory.
         scratch = tempfile.mkdtemp(prefix=f"bcastbench-rank{rank}-")
-        sys.argv += [f"hydra.run.dir={scratch}", "hydra.output_subdir=null", "hydra/job_logging=none"]
+        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+        sys.argv += [
+            f"hydra.run.dir={scratch}",
+            "hydra.output_subdir=null",
+            "hydra/job_logging=none",
+        ]
     _task()
 
 

@@ -305,6 +305,7 @@ def calibrate(
     from harness.world import World
 
     t0 = time.perf_counter()
+    load_before = os.getloadavg()[0]
     group_sizes = tuple(sorted({min(2, world_size), world_size}))
     if world_size < 2:
         raise ValueError(f"calibration needs a world of at least 2 ranks, got {world_size}")
@@ -321,6 +322,9 @@ def calibrate(
     cluster = build_local_cluster(fits, host)
     elapsed_s = time.perf_counter() - t0
     report = format_report(fits, samples, host, world_size, elapsed_s)
+    load = max(load_before, os.getloadavg()[0])
+    if load > (os.cpu_count() or 1):  # other jobs shared the cores: every figure is pessimistic
+        report += f"\nWARNING: load average {load:.1f} on {os.cpu_count()} cores; rerun when idle."
     if verbose:
         print(report)
     if out is not None:

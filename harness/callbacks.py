@@ -66,7 +66,10 @@ class Progress(Callback):
         df = load(root)
         if not df.empty:
             df.to_csv(root / "results.csv", index=False)
-        print(f"\nbcastbench: {self.done} jobs, {self.failed} failed, "
-              f"{time.monotonic() - self.t0:.0f} s", file=sys.stdout)
+        print(
+            f"\nbcastbench: {self.done} jobs, {self.failed} failed, "
+            f"{time.monotonic() - self.t0:.0f} s",
+            file=sys.stdout,
+        )
         print(summary_table(df))
         print(f"records: {root}  table: {root / 'results.csv'}", flush=True)

@@ -1,6 +1,6 @@
 """Turn any run or sweep directory into one tidy table: one row per job's result.json.
 
-    python -m harness.collect results/sweeps/<dir> [--out table.csv]
+python -m harness.collect results/sweeps/<dir> [--out table.csv]
 """
 
 from __future__ import annotations

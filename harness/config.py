@@ -105,7 +105,11 @@ def register() -> None:
 def layout_of(cfg) -> Layout:
     try:
         return Layout(
-            dp=cfg.layout.dp, pp=cfg.layout.pp, tp=cfg.layout.tp, cp=cfg.layout.cp, order=cfg.layout.order
+            dp=cfg.layout.dp,
+            pp=cfg.layout.pp,
+            tp=cfg.layout.tp,
+            cp=cfg.layout.cp,
+            order=cfg.layout.order,
         )
     except LayoutError as exc:
         raise ConfigError(str(exc)) from None
@@ -139,7 +143,9 @@ def validate(cfg, world_size: int | None = None) -> Layout:
             "(Megatron splits the sequence into 2·cp zig-zag chunks)"
         )
     if cfg.iters < 1 or cfg.warmup < 0:
-        raise ConfigError(f"iters must be >= 1 and warmup >= 0, got iters={cfg.iters}, warmup={cfg.warmup}")
+        raise ConfigError(
+            f"iters must be >= 1 and warmup >= 0, got iters={cfg.iters}, warmup={cfg.warmup}"
+        )
     if cfg.timeout_s <= 0:
         raise ConfigError(f"timeout_s must be positive, got {cfg.timeout_s}")
     if cfg.backend.name not in ("gloo", "nccl"):
@@ -162,5 +168,7 @@ def validate(cfg, world_size: int | None = None) -> Layout:
     if cfg.fault.kind not in ("crash", "hang"):
         raise ConfigError(f"fault.kind must be crash or hang, got {cfg.fault.kind!r}")
     if cfg.fault.rank >= layout.world_size:
-        raise ConfigError(f"fault.rank={cfg.fault.rank} is outside the world of {layout.world_size}")
+        raise ConfigError(
+            f"fault.rank={cfg.fault.rank} is outside the world of {layout.world_size}"
+        )
     return layout

@@ -190,6 +190,14 @@ class Cluster:
         ):
             _check_positive(f"{where}: {name}", getattr(self, name))
 
+    def __hash__(self) -> int:  # the by-kind dicts are not hashable; their items are
+        return hash(
+            tuple(
+                tuple(sorted(v.items())) if isinstance(v, Mapping) else v
+                for v in (getattr(self, f.name) for f in fields(self))
+            )
+        )
+
     def link(self, kind: str, crosses_nodes: bool) -> Link:
         """The α/β a collective of ``kind`` pays, inside a node or across nodes."""
         if crosses_nodes:
@@ -207,7 +215,7 @@ class Cluster:
         )
 
     def collective_s(self, kind: str, group_size: int, nbytes: int, crosses_nodes: bool) -> float:
-        """Seconds for one collective alone on its link (no sharing)."""
+        """Seconds for one collective alone, wholly on one link (no sharing, no tree rounds)."""
         a, b = coefficients(kind, group_size, nbytes, **self.algorithms())
         link = self.link(kind, crosses_nodes)
         return a * link.alpha_s + b * link.beta_s_per_byte
@@ -515,8 +523,11 @@ def price(
 ) -> Prediction:
     """Predict one call of ``plan`` on ``cluster``.
 
-    Steps run in order; a step's comms run at once on disjoint groups and share each node's
-    ports, so a step costs its slowest comm. Local work is taken as serial with the network (a
+    Ranks live on node ``rank // gpus_per_node``. A group inside one node pays ``intra``; a
+    group spanning nodes pays ``inter`` (a tree broadcast only in the rounds whose edges cross,
+    see ``tree_rounds``). Steps run in order; a step's comms run at once on disjoint groups and
+    share each node's ports (flows beyond ``nics_per_node`` divide the bandwidth), so a step
+    costs its slowest comm. Local work is taken as serial with the network (a
     conservative critical path): leader, forwarder and receiver work are added once each.
     ``check`` verifies ranks fit ``layout`` and same-step groups are disjoint (cheap, O(ranks)).
     """

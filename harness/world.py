@@ -13,6 +13,8 @@ import datetime
 import os
 import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 import warnings
@@ -98,13 +100,15 @@ def _worker(
     device: str,
     timeout_s: float,
     conns: list[Connection],
+    status_conns: list[Connection],
 ) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver owns Ctrl-C and kills us
     conn = conns[local_rank]
-    for i, c in enumerate(conns):
-        if i != local_rank:
+    for i, c in enumerate(conns + status_conns):
+        if c not in (conn, status_conns[local_rank]):
             c.close()
+    _answer_status(status_conns[local_rank], threading.get_ident())
     torch.set_num_threads(1)  # N ranks share 2 cores; more threads only oversubscribe
     os.environ.update(
         RANK=str(local_rank),
@@ -146,6 +150,43 @@ def _worker(
         pass
 
 
+def where(frame) -> str:
+    """Where a thread is blocked: the innermost torch.distributed call and our caller of it."""
+    stack = []
+    while frame is not None:
+        stack.append(frame)
+        frame = frame.f_back
+    inner_dist = next((f for f in stack if "torch/distributed" in f.f_code.co_filename), None)
+    ours = next(
+        (
+            f
+            for f in stack
+            if "/harness/" in f.f_code.co_filename or "/strategies/" in f.f_code.co_filename
+        ),
+        stack[0] if stack else None,
+    )
+    if ours is None:
+        return "idle"
+    at = f"{os.path.basename(ours.f_code.co_filename)}:{ours.f_lineno} {ours.f_code.co_name}"
+    if inner_dist is not None:
+        return f"in collective torch.distributed.{inner_dist.f_code.co_name} (from {at})"
+    return f"outside any collective, at {stack[0].f_code.co_name} (from {at})"
+
+
+def _answer_status(conn: Connection, main_ident: int) -> None:
+    """A daemon thread that tells the driver where the main thread is, even when it is stuck."""
+
+    def serve() -> None:
+        while True:
+            try:
+                conn.recv()
+                conn.send(where(sys._current_frames().get(main_ident)))
+            except (EOFError, OSError):
+                return
+
+    threading.Thread(target=serve, daemon=True, name="bcastbench-status").start()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -178,8 +219,11 @@ class World:
         t0 = time.perf_counter()
         mp = tmp.get_context("fork")
         pairs = [mp.Pipe(duplex=True) for _ in range(self.world_size)]
+        status = [mp.Pipe(duplex=True) for _ in range(self.world_size)]
         self._conns = [a for a, _ in pairs]
+        self._status = [a for a, _ in status]
         children = [b for _, b in pairs]
+        status_children = [b for _, b in status]
         # Gloo's own timeout sits past ours, so the driver names the hung rank first.
         self._ctx = tmp.start_processes(
             _worker,
@@ -190,12 +234,13 @@ class World:
                 self.device,
                 self.timeout_s + 5,
                 children,
+                status_children,
             ),
             nprocs=self.world_size,
             join=False,
             start_method="fork",
         )
-        for c in children:
+        for c in children + status_children:
             c.close()
         self._collect("starting the world", self.timeout_s)
         self.start_s = time.perf_counter() - t0
@@ -224,7 +269,7 @@ class World:
                 p.kill()
         for p in procs:
             p.join(5)
-        for c in self._conns:
+        for c in self._conns + self._status:
             c.close()
         self._ctx = None
         _LIVE.discard(self)
@@ -249,6 +294,17 @@ class World:
         for c in self._conns:
             c.send((fn, args))
         return self._collect(what or getattr(fn, "__name__", "task"), timeout_s or self.timeout_s)
+
+    def _where(self, ranks: list[int]) -> dict[int, str]:
+        """Ask each rank's status thread where its main thread is (2 s at most)."""
+        out = {}
+        for r in ranks:
+            try:
+                self._status[r].send("?")
+                out[r] = self._status[r].recv() if self._status[r].poll(2.0) else "no answer"
+            except (OSError, EOFError):
+                out[r] = "no answer (process gone)"
+        return out
 
     def _collect(self, what: str, timeout_s: float) -> list[Any]:
         results: dict[int, Any] = {}
@@ -299,20 +355,18 @@ class World:
                 if now - last_progress > min(5.0, timeout_s):
                     break
             elif now - last_progress > timeout_s:
-                laggard = min(
-                    (r for r in range(self.world_size) if r not in results),
-                    key=lambda r: self._last[r][0],
-                )
-                phases = "; ".join(
-                    f"rank {r}: {self._last[r][1]!r}"
-                    for r in range(self.world_size)
-                    if r not in results
-                )
+                stuck = [r for r in range(self.world_size) if r not in results]
+                places = self._where(stuck)
+                # The culprit is a rank NOT waiting in a collective (the others wait for it);
+                # failing that, the one that reported the least progress.
+                outside = [r for r in stuck if not places[r].startswith("in collective")]
+                culprit = outside[0] if outside else min(stuck, key=lambda r: self._last[r][0])
+                detail = "; ".join(f"rank {r}: {self._last[r][1]!r}, {places[r]}" for r in stuck)
                 self.close(kill=True)
                 raise WorldError(
-                    f"rank {laggard} stopped responding for {timeout_s:.0f} s while "
-                    f"{self._last[laggard][1]!r} ({what}); last phases: {phases}; "
-                    "the world was torn down"
+                    f"rank {culprit} stopped responding for {timeout_s:.0f} s while "
+                    f"{self._last[culprit][1]!r} ({what}), {places[culprit]}; "
+                    f"all unfinished ranks: {detail}; the world was torn down"
                 )
         if errors:
             rank = min(errors)

@@ -23,6 +23,12 @@ from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
 CHUNK_ALIGN = 64
 
 
+def _all_gather_flat(output, inp, group):
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, inp, group=group)
+
+
 def chunk_bytes(total: int, n: int) -> int:
     """Equal chunks, each a multiple of 64 bytes so every chunk boundary stays aligned."""
     per = -(-total // n)
@@ -99,7 +105,7 @@ class ScatterAllgather(Strategy):
             full = (
                 buf[: c * n] if g.is_leader else torch.empty(c * n, dtype=torch.uint8, device=dev)
             )
-            dist.all_gather_into_tensor(full, mine, group=g.tp_cp_group)
+            _all_gather_flat(full, mine, group=g.tp_cp_group)
         if g.is_leader:
             return batch
         td, non_tensor = unpack(full, header)

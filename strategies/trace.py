@@ -18,7 +18,19 @@ import torch.distributed.distributed_c10d as c10d
 # Local work counters the codec and peers bump; cheap enough to leave on (an int add).
 WORK: Counter = Counter()
 
-PATCHED = ("broadcast", "scatter", "all_gather", "all_gather_into_tensor", "send", "recv")
+PATCHED = tuple(
+    name
+    for name in (
+        "broadcast",
+        "scatter",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_single",
+        "send",
+        "recv",
+    )
+    if hasattr(c10d, name)
+)
 
 
 @dataclass(frozen=True)
@@ -84,7 +96,7 @@ class Recorder:
             elif kind == "scatter":
                 group = kwargs.get("group", args[3] if len(args) > 3 else None)
                 root = kwargs.get("src", args[2] if len(args) > 2 else None)
-            elif kind in ("all_gather", "all_gather_into_tensor"):
+            elif kind in ("all_gather", "all_gather_into_tensor", "all_gather_single"):
                 group = kwargs.get("group", args[2] if len(args) > 2 else None)
             if kind == "all_gather":
                 tensor = args[0] if args else kwargs.get("tensor_list")
@@ -92,7 +104,7 @@ class Recorder:
                 root = dist.get_global_rank(group, kwargs["group_src"])
             self.comms.append(
                 Recorded(
-                    kind.replace("_into_tensor", ""),
+                    kind.replace("_into_tensor", "").replace("_single", ""),
                     _ranks(group),
                     root,
                     _nbytes(tensor),

@@ -323,6 +323,11 @@ def test_presets_load(name):
     assert same_cluster(cluster_from_config(cluster_to_config(cluster)), cluster)
 
 
+def test_clusters_hash_and_compare():
+    a, b = load_cluster("local"), load_cluster("local")
+    assert a == b and hash(a) == hash(b) and len({a, b, load_cluster("h200_ib")}) == 2
+
+
 def test_required_presets_exist():
     assert {"local", "h200_ib", "emulated"} <= {p.stem for p in CONF_DIR.glob("*.yaml")}
 
