@@ -105,7 +105,7 @@ def _worker(
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver owns Ctrl-C and kills us
     conn = conns[local_rank]
-    for i, c in enumerate(conns + status_conns):
+    for c in conns + status_conns:
         if c not in (conn, status_conns[local_rank]):
             c.close()
     _answer_status(status_conns[local_rank], threading.get_ident())

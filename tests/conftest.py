@@ -6,9 +6,17 @@ a test that tears its world down (a rank crashed or hung) gets a fresh one for t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 import pytest
+import torch
+from hypothesis import strategies as st
+from tensordict import TensorDict
 
 from harness.world import World
+from strategies import NON_TENSOR_FLAG, DataProto
 
 WORLD_TIMEOUT_S = 60.0
 """No-progress limit for jobs on the session worlds: every job here takes well under a second."""
@@ -159,7 +167,9 @@ def build_batch(spec: BatchSpec, b: int, seed: int) -> DataProto:
 
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    # contiguous() keeps the stride of a size-1 dim, which the dtype view refuses: clone.
+    flat = t.detach().cpu().reshape(-1).clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 def batch_problems(expected: DataProto, got: DataProto, is_leader: bool, where: str) -> list[str]:
@@ -176,7 +186,9 @@ def batch_problems(expected: DataProto, got: DataProto, is_leader: bool, where: 
     for key in set(want) & set(have):
         a, b = want[key], have[key]
         if a.dtype != b.dtype or a.shape != b.shape:
-            out.append(f"{where}: {key!r} is {b.dtype}{list(b.shape)}, not {a.dtype}{list(a.shape)}")
+            out.append(
+                f"{where}: {key!r} is {b.dtype}{list(b.shape)}, not {a.dtype}{list(a.shape)}"
+            )
         elif not torch.equal(raw_bytes(a), raw_bytes(b)):
             out.append(f"{where}: {key!r} bytes differ")
     if got.meta_info != expected.meta_info:
@@ -190,7 +202,62 @@ def batch_problems(expected: DataProto, got: DataProto, is_leader: bool, where: 
     for key in set(got.non_tensor_batch) & set(want_nt):
         a, b = want_nt[key], got.non_tensor_batch[key]
         if not isinstance(b, np.ndarray) or b.dtype != a.dtype or b.shape != a.shape:
-            out.append(f"{where}: non_tensor[{key!r}] is {type(b).__name__} {getattr(b, 'shape', '')}")
+            out.append(
+                f"{where}: non_tensor[{key!r}] is {type(b).__name__} {getattr(b, 'shape', '')}"
+            )
         elif b.tolist() != a.tolist():
             out.append(f"{where}: non_tensor[{key!r}] values differ")
     return out
+
+
+# -- hypothesis strategies for specs ------------------------------------------------------------
+KEYS = st.text(alphabet="abkxyz_πé", min_size=1, max_size=5)
+BIG_KEY = ("payload_big",)  # longer than any drawn key, so it never collides
+BIG_ROW_BYTES = 32 << 10
+
+
+def leaf_specs(key: tuple[str, ...]):
+    return st.builds(
+        LeafSpec,
+        key=st.just(key),
+        dtype=st.sampled_from(DTYPE_NAMES),
+        tail=st.lists(st.integers(0, 4), max_size=3).map(tuple),
+        kind=st.sampled_from(KINDS),
+    )
+
+
+META_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEYS, inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@st.composite
+def batch_specs(draw, max_top: int = 5, big: bool | None = None) -> BatchSpec:
+    """Random leaves (every dtype, zero-size dims, views, strides, nesting), object arrays,
+    nested meta_info and the non-tensor flag both ways. ``big`` adds a 32 KiB-per-row leaf
+    so a few rows cross the wire's 64 KiB first message."""
+    leaves = []
+    for name in draw(st.lists(KEYS, max_size=max_top, unique=True)):
+        if draw(st.integers(0, 3)) == 0:
+            for sub in draw(st.lists(KEYS, min_size=1, max_size=3, unique=True)):
+                leaves.append(draw(leaf_specs((name, sub))))
+        else:
+            leaves.append(draw(leaf_specs((name,))))
+    if big if big is not None else draw(st.booleans()):
+        leaves.append(LeafSpec(BIG_KEY, "float32", (BIG_ROW_BYTES // 4,)))
+    non_tensor = draw(
+        st.lists(
+            st.tuples(KEYS, st.sampled_from(["str", "none", "dict", "mixed"])),
+            max_size=3,
+            unique_by=lambda kv: kv[0],
+        )
+    )
+    meta = draw(st.dictionaries(KEYS, META_VALUES, max_size=3))
+    return BatchSpec(
+        tuple(leaves),
+        tuple(non_tensor),
+        tuple(sorted(meta.items())),
+        draw(st.booleans()),
+    )

@@ -419,7 +419,8 @@ def test_calibrate_short_world_of_two(tmp_path: Path):
     cluster, fits, samples = calibrate(
         world_size=2, sizes=SHORT_SIZES, reps=5, out=out, host_bytes=2 * MIB, verbose=False
     )
-    assert time.perf_counter() - t0 < 30
+    # ~3 s idle; the guard is loose because the lead's jobs share these 2 cores
+    assert time.perf_counter() - t0 < 60
     loaded = load_cluster(out)  # written, loads, validates
     assert loaded.name == "local" and set(loaded.intra_by_kind) == {
         "broadcast",

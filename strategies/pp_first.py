@@ -1,0 +1,90 @@
+"""``pp_first``: the seed's two hops in the other order — PP first, then TP×CP on every stage.
+
+The leader first sends the packed message down its own PP group (the stage leaders, tp = cp =
+0 of each stage), then every stage leader fans it out inside its stage's TP×CP group, all
+stages at once. The seed's order instead fans out on stage 0 and then runs tp·cp PP
+broadcasts in parallel, so every stage-0 rank sends a full copy across the (usually
+inter-node) PP link; here only the leader's PP group crosses stages, and the tp·cp copies stay
+inside each stage (usually one node). Message, header codec and wire protocol are those of
+``header`` (``strategies.codec`` + ``strategies.wire.Wire``: one broadcast per hop in steady
+state, two when the batch outgrows the announced size); stage leaders forward the received
+buffer unchanged; receivers get zero-copy views. Non-tensor data travels (pickled, inside the
+same buffer) only when flagged. Options: see ``strategies.packed.PackedStrategy``.
+"""
+
+from __future__ import annotations
+
+from strategies.base import DataProto
+from strategies.codec import Header
+from strategies.header import _steady_expect, _wire_comms
+from strategies.packed import PackedStrategy
+from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
+
+
+def leader_pp_groups(layout) -> list[list[int]]:
+    """The PP group of each replica leader (the stage leaders of each replica)."""
+    leaders = set(layout.leaders())
+    return [g for g in layout.groups("pp") if g[0] in leaders]
+
+
+class PpFirst(PackedStrategy):
+    name = "pp_first"
+    claims = (
+        "1 broadcast per hop in steady state (2 when the batch outgrows the announced size): "
+        "the leader's PP group if pp>1, then every stage's TP×CP group if tp·cp>1"
+    )
+
+    def get_data_input(self, batch: DataProto) -> DataProto:
+        g = self.groups
+        if g.replica_ranks == (g.rank,):
+            return batch
+        header: Header | None = None
+        buf = None
+        total = 0
+        if g.is_leader:
+            buf, header, total = self.pack(batch)
+        is_stage_leader = g.tp_cp_rank == 0
+        if g.pp_size > 1 and is_stage_leader:
+            src = g.pp_ranks[0]
+            if g.rank == src:
+                self.wire.send(buf, total, g.pp_group, src)
+            else:
+                buf, header = self.wire.recv(g.pp_group, src)
+                total = header.total_bytes
+        if g.tp_cp_size > 1:
+            src = g.tp_cp_ranks[0]
+            if g.rank == src:
+                self.wire.send(buf, total, g.tp_cp_group, src)
+            else:
+                buf, header = self.wire.recv(g.tp_cp_group, src)
+        self.wire.finish(self.wire.next_expect(total) if g.is_leader else header.next_expect)
+        if not g.is_leader:
+            self.finish_receiver(batch, buf, header)
+        return batch
+
+    @classmethod
+    def plan(cls, layout, spec: PayloadSpec, expect: int | None = None) -> Plan:
+        """Steady state by default (first message = this batch's size); pass ``expect`` to
+        plan a call that follows a different announced size."""
+        total = spec.header_bytes + spec.tensor_bytes
+        if spec.broadcast_non_tensor:
+            total += -(-spec.non_tensor_bytes // 64) * 64
+        first = expect if expect is not None else _steady_expect(total)
+        comms: list[Comm] = []
+        step = 0
+        if layout.replica_size > 1:
+            if layout.pp > 1:
+                step = _wire_comms(comms, leader_pp_groups(layout), total, first, step)
+            if layout.tp_cp > 1:
+                step = _wire_comms(comms, layout.groups("tp-cp"), total, first, step)
+        nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
+        return Plan(
+            cls.name,
+            comms,
+            leader=LocalWork(packed_bytes=total),
+            receiver=LocalWork(pickled_bytes=nt, copied_bytes=first if total > first else 0),
+            forwarder=LocalWork(pickled_bytes=nt, copied_bytes=first if total > first else 0),
+        )
+
+
+STRATEGY = PpFirst

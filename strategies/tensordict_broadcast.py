@@ -1,0 +1,150 @@
+"""``tensordict_broadcast``: the tensordict library's own ``TensorDictBase.broadcast`` (called,
+not copied), over the whole replica in one hop, on the layouts where that call is correct.
+
+What the library does (kept as it is): the source ``consolidate()``s every leaf into one uint8
+storage (each leaf padded to 8 bytes; views and non-contiguous leaves contribute only their
+own elements), pickles the metadata with ``broadcast_object_list`` on the group it is given
+(on NCCL: pickle → H2D → NCCL → D2H), then broadcasts the storage once. Receivers get views of
+that storage. The source pays a full copy per call (the consolidation) unless its TensorDict
+is consolidated already.
+
+KNOWN BUG (tensordict 0.15.3, verified here; also reported in the 2026-10 nightly): it
+compares the caller's GROUP-LOCAL rank (``dist.get_rank(group)``) with ``src``, then hands the
+same ``src`` to ``broadcast_object_list`` / ``broadcast``, which read it as a GLOBAL rank. The
+call is correct only when the source's global rank equals its index in the group. With the
+source at group index 0 (every hop here), that means only a group whose first rank is global
+rank 0. Observed on a 4-rank gloo world (``tests/test_peers.py`` pins each case):
+
+- [0, 1] src 0, [0, 2] src 0, [0, 1, 2, 3] src 0: correct;
+- [2, 3] src 2 (global): every rank takes the receiving branch, the metadata arrives as
+  ``None`` → ``AttributeError: 'NoneType' object has no attribute 'pop'`` on both ranks;
+- [1, 3] src 1 (global): rank 3 (group index 1 == src) takes the SENDING branch with its empty
+  TensorDict; rank 1 fails as above and rank 3 then blocks forever in the storage broadcast —
+  a HANG, not just an error;
+- src 0 (group-local) on a group without global rank 0: ``ValueError: Global rank 0 is not part
+  of group`` on every rank.
+
+No form of ``src`` makes both readings agree on a group without global rank 0 (the sender would
+need group index == global rank), so there is no workaround that still calls the library.
+Consequences, chosen here:
+
+- the seed's hop order (TP×CP, then PP) is NOT used: its PP groups [1, 3], … hang even with
+  DP = 1. One hop over the replica group is used instead (like ``flat``): for the replica that
+  holds global rank 0, leader 0 is group index 0 and the call is correct;
+- with DP > 1 every other replica would fail or hang, so the strategy refuses the layout on
+  EVERY rank, before any collective (``TensorDictBroadcastBug``, a NotImplementedError, naming
+  the replicas it would break), and ``plan`` raises the same. No copy of the library's code
+  stands in for it.
+
+Adapted around the call: ``non_tensor_batch`` (when ``meta_info['_broadcast_non_tensor_batch']``
+is set) travels in a second ``broadcast_object_list`` over the replica's gloo twin;
+``device=groups.device`` is passed on every rank, since by default each receiver would allocate
+the storage on the SENDER's device index; the leader keeps its own batch (the library's
+consolidated copy is dropped).
+
+Per call (DP = 1): 2 (pickled metadata) + 1 storage broadcast, + 2 when non-tensor data travels.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from strategies.base import DataProto, Strategy
+from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.trace import WORK
+from strategies.vllm_tensor_dict import leaf_nbytes
+
+CONSOLIDATE_ALIGN = 8  # tensordict pads every leaf of a mixed-dtype storage to 8 bytes
+
+
+class TensorDictBroadcastBug(NotImplementedError):
+    """The layout needs a group on which tensordict's ``broadcast`` is wrong (see module doc)."""
+
+
+def refusal(world_size: int, replica_size: int, leader: int | None = None) -> str | None:
+    """Why the library cannot serve this world, or None when it can (DP = 1, or replicas of one
+    rank, which issue no collective)."""
+    if world_size == replica_size or replica_size == 1:
+        return None
+    dp = world_size // replica_size
+    mine = "" if leader is None else f" (this rank's replica leader is global rank {leader})"
+    return (
+        f"tensordict_broadcast: a world of {world_size} ranks holds dp={dp} replicas of "
+        f"{replica_size} ranks. tensordict's TensorDict.broadcast (0.15.3) compares the "
+        "group-local rank with src but passes src to broadcast_object_list as a global rank, so "
+        "it is correct only on a group whose source is global rank 0: the other "
+        f"{dp - 1} replica(s){mine} would fail with AttributeError or hang. Refused on every "
+        "rank before any collective; use DP = 1 or another strategy (flat, header)."
+    )
+
+
+class TensorDictBroadcast(Strategy):
+    name = "tensordict_broadcast"
+    claims = (
+        "1 hop over the replica: 2 (pickled metadata) + 1 storage broadcast, +2 when "
+        "non_tensor_batch travels; refuses DP > 1 (library bug)"
+    )
+
+    def __init__(self, groups, **options) -> None:
+        super().__init__(groups, **options)
+        self._refusal = refusal(dist.get_world_size(), len(groups.replica_ranks), groups.leader)
+        if self._refusal is not None:
+            raise TensorDictBroadcastBug(f"rank {groups.rank}: {self._refusal}")
+
+    def get_data_input(self, batch: DataProto) -> DataProto:
+        g = self.groups
+        if g.replica_ranks == (g.rank,):
+            return batch
+        td = batch.batch if g.is_leader else TensorDict()
+        if g.is_leader:
+            batch.validate(g.rank)
+            if not td.is_consolidated():
+                WORK["packed_bytes"] += sum(
+                    _padded(t.numel() * t.element_size())
+                    for _, t in td.items(include_nested=True, leaves_only=True)
+                )
+        # Correct here: the replica holds global rank 0, which is the leader and group index 0.
+        out = td.broadcast(src=g.leader, group=g.replica_group, device=g.device)
+        non_tensor = None
+        if batch.broadcast_non_tensor:
+            box = [batch.non_tensor_batch if g.is_leader else None]
+            dist.broadcast_object_list(box, src=g.leader, group=g.cpu_replica_group)
+            non_tensor = box[0]
+        if not g.is_leader:
+            batch.batch = out
+            if non_tensor is not None:
+                batch.non_tensor_batch = non_tensor
+        return batch
+
+    @classmethod
+    def plan(cls, layout, spec: PayloadSpec, leaf_bytes: tuple[int, ...] | None = None) -> Plan:
+        """``leaf_bytes``: bytes of each tensor leaf (see ``vllm_tensor_dict.leaf_nbytes``);
+        without them the storage size is ``tensor_bytes``, inexact by the 8-byte padding."""
+        why = refusal(layout.world_size, layout.replica_size)
+        if why is not None:
+            raise TensorDictBroadcastBug(why)
+        sizes, exact = leaf_nbytes(spec, leaf_bytes)
+        storage = sum(_padded(n) for n in sizes) if exact else spec.tensor_bytes
+        nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
+        comms: list[Comm] = []
+        if layout.replica_size > 1:
+            what = [(8, "sizes", True), (0, "pickle", False), (storage, "payload", exact)]
+            if spec.broadcast_non_tensor:
+                what += [(8, "sizes", True), (nt, "pickle", False)]
+            for step, (nbytes, kind, ok) in enumerate(what):
+                for ranks in layout.replica_groups():
+                    comms.append(Comm("broadcast", tuple(ranks), ranks[0], nbytes, step, kind, ok))
+        return Plan(
+            cls.name,
+            comms,
+            leader=LocalWork(packed_bytes=storage, pickled_bytes=nt),
+            receiver=LocalWork(pickled_bytes=nt),
+        )
+
+
+def _padded(n: int) -> int:
+    return -(-n // CONSOLIDATE_ALIGN) * CONSOLIDATE_ALIGN
+
+
+STRATEGY = TensorDictBroadcast

@@ -1,0 +1,195 @@
+"""``vllm_tensor_dict``: vLLM's ``GroupCoordinator.broadcast_tensor_dict``, applied over the
+seed's two hops (TP×CP on stage 0, then PP).
+
+Kept on purpose (the original's algorithm and its flaws):
+
+- the dict is split into a metadata list — (key, TensorMeta(device type, dtype, shape)) per
+  tensor, non-tensor values inline — and a tensor list; the metadata list is pickled with
+  ``broadcast_object_list`` over the CPU (gloo) group (vLLM's ``cpu_group``; its shared-memory
+  queue is not reproduced);
+- then ONE async broadcast per tensor — a CUDA tensor on the device group, a CPU tensor on the
+  gloo group — and a wait on every handle at the end. Nothing is coalesced, so a batch of k
+  leaves costs k broadcasts per hop, and async launches can skew ranks;
+- zero-size tensors are skipped (receivers allocate them empty);
+- a forwarding rank calls it again with what it received, so it re-pickles the metadata.
+
+Adapted to fit the ``get_data_input`` contract:
+
+- keys are TensorDict leaf keys (a nested key travels as its tuple), and ``batch_size`` rides as
+  one more inline metadata entry; receivers rebuild the TensorDict;
+- ``non_tensor_batch``, when ``meta_info['_broadcast_non_tensor_batch']`` is set, travels inline
+  in the metadata list as vLLM carries any non-tensor value;
+- receivers allocate CUDA tensors on their own ``groups.device`` (vLLM: its current device);
+- vLLM broadcasts the sender's tensors as they are, which a process group refuses for
+  non-contiguous tensors; here those are made contiguous first (a copy of the view's own
+  elements only, counted as ``copied_bytes``). Contiguous views go as they are: only the view's
+  bytes travel.
+
+Per hop: 2 collectives (metadata sizes, pickled metadata) + 1 per non-empty tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from strategies.base import DataProto, Strategy
+from strategies.pickled import stage0_tp_cp_groups
+from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.trace import WORK
+
+BATCH_SIZE_KEY = "__batch_size__"
+NON_TENSOR_KEY = "__non_tensor_batch__"
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """vLLM's ``TensorMetadata``: what a receiver needs to allocate one tensor."""
+
+    device: str
+    dtype: torch.dtype
+    shape: torch.Size
+
+
+def broadcast_tensor_dict(
+    tensor_dict: dict | None, src: int, group, cpu_group, device: torch.device
+) -> dict:
+    """vLLM's algorithm on one group; ``src`` is a global rank. Returns the dict on every rank."""
+    if dist.get_rank() == src:
+        metadata, tensors = [], []
+        for key, value in tensor_dict.items():
+            if isinstance(value, torch.Tensor):
+                metadata.append((key, TensorMeta(value.device.type, value.dtype, value.shape)))
+                tensors.append(value)
+            else:
+                metadata.append((key, value))
+        dist.broadcast_object_list([metadata], src=src, group=cpu_group)
+        handles = []
+        for t in tensors:
+            if t.numel() == 0:
+                continue
+            if not t.is_contiguous():
+                t = t.contiguous()
+                WORK["copied_bytes"] += t.numel() * t.element_size()
+            on = cpu_group if t.is_cpu else group
+            handles.append(dist.broadcast(t, src=src, group=on, async_op=True))
+        for h in handles:
+            h.wait()
+        return tensor_dict
+    box = [None]
+    dist.broadcast_object_list(box, src=src, group=cpu_group)
+    out, handles = {}, []
+    for key, value in box[0]:
+        if not isinstance(value, TensorMeta):
+            out[key] = value
+            continue
+        on_cpu = value.device == "cpu"
+        t = torch.empty(value.shape, dtype=value.dtype, device="cpu" if on_cpu else device)
+        out[key] = t
+        if t.numel() == 0:
+            continue
+        on = cpu_group if on_cpu else group
+        handles.append(dist.broadcast(t, src=src, group=on, async_op=True))
+    for h in handles:
+        h.wait()
+    return out
+
+
+def to_tensor_dict(batch: DataProto) -> dict:
+    """Leader: the DataProto as the flat dict vLLM broadcasts."""
+    out: dict = {BATCH_SIZE_KEY: list(batch.batch.batch_size)}
+    for key, t in batch.batch.items(include_nested=True, leaves_only=True):
+        out[key] = t
+    if batch.broadcast_non_tensor:
+        out[NON_TENSOR_KEY] = batch.non_tensor_batch
+    return out
+
+
+def from_tensor_dict(d: dict) -> tuple[TensorDict, dict | None]:
+    nested: dict = {}
+    for key, value in d.items():
+        if key in (BATCH_SIZE_KEY, NON_TENSOR_KEY):
+            continue
+        parts = key if isinstance(key, tuple) else (key,)
+        node = nested
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return TensorDict(nested, batch_size=d[BATCH_SIZE_KEY]), d.get(NON_TENSOR_KEY)
+
+
+def leaf_nbytes(spec: PayloadSpec, leaf_bytes: tuple[int, ...] | None) -> tuple[list[int], bool]:
+    """Bytes per tensor leaf for a plan, and whether they are exact.
+
+    ``PayloadSpec`` has no per-leaf sizes; a plan takes them from ``leaf_bytes`` (or a
+    ``spec.leaf_bytes`` field, if one is ever added), else assumes equal leaves (inexact).
+    """
+    leaf_bytes = leaf_bytes if leaf_bytes is not None else getattr(spec, "leaf_bytes", None)
+    if leaf_bytes is not None:
+        return list(leaf_bytes), True
+    n = spec.n_tensors
+    if n == 0:
+        return [], True
+    return [spec.tensor_bytes // n + (i < spec.tensor_bytes % n) for i in range(n)], False
+
+
+class VllmTensorDict(Strategy):
+    name = "vllm_tensor_dict"
+    claims = (
+        "per hop: 2 (pickled metadata over gloo) + 1 async broadcast per non-empty tensor; "
+        "hops: TP×CP on stage 0 if tp·cp>1, then PP if pp>1"
+    )
+
+    def get_data_input(self, batch: DataProto) -> DataProto:
+        g = self.groups
+        if g.replica_ranks == (g.rank,):
+            return batch
+        d = None
+        if g.is_leader:
+            batch.validate(g.rank)
+            d = to_tensor_dict(batch)
+        if g.pp_rank == 0 and g.tp_cp_size > 1:
+            d = broadcast_tensor_dict(
+                d, g.tp_cp_ranks[0], g.tp_cp_group, g.cpu_tp_cp_group, g.device
+            )
+        if g.pp_size > 1:
+            d = broadcast_tensor_dict(d, g.pp_ranks[0], g.pp_group, g.cpu_pp_group, g.device)
+        if not g.is_leader:
+            batch.batch, non_tensor = from_tensor_dict(d)
+            if non_tensor is not None:
+                batch.non_tensor_batch = non_tensor
+        return batch
+
+    @classmethod
+    def plan(cls, layout, spec: PayloadSpec, leaf_bytes: tuple[int, ...] | None = None) -> Plan:
+        """``leaf_bytes``: bytes of each tensor leaf in TensorDict order (see ``leaf_nbytes``)."""
+        sizes, exact = leaf_nbytes(spec, leaf_bytes)
+        nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
+        hops = []
+        if layout.replica_size > 1:
+            if layout.tp_cp > 1:
+                hops.append(stage0_tp_cp_groups(layout))
+            if layout.pp > 1:
+                hops.append(layout.groups("pp"))
+        comms: list[Comm] = []
+        step = 0
+        for groups in hops:
+            what = [(8, "sizes", True), (nt, "pickle", False)]
+            what += [(n, "payload", exact) for n in sizes if n]
+            for nbytes, kind, ok in what:
+                for ranks in groups:
+                    comms.append(Comm("broadcast", tuple(ranks), ranks[0], nbytes, step, kind, ok))
+                step += 1
+        return Plan(
+            cls.name,
+            comms,
+            leader=LocalWork(pickled_bytes=nt),
+            receiver=LocalWork(pickled_bytes=nt),
+            forwarder=LocalWork(pickled_bytes=2 * nt),
+        )
+
+
+STRATEGY = VllmTensorDict
