@@ -48,6 +48,8 @@ class Progress(Callback):
         if status != "COMPLETED" or not isinstance(rec, dict):
             self.failed += 1
             line = f"FAILED: {getattr(job_return, '_return_value', '')}"
+        elif rec.get("supported") is False:
+            line = f"{rec['strategy']:<22} {rec['layout']:<10} UNSUPPORTED: {rec['error'][:120]}"
         else:
             line = (
                 f"{rec['strategy']:<22} {rec['layout']:<10} {rec['payload_bytes'] / 1024:9.0f} KiB "

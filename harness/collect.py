@@ -36,7 +36,7 @@ def summary_table(df: pd.DataFrame) -> str:
     if df.empty:
         return "(no results)"
     cols = [c for c in COLUMNS if c in df.columns]
-    view = df[cols].sort_values(["layout", "payload_bytes", "strategy"])
+    view = df[cols].sort_values(["layout", "batch_size", "strategy"])
     fmt = {
         "p50_us": "{:.0f}".format,
         "p90_us": "{:.0f}".format,

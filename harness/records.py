@@ -58,6 +58,23 @@ def environment() -> dict:
 
 def build(cfg, layout, spec, summary: dict, layout_name: str, world_start_s: float) -> dict:
     """One flat record for the strategy under test, with its references beside it."""
+    if "unsupported" in summary:
+        return {
+            "strategy": spec.strategy,
+            "backend": cfg.backend.name,
+            "device": cfg.backend.device,
+            "world_size": layout.world_size,
+            "layout": layout_name,
+            **{k: getattr(layout, k) for k in ("dp", "pp", "tp", "cp")},
+            "order": "-".join(layout.tokens),
+            "payload": spec.payload,
+            "batch_size": spec.batch_size,
+            "seq_len": spec.seq_len,
+            "supported": False,
+            "error": summary["unsupported"],
+            "correct": None,
+            **environment(),
+        }
     mine = summary["strategies"][spec.strategy]
     floor = summary["strategies"].get("floor")
     base = summary["strategies"].get("pickled")
@@ -101,6 +118,7 @@ def build(cfg, layout, spec, summary: dict, layout_name: str, world_start_s: flo
         "peak_rss_delta_bytes": mine["peak_rss_delta_bytes"],
         "peak_cuda_bytes": mine["peak_cuda_bytes"],
         "correct": True,
+        "supported": True,
         "world_start_s": world_start_s,
         "references": {
             name: {k: v for k, v in s.items() if not isinstance(v, dict)}

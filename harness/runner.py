@@ -107,7 +107,10 @@ def run_job_on_rank(ctx, spec: JobSpec) -> dict:
     built = {}
     for name in order:
         opts = spec.options if name == spec.strategy else {}
-        built[name] = strategies.get(name, groups, **opts)
+        try:
+            built[name] = strategies.get(name, groups, **opts)
+        except strategies.Unsupported as exc:  # raised on every rank, before any collective
+            return {"rank": rank, "unsupported": f"{name}: {exc}", "is_leader": groups.is_leader}
         built[name].prepare(full.entry_state(groups.is_leader))
 
     def call(name: str):
@@ -218,6 +221,9 @@ def _pct(values: np.ndarray, q: float) -> float:
 
 def summarize(spec: JobSpec, rank_results: list[dict]) -> dict:
     """Fold all ranks' results into one record's measured fields (max over ranks per iter)."""
+    refused = [r["unsupported"] for r in rank_results if "unsupported" in r]
+    if refused:
+        return {"unsupported": refused[0]}
     problems = [p for r in rank_results for lst in r["problems"].values() for p in lst]
     if problems:
         raise VerificationError("; ".join(problems[:10]))

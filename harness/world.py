@@ -342,6 +342,7 @@ class World:
                             break
                     if rank in results or rank in errors:
                         continue
+                    self._ctx.processes[rank].join(2)  # reap it, so exitcode is known
                     code = self._ctx.processes[rank].exitcode
                     phase = self._last[rank][1]
                     self.close(kill=True)

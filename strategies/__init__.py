@@ -17,6 +17,7 @@ from strategies.base import (
     DataProto,
     ProcessGroups,
     Strategy,
+    Unsupported,
 )
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "DataProto",
     "ProcessGroups",
     "Strategy",
+    "Unsupported",
     "get",
     "get_class",
     "names",

@@ -20,6 +20,14 @@ class ContractError(ValueError):
     """A batch that breaks the DataProto contract; the message names the key and the rank."""
 
 
+class Unsupported(NotImplementedError):
+    """A strategy that cannot serve this layout by design or by a known upstream bug.
+
+    Raised on every rank at construction, before any collective, so no rank hangs; the harness
+    records the job as unsupported (with this message) instead of failing the sweep.
+    """
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 

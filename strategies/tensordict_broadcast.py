@@ -20,7 +20,7 @@ rank 0. Observed on a 4-rank gloo world (``tests/test_peers.py`` pins each case)
   ``None`` → ``AttributeError: 'NoneType' object has no attribute 'pop'`` on both ranks;
 - [1, 3] src 1 (global): rank 3 (group index 1 == src) takes the SENDING branch with its empty
   TensorDict; rank 1 fails as above and rank 3 then blocks forever in the storage broadcast —
-  a HANG, not just an error;
+  a HANG, not just an error (pinned in the tests as [1, 2] src 1 in a 3-rank world);
 - src 0 (group-local) on a group without global rank 0: ``ValueError: Global rank 0 is not part
   of group`` on every rank.
 
@@ -50,7 +50,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from strategies.base import DataProto, Strategy
+from strategies.base import DataProto, Strategy, Unsupported
 from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.trace import WORK
 from strategies.vllm_tensor_dict import leaf_nbytes
@@ -58,7 +58,7 @@ from strategies.vllm_tensor_dict import leaf_nbytes
 CONSOLIDATE_ALIGN = 8  # tensordict pads every leaf of a mixed-dtype storage to 8 bytes
 
 
-class TensorDictBroadcastBug(NotImplementedError):
+class TensorDictBroadcastBug(Unsupported):
     """The layout needs a group on which tensordict's ``broadcast`` is wrong (see module doc)."""
 
 

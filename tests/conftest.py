@@ -15,24 +15,25 @@ import torch
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from harness.world import World
 from strategies import NON_TENSOR_FLAG, DataProto
 
 WORLD_TIMEOUT_S = 60.0
 """No-progress limit for jobs on the session worlds: every job here takes well under a second."""
 
 
-class SessionWorld(World):
-    """A World that restarts itself if an earlier test left it torn down."""
-
-    def run(self, fn, *args, what: str = "", timeout_s: float | None = None):
-        if not self.alive:
-            self.close(kill=True)
-            self.start()
-        return super().run(fn, *args, what=what, timeout_s=timeout_s)
-
-
 def _session_world(n: int):
+    # Imported here: harness.world pulls in megatron-core, which tier-1 runs do not need.
+    from harness.world import World
+
+    class SessionWorld(World):
+        """A World that restarts itself if an earlier test left it torn down."""
+
+        def run(self, fn, *args, what: str = "", timeout_s: float | None = None):
+            if not self.alive:
+                self.close(kill=True)
+                self.start()
+            return super().run(fn, *args, what=what, timeout_s=timeout_s)
+
     world = SessionWorld(n, timeout_s=WORLD_TIMEOUT_S).start()
     try:
         yield world

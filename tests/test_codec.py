@@ -168,11 +168,12 @@ def test_many_dtypes_in_one_buffer_keep_every_bit():
     for key, t in leaves(dp.batch):
         assert td[key].dtype == t.dtype
         assert torch.equal(raw_bytes(td[key]), raw_bytes(t)), key
-    nan_float = dp.batch["float32"]
-    assert torch.isnan(nan_float.reshape(-1)[0])  # the specials really are in there
+    assert torch.isnan(dp.batch["float64"]).any()  # the specials really are in there
+    assert torch.isinf(dp.batch["float64"]).any()
 
 
 # -- unsupported dtypes ------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:.*quantize_per_tensor")
 @pytest.mark.parametrize(
     "make",
     [
