@@ -91,4 +91,37 @@ class PayloadSpec:
     pickle_exact: bool = False
     """Whether pickle_bytes was measured."""
     dtype_bytes: tuple[int, ...] = ()
-    """Tensor bytes per distinct dtype (strategies that send one buffer per dtype)."""
+    """Tensor bytes per distinct dtype, in order of each dtype's first leaf (strategies that
+    send one buffer per dtype)."""
+    leaf_bytes: tuple[int, ...] | None = None
+    """Bytes of each tensor leaf in iteration order (strategies that send one per tensor)."""
+
+
+def spec_of(dp) -> PayloadSpec:
+    """The exact PayloadSpec of a leader's DataProto (header size as the codec encodes it, with
+    its 64-byte leaf padding folded in; pickle size measured)."""
+    import pickle
+
+    from strategies.codec import encode_header, layout_entries, nbytes_of
+
+    leaves = list(dp.batch.items(include_nested=True, leaves_only=True))
+    sizes = [nbytes_of(t) for _, t in leaves]
+    nt = dp.non_tensor_batch if dp.broadcast_non_tensor else None
+    blob = pickle.dumps(nt, protocol=pickle.HIGHEST_PROTOCOL) if nt is not None else None
+    entries, data_bytes, span = layout_entries(dp.batch, 0, None if blob is None else len(blob))
+    header_len = len(encode_header(tuple(dp.batch.batch_size), entries, data_bytes, span))
+    nt_padded = -(-len(blob) // 64) * 64 if blob is not None else 0
+    per_dtype: dict = {}
+    for (_, t), n in zip(leaves, sizes):
+        per_dtype[t.dtype] = per_dtype.get(t.dtype, 0) + n
+    return PayloadSpec(
+        tensor_bytes=sum(sizes),
+        n_tensors=len(sizes),
+        header_bytes=header_len + data_bytes - sum(sizes) - nt_padded,
+        pickle_bytes=len(pickle.dumps(dp.batch)),
+        non_tensor_bytes=len(blob) if blob is not None else 0,
+        broadcast_non_tensor=dp.broadcast_non_tensor,
+        pickle_exact=True,
+        dtype_bytes=tuple(per_dtype.values()),
+        leaf_bytes=tuple(sizes),
+    )

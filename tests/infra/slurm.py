@@ -26,6 +26,10 @@ class SlurmUnavailable(RuntimeError):
     """Slurm cannot run here (not root, no apt, install failed); tests should skip."""
 
 
+class SlurmStartError(RuntimeError):
+    """The packages are there but a daemon did not come up: a real failure, not a skip."""
+
+
 def _installed(pkg: str) -> bool:
     out = subprocess.run(
         ["dpkg-query", "-W", "-f=${Status}", pkg], capture_output=True, text=True, check=False
@@ -109,10 +113,15 @@ class SlurmCluster:
     keep_dir: bool = False
     """Keep the state directory (configs, logs, database) after stopping, for debugging."""
 
-    root: Path = field(init=False)
-    nodename: str = field(init=False)
-    env: dict[str, str] = field(init=False)
+    root: Path = field(init=False, default=Path("/nonexistent"))
+    """State directory (configs, logs, database, spool); set on entry."""
+    nodename: str = field(init=False, default="")
+    env: dict[str, str] = field(init=False, default_factory=dict)
+    """Environment to give Slurm client commands (``SLURM_CONF``)."""
     pids: dict[str, int] = field(init=False, default_factory=dict)
+    """PID of each running daemon, by name."""
+    startup_s: float = field(init=False, default=0.0)
+    """Seconds from starting munged to the node being idle."""
 
     def __post_init__(self) -> None:
         self._procs: dict[str, subprocess.Popen] = {}
@@ -189,7 +198,7 @@ class SlurmCluster:
         # recorded from the very first one.
         res = self.run(["sacctmgr", "-i", "add", "cluster", self.cluster_name])
         if res.returncode != 0 and "already exists" not in res.stdout + res.stderr:
-            raise SlurmUnavailable(f"sacctmgr add cluster failed: {res.stdout}{res.stderr}")
+            raise SlurmStartError(f"sacctmgr add cluster failed: {res.stdout}{res.stderr}")
         self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
         self._wait("slurmctld", lambda: _port_open(self._ports["slurmctld"]))
         self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf)])
@@ -223,7 +232,7 @@ class SlurmCluster:
             time.sleep(0.1)
         out = (self.root / "log" / f"{name}.out").read_text(errors="replace")
         state = "exited" if proc.poll() is not None else "not ready"
-        raise SlurmUnavailable(
+        raise SlurmStartError(
             f"{name} {state} (rc={proc.poll()}):\n{out[-2000:]}\n{self.log(name)[-3000:]}"
         )
 
@@ -261,7 +270,7 @@ class SlurmCluster:
             check=False,
         )
         if res.returncode != 0:
-            raise SlurmUnavailable(f"mariadb-install-db failed:\n{res.stdout}\n{res.stderr}")
+            raise SlurmStartError(f"mariadb-install-db failed:\n{res.stdout}\n{res.stderr}")
         self._spawn(
             "mariadbd",
             ["mariadbd", *common, f"--socket={sock}", f"--port={self._ports['mysql']}"]
@@ -283,7 +292,7 @@ class SlurmCluster:
             check=False,
         )
         if res.returncode != 0:
-            raise SlurmUnavailable(f"creating the slurm database user failed: {res.stderr}")
+            raise SlurmStartError(f"creating the slurm database user failed: {res.stderr}")
 
     def _write_configs(self) -> None:
         r, p = self.root, self._ports
@@ -359,5 +368,5 @@ class SlurmCluster:
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = self._old_slurm_conf
-        if getattr(self, "root", None) is not None and not self.keep_dir:
+        if self.root.name.startswith("bcb-slurm-") and not self.keep_dir:
             shutil.rmtree(self.root, ignore_errors=True)
