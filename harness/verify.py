@@ -8,6 +8,7 @@ import pickle
 import torch
 
 from strategies import DataProto
+from strategies.codec import as_bytes
 
 
 class VerificationError(AssertionError):
@@ -15,9 +16,7 @@ class VerificationError(AssertionError):
 
 
 def tensor_digest(t: torch.Tensor) -> str:
-    raw = (
-        t.detach().reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
-    )
+    raw = as_bytes(t.detach())
     return hashlib.blake2b(raw.cpu().numpy().tobytes(), digest_size=16).hexdigest()
 
 

@@ -123,6 +123,8 @@ class ProcessGroups:
     """Gloo twin of ``replica_group``."""
     rank: int = 0
     """This rank's global rank."""
+    replicas: int = 1
+    """Number of DP replicas in the world (each has its own groups of the same shape)."""
 
     def __post_init__(self) -> None:
         self.cpu_tp_cp_group = self.cpu_tp_cp_group or self.tp_cp_group
@@ -217,6 +219,7 @@ class ProcessGroups:
             cpu_pp_group=cpu_pp,
             cpu_replica_group=cpu_replica,
             rank=rank,
+            replicas=world // (tp * cp * pp),
         )
 
 

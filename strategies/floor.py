@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from strategies.base import DataProto, Strategy
-from strategies.codec import nbytes_of
+from strategies.codec import as_bytes, nbytes_of
 from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
 
 
@@ -33,8 +33,7 @@ class Floor(Strategy):
         size = torch.zeros(1, dtype=torch.int64)
         if g.is_leader:
             parts = [
-                t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
-                for _, t in batch.batch.items(include_nested=True, leaves_only=True)
+                as_bytes(t) for _, t in batch.batch.items(include_nested=True, leaves_only=True)
             ]
             self.sent = torch.cat([p.to(g.device) for p in parts]) if parts else torch.empty(0)
             size[0] = self.sent.numel()

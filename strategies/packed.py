@@ -29,6 +29,7 @@ class PackedStrategy(Strategy):
         super().__init__(groups)
         self.wire = Wire(groups.device, groups.rank, initial_bytes, eager_max_bytes, max_bytes)
         self._pack_buf: torch.Tensor | None = None  # leader's send buffer, reused across calls
+        self._pack_cache: dict = {}  # layout + destination views of the last batch structure
 
     def pack(self, batch: DataProto, pad_to: int = 1) -> tuple[torch.Tensor, Header, int]:
         """Leader: pack into the reused buffer; returns (buffer, header, total bytes)."""

@@ -88,7 +88,8 @@ class TensorDictBroadcast(Strategy):
 
     def __init__(self, groups, **options) -> None:
         super().__init__(groups, **options)
-        self._refusal = refusal(dist.get_world_size(), len(groups.replica_ranks), groups.leader)
+        replica_size = len(groups.replica_ranks)
+        self._refusal = refusal(replica_size * groups.replicas, replica_size, groups.leader)
         if self._refusal is not None:
             raise TensorDictBroadcastBug(f"rank {groups.rank}: {self._refusal}")
 

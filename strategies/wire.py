@@ -41,12 +41,15 @@ class Wire:
         self.eager_max_bytes = eager_max_bytes
         self.max_bytes = max_bytes
         self.expect = initial_bytes
+        self._headers: dict = {}  # last decoded header, by its raw bytes
 
     def next_expect(self, total: int) -> int:
-        """Leader's guess for the next call: this size plus 1/16 headroom, page-rounded."""
+        """Leader's guess for the next call: this size plus 1/64 headroom (at most 64 KiB),
+        page-rounded. Every byte of headroom is sent each call, so it stays small; a batch
+        that outgrows it costs one extra broadcast once."""
         if total > self.eager_max_bytes:
             return self.initial_bytes
-        guess = total + total // 16
+        guess = total + min(total // 64, 64 << 10)
         return max(self.initial_bytes, (guess + PAGE - 1) // PAGE * PAGE)
 
     def stamp(self, buf: torch.Tensor, total: int) -> None:
@@ -75,7 +78,7 @@ class Wire:
             full[:first].copy_(buf)
             dist.broadcast(full[first:total], src=src, group=group)
             buf = full
-        return buf, read_header(buf, self.max_bytes, self.rank)
+        return buf, read_header(buf, self.max_bytes, self.rank, self._headers)
 
     def finish(self, next_expect: int) -> None:
         """Every rank of the replica adopts the size the leader announced, at the end of a call."""
