@@ -92,27 +92,9 @@ class Layout:
             )
 
     # -- rank maths ------------------------------------------------------------------------
-    def _grid(self) -> np.ndarray:
-        # C order makes the last axis fastest; Megatron's first token is fastest, so reverse.
-        sizes = [self.size(t) for t in self.tokens]
-        return np.arange(self.world_size, dtype=np.int64).reshape(sizes[::-1])
-
     def groups(self, axes: str) -> list[list[int]]:
         """Rank groups varying over ``axes`` (e.g. ``"tp-cp"``), in Megatron's group order."""
-        wanted = [a.strip().lower() for a in axes.split("-") if a.strip()]
-        for a in wanted:
-            if a not in AXES:
-                raise LayoutError(f"unknown axis {a!r} in {axes!r}; valid axes are {list(AXES)}")
-        n = len(self.tokens)
-        axis_of = {t: n - 1 - i for i, t in enumerate(self.tokens)}  # token -> grid axis
-        masked = [axis_of[t] for t in self.tokens if t in wanted]
-        unmasked = [axis_of[t] for t in self.tokens if t not in wanted]
-        # Groups enumerate unmasked coords, members enumerate masked coords; both with the
-        # first token fastest, i.e. grid axes in descending order as the C-order tail.
-        perm = sorted(unmasked) + sorted(masked)
-        group_size = math.prod(self.size(t) for t in self.tokens if t in wanted)
-        arr = np.transpose(self._grid(), perm).reshape(-1, group_size)
-        return arr.tolist()
+        return rank_groups(self.tokens, {t: self.size(t) for t in self.tokens}, axes)
 
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's coordinate on every axis (what ``mpu.get_*_rank()`` return)."""
@@ -155,9 +137,42 @@ class Layout:
             context_parallel_size=self.cp,
             order="-".join(self.tokens),
         )
-        if not self.tokens[-1] == "pp" and self.cp > 1:
-            kwargs["expert_tensor_parallel_size"] = self.tp * self.cp
-        return kwargs
+        pp_groups = self.groups("pp")
+        for etp in dict.fromkeys((self.tp, self.tp * self.cp)):
+            edp = self.world_size // (etp * self.pp)
+            expert = {**{t: self.size(t) for t in self.tokens}, "tp": etp, "cp": 1, "dp": edp}
+            same_dp = self.tokens[-1] == "pp" or edp == self.dp
+            if same_dp and rank_groups(self.tokens, expert, "pp") == pp_groups:
+                if etp != self.tp:
+                    kwargs["expert_tensor_parallel_size"] = etp
+                return kwargs
+        raise LayoutError(
+            f"megatron-core cannot build order {'-'.join(self.tokens)!r} with cp={self.cp} > 1 "
+            f"and pp={self.pp}: its expert rank generator (CP folded into expert TP) gives other "
+            "PP groups than the dense one, so initialize_model_parallel would assert; put cp "
+            "right after tp (e.g. tp-cp-ep-dp-pp or tp-cp-ep-pp-dp)"
+        )
+
+
+def rank_groups(tokens: tuple[str, ...], sizes: dict[str, int], axes: str) -> list[list[int]]:
+    """Megatron's ``generate_masked_orthogonal_rank_groups`` for an order (fastest token first)
+    and per-axis sizes, vectorised with numpy."""
+    wanted = [a.strip().lower() for a in axes.split("-") if a.strip()]
+    for a in wanted:
+        if a not in AXES:
+            raise LayoutError(f"unknown axis {a!r} in {axes!r}; valid axes are {list(AXES)}")
+    n = len(tokens)
+    world = math.prod(sizes[t] for t in tokens)
+    # C order makes the last axis fastest; Megatron's first token is fastest, so reverse.
+    grid = np.arange(world, dtype=np.int64).reshape([sizes[t] for t in tokens][::-1])
+    axis_of = {t: n - 1 - i for i, t in enumerate(tokens)}
+    masked = [axis_of[t] for t in tokens if t in wanted]
+    unmasked = [axis_of[t] for t in tokens if t not in wanted]
+    # Groups enumerate unmasked coords, members enumerate masked coords; both with the first
+    # token fastest, i.e. grid axes in descending order as the C-order tail.
+    perm = sorted(unmasked) + sorted(masked)
+    group_size = math.prod(sizes[t] for t in tokens if t in wanted)
+    return np.transpose(grid, perm).reshape(-1, group_size).tolist()
 
 
 def parse_layout(spec: str, order: str = DEFAULT_ORDER) -> Layout:
