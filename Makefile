@@ -30,3 +30,17 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# Wheels a lent GPU machine (CPython 3.12, its own torch, no network) lacks; fetched here.
+GPU_WHEELS := hydra-core==1.3.8 omegaconf==2.3.1 megatron-core==0.16.1 tensordict==0.15.3 \
+	cloudpickle==3.1.3 packaging
+gpu-wheels:
+	mkdir -p wheels
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform any -d wheels $(GPU_WHEELS)
+	$(PY) -m pip wheel -q --no-deps -w wheels antlr4-python3-runtime==4.9.3 pyvers==0.2.3
+
+# On a GPU machine: python3 (with its own torch) runs the CUDA checks; no .venv needed.
+gpu-check:
+	python3 -m harness.gpu_check

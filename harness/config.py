@@ -76,6 +76,27 @@ class FaultConf:
 
 
 @dataclass
+class EmulateConf:
+    enabled: bool = False
+    """Run the job on an emulated multi-node cluster (``harness.emulated``): each node a network
+    namespace, nodes joined by tc-shaped veth links. Needs root and iproute2; gloo on CPU."""
+    nodes: int = 2
+    """Emulated nodes; the world (dp·pp·tp·cp) is split into equal blocks of consecutive ranks,
+    rank r on node r // ranks_per_node (the layout's order puts TP, then CP, innermost)."""
+    rate_mbit: int = 1000
+    """Rate of every link, each direction, Mbit/s (tbf; accurate 250–2000 on 2 cores)."""
+    links: str = "node"
+    """node: one link per node, shared by its ranks | gpu: one link per rank ("rails")."""
+    ranks_per_node: int | None = None
+    """Ranks on each node; null: world size / nodes (must divide evenly)."""
+    bytes_calls: int = 2
+    """Untimed calls per strategy in the link-counting phase that gives
+    cross_node_bytes_per_call (0: skip the phase)."""
+    limit_s: float | None = None
+    """Wall-clock limit of the whole emulated launch; null: 2·timeout_s + 60 s."""
+
+
+@dataclass
 class BenchConfig:
     strategy: StrategyConf = field(default_factory=StrategyConf)
     """The strategy under test."""
@@ -95,6 +116,9 @@ class BenchConfig:
     """Measured in the same job for vs_floor and vs_baseline (pickled is the baseline)."""
     fault: FaultConf = field(default_factory=FaultConf)
     """Fault injection (tests)."""
+    emulate: EmulateConf = field(default_factory=EmulateConf)
+    """Emulated multi-node cluster (off by default). Its own key, apart from the cost model's
+    ``cluster`` group: this one runs the job, that one predicts it."""
 
 
 def register() -> None:
@@ -104,13 +128,15 @@ def register() -> None:
 
 def layout_of(cfg) -> Layout:
     try:
-        return Layout(
+        layout = Layout(
             dp=cfg.layout.dp,
             pp=cfg.layout.pp,
             tp=cfg.layout.tp,
             cp=cfg.layout.cp,
             order=cfg.layout.order,
         )
+        layout.megatron_kwargs()  # an order megatron-core cannot build fails here, not in ranks
+        return layout
     except LayoutError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -165,6 +191,8 @@ def validate(cfg, world_size: int | None = None) -> Layout:
                 f"nccl needs one GPU per rank: world {layout.world_size} > {gpus} GPUs "
                 "(NCCL refuses two ranks on one GPU; use backend=gloo_cuda to share one)"
             )
+    if "emulate" in cfg and cfg.emulate.enabled:
+        _validate_emulate(cfg, layout)
     if cfg.fault.kind not in ("crash", "hang"):
         raise ConfigError(f"fault.kind must be crash or hang, got {cfg.fault.kind!r}")
     if cfg.fault.rank >= layout.world_size:
@@ -172,3 +200,31 @@ def validate(cfg, world_size: int | None = None) -> Layout:
             f"fault.rank={cfg.fault.rank} is outside the world of {layout.world_size}"
         )
     return layout
+
+
+def _validate_emulate(cfg, layout: Layout) -> None:
+    e = cfg.emulate
+    if e.nodes < 1:
+        raise ConfigError(f"emulate.nodes must be >= 1, got {e.nodes}")
+    if e.links not in ("node", "gpu"):
+        raise ConfigError(f"emulate.links must be node or gpu, got {e.links!r}")
+    if e.rate_mbit <= 0:
+        raise ConfigError(f"emulate.rate_mbit must be positive, got {e.rate_mbit}")
+    if e.bytes_calls < 0:
+        raise ConfigError(f"emulate.bytes_calls must be >= 0, got {e.bytes_calls}")
+    if layout.world_size % e.nodes:
+        raise ConfigError(
+            f"emulate.nodes={e.nodes} does not divide the world of {layout.world_size} "
+            f"({layout.describe()}): every node holds the same number of ranks"
+        )
+    per_node = layout.world_size // e.nodes
+    if e.ranks_per_node is not None and e.ranks_per_node != per_node:
+        raise ConfigError(
+            f"emulate.ranks_per_node={e.ranks_per_node} but world {layout.world_size} / "
+            f"nodes {e.nodes} = {per_node}"
+        )
+    if cfg.backend.name != "gloo" or cfg.backend.device != "cpu":
+        raise ConfigError(
+            "emulate.enabled needs backend=gloo on cpu: the emulated links carry TCP, "
+            f"got {cfg.backend.name}/{cfg.backend.device}"
+        )
