@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: bench test lint setup clean gpu-wheels gpu-check
+.PHONY: bench bench-gate test lint setup clean gpu-wheels gpu-check
 
 setup: $(STAMP)
 
@@ -22,8 +22,17 @@ lint: $(STAMP)
 	$(BIN)/ruff check strategies harness tests
 	$(BIN)/ruff format --check strategies harness tests
 
+# The benchmark gate (tests/benchmarks, short mode) runs inside the suite and leaves its
+# pytest-benchmark JSON in results/ci/.
 test: lint
-	$(BIN)/python -m pytest -q tests
+	mkdir -p results/ci
+	BCASTBENCH_BENCH=short $(BIN)/python -m pytest -q tests --benchmark-enable \
+		--benchmark-json results/ci/benchmarks.json
+
+# Full-length benchmarks, saved for `python -m pytest_benchmark compare`.
+bench-gate: $(STAMP)
+	BCASTBENCH_BENCH=full $(BIN)/python -m pytest tests/benchmarks --benchmark-enable \
+		--benchmark-autosave
 
 bench: $(STAMP)
 	$(BIN)/python -m harness.bench

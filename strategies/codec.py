@@ -45,6 +45,7 @@ ITEMSIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in DTYPES}
 
 _PREFIX = struct.Struct("<4sHHIQQ")  # magic, version, flags, header_len, data_bytes, next_expect
 FLAG_NON_TENSOR = 1
+FLAG_ERROR = 2  # the leader refused its batch; the header carries why, so no receiver waits
 
 
 class HeaderError(ValueError):
@@ -86,6 +87,7 @@ class Header:
     header_len: int  # bytes before the data region (aligned)
     next_expect: int
     non_tensor: tuple[int, int] | None  # (offset, nbytes) of the pickled non_tensor_batch
+    error: str | None = None  # set when the leader sent its refusal instead of a batch
 
     @property
     def total_bytes(self) -> int:
@@ -108,6 +110,21 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     if flat.stride(0) != 1:  # only a single element can be "contiguous" with another stride
         flat = flat.as_strided((flat.numel(),), (1,))
     return flat.view(torch.uint8)
+
+
+# Dtypes gloo and NCCL reduce/broadcast natively; others (int16, ...) travel as their bytes.
+_NATIVE = {
+    torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    torch.complex64, torch.complex128,
+}  # fmt: skip
+
+
+def transportable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or a uint8 view of its bytes when the backends cannot carry its dtype
+    (gloo raises 'Invalid scalar type' for int16). Sender and receiver apply the same rule to
+    contiguous tensors, so the bytes land where they belong."""
+    return t if t.dtype in _NATIVE else as_bytes(t)
 
 
 def layout_entries(
@@ -157,6 +174,14 @@ def encode_header(
     return (prefix + bytes(body)).ljust(header_len, b"\0")
 
 
+def encode_error(message: str) -> bytes:
+    """A header-only message that tells every receiver why the leader has no batch to send."""
+    raw = message.encode()[:60_000]
+    header_len = align(_PREFIX.size + 4 + len(raw))
+    prefix = _PREFIX.pack(MAGIC, VERSION, FLAG_ERROR, header_len, 0, 0)
+    return (prefix + struct.pack("<I", len(raw)) + raw).ljust(header_len, b"\0")
+
+
 def peek_total(prefix: bytes, max_bytes: int = DEFAULT_MAX_BYTES, rank: int = 0) -> int:
     """Header length + data bytes from the fixed prefix, validated before any allocation."""
     if len(prefix) < _PREFIX.size:
@@ -183,6 +208,10 @@ def decode_header(raw: bytes, max_bytes: int = DEFAULT_MAX_BYTES, rank: int = 0)
     if len(raw) < header_len:
         raise HeaderError(f"rank {rank}: header truncated ({len(raw)} < {header_len} bytes)")
     pos = _PREFIX.size
+    if flags & FLAG_ERROR:
+        (n,) = struct.unpack_from("<I", raw, pos)
+        message = raw[pos + 4 : pos + 4 + n].decode(errors="replace")
+        return Header((), (), 0, header_len, 0, None, error=message)
 
     def take(fmt: str):
         nonlocal pos

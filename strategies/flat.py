@@ -23,13 +23,12 @@ class Flat(PackedStrategy):
         if g.replica_ranks == (g.rank,):
             return batch
         if g.is_leader:
-            buf, _, total = self.pack(batch)
+            buf, header, total = self.pack(batch)
             self.wire.send(buf, total, g.replica_group, g.leader)
-            self.wire.finish(self.wire.next_expect(total))
-            return batch
-        buf, header = self.wire.recv(g.replica_group, g.leader)
-        self.wire.finish(header.next_expect)
-        return self.finish_receiver(batch, buf, header)
+        else:
+            buf, header = self.wire.recv(g.replica_group, g.leader)
+            total = header.total_bytes
+        return self.complete(batch, buf, header, total)
 
     @classmethod
     def plan(cls, layout, spec: PayloadSpec, expect: int | None = None) -> Plan:

@@ -45,10 +45,7 @@ class HeaderStrategy(PackedStrategy):
                 self.wire.send(buf, total, g.pp_group, src)
             else:
                 buf, header = self.wire.recv(g.pp_group, src)
-        self.wire.finish(self.wire.next_expect(total) if g.is_leader else header.next_expect)
-        if not g.is_leader:
-            self.finish_receiver(batch, buf, header)
-        return batch
+        return self.complete(batch, buf, header, total)
 
     @classmethod
     def plan(cls, layout, spec: PayloadSpec, expect: int | None = None) -> Plan:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from strategies.base import ContractError, DataProto, Strategy
+from strategies.codec import transportable
 from strategies.pickled import stage0_tp_cp_groups
 from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.trace import WORK
@@ -133,7 +134,7 @@ def broadcast_message(
         if msg.header.numel():
             dist.broadcast(msg.header, src=src, group=group)
         for flat in msg.flats:
-            dist.broadcast(flat, src=src, group=group)
+            dist.broadcast(transportable(flat), src=src, group=group)
         return msg
     n_keys = len(table["keys"])
     header = torch.empty(MAX_DATA_DIM * n_keys, dtype=torch.int64, device=device)
@@ -146,7 +147,7 @@ def broadcast_message(
     flats = []
     for dtype, n in numel.items():
         flat = torch.empty(n, dtype=dtype, device=device)
-        dist.broadcast(flat, src=src, group=group)
+        dist.broadcast(transportable(flat), src=src, group=group)
         flats.append(flat)
     return _Message(table, header, flats, sizes_cpu)
 

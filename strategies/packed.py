@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from strategies.base import DataProto, Strategy
-from strategies.codec import DEFAULT_MAX_BYTES, Header, pack, unpack
+from strategies.base import ContractError, DataProto, Strategy
+from strategies.codec import DEFAULT_MAX_BYTES, Header, HeaderError, encode_error, pack, unpack
 from strategies.wire import Wire
 
 
@@ -32,8 +32,38 @@ class PackedStrategy(Strategy):
         self._pack_cache: dict = {}  # layout + destination views of the last batch structure
 
     def pack(self, batch: DataProto, pad_to: int = 1) -> tuple[torch.Tensor, Header, int]:
-        """Leader: pack into the reused buffer; returns (buffer, header, total bytes)."""
-        batch.validate(self.groups.rank)
+        """Leader: pack into the reused buffer; returns (buffer, header, total bytes).
+
+        A batch that breaks the contract becomes an error message instead, which travels the
+        same hops, so every rank raises (``complete``) rather than waiting forever.
+        """
+        try:
+            batch.validate(self.groups.rank)
+            return self._pack(batch, pad_to)
+        except (ContractError, HeaderError) as exc:
+            raw = encode_error(str(exc))
+            size = max(len(raw), self.wire.expect)
+            buf = torch.zeros(size, dtype=torch.uint8, device=self.groups.device)
+            buf[: len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+            self.wire.stamp(buf, len(raw))
+            return buf, Header((), (), 0, len(raw), 0, None, error=str(exc)), len(raw)
+
+    def complete(self, batch: DataProto, buf, header: Header, total: int) -> DataProto:
+        """End of a call on every rank: agree on the next size, raise a refusal, or unpack."""
+        g = self.groups
+        self.wire.finish(self.wire.next_expect(total) if g.is_leader else header.next_expect)
+        if header.error is not None:
+            if g.is_leader:
+                raise ContractError(header.error)
+            raise ContractError(
+                f"rank {g.rank}: the replica leader (rank {g.leader}) refused its batch: "
+                f"{header.error}"
+            )
+        if not g.is_leader:
+            self.finish_receiver(batch, buf, header)
+        return batch
+
+    def _pack(self, batch: DataProto, pad_to: int) -> tuple[torch.Tensor, Header, int]:
         nt = batch.non_tensor_batch if batch.broadcast_non_tensor else None
         buf, header = pack(
             batch.batch,

@@ -1,11 +1,13 @@
 """``pickled``: the seed's algorithm (ROLL ``MegatronInferStrategy.get_data_input``), exactly.
 
-Hop 1, only on PP stage 0 and only if tp·cp > 1: ``broadcast_object_list`` over the TP×CP
+Kept exactly: hop 1, only on PP stage 0 and only if tp·cp > 1: ``broadcast_object_list`` over the TP×CP
 group; hop 2, only if pp > 1: the same over the PP group; the source is always the group's
 rank 0. By default only ``batch.batch`` (the TensorDict) travels; with
 ``meta_info["_broadcast_non_tensor_batch"]`` the whole DataProto travels and its batch and
 non_tensor_batch are copied back. Every hop is two collectives (sizes, then pickled bytes) and
-a host sync. This is the baseline every figure is compared with.
+a host sync. This is the baseline every figure is compared with. One addition: the leader validates its
+batch and, if it breaks the contract, broadcasts the ContractError in its place, so every rank
+raises instead of receivers waiting forever.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import pickle
 
 import torch.distributed as dist
 
-from strategies.base import DataProto, Strategy
+from strategies.base import ContractError, DataProto, Strategy
 from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
 
 
@@ -38,20 +40,29 @@ class Pickled(Strategy):
     def get_data_input(self, batch: DataProto) -> DataProto:
         g = self.groups
         whole = batch.broadcast_non_tensor
+        refusal = None
+        if g.is_leader:
+            try:
+                batch.validate(g.rank)
+            except ContractError as exc:  # ship the refusal instead, so no receiver waits
+                refusal = exc
+        carried = refusal if refusal is not None else (batch if whole else batch.batch)
         if g.pp_rank == 0 and g.tp_cp_size > 1:
-            self._hop(batch, g.tp_cp_group, whole)
+            carried = broadcast_obj(carried, g.tp_cp_group)
         if g.pp_size > 1:
-            self._hop(batch, g.pp_group, whole)
-        return batch
-
-    @staticmethod
-    def _hop(batch: DataProto, group, whole: bool) -> None:
+            carried = broadcast_obj(carried, g.pp_group)
+        if isinstance(carried, ContractError):
+            if g.is_leader:
+                raise carried
+            raise ContractError(
+                f"rank {g.rank}: the replica leader (rank {g.leader}) refused its batch: {carried}"
+            )
         if whole:
-            tmp = broadcast_obj(batch, group)
-            batch.batch = tmp.batch
-            batch.non_tensor_batch = tmp.non_tensor_batch
+            batch.batch = carried.batch
+            batch.non_tensor_batch = carried.non_tensor_batch
         else:
-            batch.batch = broadcast_obj(batch.batch, group)
+            batch.batch = carried
+        return batch
 
     @classmethod
     def plan(cls, layout, spec: PayloadSpec) -> Plan:
@@ -70,7 +81,7 @@ class Pickled(Strategy):
                         nbytes,
                         step + 1,
                         "pickle",
-                        spec.pickle_exact,
+                        spec.pickle_exact and not spec.broadcast_non_tensor,
                     )
                 )
             step += 2
@@ -86,7 +97,7 @@ class Pickled(Strategy):
                         nbytes,
                         step + 1,
                         "pickle",
-                        spec.pickle_exact,
+                        spec.pickle_exact and not spec.broadcast_non_tensor,
                     )
                 )
         hops = (layout.tp_cp > 1) + (layout.pp > 1)

@@ -15,8 +15,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from strategies.base import DataProto, Strategy
-from strategies.codec import DEFAULT_MAX_BYTES, PREFIX_BYTES, pack, peek_total, read_header, unpack
+from strategies.base import ContractError, DataProto, Strategy
+from strategies.codec import (
+    DEFAULT_MAX_BYTES,
+    PREFIX_BYTES,
+    HeaderError,
+    encode_error,
+    pack,
+    peek_total,
+    read_header,
+    unpack,
+)
 from strategies.pickled import stage0_tp_cp_groups
 from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
 
@@ -57,9 +66,12 @@ class ScatterAllgather(Strategy):
         dev = g.device
         # 1. Header: everyone learns the message size and layout.
         if g.is_leader:
-            batch.validate(g.rank)
-            nt = batch.non_tensor_batch if batch.broadcast_non_tensor else None
-            buf, header = pack(batch.batch, nt, out=self._pack_buf, rank=g.rank)
+            try:
+                batch.validate(g.rank)
+                nt = batch.non_tensor_batch if batch.broadcast_non_tensor else None
+                buf, header = pack(batch.batch, nt, out=self._pack_buf, rank=g.rank)
+            except (ContractError, HeaderError) as exc:
+                self._refuse(exc)
             total = header.total_bytes
             c = chunk_bytes(total, n)
             if buf.numel() < max(c * n, self.header_bytes):
@@ -86,6 +98,11 @@ class ScatterAllgather(Strategy):
                 dist.broadcast(rest[self.header_bytes :], src=g.leader, group=g.replica_group)
                 head = rest
             header = read_header(head, self.max_bytes, g.rank)
+            if header.error is not None:
+                raise ContractError(
+                    f"rank {g.rank}: the replica leader (rank {g.leader}) refused its batch: "
+                    f"{header.error}"
+                )
             total = header.total_bytes
             c = chunk_bytes(total, n)
         # 2. Scatter on stage 0; 3. each chunk down its PP group; 4. all-gather per stage.
@@ -113,6 +130,17 @@ class ScatterAllgather(Strategy):
         if non_tensor is not None:
             batch.non_tensor_batch = non_tensor
         return batch
+
+    def _refuse(self, exc: Exception) -> None:
+        """Leader: send the refusal where the header would go (every rank reads it), then raise."""
+        g = self.groups
+        raw = encode_error(str(exc))
+        buf = torch.zeros(max(len(raw), self.header_bytes), dtype=torch.uint8, device=g.device)
+        buf[: len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        dist.broadcast(buf[: self.header_bytes], src=g.leader, group=g.replica_group)
+        if len(raw) > self.header_bytes:
+            dist.broadcast(buf[self.header_bytes : len(raw)], src=g.leader, group=g.replica_group)
+        raise exc
 
     @classmethod
     def plan(cls, layout, spec: PayloadSpec, header_bytes: int = 4096) -> Plan:

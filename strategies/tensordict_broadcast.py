@@ -42,11 +42,17 @@ is set) travels in a second ``broadcast_object_list`` over the replica's gloo tw
 the storage on the SENDER's device index; the leader keeps its own batch (the library's
 consolidated copy is dropped).
 
+Adapted for the 8-byte padding: a complex128 leaf can land at an offset that is not a multiple
+of 16, where the library's own ``view(complex128)`` fails on receivers. Such leaves travel as
+``view_as_real`` float64 under a reserved ``__complex128__`` prefix and receivers restore them
+(one copy of those leaves only); every other leaf arrives as the library delivers it.
+
 Per call (DP = 1): 2 (pickled metadata) + 1 storage broadcast, + 2 when non-tensor data travels.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
@@ -56,6 +62,34 @@ from strategies.trace import WORK
 from strategies.vllm_tensor_dict import leaf_nbytes
 
 CONSOLIDATE_ALIGN = 8  # tensordict pads every leaf of a mixed-dtype storage to 8 bytes
+COMPLEX_PREFIX = "__complex128__"
+
+
+def _hide_complex128(td: TensorDict) -> TensorDict:
+    """complex128 leaves as float64 pairs under COMPLEX_PREFIX (see the module docstring)."""
+    leaves = list(td.items(include_nested=True, leaves_only=True))
+    if not any(t.dtype == torch.complex128 for _, t in leaves):
+        return td
+    out = TensorDict({}, batch_size=td.batch_size, device=td.device)
+    for key, t in leaves:
+        key = key if isinstance(key, tuple) else (key,)
+        if t.dtype == torch.complex128:
+            out.set((COMPLEX_PREFIX, *key), torch.view_as_real(t))
+        else:
+            out.set(key, t)
+    return out
+
+
+def _restore_complex128(td: TensorDict) -> TensorDict:
+    if COMPLEX_PREFIX not in td.keys():
+        return td
+    hidden = td.get(COMPLEX_PREFIX)
+    td = td.exclude(COMPLEX_PREFIX)
+    for key, t in hidden.items(include_nested=True, leaves_only=True):
+        key = key if isinstance(key, tuple) else (key,)
+        WORK["copied_bytes"] += t.numel() * t.element_size()
+        td.set(key, torch.view_as_complex(t.clone()))  # the copy realigns it to 16 bytes
+    return td
 
 
 class TensorDictBroadcastBug(Unsupported):
@@ -97,7 +131,7 @@ class TensorDictBroadcast(Strategy):
         g = self.groups
         if g.replica_ranks == (g.rank,):
             return batch
-        td = batch.batch if g.is_leader else TensorDict()
+        td = _hide_complex128(batch.batch) if g.is_leader else TensorDict()
         if g.is_leader:
             batch.validate(g.rank)
             if not td.is_consolidated():
@@ -113,7 +147,7 @@ class TensorDictBroadcast(Strategy):
             dist.broadcast_object_list(box, src=g.leader, group=g.cpu_replica_group)
             non_tensor = box[0]
         if not g.is_leader:
-            batch.batch = out
+            batch.batch = _restore_complex128(out)
             if non_tensor is not None:
                 batch.non_tensor_batch = non_tensor
         return batch

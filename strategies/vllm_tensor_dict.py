@@ -37,6 +37,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from strategies.base import DataProto, Strategy
+from strategies.codec import transportable
 from strategies.pickled import stage0_tp_cp_groups
 from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.trace import WORK
@@ -75,7 +76,7 @@ def broadcast_tensor_dict(
                 t = t.contiguous()
                 WORK["copied_bytes"] += t.numel() * t.element_size()
             on = cpu_group if t.is_cpu else group
-            handles.append(dist.broadcast(t, src=src, group=on, async_op=True))
+            handles.append(dist.broadcast(transportable(t), src=src, group=on, async_op=True))
         for h in handles:
             h.wait()
         return tensor_dict
@@ -92,7 +93,7 @@ def broadcast_tensor_dict(
         if t.numel() == 0:
             continue
         on = cpu_group if on_cpu else group
-        handles.append(dist.broadcast(t, src=src, group=on, async_op=True))
+        handles.append(dist.broadcast(transportable(t), src=src, group=on, async_op=True))
     for h in handles:
         h.wait()
     return out

@@ -1,0 +1,44 @@
+"""The gate's bounds, in one place: what each benchmarked strategy must stay within.
+
+Same-job ratios only, never absolute times: ``vs_floor`` = p50 / floor p50 and ``vs_baseline``
+= p50 / pickled p50, timed interleaved inside one job; the gate takes the median over the
+rounds (jobs) of a benchmark. Bounds sit well outside what 2 shared cores under a load
+average of 8-49 produced (README, "Benchmarks and the gate"): they catch a strategy that got
+structurally slower (a collective per key, pickling the tensors, a round trip more at small
+sizes), not a few percent. ``collectives_per_call`` is counted, not timed: exact, never noisy.
+"""
+
+from __future__ import annotations
+
+SIZES = {"69KiB": 3, "8MiB": 356}
+"""Payload name -> rl_rollout batch size at seq_len 512 (23,552 bytes per sample):
+3 -> 70,656 bytes (69 KiB); 356 -> 8,384,512 bytes (8.0 MiB)."""
+
+MIN_VS_FLOOR = 0.6
+"""No strategy on the same transport beats one raw broadcast by much; a median below this
+means the floor or the strategy measured something else (or skipped work)."""
+
+BOUNDS: dict[tuple[str, str], dict[str, float]] = {
+    # (strategy, size): the largest allowed value of each measure (medians over rounds).
+    # Measured on tp2pp2, 6 runs (3-7 rounds each, load average 8-49): medians of vs_floor
+    # header 8MiB 1.23-1.61 (single jobs 1.10-1.86), flat 8MiB 1.26-1.47 (1.07-2.09),
+    # header 69KiB 1.24-2.21 (0.81-2.73), flat 69KiB 1.25-2.12 (0.87-2.47); vs_baseline of
+    # header and flat 0.18-0.37 (single jobs 0.14-0.43). 1.5x the floor at 8 MiB would flake.
+    ("header", "69KiB"): {"vs_floor": 4.0, "vs_baseline": 0.7, "collectives_per_call": 2},
+    ("header", "8MiB"): {"vs_floor": 2.0, "vs_baseline": 0.7, "collectives_per_call": 2},
+    ("flat", "69KiB"): {"vs_floor": 4.0, "vs_baseline": 0.7, "collectives_per_call": 1},
+    ("flat", "8MiB"): {"vs_floor": 2.0, "vs_baseline": 0.7, "collectives_per_call": 1},
+    # Scatter + all-gather moves ~2x the bytes on one flat network: slower than the floor,
+    # still faster than pickled. vs_floor medians 3.02-4.69 (69KiB), 1.95-2.66 (8MiB);
+    # vs_baseline medians 0.41-0.62 (single jobs <= 0.77).
+    ("scatter_allgather", "69KiB"): {
+        "vs_floor": 8.0,
+        "vs_baseline": 1.0,
+        "collectives_per_call": 4,
+    },
+    ("scatter_allgather", "8MiB"): {"vs_floor": 4.0, "vs_baseline": 1.0, "collectives_per_call": 4},
+    # pickled is the baseline (vs_baseline = 1 by definition): bound how far above the floor.
+    # vs_floor medians 4.50-8.41 (69KiB; single jobs up to 10.9), 3.44-4.69 (8MiB; up to 5.2).
+    ("pickled", "69KiB"): {"vs_floor": 20.0, "collectives_per_call": 4},
+    ("pickled", "8MiB"): {"vs_floor": 10.0, "collectives_per_call": 4},
+}
