@@ -286,6 +286,26 @@ def pack(
     ``cache`` (a dict the caller keeps) remembers the layout and destination views of the
     last structure, so a steady stream of same-shaped batches skips that work.
     """
+    out, header, fill = pack_deferred(
+        batch, non_tensor_batch, out, next_expect, min_capacity, rank, cache
+    )
+    fill(header.total_bytes)
+    return out, header
+
+
+def pack_deferred(
+    batch: TensorDict,
+    non_tensor_batch: dict[str, np.ndarray] | None,
+    out: torch.Tensor | None = None,
+    next_expect: int = 0,
+    min_capacity: int = 0,
+    rank: int = 0,
+    cache: dict | None = None,
+):
+    """Like ``pack``, but only the header is written; returns (buffer, header, fill) where
+    ``fill(upto)`` copies every leaf that starts before byte ``upto``, so a sender can put the
+    first part of a large message on the wire while it packs the rest. A new buffer gets 1/4
+    spare capacity, so slowly growing batches do not reallocate every call."""
     blob = None
     if non_tensor_batch is not None:
         blob = pickle.dumps(non_tensor_batch, protocol=pickle.HIGHEST_PROTOCOL)
@@ -308,30 +328,45 @@ def pack(
     device = batch.device if batch.device is not None else _leaf_device(batch)
     capacity = max(total, min_capacity)
     if out is None or out.numel() < capacity or out.device != device:
-        out = torch.empty(capacity, dtype=torch.uint8, device=device)
+        out = torch.empty(capacity + capacity // 4, dtype=torch.uint8, device=device)
     out[:header_len].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
     views_key = (out.data_ptr(), header_len)
     if cache.get("views_key") != views_key:
-        dst, src_index = [], []
+        dst, src_index, starts = [], [], []
         for i, e in enumerate(entries):
             if e.nbytes:
                 start = header_len + e.offset
                 dst.append(out[start : start + e.nbytes].view(e.dtype).view(e.shape))
                 src_index.append(i)
-        cache.update(views_key=views_key, dst=dst, src_index=src_index)
-    if cache["dst"]:
-        # One C++ call for every copy; non-contiguous sources copy only their own elements.
-        torch._foreach_copy_(cache["dst"], [leaves[i][1] for i in cache["src_index"]])
-    if blob is not None:
-        start = header_len + span[0]
-        out[start : start + len(blob)].copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+                starts.append(start)
+        cache.update(views_key=views_key, dst=dst, src_index=src_index, starts=starts)
+    dst, src_index, starts = cache["dst"], cache["src_index"], cache["starts"]
+    blob_start = header_len + span[0] if blob is not None else total
+    done = 0
+    blob_done = blob is None
+
+    def fill(upto: int) -> None:
+        nonlocal done, blob_done
+        end = done
+        while end < len(dst) and starts[end] < upto:
+            end += 1
+        if end > done:
+            # One C++ call for these copies; non-contiguous sources copy only their elements.
+            torch._foreach_copy_(dst[done:end], [leaves[src_index[k]][1] for k in range(done, end)])
+            done = end
+        if not blob_done and blob_start < upto:
+            out[blob_start : blob_start + len(blob)].copy_(
+                torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            )
+            blob_done = True
+
     header = Header(
         tuple(batch.batch_size), tuple(entries), data_bytes, header_len, next_expect, span
     )
     WORK["packed_bytes"] += total
     if blob is not None:
         WORK["pickled_bytes"] += len(blob)
-    return out, header
+    return out, header, fill
 
 
 def _leaf_device(batch: TensorDict) -> torch.device:

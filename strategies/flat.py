@@ -24,7 +24,7 @@ class Flat(PackedStrategy):
             return batch
         if g.is_leader:
             buf, header, total = self.pack(batch)
-            self.wire.send(buf, total, g.replica_group, g.leader)
+            self.wire.send(buf, total, g.replica_group, g.leader, fill=self.take_fill())
         else:
             buf, header = self.wire.recv(g.replica_group, g.leader)
             total = header.total_bytes

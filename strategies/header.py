@@ -35,14 +35,14 @@ class HeaderStrategy(PackedStrategy):
         if g.pp_rank == 0 and g.tp_cp_size > 1:
             src = g.tp_cp_ranks[0]
             if g.rank == src:
-                self.wire.send(buf, total, g.tp_cp_group, src)
+                self.wire.send(buf, total, g.tp_cp_group, src, fill=self.take_fill())
             else:
                 buf, header = self.wire.recv(g.tp_cp_group, src)
                 total = header.total_bytes
         if g.pp_size > 1:
             src = g.pp_ranks[0]
             if g.rank == src:
-                self.wire.send(buf, total, g.pp_group, src)
+                self.wire.send(buf, total, g.pp_group, src, fill=self.take_fill())
             else:
                 buf, header = self.wire.recv(g.pp_group, src)
         return self.complete(batch, buf, header, total)
@@ -85,9 +85,13 @@ def _steady_expect(total: int) -> int:
 
 
 def _wire_comms(comms: list[Comm], groups, total: int, first: int, step: int) -> int:
-    for ranks in groups:
-        comms.append(Comm("broadcast", tuple(ranks), ranks[0], first, step, "header+payload"))
-    step += 1
+    from strategies.wire import segments
+
+    for a, b in segments(first):  # one broadcast, or SEGMENTS pipelined ones when large
+        for ranks in groups:
+            what = "header+payload" if a == 0 else "payload"
+            comms.append(Comm("broadcast", tuple(ranks), ranks[0], b - a, step, what))
+        step += 1
     if total > first:
         for ranks in groups:
             comms.append(Comm("broadcast", tuple(ranks), ranks[0], total - first, step, "payload"))

@@ -7,7 +7,14 @@ from __future__ import annotations
 import torch
 
 from strategies.base import ContractError, DataProto, Strategy
-from strategies.codec import DEFAULT_MAX_BYTES, Header, HeaderError, encode_error, pack, unpack
+from strategies.codec import (
+    DEFAULT_MAX_BYTES,
+    Header,
+    HeaderError,
+    encode_error,
+    pack_deferred,
+    unpack,
+)
 from strategies.wire import Wire
 
 
@@ -30,8 +37,9 @@ class PackedStrategy(Strategy):
         self.wire = Wire(groups.device, groups.rank, initial_bytes, eager_max_bytes, max_bytes)
         self._pack_buf: torch.Tensor | None = None  # leader's send buffer, reused across calls
         self._pack_cache: dict = {}  # layout + destination views of the last batch structure
+        self._fill = None
 
-    def pack(self, batch: DataProto, pad_to: int = 1) -> tuple[torch.Tensor, Header, int]:
+    def pack(self, batch: DataProto) -> tuple[torch.Tensor, Header, int]:
         """Leader: pack into the reused buffer; returns (buffer, header, total bytes).
 
         A batch that breaks the contract becomes an error message instead, which travels the
@@ -39,13 +47,14 @@ class PackedStrategy(Strategy):
         """
         try:
             batch.validate(self.groups.rank)
-            return self._pack(batch, pad_to)
+            return self._pack(batch)
         except (ContractError, HeaderError) as exc:
             raw = encode_error(str(exc))
             size = max(len(raw), self.wire.expect)
             buf = torch.zeros(size, dtype=torch.uint8, device=self.groups.device)
             buf[: len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
             self.wire.stamp(buf, len(raw))
+            self._fill = None
             return buf, Header((), (), 0, len(raw), 0, None, error=str(exc)), len(raw)
 
     def complete(self, batch: DataProto, buf, header: Header, total: int) -> DataProto:
@@ -63,31 +72,24 @@ class PackedStrategy(Strategy):
             self.finish_receiver(batch, buf, header)
         return batch
 
-    def _pack(self, batch: DataProto, pad_to: int) -> tuple[torch.Tensor, Header, int]:
+    def _pack(self, batch: DataProto) -> tuple[torch.Tensor, Header, int]:
         nt = batch.non_tensor_batch if batch.broadcast_non_tensor else None
-        buf, header = pack(
+        buf, header, self._fill = pack_deferred(
             batch.batch,
             nt,
             out=self._pack_buf,
             min_capacity=self.wire.expect,
             rank=self.groups.rank,
+            cache=self._pack_cache,
         )
-        total = header.total_bytes
-        padded = -(-total // pad_to) * pad_to
-        if buf.numel() < max(padded, self.wire.expect):
-            grown = torch.empty(max(padded, self.wire.expect), dtype=torch.uint8, device=buf.device)
-            grown[:total].copy_(buf[:total])
-            buf = grown
-        # Grow by 1/4 so slowly growing batches do not reallocate every call.
-        if self._pack_buf is None or buf.data_ptr() != self._pack_buf.data_ptr():
-            spare = torch.empty(
-                buf.numel() + buf.numel() // 4, dtype=torch.uint8, device=buf.device
-            )
-            spare[:total].copy_(buf[:total])
-            buf = spare
         self._pack_buf = buf
-        self.wire.stamp(buf, total)
-        return buf, header, total
+        self.wire.stamp(buf, header.total_bytes)
+        return buf, header, header.total_bytes
+
+    def take_fill(self):
+        """The leader's pending ``fill`` (packing deferred into the first send), once."""
+        fill, self._fill = self._fill, None
+        return fill
 
     def finish_receiver(self, batch: DataProto, buf: torch.Tensor, header: Header) -> DataProto:
         td, non_tensor = unpack(buf, header, td_device=None)

@@ -47,14 +47,14 @@ class PpFirst(PackedStrategy):
         if g.pp_size > 1 and is_stage_leader:
             src = g.pp_ranks[0]
             if g.rank == src:
-                self.wire.send(buf, total, g.pp_group, src)
+                self.wire.send(buf, total, g.pp_group, src, fill=self.take_fill())
             else:
                 buf, header = self.wire.recv(g.pp_group, src)
                 total = header.total_bytes
         if g.tp_cp_size > 1:
             src = g.tp_cp_ranks[0]
             if g.rank == src:
-                self.wire.send(buf, total, g.tp_cp_group, src)
+                self.wire.send(buf, total, g.tp_cp_group, src, fill=self.take_fill())
             else:
                 buf, header = self.wire.recv(g.tp_cp_group, src)
         return self.complete(batch, buf, header, total)

@@ -18,6 +18,18 @@ from strategies.codec import DEFAULT_MAX_BYTES, PREFIX_BYTES, Header, peek_total
 
 NEXT_EXPECT_OFFSET = 20  # byte offset of next_expect in the header prefix (see codec._PREFIX)
 PAGE = 4096
+# A first message this large goes out in SEGMENTS async broadcasts, so the leader packs
+# segment i+1 while segment i is on the wire; below it, one broadcast costs less.
+PIPELINE_MIN_BYTES = 4 << 20
+SEGMENTS = 4
+
+
+def segments(first: int) -> list[tuple[int, int]]:
+    """Byte ranges of the first message's broadcasts; both sides derive them from ``first``."""
+    if first < PIPELINE_MIN_BYTES:
+        return [(0, first)]
+    step = -(-first // SEGMENTS // PAGE) * PAGE
+    return [(a, min(a + step, first)) for a in range(0, first, step)]
 
 
 class Wire:
@@ -59,11 +71,24 @@ class Wire:
             torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         )
 
-    def send(self, buf: torch.Tensor, total: int, group, src: int) -> None:
-        """Source side; ``buf`` holds the message in [:total] and has capacity >= expect."""
+    def send(self, buf: torch.Tensor, total: int, group, src: int, fill=None) -> None:
+        """Source side; ``buf`` holds (or, with ``fill``, will hold) the message in [:total]
+        and has capacity >= expect. ``fill(upto)`` packs the bytes before ``upto``."""
         first = self.expect
-        dist.broadcast(buf[:first], src=src, group=group)
+        parts = segments(first)
+        handles = []
+        for a, b in parts:
+            if fill is not None:
+                fill(min(b, total))
+            if len(parts) == 1:
+                dist.broadcast(buf[a:b], src=src, group=group)
+            else:
+                handles.append(dist.broadcast(buf[a:b], src=src, group=group, async_op=True))
+        for h in handles:
+            h.wait()
         if total > first:
+            if fill is not None:
+                fill(total)
             dist.broadcast(buf[first:total], src=src, group=group)
 
     def recv(self, group, src: int) -> tuple[torch.Tensor, Header]:
@@ -71,7 +96,15 @@ class Wire:
         forwarded on the next hop unchanged."""
         first = self.expect
         buf = torch.empty(first, dtype=torch.uint8, device=self.device)
-        dist.broadcast(buf, src=src, group=group)
+        parts = segments(first)
+        if len(parts) == 1:
+            dist.broadcast(buf, src=src, group=group)
+        else:
+            handles = [
+                dist.broadcast(buf[a:b], src=src, group=group, async_op=True) for a, b in parts
+            ]
+            for h in handles:
+                h.wait()
         total = peek_total(buf[:PREFIX_BYTES].cpu().numpy().tobytes(), self.max_bytes, self.rank)
         if total > first:
             full = torch.empty(total, dtype=torch.uint8, device=self.device)
