@@ -1,8 +1,14 @@
 """Fit the cost model's α and β to this machine: ``python -m harness.calibrate [--world 4]``.
 
 Times broadcast, scatter and all_gather on a real gloo world (groups of 2 and of the whole
-world), host pickle/unpickle/memcpy rates, fits α, β per collective in the model's own form
-(``costmodel.coefficients``) and writes ``conf/cluster/local.yaml`` atomically.
+world), host pickle/unpickle/memcpy rates, the fixed per-call host costs (pickle.dumps/loads,
+codec pack/unpack on tiny ``rl_rollout`` batches, see ``per_call_costs``), fits α, β per
+collective in the model's own form (``costmodel.coefficients``) and writes
+``conf/cluster/local.yaml`` atomically, with the world size and core count it ran on
+(``calibrated_ranks``, ``cpu_cores``: the oversubscription factor's reference).
+
+Run it on a quiet machine: every figure includes whatever else shares the cores. ``--max-load``
+refuses to start while the 1-minute load average is above it.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ ALGORITHMS = {
 }
 # One machine: every rank is on the same "node", so nothing is ever priced on `inter`.
 LOCAL_GPUS_PER_NODE = 1024
+# Per-call host costs: the sweep's payload at its smallest sizes, where the bytes cost little
+# and the fixed part (Python, per-leaf pickling, header encode/decode) dominates.
+PER_CALL_PAYLOAD = ("rl_rollout", (1, 2, 3), 512)
 
 
 @dataclass(frozen=True)
@@ -185,7 +194,103 @@ def _time_host(ctx, nbytes, reps):
             out.update(
                 d2h_bytes_per_s=statistics.median(d2h), h2d_bytes_per_s=statistics.median(h2d)
             )
+            src_dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            d2d = []
+            for it in range(reps + 1):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                dev.copy_(src_dev)
+                torch.cuda.synchronize()
+                if it:
+                    d2d.append(nbytes / (time.perf_counter() - t0))
+            out.update(device_copy_bytes_per_s=statistics.median(d2d))
     dist.barrier()
+    return out
+
+
+def _time_per_call(ctx, reps):
+    """Fixed per-call host costs, timed inside the calibration world the way strategies call
+    them (so under the same sharing of the cores as the collectives' α and β): per tiny
+    ``PER_CALL_PAYLOAD`` batch, the leader validates + packs (``codec.pack``, non-tensor data
+    included), broadcasts, every receiver decodes the header and unpacks; then the leader
+    pickles the TensorDict, broadcasts it, every receiver unpickles it. Returns, per rank,
+    ``{kind: [(seconds, bytes, blob_bytes), ...]}`` (bytes: what the model charges by size)."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    from harness import payloads
+    from strategies.codec import DEFAULT_MAX_BYTES, pack, read_header, unpack
+
+    name, sizes, seq_len = PER_CALL_PAYLOAD
+    batches = [payloads.make(name, b, seq_len, 0) for b in sizes]
+    leader = ctx.rank == 0
+    out: dict[str, list] = {"pack": [], "unpack": [], "pickle": [], "unpickle": []}
+    bufs: dict[int, torch.Tensor] = {}
+    caches: dict[int, dict] = {i: {} for i in range(len(batches))}  # steady state: hits
+    for it in range(reps + 1):
+        ctx.report(f"calibrate: per-call costs, iteration {it}")
+        for i, dp in enumerate(batches):
+            nt = dp.non_tensor_batch if dp.broadcast_non_tensor else None
+            ref, header = pack(dp.batch, nt)  # sizes every rank knows
+            total = header.total_bytes
+            nt_bytes = header.non_tensor[1] if header.non_tensor else 0
+            blob_len = len(pickle.dumps(dp.batch))
+            dist.barrier()
+            if leader:
+                t0 = time.perf_counter()
+                dp.validate(0)
+                buf, _ = pack(dp.batch, nt, out=bufs.get(i))
+                dt = time.perf_counter() - t0
+                bufs[i] = buf
+                dist.broadcast(buf[:total], src=0)
+                sample = ("pack", dt, total, nt_bytes)
+            else:
+                got = torch.empty(total, dtype=torch.uint8)
+                dist.broadcast(got, src=0)
+                t0 = time.perf_counter()
+                unpack(got, read_header(got, DEFAULT_MAX_BYTES, ctx.rank, caches[i]))
+                sample = ("unpack", time.perf_counter() - t0, 0, nt_bytes)
+            if it:
+                out[sample[0]].append(sample[1:])
+            dist.barrier()
+            size = torch.zeros(1, dtype=torch.int64)
+            if leader:
+                t0 = time.perf_counter()
+                blob = pickle.dumps(dp.batch)
+                dt = time.perf_counter() - t0
+                size[0] = len(blob)
+                dist.broadcast(size, src=0)
+                dist.broadcast(torch.frombuffer(bytearray(blob), dtype=torch.uint8), src=0)
+                sample = ("pickle", dt, len(blob), 0)
+            else:
+                dist.broadcast(size, src=0)
+                got = torch.empty(int(size[0]), dtype=torch.uint8)
+                dist.broadcast(got, src=0)
+                t0 = time.perf_counter()
+                pickle.loads(got.numpy().tobytes())
+                sample = ("unpickle", time.perf_counter() - t0, blob_len, 0)
+            if it:
+                out[sample[0]].append(sample[1:])
+    dist.barrier()
+    return out
+
+
+def per_call_costs(per_rank: list[dict], rates: dict[str, float]) -> dict[str, float]:
+    """Fixed seconds per call: each timed call minus what ``rates`` charge for its bytes
+    (memcpy for the packed message and pickle for its non-tensor blob; unpickle for a received
+    blob), median over ranks, sizes and repetitions, clamped at 0."""
+    charge = {
+        "pack": lambda n, nt: n / rates["memcpy_bytes_per_s"] + nt / rates["pickle_bytes_per_s"],
+        "unpack": lambda n, nt: nt / rates["unpickle_bytes_per_s"],
+        "pickle": lambda n, nt: n / rates["pickle_bytes_per_s"],
+        "unpickle": lambda n, nt: n / rates["unpickle_bytes_per_s"],
+    }
+    out = {}
+    for kind, cost in charge.items():
+        fixed = [t - cost(n, nt) for r in per_rank for t, n, nt in r.get(kind, ())]
+        out[f"{kind}_call_s"] = max(0.0, statistics.median(fixed)) if fixed else 0.0
     return out
 
 
@@ -243,7 +348,9 @@ def best_fits(samples: list[Sample]) -> dict[str, Fit]:
     return out
 
 
-def build_local_cluster(fits: dict[str, Fit], host: dict[str, float]) -> Cluster:
+def build_local_cluster(
+    fits: dict[str, Fit], host: dict[str, float], world_size: int = 0, cpu_cores: int = 0
+) -> Cluster:
     by_kind = {kind: f.link for kind, f in fits.items()}
     return Cluster(
         name="local",
@@ -261,6 +368,14 @@ def build_local_cluster(fits: dict[str, Fit], host: dict[str, float]) -> Cluster
         pickle_bytes_per_s=host["pickle_bytes_per_s"],
         unpickle_bytes_per_s=host["unpickle_bytes_per_s"],
         memcpy_bytes_per_s=host["memcpy_bytes_per_s"],
+        device_copy_bytes_per_s=host.get("device_copy_bytes_per_s", 0.0),
+        pickle_call_s=host.get("pickle_call_s", 0.0),
+        unpickle_call_s=host.get("unpickle_call_s", 0.0),
+        pack_call_s=host.get("pack_call_s", 0.0),
+        unpack_call_s=host.get("unpack_call_s", 0.0),
+        # A CPU world time-slices the machine's cores; a GPU world does not (factor off).
+        cpu_cores=0 if "device_copy_bytes_per_s" in host else cpu_cores,
+        calibrated_ranks=world_size,
     )
 
 
@@ -270,6 +385,8 @@ def write_cluster_yaml(cluster: Cluster, path: Path, header: str) -> None:
     from omegaconf import OmegaConf
 
     def rounded(node):  # 4 significant digits: the fit is not better than that
+        if isinstance(node, float) and node < 1e-3 and node != 0:
+            return float(f"{node:.3e}")
         if isinstance(node, dict):
             return {k: rounded(v) for k, v in node.items()}
         return float(f"{node:.4g}") if isinstance(node, float) else node
@@ -300,12 +417,19 @@ def calibrate(
     host_bytes: int = 16 * 2**20,
     world=None,
     verbose: bool = True,
+    max_load: float | None = None,
 ) -> tuple[Cluster, dict[str, Fit], list[Sample]]:
-    """Measure, fit, and (unless ``out`` is None) write the ``local`` cluster file."""
+    """Measure, fit, and (unless ``out`` is None) write the ``local`` cluster file.
+    ``max_load``: refuse to start while the 1-minute load average is above it."""
     from harness.world import World
 
     t0 = time.perf_counter()
     load_before = os.getloadavg()[0]
+    if max_load is not None and load_before > max_load:
+        raise SystemExit(
+            f"load average {load_before:.1f} > --max-load {max_load:g}: other jobs share the "
+            "cores and every figure would include them; try again when the machine is quiet"
+        )
     group_sizes = tuple(sorted({min(2, world_size), world_size}))
     if world_size < 2:
         raise ValueError(f"calibration needs a world of at least 2 ranks, got {world_size}")
@@ -314,12 +438,14 @@ def calibrate(
     try:
         per_rank = world.run(_time_collectives, group_sizes, tuple(sizes), reps, what="calibrate")
         host = world.run(_time_host, host_bytes, max(3, reps // 2), what="host rates")[0]
+        calls = world.run(_time_per_call, max(10, reps), what="per-call host costs")
+        host.update(per_call_costs(calls, host))
     finally:
         if own:
             world.close()
     samples = samples_from(per_rank, world_size)
     fits = best_fits(samples)
-    cluster = build_local_cluster(fits, host)
+    cluster = build_local_cluster(fits, host, world_size, os.cpu_count() or 1)
     elapsed_s = time.perf_counter() - t0
     report = format_report(fits, samples, host, world_size, elapsed_s)
     load = max(load_before, os.getloadavg()[0])
@@ -365,8 +491,19 @@ def format_report(
         )
     lines.append(
         "host: "
-        + ", ".join(f"{k.replace('_bytes_per_s', '')} {v / 1e9:.3f} GB/s" for k, v in host.items())
+        + ", ".join(
+            f"{k.replace('_bytes_per_s', '')} {v / 1e9:.3f} GB/s"
+            for k, v in host.items()
+            if k.endswith("_bytes_per_s")
+        )
     )
+    calls = {k: v for k, v in host.items() if k.endswith("_call_s")}
+    if calls:
+        name, sizes, seq_len = PER_CALL_PAYLOAD
+        lines.append(
+            f"per call ({name} B={list(sizes)} seq {seq_len}, bytes subtracted): "
+            + ", ".join(f"{k.removesuffix('_call_s')} {v * 1e6:.0f} us" for k, v in calls.items())
+        )
     return "\n".join(lines)
 
 
@@ -379,6 +516,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=21, help="timed iterations per shape")
     parser.add_argument("--short", action="store_true", help="sizes up to 1 MiB only (tests)")
     parser.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
+    parser.add_argument(
+        "--max-load",
+        type=float,
+        default=None,
+        help="refuse to start while the 1-minute load average is above this",
+    )
     args = parser.parse_args(argv)
     calibrate(
         world_size=args.world,
@@ -386,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         reps=args.reps,
         out=None if args.dry_run else args.out,
         host_bytes=(2 if args.short else 16) * 2**20,
+        max_load=args.max_load,
     )
     return 0
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -153,6 +153,25 @@ class Cluster:
     """pickle.loads throughput, bytes of pickle consumed per second."""
     memcpy_bytes_per_s: float = 5e9
     """Host memcpy throughput of one rank (packing into / copying out of a flat buffer)."""
+    device_copy_bytes_per_s: float = 0.0
+    """On-device copy throughput (bytes copied per second) for ``packed_bytes`` and
+    ``copied_bytes`` when ranks hold their batch on an accelerator (packing on a GPU is a
+    device-to-device copy, not a host memcpy); 0 = ranks are host processes, use
+    ``memcpy_bytes_per_s``."""
+    pickle_call_s: float = 0.0
+    """Fixed host cost of one ``pickle.dumps`` of a batch object, on top of its bytes."""
+    unpickle_call_s: float = 0.0
+    """Fixed host cost of one ``pickle.loads`` of a batch object, on top of its bytes."""
+    pack_call_s: float = 0.0
+    """Fixed host cost of one pack of header + flat buffer (``strategies.codec.pack``)."""
+    unpack_call_s: float = 0.0
+    """Fixed host cost of one header decode + unpack into views (``codec.unpack``)."""
+    cpu_cores: int = 0
+    """Cores the ranks of one machine share (a CPU world time-slices them); 0 = every rank has
+    its own device and host cores (GPU clusters): no oversubscription factor."""
+    calibrated_ranks: int = 0
+    """Ranks of the world the α/β and host figures were measured on (``harness.calibrate``);
+    0 = not calibrated here."""
 
     def __post_init__(self) -> None:
         where = f"cluster {self.name!r}"
@@ -160,6 +179,12 @@ class Cluster:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ClusterError(f"{where}: {name} must be a positive integer, got {value!r}")
+        for name in ("cpu_cores", "calibrated_ranks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ClusterError(
+                    f"{where}: {name} must be an integer >= 0 (0 = not applicable), got {value!r}"
+                )
         for name, valid in (
             ("broadcast_algorithm", BROADCAST_ALGORITHMS),
             ("scatter_algorithm", SCATTER_ALGORITHMS),
@@ -189,6 +214,14 @@ class Cluster:
             "memcpy_bytes_per_s",
         ):
             _check_positive(f"{where}: {name}", getattr(self, name))
+        for name in (
+            "device_copy_bytes_per_s",
+            "pickle_call_s",
+            "unpickle_call_s",
+            "pack_call_s",
+            "unpack_call_s",
+        ):
+            _check_positive(f"{where}: {name}", getattr(self, name), allow_zero=True)
 
     def __hash__(self) -> int:  # the by-kind dicts are not hashable; their items are
         return hash(
@@ -203,6 +236,28 @@ class Cluster:
         if crosses_nodes:
             return self.inter_by_kind.get(kind, self.inter)
         return self.intra_by_kind.get(kind, self.intra)
+
+    def oversubscription(self, world_size: int) -> float:
+        """CPU time-slicing factor of a world of ``world_size`` ranks on this machine.
+
+        On a CPU cluster (``cpu_cores`` > 0) every rank is a process on the same ``cpu_cores``
+        cores. A busy rank gets a share min(1, cores / ranks) of a core, and the calibration
+        world already ran at its own share, so a world of W ranks runs slower than the
+        calibration by share(N) / share(W) = max(cores, W) / max(cores, N), clamped at 1 (a
+        world smaller than the calibration is priced as calibrated, not faster):
+
+            factor = max(1, W / max(cores, N)),   N = calibrated_ranks.
+
+        1 on GPU clusters (``cpu_cores`` = 0), where each rank drives its own device.
+        """
+        if self.cpu_cores <= 0 or world_size <= 0:
+            return 1.0
+        return max(1.0, world_size / max(self.cpu_cores, self.calibrated_ranks, 1))
+
+    @property
+    def pack_copy_bytes_per_s(self) -> float:
+        """Rate of ``packed_bytes``/``copied_bytes``: on-device copy if set, else host memcpy."""
+        return self.device_copy_bytes_per_s or self.memcpy_bytes_per_s
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
@@ -279,12 +334,17 @@ class LocalCost:
     pickle_s: float
     unpickle_s: float
     memcpy_s: float
+    """``packed_bytes`` + ``copied_bytes`` at ``Cluster.pack_copy_bytes_per_s``."""
     d2h_s: float
     h2d_s: float
+    calls_s: float = 0.0
+    """Fixed per-call host overhead (pickle/unpickle/pack/unpack calls, see ``host_calls``)."""
 
     @property
     def total_s(self) -> float:
-        return self.pickle_s + self.unpickle_s + self.memcpy_s + self.d2h_s + self.h2d_s
+        return (
+            self.pickle_s + self.unpickle_s + self.memcpy_s + self.d2h_s + self.h2d_s + self.calls_s
+        )
 
 
 @dataclass(frozen=True)
@@ -308,6 +368,8 @@ class Prediction:
     local: tuple[LocalCost, ...]
     exact: bool
     """False when any comm's size was an estimate."""
+    oversubscription: float = 1.0
+    """CPU time-slicing factor already applied to every term (``Cluster.oversubscription``)."""
 
     def dominant(self) -> str:
         """One phrase for a report: which link and which term dominate the total."""
@@ -353,7 +415,7 @@ class Prediction:
                     cluster=self.cluster,
                     part=f"local {w.role}",
                     kind="local",
-                    what="pickle/unpickle/memcpy/d2h/h2d",
+                    what="pickle/unpickle/copy/d2h/h2d/calls",
                     link="host",
                     alpha_s=0.0,
                     beta_s=w.total_s,
@@ -364,9 +426,11 @@ class Prediction:
         return out
 
     def summary(self) -> str:
+        over = self.oversubscription
         lines = [
             f"{self.strategy} on {self.cluster} ({self.layout}): {self.total_s * 1e3:.4g} ms"
             f"{'' if self.exact else ' (estimated sizes)'}; dominated by {self.dominant()}"
+            + (f"; ×{over:.3g} CPU oversubscription included" if over != 1 else "")
         ]
         for s in self.steps:
             c = s.critical
@@ -381,17 +445,95 @@ class Prediction:
         return "\n".join(lines)
 
 
-def price_local(work: LocalWork, cluster: Cluster, role: str) -> LocalCost:
+@dataclass(frozen=True)
+class HostCalls:
+    """How many fixed-cost host calls one role makes per ``get_data_input``."""
+
+    pickles: int = 0
+    unpickles: int = 0
+    packs: int = 0
+    unpacks: int = 0
+
+    def seconds(self, cluster: Cluster) -> float:
+        return (
+            self.pickles * cluster.pickle_call_s
+            + self.unpickles * cluster.unpickle_call_s
+            + self.packs * cluster.pack_call_s
+            + self.unpacks * cluster.unpack_call_s
+        )
+
+
+def has_forwarder(plan: Plan) -> bool:
+    """True when some rank receives in one step and sends on in a later one (the root of a
+    later broadcast/scatter, or a member of a later all_gather). Without one, a plan's
+    ``forwarder`` work belongs to no rank and is not charged."""
+    received: set[int] = set()
+    by_step: dict[int, list[Comm]] = {}
+    for c in plan.comms:
+        by_step.setdefault(c.step, []).append(c)
+    for step in sorted(by_step):
+        comms = by_step[step]
+        if received:
+            for c in comms:
+                if c.kind == "all_gather" and len(c.ranks) > 1:
+                    if not received.isdisjoint(c.ranks):
+                        return True
+                elif c.root in received:
+                    return True
+        for c in comms:
+            if len(c.ranks) > 1:
+                received.update(r for r in c.ranks if r != c.root)
+    return False
+
+
+def host_calls(plan: Plan) -> dict[str, HostCalls]:
+    """Fixed-cost host calls per role, inferred from what the plan says (plans carry bytes,
+    not call counts):
+
+    - an object hop is a step holding a comm with ``what == "pickle"`` (``broadcast_object_list``
+      and its kin: the source pickles, every receiver unpickles). The leader pickles once per
+      object hop, a receiver unpickles once, a forwarder unpickles and pickles once each.
+    - a role with ``pickled_bytes`` > 0 but no object hop and no packing pickles (leader) or
+      unpickles (receiver) once, both for a forwarder (one object sent once per call).
+    - a leader with ``packed_bytes`` > 0 packs once, and then every receiver decodes the header
+      and unpacks once (pickled non-tensor data inside the message is part of those calls).
+      A forwarder passes the buffer on before it unpacks, so its unpack is off the path.
+    """
+    object_hops = len({c.step for c in plan.comms if c.what == "pickle"})
+    packs = plan.leader.packed_bytes > 0
+    moves = any(len(c.ranks) > 1 for c in plan.comms)
+    if object_hops:
+        leader = HostCalls(pickles=object_hops, packs=int(packs))
+        receiver = HostCalls(unpickles=1, unpacks=int(packs and moves))
+        forwarder = HostCalls(pickles=1, unpickles=1) if object_hops >= 2 else HostCalls()
+    else:
+        lone = not packs  # pickled bytes inside a pack are part of the pack/unpack calls
+        leader = HostCalls(pickles=int(lone and plan.leader.pickled_bytes > 0), packs=int(packs))
+        receiver = HostCalls(
+            unpickles=int(lone and plan.receiver.pickled_bytes > 0),
+            unpacks=int(packs and moves),
+        )
+        n = int(lone and plan.forwarder.pickled_bytes > 0)
+        forwarder = HostCalls(pickles=n, unpickles=n)
+    return {"leader": leader, "forwarder": forwarder, "receiver": receiver}
+
+
+def price_local(
+    work: LocalWork, cluster: Cluster, role: str, calls: HostCalls | None = None
+) -> LocalCost:
     """Seconds of host work for one role. A forwarder unpickles what it got and pickles it again
-    to send it on, so its pickled bytes pay both directions."""
+    to send it on, so its pickled bytes pay both directions. ``packed_bytes`` and
+    ``copied_bytes`` move at ``Cluster.pack_copy_bytes_per_s`` (on-device where the ranks hold
+    their batch on a device); ``calls`` adds the fixed per-call host costs."""
     pickled = work.pickled_bytes
     return LocalCost(
         role=role,  # type: ignore[arg-type]
         pickle_s=pickled / cluster.pickle_bytes_per_s if role != "receiver" else 0.0,
         unpickle_s=pickled / cluster.unpickle_bytes_per_s if role != "leader" else 0.0,
-        memcpy_s=(work.packed_bytes + work.copied_bytes) / cluster.memcpy_bytes_per_s,
+        memcpy_s=(work.packed_bytes + work.copied_bytes) / cluster.pack_copy_bytes_per_s,
         d2h_s=work.d2h_bytes / cluster.d2h_bytes_per_s,
         h2d_s=work.h2d_bytes / cluster.h2d_bytes_per_s,
+        calls_s=calls.seconds(cluster) if calls is not None else 0.0,
     )
 
 
@@ -528,8 +670,12 @@ def price(
     see ``tree_rounds``). Steps run in order; a step's comms run at once on disjoint groups and
     share each node's ports (flows beyond ``nics_per_node`` divide the bandwidth), so a step
     costs its slowest comm. Local work is taken as serial with the network (a
-    conservative critical path): leader, forwarder and receiver work are added once each.
-    ``check`` verifies ranks fit ``layout`` and same-step groups are disjoint (cheap, O(ranks)).
+    conservative critical path): leader, forwarder and receiver work are added once each, the
+    forwarder's only when the plan has one (``has_forwarder``), each with its fixed per-call
+    host costs (``host_calls``). On a CPU cluster every term is then multiplied by
+    ``cluster.oversubscription(world)``, world = ``layout.world_size`` (or the highest rank the
+    plan names, plus one). ``check`` verifies ranks fit ``layout`` and same-step groups are
+    disjoint (cheap, O(ranks)).
     """
     by_step: dict[int, list[Comm]] = {}
     for c in plan.comms:
@@ -550,14 +696,32 @@ def price(
                         f"{layout.describe()} (world {world})"  # type: ignore[union-attr]
                     )
     steps = tuple(_price_step(s, by_step[s], cluster) for s in sorted(by_step))
+    calls = host_calls(plan)
+    forwarder = plan.forwarder if has_forwarder(plan) else LocalWork()
+    if forwarder is not plan.forwarder:
+        calls["forwarder"] = HostCalls()
     local = tuple(
-        price_local(work, cluster, role)
+        price_local(work, cluster, role, calls[role])
         for role, work in (
             ("leader", plan.leader),
-            ("forwarder", plan.forwarder),
+            ("forwarder", forwarder),
             ("receiver", plan.receiver),
         )
     )
+    if layout is not None:
+        world = layout.world_size
+    else:
+        world = 1 + max((max(c.ranks) for c in plan.comms), default=0)
+    over = cluster.oversubscription(world)
+    if over != 1.0:
+        steps = tuple(
+            replace(
+                s, critical=replace(s.critical, alpha_s=s.critical.alpha_s * over,
+                                    beta_s=s.critical.beta_s * over)
+            )
+            for s in steps
+        )  # fmt: skip
+        local = tuple(replace(w, **{k: getattr(w, k) * over for k in _LOCAL_PARTS}) for w in local)
     comm_s = sum(s.total_s for s in steps)
     local_s = sum(w.total_s for w in local)
     return Prediction(
@@ -573,7 +737,11 @@ def price(
         steps=steps,
         local=local,
         exact=all(c.exact for c in plan.comms),
+        oversubscription=over,
     )
+
+
+_LOCAL_PARTS = ("pickle_s", "unpickle_s", "memcpy_s", "d2h_s", "h2d_s", "calls_s")
 
 
 def lower_bound_s(cluster: Cluster, group_size: int, nbytes: int, crosses_nodes: bool) -> float:
@@ -630,6 +798,20 @@ class ClusterConfig:
     """pickle.loads input rate, GB/s."""
     memcpy_gbytes_per_s: float = 5.0
     """One rank's host memcpy, GB/s."""
+    device_copy_gbytes_per_s: float = 0.0
+    """On-device copy (packing on a GPU), GB/s of bytes copied; 0 = host ranks, use memcpy."""
+    pickle_call_us: float = 0.0
+    """Fixed cost of one pickle.dumps of a batch, µs."""
+    unpickle_call_us: float = 0.0
+    """Fixed cost of one pickle.loads of a batch, µs."""
+    pack_call_us: float = 0.0
+    """Fixed cost of one header + flat-buffer pack, µs."""
+    unpack_call_us: float = 0.0
+    """Fixed cost of one header decode + unpack into views, µs."""
+    cpu_cores: int = 0
+    """Cores a CPU world's ranks share (0 = GPU cluster: no oversubscription factor)."""
+    calibrated_ranks: int = 0
+    """World size the figures were calibrated on (0 = not calibrated)."""
 
 
 def _link_from(where: str, cfg: Any) -> Link:
@@ -665,8 +847,11 @@ def cluster_from_config(cfg: Any) -> Cluster:
     def get(key: str) -> Any:
         return cfg[key] if key in cfg else getattr(defaults, key)
 
-    def rate(key: str) -> float:
-        return _check_positive(f"cluster {name!r}: {key}", get(key)) * GB
+    def rate(key: str, allow_zero: bool = False) -> float:
+        return _check_positive(f"cluster {name!r}: {key}", get(key), allow_zero) * GB
+
+    def us(key: str) -> float:
+        return _check_positive(f"cluster {name!r}: {key}", get(key), allow_zero=True) * 1e-6
 
     def by_kind(key: str) -> dict[str, Link]:
         unknown_kinds = sorted(set(get(key) or {}) - set(COLLECTIVES))
@@ -696,6 +881,13 @@ def cluster_from_config(cfg: Any) -> Cluster:
         pickle_bytes_per_s=rate("pickle_gbytes_per_s"),
         unpickle_bytes_per_s=rate("unpickle_gbytes_per_s"),
         memcpy_bytes_per_s=rate("memcpy_gbytes_per_s"),
+        device_copy_bytes_per_s=rate("device_copy_gbytes_per_s", allow_zero=True),
+        pickle_call_s=us("pickle_call_us"),
+        unpickle_call_s=us("unpickle_call_us"),
+        pack_call_s=us("pack_call_us"),
+        unpack_call_s=us("unpack_call_us"),
+        cpu_cores=get("cpu_cores"),
+        calibrated_ranks=get("calibrated_ranks"),
     )
 
 
@@ -727,6 +919,13 @@ def cluster_to_config(cluster: Cluster) -> ClusterConfig:
         pickle_gbytes_per_s=cluster.pickle_bytes_per_s / GB,
         unpickle_gbytes_per_s=cluster.unpickle_bytes_per_s / GB,
         memcpy_gbytes_per_s=cluster.memcpy_bytes_per_s / GB,
+        device_copy_gbytes_per_s=cluster.device_copy_bytes_per_s / GB,
+        pickle_call_us=cluster.pickle_call_s * 1e6,
+        unpickle_call_us=cluster.unpickle_call_s * 1e6,
+        pack_call_us=cluster.pack_call_s * 1e6,
+        unpack_call_us=cluster.unpack_call_s * 1e6,
+        cpu_cores=cluster.cpu_cores,
+        calibrated_ranks=cluster.calibrated_ranks,
     )
 
 

@@ -188,6 +188,10 @@ def metrics(v: pd.DataFrame, r: pd.DataFrame) -> dict:
         within_band_no_oversub=float((v.err_no_oversub.abs() <= BAND).mean()),
         floor_median_abs_err=float(v.floor_err.abs().median()),
         floor_median_abs_err_no_oversub=float(v.floor_err_no_oversub.abs().median()),
+        # Side by side with the same job's floor: a machine-wide slowdown (load) cancels.
+        median_abs_vs_floor_err=float(
+            (v.predicted_vs_floor / v.measured_vs_floor - 1).abs().median()
+        ),
         agreement=float(r.agree.mean()) if len(r) else nan,
         agreement_or_tie=float((r.agree | r.tie).mean()) if len(r) else nan,
         ties=int(r.tie.sum()) if len(r) else 0,
@@ -305,6 +309,8 @@ def markdown(v: pd.DataFrame, r: pd.DataFrame, m: dict, ctx: dict, sweep: Path, 
         f"| records within ±25 % | {m['within_band']:.0%} | {m['within_band_no_oversub']:.0%} | |",
         f"| median \\|pred/meas − 1\\|, floor | {m['floor_median_abs_err']:.1%} | "
         f"{m['floor_median_abs_err_no_oversub']:.1%} | ≤ 25 % |",
+        f"| median \\|pred vs_floor / meas vs_floor − 1\\| (each record over its own job's floor:"
+        f" load common to both cancels) | {m['median_abs_vs_floor_err']:.1%} | same | |",
         f"| predicted fastest = measured fastest (by vs_floor), strict, {m['points']} points | "
         f"{m['agreement']:.0%} ({ok(m['agreement'] >= TARGET_AGREEMENT)}) | same (one factor per "
         f"point cannot reorder) | ≥ 90 % |",

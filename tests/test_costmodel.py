@@ -18,12 +18,15 @@ from harness.costmodel import (
     Cluster,
     ClusterConfig,
     ClusterError,
+    HostCalls,
     Link,
     build_cluster,
     ceil_log2,
     cluster_from_config,
     cluster_to_config,
     coefficients,
+    has_forwarder,
+    host_calls,
     load_cluster,
     lower_bound_s,
     price,
@@ -183,12 +186,12 @@ def test_local_work_is_priced_by_role():
     )  # fmt: skip
     plan = Plan(
         "t",
-        [bcast([0, 1], 0)],
+        [bcast([0, 1], 0), bcast([1, 2], 0, step=1, root=1)],  # rank 1 forwards
         leader=LocalWork(pickled_bytes=10**9, d2h_bytes=8 * 10**9),
         forwarder=LocalWork(pickled_bytes=10**9),
         receiver=LocalWork(pickled_bytes=10**9, copied_bytes=4 * 10**9, h2d_bytes=16 * 10**9),
     )
-    pred = price(plan, cluster, Layout(tp=2))
+    pred = price(plan, cluster, Layout(tp=4))
     roles = {w.role: w for w in pred.local}
     assert roles["leader"].total_s == pytest.approx(1 + 1)
     assert roles["forwarder"].total_s == pytest.approx(1 + 0.5)  # unpickle, then pickle again
@@ -196,6 +199,130 @@ def test_local_work_is_priced_by_role():
     assert pred.local_s == pytest.approx(2 + 1.5 + 2.5)
     assert pred.dominant().startswith("local work")
     assert {r["part"] for r in pred.rows()} >= {"step 0", "local leader", "local receiver"}
+    # One hop: no rank forwards, so the plan's forwarder work belongs to nobody.
+    one_hop = replace(plan, comms=[bcast([0, 1], 0)])
+    pred = price(one_hop, cluster, Layout(tp=2))
+    assert {w.role: w.total_s for w in pred.local}["forwarder"] == 0
+    assert pred.local_s == pytest.approx(2 + 2.5)
+
+
+def test_forwarder_detection():
+    assert not has_forwarder(Plan("t", [bcast([0, 1], 8)]))
+    assert not has_forwarder(Plan("t", [bcast([0, 1], 8), bcast([0, 2], 8, step=1)]))
+    assert has_forwarder(Plan("t", [bcast([0, 1], 8), bcast([1, 3], 8, step=1, root=1)]))
+    scatter_then_gather = Plan(
+        "t",
+        [Comm("scatter", (0, 1), 0, 8, 0, "chunk"), Comm("all_gather", (0, 1), None, 16, 1)],
+    )
+    assert has_forwarder(scatter_then_gather)
+
+
+def _host_cluster(**kw) -> Cluster:
+    return toy_cluster(
+        pickle_call_s=1e-3, unpickle_call_s=2e-3, pack_call_s=4e-4, unpack_call_s=1e-4, **kw
+    )
+
+
+def test_per_call_host_costs_follow_the_plan():
+    """Object hops pay one pickle per hop on the leader and one unpickle per receiver; a packed
+    plan pays one pack on the leader and one unpack per receiver; sizes do not matter."""
+    c = _host_cluster()
+    two_hops = Plan(
+        "pickled",
+        [
+            bcast([0, 1], 8, 0),
+            Comm("broadcast", (0, 1), 0, 100, 1, "pickle"),
+            bcast([0, 2], 8, 2),
+            bcast([1, 3], 8, 2, root=1),
+            Comm("broadcast", (0, 2), 0, 100, 3, "pickle"),
+            Comm("broadcast", (1, 3), 1, 100, 3, "pickle"),
+        ],
+        leader=LocalWork(pickled_bytes=200),
+        receiver=LocalWork(pickled_bytes=100),
+        forwarder=LocalWork(pickled_bytes=200),
+    )
+    calls = host_calls(two_hops)
+    assert calls["leader"] == HostCalls(pickles=2)
+    assert calls["forwarder"] == HostCalls(pickles=1, unpickles=1)
+    assert calls["receiver"] == HostCalls(unpickles=1)
+    pred = price(two_hops, c, Layout(tp=2, pp=2))
+    roles = {w.role: w.calls_s for w in pred.local}
+    assert roles == pytest.approx({"leader": 2e-3, "forwarder": 3e-3, "receiver": 2e-3})
+    packed = Plan(
+        "flat",
+        [bcast([0, 1, 2, 3], 10**6)],
+        leader=LocalWork(packed_bytes=10**6),
+        receiver=LocalWork(pickled_bytes=500),  # non-tensor data inside the message
+    )
+    calls = host_calls(packed)
+    assert calls["leader"] == HostCalls(packs=1) and calls["receiver"] == HostCalls(unpacks=1)
+    pred = price(packed, c, Layout(tp=4))
+    base = price(packed, toy_cluster(), Layout(tp=4))
+    assert pred.total_s - base.total_s == pytest.approx(4e-4 + 1e-4)
+    # Zero per-call costs (the default) leave every older figure unchanged.
+    assert base.local_s == pytest.approx(10**6 / 5e9 + 500 / 1e9)  # memcpy, unpickle defaults
+    # A lone pickle outside any object hop and any pack still costs one call per side.
+    lone = Plan("t", [bcast([0, 1], 64)], leader=LocalWork(pickled_bytes=64),
+                receiver=LocalWork(pickled_bytes=64))  # fmt: skip
+    assert host_calls(lone)["leader"] == HostCalls(pickles=1)
+    assert host_calls(lone)["receiver"] == HostCalls(unpickles=1)
+
+
+def test_device_copy_rate_prices_packing_on_device():
+    plan = Plan("flat", [bcast([0, 1], 10**9)], leader=LocalWork(packed_bytes=10**9))
+    host = toy_cluster(memcpy_bytes_per_s=5e9)
+    dev = toy_cluster(memcpy_bytes_per_s=5e9, device_copy_bytes_per_s=2e12)
+    leader = lambda c: {w.role: w for w in price(plan, c, Layout(tp=2)).local}["leader"]  # noqa: E731
+    assert leader(host).memcpy_s == pytest.approx(0.2)
+    assert leader(dev).memcpy_s == pytest.approx(5e-4)
+    h200 = load_cluster("h200_ib")
+    assert h200.device_copy_bytes_per_s > 100 * h200.memcpy_bytes_per_s
+    # 4.8 TB/s HBM3e, a copy reads and writes every byte: at most 2.4 TB/s of bytes copied.
+    assert h200.device_copy_bytes_per_s <= 2.4e12
+
+
+@pytest.mark.parametrize(
+    "cores,calibrated,world,factor",
+    [
+        (2, 4, 4, 1.0),  # the calibration world itself
+        (2, 4, 8, 2.0),  # twice the calibration world on the same 2 cores
+        (2, 4, 2, 1.0),  # smaller worlds are priced as calibrated, never faster
+        (2, 2, 8, 4.0),
+        (8, 4, 8, 1.0),  # enough cores: no time-slicing
+        (8, 4, 16, 2.0),
+        (0, 4, 64, 1.0),  # not a CPU cluster
+    ],
+)
+def test_oversubscription_factor(cores, calibrated, world, factor):
+    c = toy_cluster(cpu_cores=cores, calibrated_ranks=calibrated)
+    assert c.oversubscription(world) == pytest.approx(factor)
+
+
+def test_oversubscription_scales_every_term():
+    plan = Plan(
+        "t",
+        [bcast(list(range(8)), 10**6)],
+        leader=LocalWork(packed_bytes=10**6),
+        receiver=LocalWork(copied_bytes=10**6),
+    )
+    plain = price(plan, _host_cluster(), Layout(tp=8))
+    over = price(plan, _host_cluster(cpu_cores=2, calibrated_ranks=4), Layout(tp=8))
+    assert plain.oversubscription == 1 and over.oversubscription == 2
+    for attr in ("total_s", "comm_s", "local_s", "alpha_s", "beta_s"):
+        assert getattr(over, attr) == pytest.approx(2 * getattr(plain, attr)), attr
+    assert sum(r["total_s"] for r in over.rows()) == pytest.approx(over.total_s)
+    assert "oversubscription" in over.summary()
+    # Without a layout the world is the highest rank named, plus one.
+    assert price(plan, _host_cluster(cpu_cores=2, calibrated_ranks=4)).oversubscription == 2
+    # GPU presets never apply it.
+    assert load_cluster("h200_ib").oversubscription(16384) == 1
+
+
+def test_local_preset_records_its_calibration_world():
+    c = load_cluster("local")
+    assert c.cpu_cores >= 1 and c.calibrated_ranks >= 2
+    assert c.pack_call_s > 0 and c.unpack_call_s > 0
+    assert c.pickle_call_s > 0 and c.unpickle_call_s > 0
 
 
 def test_estimated_sizes_are_flagged():
@@ -361,6 +488,9 @@ def test_every_preset_figure_has_a_source_comment():
         ({"pickle_gbytes_per_s": float("nan")}, "pickle_gbytes_per_s must be finite"),
         ({"intra_by_kind": {"all_reduce": {"alpha_us": 1}}}, "unknown collective 'all_reduce'"),
         ({"bogus": 1}, "unknown keys ['bogus']"),
+        ({"pack_call_us": -1.0}, "pack_call_us must be finite and >= 0"),
+        ({"device_copy_gbytes_per_s": float("inf")}, "device_copy_gbytes_per_s must be finite"),
+        ({"cpu_cores": -2}, "cpu_cores must be an integer >= 0"),
     ],
 )
 def test_bad_values_say_what_is_wrong(patch, message):
@@ -428,6 +558,12 @@ def test_calibrate_short_world_of_two(tmp_path: Path):
         "all_gather",
     }
     assert "harness.calibrate" in out.read_text().splitlines()[0]
+    # The calibration world is recorded as fields (the oversubscription factor's reference),
+    # and the per-call host costs were measured in it.
+    import os
+
+    assert loaded.calibrated_ranks == 2 and loaded.cpu_cores == (os.cpu_count() or 1)
+    assert loaded.pickle_call_s > 0 and loaded.unpickle_call_s > 0 and loaded.pack_call_s > 0
     assert not list(tmp_path.glob(".local.yaml.*")), "temp file left behind"
     assert len(samples) == 3 * len(SHORT_SIZES)
     for kind, fit in fits.items():
@@ -438,3 +574,24 @@ def test_calibrate_short_world_of_two(tmp_path: Path):
             link = loaded.link(kind, crosses_nodes=False)
             fitted = a * fit.link.alpha_s + b * fit.link.beta_s_per_byte
             assert a * link.alpha_s + b * link.beta_s_per_byte == pytest.approx(fitted, rel=1e-3)
+
+
+def test_per_call_costs_subtract_the_bytes():
+    from harness.calibrate import per_call_costs
+
+    rates = dict(pickle_bytes_per_s=1e9, unpickle_bytes_per_s=2e9, memcpy_bytes_per_s=4e9)
+    # (seconds, bytes, non-tensor bytes): 1 ms fixed on top of what the rates charge.
+    per_rank = [
+        {
+            "pack": [(1e-3 + 4e6 / 4e9 + 1e3 / 1e9, 4 * 10**6, 1000)] * 3,
+            "pickle": [(1e-3 + 1e6 / 1e9, 10**6, 0)],
+        },
+        {"unpack": [(1e-3 + 1e3 / 2e9, 0, 1000)], "unpickle": [(1e-3 + 2e6 / 2e9, 2 * 10**6, 0)]},
+        {"unpack": [(5e-4, 0, 10**9)]},  # slower than its bytes allow: clamped, not negative
+    ]
+    calls = per_call_costs(per_rank, rates)
+    assert calls["pack_call_s"] == pytest.approx(1e-3)
+    assert calls["pickle_call_s"] == pytest.approx(1e-3)
+    assert calls["unpickle_call_s"] == pytest.approx(1e-3)
+    assert calls["unpack_call_s"] == 0.0  # median of (1 ms, −0.5 s) clamped at 0
+    assert per_call_costs([{}], rates)["pack_call_s"] == 0.0
