@@ -1,5 +1,12 @@
-"""The Hydra task: validate a job, run it on a world (started here, or joined under torchrun),
-summarize, and write its record atomically into the job's output directory.
+"""The Hydra task: validate a job, run it on a world (started here, or joined under torchrun or
+a Slurm/submitit launcher), summarize, and write its record atomically into the job's output
+directory. With ``emulate.enabled=true`` the driver runs the job on an emulated multi-node
+cluster instead (``harness.emulated``).
+
+Under the submitit launcher (``hydra/launcher=slurm|local``) every task of a job runs this
+whole Hydra job with one shared output directory: ``submitit.helpers.TorchDistributedEnvironment
+().export()`` turns the task into a torch ``env://`` rank, and only global rank 0 writes the
+record and the job's log file.
 """
 
 from __future__ import annotations
@@ -27,6 +34,35 @@ def under_torchrun() -> bool:
     )
 
 
+def launched_by_submitit() -> bool:
+    """True in a task of a submitit job with several tasks (Slurm, or submitit's local
+    executor); exports RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT for env:// as a side
+    effect. A one-task job runs a local world like a plain run."""
+    if "SUBMITIT_EXECUTOR" not in os.environ or "RANK" in os.environ:
+        return False
+    import submitit
+
+    if submitit.JobEnvironment().num_tasks < 2:
+        return False
+    # One rank per task: every task already is a process of the world, nothing to spawn.
+    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    return True
+
+
+def _quiet_non_zero_rank() -> None:
+    # Every task of a submitit job shares the job's directory; Hydra has pointed each task's
+    # root logger at the same <job>.log, which must hold rank 0's lines only.
+    if int(os.environ.get("RANK", 0)) == 0:
+        return
+    import logging
+
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler):
+            root.removeHandler(handler)
+            handler.close()
+
+
 def spec_of(cfg, layout) -> JobSpec:
     return JobSpec(
         strategy=cfg.strategy.name,
@@ -43,12 +79,25 @@ def spec_of(cfg, layout) -> JobSpec:
         fault_rank=int(cfg.fault.rank),
         fault_at_iter=int(cfg.fault.at_iter),
         fault_kind=str(cfg.fault.kind),
+        link_bytes_calls=_link_bytes_calls(cfg),
     )
+
+
+def _link_bytes_calls(cfg) -> int:
+    # Only workers started by the emulated-cluster driver can read the node links' counters.
+    from harness.emulated import LINKS_ENV
+
+    if "emulate" not in cfg or not os.environ.get(LINKS_ENV):
+        return 0
+    return int(cfg.emulate.bytes_calls)
 
 
 def _run_torchrun(cfg, spec: JobSpec) -> tuple[list[dict] | None, float]:
     """Every torchrun process runs this; rank 0 gets all ranks' results."""
     t0 = time.perf_counter()
+    from harness.emulated import adopt_worker_env
+
+    adopt_worker_env()  # no-op unless started by the emulated-cluster driver
     if not dist.is_initialized():
         dist.init_process_group(
             cfg.backend.name, timeout=datetime.timedelta(seconds=float(cfg.timeout_s) + 5)
@@ -74,12 +123,23 @@ _TORCHRUN_CTX: dict = {}
 def run(cfg) -> dict | None:
     """Run one job; returns its record (None on torchrun ranks other than 0)."""
     layout_name = HydraConfig.get().runtime.choices.get("layout", "custom")
-    if under_torchrun():
+    if launched_by_submitit() or under_torchrun():
+        _quiet_non_zero_rank()
         layout = validate(cfg, int(os.environ["WORLD_SIZE"]))
         spec = spec_of(cfg, layout)
         results, start_s = _run_torchrun(cfg, spec)
         if results is None:
             return None
+    elif "emulate" in cfg and cfg.emulate.enabled:
+        from harness.emulated import run_emulated
+
+        layout = validate(cfg)
+        hydra_cfg = HydraConfig.get()
+        out_dir = Path(hydra_cfg.runtime.output_dir)
+        record = run_emulated(cfg, layout, list(hydra_cfg.overrides.task), out_dir)
+        record["command"] = records.environment()["command"]
+        records.write_atomic(out_dir / "result.json", record)
+        return record
     else:
         layout = validate(cfg)
         spec = spec_of(cfg, layout)
@@ -91,6 +151,9 @@ def run(cfg) -> dict | None:
         results = world.run(run_job_on_rank, spec, what=f"job {spec.strategy} on {layout_name}")
     summary = summarize(spec, results)
     record = records.build(cfg, layout, spec, summary, layout_name, start_s)
+    mine = summary.get("strategies", {}).get(spec.strategy, {})
+    if "cross_node_bytes_per_call" in mine:  # emulated-cluster workers (harness.emulated)
+        record["cross_node_bytes_per_call"] = mine["cross_node_bytes_per_call"]
     out = Path(HydraConfig.get().runtime.output_dir) / "result.json"
     records.write_atomic(out, record)
     return record

@@ -308,6 +308,15 @@ class Emulation:
                 # Traffic from a rank's address leaves over that rank's own link.
                 self._ns(ns, "route", "add", str(self._net), "dev", dev, "src", ip, "table", table)
                 self._ns(ns, "rule", "add", "from", ip, "table", table, "priority", table)
+                # A socket that connects without binding (gloo's connecting side) has no source
+                # yet, so the rules above miss it and the main table would give it eth0's
+                # address: the peer's replies, i.e. the payload, would then all come in over
+                # rail 0. Rail-aligned host routes pick rail k (and its address) for peers on
+                # rail k of every other node, as on a rail-optimized fabric.
+                for other in range(c.nodes):
+                    if other != node:
+                        peer = f"{self._ip(other, local)}/32"
+                        self._ns(ns, "route", "add", peer, "dev", dev, "src", ip)
 
     def close(self) -> None:
         """Stop processes started by :meth:`popen` and delete every namespace. Idempotent."""

@@ -8,6 +8,7 @@ count collectives, measure peak memory and verify every rank bit for bit.
 from __future__ import annotations
 
 import os
+import pickle
 import time
 from dataclasses import dataclass, field
 
@@ -41,6 +42,9 @@ class JobSpec:
     fault_rank: int = -1
     fault_at_iter: int = -1
     fault_kind: str = "crash"
+    link_bytes_calls: int = 0
+    """Emulated clusters only: untimed calls per strategy whose node-link bytes are counted
+    (``harness.emulated``); 0 skips the phase."""
 
 
 def _fault(spec: JobSpec, rank: int, it: int) -> None:
@@ -136,6 +140,7 @@ def run_job_on_rank(ctx, spec: JobSpec) -> dict:
             built[name].get_data_input(entry)
             _sync(device)
             times[name].append(time.perf_counter() - t0)
+    link_bytes = _link_bytes_phase(ctx, spec, order, call) if spec.link_bytes_calls > 0 else {}
     # Untimed: one recorded call per strategy (collectives, local work), one for peak memory.
     collectives, work, peak_rss, peak_rss_delta, peak_cuda = {}, {}, {}, {}, {}
     for name in order:
@@ -176,13 +181,39 @@ def run_job_on_rank(ctx, spec: JobSpec) -> dict:
         "peak_rss_delta_bytes": peak_rss_delta,
         "peak_cuda_bytes": peak_cuda,
         "problems": problems,
-        "payload_bytes": (
-            sum(nbytes_of(t) for _, t in full.batch.items(include_nested=True, leaves_only=True))
-            if groups.is_leader
-            else None
-        ),
+        "payload_bytes": _payload_bytes(full) if groups.is_leader else None,
         "device": str(device),
+        **({"link_bytes_per_call": link_bytes} if link_bytes else {}),
     }
+
+
+def _link_bytes_phase(ctx, spec: JobSpec, order: list[str], call) -> dict[str, float]:
+    """Node-link bytes per call of each strategy, on an emulated cluster: rank 0 reads the links'
+    counters around ``link_bytes_calls`` back-to-back calls of one strategy. Barriers fence the
+    window so only that strategy's traffic (and one barrier's few hundred bytes) is counted."""
+    from harness.emulated import link_counter
+
+    read = link_counter() if ctx.rank == 0 else None
+    out: dict[str, float] = {}
+    for name in order:
+        ctx.report(f"counting link bytes of {name}")
+        dist.barrier()
+        before = read() if read is not None else 0
+        dist.barrier()
+        for _ in range(spec.link_bytes_calls):
+            call(name)
+        dist.barrier()
+        if read is not None:
+            out[name] = (read() - before) / spec.link_bytes_calls
+    return out
+
+
+def _payload_bytes(full) -> int:
+    """What the floor sends: tensor bytes, plus the pickled non_tensor_batch when flagged."""
+    n = sum(nbytes_of(t) for _, t in full.batch.items(include_nested=True, leaves_only=True))
+    if full.broadcast_non_tensor:
+        n += len(pickle.dumps(full.non_tensor_batch, protocol=pickle.HIGHEST_PROTOCOL))
+    return n
 
 
 def _rss_now() -> int:
@@ -229,6 +260,9 @@ def summarize(spec: JobSpec, rank_results: list[dict]) -> dict:
         raise VerificationError("; ".join(problems[:10]))
     leaders = [r for r in rank_results if r["is_leader"]]
     payload_bytes = leaders[0]["payload_bytes"]
+    link_bytes = next(
+        (r["link_bytes_per_call"] for r in rank_results if "link_bytes_per_call" in r), {}
+    )
     per_strategy = {}
     for name in rank_results[0]["times_s"]:
         t = np.array([r["times_s"][name] for r in rank_results])  # ranks × iters
@@ -253,6 +287,8 @@ def summarize(spec: JobSpec, rank_results: list[dict]) -> dict:
                 r["work"][name] for r in rank_results if not r["is_leader"]
             ),
         }
+        if name in link_bytes:
+            per_strategy[name]["cross_node_bytes_per_call"] = link_bytes[name]
     return {
         "payload_bytes": payload_bytes,
         "strategies": per_strategy,

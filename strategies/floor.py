@@ -1,13 +1,16 @@
 """``floor``: the measured limit, not a way to ship a batch.
 
-One raw broadcast of an already packed flat buffer of the batch's tensor bytes over the whole
-replica: no header, no packing, no unpacking (``../shared/brief/measurement.md``). Receivers
+One raw broadcast of an already packed flat buffer of the batch's tensor bytes (plus the
+pickled non_tensor_batch when it is flagged to travel, so the byte count is the payload's) over
+the whole replica: no header, no packing, no unpacking (``../shared/brief/measurement.md``). Receivers
 allocate a fresh buffer per call, as any real receiver must. ``prepare`` (untimed) packs the
 leader's buffer and tells receivers its size. ``get_data_input`` leaves the DataProto as it
 was; the bytes it received stay in ``received`` for the harness to verify.
 """
 
 from __future__ import annotations
+
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -35,6 +38,9 @@ class Floor(Strategy):
             parts = [
                 as_bytes(t) for _, t in batch.batch.items(include_nested=True, leaves_only=True)
             ]
+            if batch.broadcast_non_tensor:  # the same bytes: flagged non-tensor data travels too
+                blob = pickle.dumps(batch.non_tensor_batch, protocol=pickle.HIGHEST_PROTOCOL)
+                parts.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
             self.sent = torch.cat([p.to(g.device) for p in parts]) if parts else torch.empty(0)
             size[0] = self.sent.numel()
         dist.broadcast(size, src=g.leader, group=g.cpu_replica_group)
@@ -56,9 +62,10 @@ class Floor(Strategy):
     @classmethod
     def plan(cls, layout, spec: PayloadSpec) -> Plan:
         comms = []
+        nbytes = spec.tensor_bytes + (spec.non_tensor_bytes if spec.broadcast_non_tensor else 0)
         if layout.replica_size > 1:
             comms = [
-                Comm("broadcast", tuple(r), r[0], spec.tensor_bytes, 0, "payload")
+                Comm("broadcast", tuple(r), r[0], nbytes, 0, "payload")
                 for r in layout.replica_groups()
             ]
         return Plan(cls.name, comms, leader=LocalWork(), receiver=LocalWork())

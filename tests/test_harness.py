@@ -125,7 +125,7 @@ def test_multirun_records_progress_and_a_crash(tmp_path):
     records = list((tmp_path / "crash").rglob("result.json"))
     assert len(records) == 1 and json.loads(records[0].read_text())["correct"] is True
     assert not list((tmp_path / "crash").rglob(".result.*"))
-    assert time.monotonic() - t0 < 120
+    assert time.monotonic() - t0 < 240  # two CLI sweeps; generous for a shared 2-core machine
     assert our_ranks() == []
 
 
