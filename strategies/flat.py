@@ -20,21 +20,11 @@ class Flat(PackedStrategy):
 
     def get_data_input(self, batch: DataProto) -> DataProto:
         g = self.groups
-        if g.replica_ranks == (g.rank,):
-            return batch
-        if g.is_leader:
-            buf, header, total = self.pack(batch)
-            self.wire.send(buf, total, g.replica_group, g.leader, fill=self.take_fill())
-        else:
-            buf, header = self.wire.recv(g.replica_group, g.leader)
-            total = header.total_bytes
-        return self.complete(batch, buf, header, total)
+        return self.relay(batch, [(g.replica_group, g.replica_ranks)])
 
     @classmethod
     def plan(cls, layout, spec: PayloadSpec, expect: int | None = None) -> Plan:
-        total = spec.header_bytes + spec.tensor_bytes
-        if spec.broadcast_non_tensor:
-            total += -(-spec.non_tensor_bytes // 64) * 64
+        total = spec.message_bytes
         first = expect if expect is not None else _steady_expect(total)
         comms = []
         if layout.replica_size > 1:

@@ -13,7 +13,6 @@ Options: see ``strategies.packed.PackedStrategy``.
 from __future__ import annotations
 
 from strategies.base import DataProto
-from strategies.codec import Header
 from strategies.packed import PackedStrategy
 from strategies.pickled import stage0_tp_cp_groups
 from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
@@ -25,35 +24,18 @@ class HeaderStrategy(PackedStrategy):
 
     def get_data_input(self, batch: DataProto) -> DataProto:
         g = self.groups
-        if g.replica_ranks == (g.rank,):
-            return batch
-        header: Header | None = None
-        buf = None
-        total = 0
-        if g.is_leader:
-            buf, header, total = self.pack(batch)
+        hops = []
         if g.pp_rank == 0 and g.tp_cp_size > 1:
-            src = g.tp_cp_ranks[0]
-            if g.rank == src:
-                self.wire.send(buf, total, g.tp_cp_group, src, fill=self.take_fill())
-            else:
-                buf, header = self.wire.recv(g.tp_cp_group, src)
-                total = header.total_bytes
+            hops.append((g.tp_cp_group, g.tp_cp_ranks))
         if g.pp_size > 1:
-            src = g.pp_ranks[0]
-            if g.rank == src:
-                self.wire.send(buf, total, g.pp_group, src, fill=self.take_fill())
-            else:
-                buf, header = self.wire.recv(g.pp_group, src)
-        return self.complete(batch, buf, header, total)
+            hops.append((g.pp_group, g.pp_ranks))
+        return self.relay(batch, hops)
 
     @classmethod
     def plan(cls, layout, spec: PayloadSpec, expect: int | None = None) -> Plan:
         """Steady state by default (first message = this batch's size); pass ``expect`` to
         plan a call that follows a different announced size."""
-        total = spec.header_bytes + spec.tensor_bytes
-        if spec.broadcast_non_tensor:
-            total += -(-spec.non_tensor_bytes // 64) * 64
+        total = spec.message_bytes
         first = expect if expect is not None else _steady_expect(total)
         comms: list[Comm] = []
         step = 0

@@ -57,6 +57,23 @@ class PackedStrategy(Strategy):
             self._fill = None
             return buf, Header((), (), 0, len(raw), 0, None, error=str(exc)), len(raw)
 
+    def relay(self, batch: DataProto, hops: list[tuple[object, tuple[int, ...]]]) -> DataProto:
+        """The leader packs; each hop ``(group, ranks)`` this rank takes part in moves the
+        message from ``ranks[0]`` to the rest of the group; receivers forward what they got
+        unchanged on their next hop and unpack the last message they received."""
+        g = self.groups
+        if g.replica_ranks == (g.rank,):
+            return batch
+        buf, header, total = self.pack(batch) if g.is_leader else (None, None, 0)
+        for group, ranks in hops:
+            src = ranks[0]
+            if g.rank == src:
+                self.wire.send(buf, total, group, src, fill=self.take_fill())
+            else:
+                buf, header = self.wire.recv(group, src)
+                total = header.total_bytes
+        return self.complete(batch, buf, header, total)
+
     def complete(self, batch: DataProto, buf, header: Header, total: int) -> DataProto:
         """End of a call on every rank: agree on the next size, raise a refusal, or unpack."""
         g = self.groups

@@ -96,6 +96,13 @@ class PayloadSpec:
     leaf_bytes: tuple[int, ...] | None = None
     """Bytes of each tensor leaf in iteration order (strategies that send one per tensor)."""
 
+    @property
+    def message_bytes(self) -> int:
+        """Size of the codec's message: header (with leaf padding) + tensors + the padded
+        non-tensor blob when it travels."""
+        nt = -(-self.non_tensor_bytes // 64) * 64 if self.broadcast_non_tensor else 0
+        return self.header_bytes + self.tensor_bytes + nt
+
 
 def spec_of(dp) -> PayloadSpec:
     """The exact PayloadSpec of a leader's DataProto (header size as the codec encodes it, with

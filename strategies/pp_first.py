@@ -15,7 +15,6 @@ same buffer) only when flagged. Options: see ``strategies.packed.PackedStrategy`
 from __future__ import annotations
 
 from strategies.base import DataProto
-from strategies.codec import Header
 from strategies.header import _steady_expect, _wire_comms
 from strategies.packed import PackedStrategy
 from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
@@ -36,36 +35,18 @@ class PpFirst(PackedStrategy):
 
     def get_data_input(self, batch: DataProto) -> DataProto:
         g = self.groups
-        if g.replica_ranks == (g.rank,):
-            return batch
-        header: Header | None = None
-        buf = None
-        total = 0
-        if g.is_leader:
-            buf, header, total = self.pack(batch)
-        is_stage_leader = g.tp_cp_rank == 0
-        if g.pp_size > 1 and is_stage_leader:
-            src = g.pp_ranks[0]
-            if g.rank == src:
-                self.wire.send(buf, total, g.pp_group, src, fill=self.take_fill())
-            else:
-                buf, header = self.wire.recv(g.pp_group, src)
-                total = header.total_bytes
+        hops = []
+        if g.pp_size > 1 and g.tp_cp_rank == 0:  # stage leaders first: cross nodes once
+            hops.append((g.pp_group, g.pp_ranks))
         if g.tp_cp_size > 1:
-            src = g.tp_cp_ranks[0]
-            if g.rank == src:
-                self.wire.send(buf, total, g.tp_cp_group, src, fill=self.take_fill())
-            else:
-                buf, header = self.wire.recv(g.tp_cp_group, src)
-        return self.complete(batch, buf, header, total)
+            hops.append((g.tp_cp_group, g.tp_cp_ranks))
+        return self.relay(batch, hops)
 
     @classmethod
     def plan(cls, layout, spec: PayloadSpec, expect: int | None = None) -> Plan:
         """Steady state by default (first message = this batch's size); pass ``expect`` to
         plan a call that follows a different announced size."""
-        total = spec.header_bytes + spec.tensor_bytes
-        if spec.broadcast_non_tensor:
-            total += -(-spec.non_tensor_bytes // 64) * 64
+        total = spec.message_bytes
         first = expect if expect is not None else _steady_expect(total)
         comms: list[Comm] = []
         step = 0

@@ -144,9 +144,7 @@ class ScatterAllgather(Strategy):
 
     @classmethod
     def plan(cls, layout, spec: PayloadSpec, header_bytes: int = 4096) -> Plan:
-        total = spec.header_bytes + spec.tensor_bytes
-        if spec.broadcast_non_tensor:
-            total += -(-spec.non_tensor_bytes // 64) * 64
+        total = spec.message_bytes
         n = layout.tp_cp
         c = chunk_bytes(total, n) if n > 1 else total
         comms: list[Comm] = []

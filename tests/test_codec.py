@@ -9,7 +9,7 @@ import struct
 
 import pytest
 import torch
-from conftest import BatchSpec, LeafSpec, batch_problems, batch_specs, build_batch, raw_bytes
+from batchgen import BatchSpec, LeafSpec, batch_problems, batch_specs, build_batch, raw_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict

@@ -6,8 +6,6 @@ pinned where it is.
 
 from __future__ import annotations
 
-import pickle
-
 import numpy as np
 import pytest
 import torch
@@ -19,9 +17,8 @@ from harness.runner import JobSpec, run_job_on_rank, summarize
 from harness.verify import compare, digest
 from harness.world import World, WorldError
 from strategies import NON_TENSOR_FLAG, ContractError, DataProto
-from strategies.codec import encode_header, layout_entries
 from strategies.layout import SEED_ORDER, Layout
-from strategies.plan import PayloadSpec
+from strategies.plan import PayloadSpec, spec_of
 from strategies.trace import Recorder
 
 PEERS = ("megatron_broadcast_data", "vllm_tensor_dict", "tensordict_broadcast", "pp_first")
@@ -77,27 +74,7 @@ def leaf_bytes(dp: DataProto) -> tuple[int, ...]:
 
 
 def payload_spec(dp: DataProto) -> PayloadSpec:
-    """Exact spec of a batch. ``header_bytes`` is the codec's message size less tensor and
-    non-tensor bytes, so it absorbs the codec's 64-byte leaf padding."""
-    sizes = leaf_bytes(dp)
-    nt = dp.non_tensor_batch if dp.broadcast_non_tensor else None
-    blob = pickle.dumps(nt, protocol=pickle.HIGHEST_PROTOCOL) if nt is not None else None
-    entries, data_bytes, span = layout_entries(dp.batch, 0, None if blob is None else len(blob))
-    header_len = len(encode_header(tuple(dp.batch.batch_size), entries, data_bytes, span))
-    nt_padded = -(-len(blob) // 64) * 64 if blob is not None else 0
-    dtype_bytes: dict[torch.dtype, int] = {}
-    for (_, t), n in zip(dp.batch.items(include_nested=True, leaves_only=True), sizes):
-        dtype_bytes[t.dtype] = dtype_bytes.get(t.dtype, 0) + n
-    return PayloadSpec(
-        tensor_bytes=sum(sizes),
-        n_tensors=len(sizes),
-        header_bytes=header_len + data_bytes - sum(sizes) - nt_padded,
-        pickle_bytes=len(pickle.dumps(dp.batch)),
-        non_tensor_bytes=len(blob) if blob is not None else 0,
-        broadcast_non_tensor=dp.broadcast_non_tensor,
-        pickle_exact=True,
-        dtype_bytes=tuple(dtype_bytes.values()),
-    )
+    return spec_of(dp)  # exact, with per-leaf sizes and the codec's padding folded in
 
 
 def plan_of(name: str, layout: Layout, dp: DataProto):

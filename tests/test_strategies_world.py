@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import BatchSpec, LeafSpec, batch_problems, batch_specs, build_batch
+from batchgen import BatchSpec, LeafSpec, batch_problems, batch_specs, build_batch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
