@@ -32,7 +32,7 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron.*")
 from megatron.core import parallel_state as ps  # noqa: E402
 from tensordict import TensorDict  # noqa: E402, F401
 
-from strategies import ProcessGroups  # noqa: E402
+from strategies import ProcessGroups, Unsupported  # noqa: E402
 
 
 class WorldError(RuntimeError):
@@ -137,13 +137,27 @@ def _worker(
             msg = conn.recv()
         except EOFError:
             break
+        except Exception as exc:  # e.g. a task function the forked rank cannot unpickle
+            conn.send(
+                (
+                    "error",
+                    ctx.step,
+                    f"could not receive the task ({type(exc).__name__}: {exc}); ranks are forked "
+                    "when the world starts, so task functions must be importable, or defined "
+                    f"before World.start()\n{traceback.format_exc()}",
+                )
+            )
+            continue
         if msg is None:
             break
         fn, args = msg
         try:
             conn.send(("ok", ctx.step, fn(ctx, *args)))
         except Exception as exc:  # report, keep serving; the driver decides the world's fate
-            conn.send(("error", ctx.step, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            # An Unsupported refusal is raised on every rank before any collective, so the
+            # world stays in step; anything else may have left collectives half done.
+            kind = "refused" if isinstance(exc, Unsupported) else "error"
+            conn.send((kind, ctx.step, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     try:
         dist.destroy_process_group()
     except Exception:
@@ -309,6 +323,7 @@ class World:
     def _collect(self, what: str, timeout_s: float) -> list[Any]:
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
+        refused: set[int] = set()
         self._last = {r: (0, what) for r in range(self.world_size)}
         conn_rank = {c: r for r, c in enumerate(self._conns)}
         sentinels = {p.sentinel: r for r, p in enumerate(self._ctx.processes)}
@@ -323,8 +338,10 @@ class World:
             last_progress = time.monotonic()
             if kind == "phase":
                 self._last[rank] = (step, payload)
-            elif kind == "error":
+            elif kind in ("error", "refused"):
                 errors[rank] = payload
+                if kind == "refused":
+                    refused.add(rank)
             else:
                 results[rank] = payload
             return True
@@ -371,8 +388,11 @@ class World:
                 )
         if errors:
             rank = min(errors)
-            if len(results) + len(errors) < self.world_size:
-                self.close(kill=True)  # some ranks may sit in a collective forever
+            # Tear down even if every rank answered: a root's broadcast can complete while a
+            # failed receiver never took part, leaving the ranks' collective sequences out of
+            # step, and the next job would hang or read the wrong bytes. A fresh world is cheap.
+            if refused != set(range(self.world_size)):
+                self.close(kill=True)
             first_line = errors[rank].strip().splitlines()[0]
             raise WorldError(
                 f"rank {rank} failed in {what}: {first_line}\n--- traceback of rank {rank} ---\n"

@@ -119,7 +119,7 @@ def test_slurm_sweep_one_rank_per_task_and_crash(slurm, tmp_path):
     )
     crash_s = time.monotonic() - t0
     assert res.returncode != 0, res.stdout[-2000:]
-    assert crash_s < 120, f"the crashed job took {crash_s:.0f} s to fail the sweep"
+    assert crash_s < 240, f"the crashed job took {crash_s:.0f} s to fail the sweep"
     assert not list(crash.rglob("result.json"))
     slurm.wait_idle(timeout=60)
     print(

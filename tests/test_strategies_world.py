@@ -27,8 +27,10 @@ OURS = ("pickled", "header", "flat", "scatter_allgather")
 layout or a batch they document as out of reach, if they do so on every rank."""
 
 
-class Refused(Exception):
-    """A strategy declined a layout (NotImplementedError) or a batch (ContractError)."""
+class Refused(strategies.Unsupported):
+    """A strategy declined a layout (NotImplementedError) or a batch (ContractError). An
+    Unsupported raised on every rank keeps the world alive (harness.world), which is how
+    run_contract tells an all-rank refusal from a failure on some ranks."""
 
 
 LAYOUTS_4 = [Layout(tp=2, pp=2), Layout(tp=2, cp=2), Layout(pp=4), Layout(pp=2, cp=2)]
