@@ -41,8 +41,21 @@ def _torchrun_rank() -> int | None:
     return None
 
 
+def _prompt_slurm_failures() -> None:
+    """submitit polls sacct with a back-off of up to 10 min (SlurmJob.watcher), so a job whose
+    rank crashed can sit unnoticed for minutes; poll at least every BCASTBENCH_SLURM_POLL_S
+    (default 10 s) instead, so a failed sweep fails within seconds."""
+    try:
+        from submitit.slurm import slurm
+    except ImportError:
+        return
+    slurm.SlurmJob.watcher._delay_s = float(os.environ.get("BCASTBENCH_SLURM_POLL_S", "10"))
+
+
 def main() -> None:
     register()
+    if any("hydra/launcher=" in arg for arg in sys.argv):
+        _prompt_slurm_failures()
     rank = _torchrun_rank()
     if rank:
         # Under torchrun every rank runs this app; only rank 0 owns the output directory.

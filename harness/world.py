@@ -27,9 +27,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
+# Ranks are forked from this process. A fork taken after the parent ran a multi-threaded
+# OpenMP region can leave a child deadlocked in its first parallel op (libgomp's pool does not
+# survive fork), so the driver stays single-threaded; ranks run one thread each anyway.
+torch.set_num_threads(1)
+
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron.*")
 # Imported here, in the driver, so forked ranks inherit them instead of paying ~5 s each.
-from megatron.core import parallel_state as ps  # noqa: E402
+from harness.lean_import import parallel_state  # noqa: E402
+
+ps = parallel_state()
 from tensordict import TensorDict  # noqa: E402, F401
 
 from strategies import ProcessGroups, Unsupported  # noqa: E402

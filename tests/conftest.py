@@ -7,6 +7,11 @@ a test that tears its world down (a rank crashed or hung) gets a fresh one for t
 from __future__ import annotations
 
 import pytest
+import torch
+
+# Worlds are forked from this process: keep it single-threaded from the first test on, or a
+# fork after a multi-threaded OpenMP region can deadlock a rank (see harness/world.py).
+torch.set_num_threads(1)
 
 WORLD_TIMEOUT_S = 60.0
 """No-progress limit for jobs on the session worlds: every job here takes well under a second."""

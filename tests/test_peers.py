@@ -27,13 +27,6 @@ PP2CP2 = Layout(pp=2, cp=2)
 DP2_SEED = Layout(dp=2, pp=2, tp=2, order=SEED_ORDER)
 
 
-@pytest.fixture(scope="module")
-def world4():
-    world = World(4, timeout_s=60).start()
-    yield world
-    world.close(kill=True)
-
-
 # -- payloads and plans ------------------------------------------------------------------------
 def exotic_batch(seed: int, with_non_tensor: bool = True, zero_size: bool = False) -> DataProto:
     """Every dtype the contract names, a non-contiguous leaf, views of larger storages, a
@@ -249,13 +242,6 @@ def test_tensordict_library_hangs_when_a_receiver_index_equals_src():
 
 
 # -- tests: DP > 1 with the seed's order (8 ranks, kept short) --------------------------------
-@pytest.fixture(scope="module")
-def world8():
-    world = World(8, timeout_s=60).start()
-    yield world
-    world.close(kill=True)
-
-
 def test_dp2_seed_order(world8):
     for name in ("megatron_broadcast_data", "vllm_tensor_dict", "pp_first"):
         results = world8.run(exotic_job, name, DP2_SEED, True)

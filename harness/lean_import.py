@@ -1,0 +1,38 @@
+"""Import megatron-core's ``parallel_state`` without running ``megatron/core/__init__.py``.
+
+That ``__init__`` pulls in the optimizer, FSDP and transformer stacks (≈3 s of CPU per
+process here), none of which a broadcast benchmark uses; every rank that torchrun, Slurm or
+the emulated cluster spawns would pay it. The package is registered without executing its
+``__init__`` only when nothing imported it yet, so a process that already uses Megatron (a
+user's training job) gets the real package; any failure falls back to the normal import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+
+
+def parallel_state():
+    if "megatron.core" not in sys.modules:
+        try:
+            spec = importlib.util.find_spec("megatron.core")
+            if spec is not None and spec.submodule_search_locations:
+                package = types.ModuleType("megatron.core")
+                package.__path__ = list(spec.submodule_search_locations)
+                package.__spec__ = spec
+                package.__file__ = spec.origin
+                package.__package__ = "megatron.core"
+                sys.modules["megatron.core"] = package
+                sys.modules["megatron"].core = package
+        except Exception:
+            sys.modules.pop("megatron.core", None)
+    try:
+        return importlib.import_module("megatron.core.parallel_state")
+    except Exception:
+        # A megatron-core whose parallel_state needs its package __init__: import it fully.
+        for name in [n for n in sys.modules if n.startswith("megatron.core")]:
+            del sys.modules[name]
+        return importlib.import_module("megatron.core.parallel_state")
