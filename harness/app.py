@@ -114,6 +114,8 @@ def _run_torchrun(cfg, spec: JobSpec) -> tuple[list[dict] | None, float]:
     gathered = [None] * world if rank == 0 else None
     group = dist.new_group(backend="gloo") if cfg.backend.name != "gloo" else None
     dist.gather_object(mine, gathered, dst=0, group=group)
+    if group is not None:  # one per job: a sweep would otherwise pile up transport threads
+        dist.destroy_process_group(group)
     return gathered, start_s
 
 

@@ -57,29 +57,69 @@ class RankContext:
     conn: Connection | None = None
     step: int = 0
     cache: dict = field(default_factory=dict)
+    job: int = 0
+    """The driver's number for the task being run; every message back carries it."""
 
     def report(self, phase: str) -> None:
         """Tell the driver what this rank is doing now (used to name a hung rank)."""
         self.step += 1
+        self.send("phase", phase)
+
+    def send(self, kind: str, payload: Any) -> None:
         if self.conn is not None:
-            self.conn.send(("phase", self.step, phase))
+            self.conn.send((self.job, kind, self.step, payload))
 
     def groups_for(self, layout):
         """The strategies' ProcessGroups for ``layout``, built through megatron-core once and
-        cached; a new layout tears down Megatron's state and builds it again (collective)."""
+        cached; a new layout tears down Megatron's state and its groups, then builds them
+        again (collective)."""
         key = ("groups", layout)
         if key not in self.cache:
             layout.check_world(self.world_size)
             self.cache = {k: v for k, v in self.cache.items() if k[0] != "groups"}
-            if ps.model_parallel_is_initialized():
-                ps.destroy_model_parallel()
-            ps.initialize_model_parallel(
-                **layout.megatron_kwargs(), create_gloo_process_groups=False
-            )
-            self.cache[key] = ProcessGroups.from_megatron(
-                order="-".join(layout.tokens), device=self.device
-            )
+            self.release_groups()
+            with _recording_new_groups() as made:
+                ps.initialize_model_parallel(
+                    **layout.megatron_kwargs(), create_gloo_process_groups=False
+                )
+                groups = ProcessGroups.from_megatron(
+                    order="-".join(layout.tokens), device=self.device
+                )
+            self.cache["owned_groups", None] = made
+            self.cache[key] = groups
         return self.cache[key]
+
+    def release_groups(self) -> None:
+        """Destroy the process groups the last layout made (collective, like making them).
+
+        megatron-core's destroy_model_parallel only forgets its groups. Each gloo group keeps
+        a transport thread that wakes ~100 times a second, so a world that visited a dozen
+        layouts held ~200 of them per rank and its idle ranks took most of two cores."""
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        for group in self.cache.pop(("owned_groups", None), []):
+            dist.destroy_process_group(group)
+
+
+class _recording_new_groups:
+    """Within the block, every group ``torch.distributed.new_group`` makes for this rank is
+    recorded (megatron-core and ProcessGroups call it through the module, so both are seen)."""
+
+    def __enter__(self) -> list:
+        self.made: list = []
+        self._orig = dist.new_group
+
+        def new_group(*args, **kwargs):
+            group = self._orig(*args, **kwargs)
+            if isinstance(group, dist.ProcessGroup) and group is not dist.group.WORLD:
+                self.made.append(group)
+            return group
+
+        dist.new_group = new_group
+        return self.made
+
+    def __exit__(self, *exc) -> None:
+        dist.new_group = self._orig
 
 
 def _die_with_parent() -> None:
@@ -135,9 +175,9 @@ def _worker(
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         ctx = RankContext(local_rank, world_size, backend, dev, conn)
-        conn.send(("ready", 0, None))
+        ctx.send("ready", None)
     except Exception:
-        conn.send(("error", 0, traceback.format_exc()))
+        conn.send((0, "error", 0, traceback.format_exc()))
         return
     while True:
         try:
@@ -145,26 +185,24 @@ def _worker(
         except EOFError:
             break
         except Exception as exc:  # e.g. a task function the forked rank cannot unpickle
-            conn.send(
-                (
-                    "error",
-                    ctx.step,
-                    f"could not receive the task ({type(exc).__name__}: {exc}); ranks are forked "
-                    "when the world starts, so task functions must be importable, or defined "
-                    f"before World.start()\n{traceback.format_exc()}",
-                )
+            ctx.job = -1  # unknown: the driver treats it as this job's failure
+            ctx.send(
+                "error",
+                f"could not receive the task ({type(exc).__name__}: {exc}); ranks are forked "
+                "when the world starts, so task functions must be importable, or defined "
+                f"before World.start()\n{traceback.format_exc()}",
             )
             continue
         if msg is None:
             break
-        fn, args = msg
+        ctx.job, fn, args = msg
         try:
-            conn.send(("ok", ctx.step, fn(ctx, *args)))
+            ctx.send("ok", fn(ctx, *args))
         except Exception as exc:  # report, keep serving; the driver decides the world's fate
             # An Unsupported refusal is raised on every rank before any collective, so the
             # world stays in step; anything else may have left collectives half done.
             kind = "refused" if isinstance(exc, Unsupported) else "error"
-            conn.send((kind, ctx.step, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            ctx.send(kind, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     try:
         dist.destroy_process_group()
     except Exception:
@@ -233,6 +271,7 @@ class World:
         self._ctx = None
         self._conns: list[Connection] = []
         self._last: dict[int, tuple[int, str]] = {}
+        self._job = 0
         self.start_s = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -312,9 +351,19 @@ class World:
         """
         if not self.alive:
             raise WorldError("the world is not running (it was closed or a rank died)")
-        for c in self._conns:
-            c.send((fn, args))
-        return self._collect(what or getattr(fn, "__name__", "task"), timeout_s or self.timeout_s)
+        self._job += 1
+        try:
+            for c in self._conns:
+                c.send((self._job, fn, args))
+            return self._collect(
+                what or getattr(fn, "__name__", "task"), timeout_s or self.timeout_s
+            )
+        except BaseException:
+            # Whatever cut the wait short (a rank's failure, an unpicklable result, Ctrl-C,
+            # a test framework's interrupt), answers may still be in flight and ranks may sit
+            # in a collective: a world left like that is out of step, so it goes.
+            self.close(kill=True)
+            raise
 
     def _where(self, ranks: list[int]) -> dict[int, str]:
         """Ask each rank's status thread where its main thread is (2 s at most)."""
@@ -322,7 +371,8 @@ class World:
         for r in ranks:
             try:
                 self._status[r].send("?")
-                out[r] = self._status[r].recv() if self._status[r].poll(2.0) else "no answer"
+                # Generous: on an overloaded machine a status thread can wait seconds for the GIL.
+                out[r] = self._status[r].recv() if self._status[r].poll(10.0) else "no answer"
             except (OSError, EOFError):
                 out[r] = "no answer (process gone)"
         return out
@@ -339,9 +389,16 @@ class World:
         def handle(rank: int, conn: Connection) -> bool:
             nonlocal last_progress
             try:
-                kind, step, payload = conn.recv()
+                job, kind, step, payload = conn.recv()
             except (EOFError, OSError):
                 return False
+            if job not in (self._job, -1):
+                # Cannot happen while worlds that fail are torn down; if it does, the ranks
+                # are out of step and nothing they say can be trusted.
+                raise WorldError(
+                    f"rank {rank} answered job {job} while job {self._job} ({what}) runs: "
+                    "the world is out of step"
+                )
             last_progress = time.monotonic()
             if kind == "phase":
                 self._last[rank] = (step, payload)

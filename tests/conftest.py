@@ -6,6 +6,8 @@ a test that tears its world down (a rank crashed or hung) gets a fresh one for t
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -13,8 +15,9 @@ import torch
 # fork after a multi-threaded OpenMP region can deadlock a rank (see harness/world.py).
 torch.set_num_threads(1)
 
-WORLD_TIMEOUT_S = 60.0
-"""No-progress limit for jobs on the session worlds: every job here takes well under a second."""
+WORLD_TIMEOUT_S = 120.0
+"""No-progress limit for jobs on the session worlds: every job here takes well under a second
+on a quiet machine; the margin is for loaded CI runners."""
 
 
 def _session_world(n: int):
@@ -47,6 +50,39 @@ def world4():
 def world8():
     """A running 8-rank gloo world, shared by every test of the session."""
     yield from _session_world(8)
+
+
+# -- one Slurm cluster for the session ---------------------------------------------------------
+def skip_or_fail(reason: str) -> None:
+    """Skip a test the machine cannot host; BCB_REQUIRE_INFRA=1 makes that a failure."""
+    if os.environ.get("BCB_REQUIRE_INFRA") == "1":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A single-node Slurm with accounting (tests/infra/slurm.py), started on first use and
+    stopped by PID at session end: the smoke tests and the harness's Slurm sweep share it,
+    since standing up munge, MariaDB and three daemons is the slow part."""
+    from infra.slurm import SlurmCluster, SlurmUnavailable
+
+    if os.geteuid() != 0:
+        skip_or_fail("a Slurm cluster for tests needs root")
+    try:
+        cluster = SlurmCluster().__enter__()
+    except SlurmUnavailable as exc:
+        skip_or_fail(f"Slurm unavailable: {exc}")
+    try:
+        yield cluster
+    finally:
+        cluster.__exit__(None, None, None)
+    for name, pid in cluster.pids.items():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        raise AssertionError(f"{name} (pid {pid}) still running after the cluster stopped")
 
 
 # -- batches every rank can rebuild from a small spec -------------------------------------------

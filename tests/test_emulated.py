@@ -102,7 +102,7 @@ def test_torchrun_across_two_hosts(netns_ok, tmp_path):
                 )
             )
         before = emu.crossed_bytes()
-        outs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
+        outs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in procs]
         crossed = emu.crossed_bytes() - before
         names = _our_netns()
     assert [p.returncode for p in procs] == [0, 0], "\n---\n".join(o[-3000:] for o in outs)
@@ -125,7 +125,7 @@ def test_emulated_cluster_job_records_shape_and_bytes(netns_ok, tmp_path):
         [sys.executable, "-m", "harness", "strategy=pp_first", "layout=tp2pp2", "references=[]",
          *FAST, "emulate.enabled=true", "emulate.nodes=2", "emulate.rate_mbit=1000",
          "emulate.links=node", "timeout_s=60", f"hydra.run.dir={run_dir}"],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
+        cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     elapsed = time.monotonic() - t0
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
@@ -164,7 +164,7 @@ def test_emulated_crash_fails_fast_and_cleans_up(netns_ok, tmp_path):
         [sys.executable, "-m", "harness", "strategy=header", "layout=tp2pp2", "references=[]",
          *FAST, "emulate.enabled=true", "emulate.bytes_calls=0", "fault.rank=3",
          "fault.kind=crash", "timeout_s=120", f"hydra.run.dir={run_dir}"],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
+        cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     elapsed = time.monotonic() - t0
     assert res.returncode != 0

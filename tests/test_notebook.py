@@ -81,7 +81,7 @@ def test_notebook_runs_headless_and_draws_figures(monkeypatch):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(
         nb,
-        timeout=120,
+        timeout=600,
         kernel_name="python3",
         resources={"metadata": {"path": str(NOTEBOOK.parent)}},
     )

@@ -2,7 +2,7 @@
 4-rank jobs (one rank per Slurm task) writes one record per job, from rank 0 only, and a job with
 a crashing rank fails the sweep instead of hanging it.
 
-The cluster (tests/infra/slurm.py) is started here and stopped by PID afterwards. Skips when it
+The cluster (tests/infra/slurm.py) is the session's, shared with the infra smoke tests and\nstopped by PID at session end. Skips when it
 cannot be (not root, no apt); BCB_REQUIRE_INFRA=1 turns the skip into a failure.
 """
 
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from infra.slurm import SlurmCluster, SlurmUnavailable
+from infra.slurm import SlurmCluster
 
 REPO = Path(__file__).resolve().parent.parent
 FAST = ["layout=tp2pp2", "iters=2", "warmup=1", "payload.batch_size=2", "payload.seq_len=64"]
@@ -33,36 +33,14 @@ pytestmark = [pytest.mark.world, pytest.mark.slow]
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="hydra-submitit-launcher")
 
 
-@pytest.fixture(scope="module")
-def slurm():
-    def skip(reason: str) -> None:
-        if os.environ.get("BCB_REQUIRE_INFRA") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
-
-    if os.geteuid() != 0:
-        skip("a Slurm cluster for tests needs root")
-    try:
-        cluster = SlurmCluster().__enter__()
-    except SlurmUnavailable as exc:
-        skip(f"Slurm unavailable: {exc}")
-    try:
-        yield cluster
-    finally:
-        cluster.__exit__(None, None, None)
-    for name, pid in cluster.pids.items():
-        assert not _alive(pid), f"{name} (pid {pid}) still running after stop"
+@pytest.fixture
+def slurm(slurm_cluster):
+    """The session's cluster (tests/conftest.py), idle between tests."""
+    slurm_cluster.wait_idle(timeout=60)
+    return slurm_cluster
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _sweep(slurm: SlurmCluster, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def _sweep(slurm: SlurmCluster, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "harness", "-m", *args, *RESOURCES,
          f"hydra.launcher.partition={slurm.partition}"],

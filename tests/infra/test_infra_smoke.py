@@ -21,7 +21,7 @@ import pytest
 
 from harness.emulate import EmulatedCluster, Emulation, EmulationUnavailable, unavailable_reason
 
-from .slurm import SlurmCluster, SlurmUnavailable
+from .slurm import SlurmCluster
 
 HERE = Path(__file__).resolve().parent
 PROBE = HERE / "bcast_probe.py"
@@ -40,18 +40,11 @@ def _skip_or_fail(reason: str) -> None:
 
 
 # -- Slurm -------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def slurm():
-    if os.geteuid() != 0:
-        _skip_or_fail("Slurm smoke tests need root")
-    try:
-        cluster = SlurmCluster().__enter__()
-    except SlurmUnavailable as exc:
-        _skip_or_fail(f"Slurm unavailable: {exc}")
-    try:
-        yield cluster
-    finally:
-        cluster.__exit__(None, None, None)
+@pytest.fixture
+def slurm(slurm_cluster):
+    """The session's cluster (tests/conftest.py), shared with tests/test_slurm.py."""
+    slurm_cluster.wait_idle(timeout=60)
+    return slurm_cluster
 
 
 ALLREDUCE = textwrap.dedent(
@@ -110,7 +103,7 @@ def test_slurm_srun_gloo_allreduce_and_sacct(slurm, tmp_path):
         capture_output=True,
         text=True,
         env=env,
-        timeout=120,
+        timeout=600,
         check=False,
     )
     assert res.returncode == 0, res.stdout + res.stderr
@@ -231,7 +224,7 @@ def _torchrun_probe(emu: Emulation, group: str, repeats: int, attempt: int = 0) 
         )
     outs = []
     for proc in procs:
-        out, _ = proc.communicate(timeout=120)
+        out, _ = proc.communicate(timeout=600)
         outs.append(out.decode(errors="replace"))
     assert all(p.returncode == 0 for p in procs), "\n---\n".join(o[-3000:] for o in outs)
     lines = [ln for o in outs for ln in o.splitlines() if ln.startswith("BCAST_PROBE ")]
