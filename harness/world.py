@@ -277,6 +277,7 @@ class World:
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> World:
         t0 = time.perf_counter()
+        self._job = 0  # the ranks' "ready" answers carry job 0
         mp = tmp.get_context("fork")
         pairs = [mp.Pipe(duplex=True) for _ in range(self.world_size)]
         status = [mp.Pipe(duplex=True) for _ in range(self.world_size)]
@@ -358,10 +359,12 @@ class World:
             return self._collect(
                 what or getattr(fn, "__name__", "task"), timeout_s or self.timeout_s
             )
+        except WorldError:
+            raise  # _collect tore the world down, unless every rank refused before any collective
         except BaseException:
-            # Whatever cut the wait short (a rank's failure, an unpicklable result, Ctrl-C,
-            # a test framework's interrupt), answers may still be in flight and ranks may sit
-            # in a collective: a world left like that is out of step, so it goes.
+            # Anything else that cut the wait short (an unpicklable result, Ctrl-C, a test
+            # framework's interrupt) may leave answers in flight and ranks in a collective: a
+            # world left like that is out of step, so it goes.
             self.close(kill=True)
             raise
 
@@ -395,6 +398,7 @@ class World:
             if job not in (self._job, -1):
                 # Cannot happen while worlds that fail are torn down; if it does, the ranks
                 # are out of step and nothing they say can be trusted.
+                self.close(kill=True)
                 raise WorldError(
                     f"rank {rank} answered job {job} while job {self._job} ({what}) runs: "
                     "the world is out of step"

@@ -17,6 +17,7 @@ from harness import payloads
 from harness.costmodel import load_cluster, price
 from harness.predict import (
     CONF,
+    EXAMPLE,
     predict_all,
     price_strategy,
     replicas_independent,
@@ -29,16 +30,6 @@ from strategies.plan import spec_of
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = Path(__file__).parent / "fixtures" / "model_sweep"
-EXAMPLE = [
-    "cluster=h200_ib",
-    "layout.dp=128",
-    "layout.pp=8",
-    "layout.tp=8",
-    "layout.cp=2",
-    "payload=rl_rollout",
-    "payload.batch_size=512",
-    "payload.seq_len=4096",
-]
 
 
 def compose(overrides: list[str]):
