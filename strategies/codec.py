@@ -25,6 +25,9 @@ ALIGN = 64
 DEFAULT_MAX_BYTES = 16 << 30  # receivers refuse headers that claim more than this
 MAX_NDIM = 32
 MAX_KEYS = 1 << 16
+DIRECT = (1 << 64) - 1
+"""Offset of an entry whose bytes are not in the message: the leaf travels in a broadcast of
+its own, straight from the sender's tensor (strategies/direct.py)."""
 
 DTYPES: tuple[torch.dtype, ...] = (
     torch.bool,
@@ -128,16 +131,22 @@ def transportable(t: torch.Tensor) -> torch.Tensor:
 
 
 def layout_entries(
-    batch: TensorDict, rank: int = 0, non_tensor_nbytes: int | None = None
+    batch: TensorDict,
+    rank: int = 0,
+    non_tensor_nbytes: int | None = None,
+    direct: frozenset[int] = frozenset(),
 ) -> tuple[list[Entry], int, tuple[int, int] | None]:
     """Offsets for every leaf and the optional non-tensor blob; returns (entries, data_bytes,
-    non_tensor span)."""
+    non_tensor span). Leaves whose index is in ``direct`` get offset DIRECT and no space."""
     entries: list[Entry] = []
     offset = 0
-    for key, t in batch.items(include_nested=True, leaves_only=True):
+    for i, (key, t) in enumerate(batch.items(include_nested=True, leaves_only=True)):
         key = key if isinstance(key, tuple) else (key,)
         dtype_code(t.dtype, key if len(key) > 1 else key[0], rank)
         n = nbytes_of(t)
+        if i in direct:
+            entries.append(Entry(key, t.dtype, tuple(t.shape), DIRECT, n))
+            continue
         entries.append(Entry(key, t.dtype, tuple(t.shape), offset, n))
         offset = align(offset + n)
     span = None
@@ -229,6 +238,7 @@ def decode_header(raw: bytes, max_bytes: int = DEFAULT_MAX_BYTES, rank: int = 0)
         if n_keys > MAX_KEYS:
             raise HeaderError(f"rank {rank}: corrupt header ({n_keys} keys > {MAX_KEYS})")
         entries = []
+        direct_bytes = 0  # leaves that follow the message in broadcasts of their own
         for _ in range(n_keys):
             (n_parts,) = take("<B")
             parts = []
@@ -246,7 +256,7 @@ def decode_header(raw: bytes, max_bytes: int = DEFAULT_MAX_BYTES, rank: int = 0)
             (offset,) = take("<Q")
             dtype = DTYPES[code]
             nbytes = math.prod(shape) * ITEMSIZE[dtype]
-            if offset % ALIGN or offset + nbytes > data_bytes:
+            if offset != DIRECT and (offset % ALIGN or offset + nbytes > data_bytes):
                 raise HeaderError(
                     f"rank {rank}: batch[{key!r}] spans bytes {offset}..{offset + nbytes} of a "
                     f"{data_bytes}-byte data region"
@@ -256,6 +266,13 @@ def decode_header(raw: bytes, max_bytes: int = DEFAULT_MAX_BYTES, rank: int = 0)
                     f"rank {rank}: batch[{key!r}] has shape {list(shape)}; expected leading dim "
                     f"B={batch_size[0]}"
                 )
+            if offset == DIRECT:
+                direct_bytes += nbytes
+                if total + direct_bytes > max_bytes:
+                    raise HeaderError(
+                        f"rank {rank}: the message ({total} bytes) and its separately sent "
+                        f"leaves ({direct_bytes} bytes so far) exceed max_bytes={max_bytes}"
+                    )
             entries.append(Entry(key, dtype, tuple(shape), offset, nbytes))
         non_tensor = None
         if flags & FLAG_NON_TENSOR:
@@ -301,19 +318,25 @@ def pack_deferred(
     min_capacity: int = 0,
     rank: int = 0,
     cache: dict | None = None,
+    direct: frozenset[int] = frozenset(),
 ):
     """Like ``pack``, but only the header is written; returns (buffer, header, fill) where
     ``fill(upto)`` copies every leaf that starts before byte ``upto``, so a sender can put the
     first part of a large message on the wire while it packs the rest. A new buffer gets 1/4
-    spare capacity, so slowly growing batches do not reallocate every call."""
+    spare capacity, so slowly growing batches do not reallocate every call. Leaves whose index
+    is in ``direct`` are described in the header but not packed (the caller sends them)."""
     blob = None
     if non_tensor_batch is not None:
         blob = pickle.dumps(non_tensor_batch, protocol=pickle.HIGHEST_PROTOCOL)
     leaves = list(batch.items(include_nested=True, leaves_only=True))
-    signature = (tuple(batch.batch_size), tuple((k, t.dtype, t.shape) for k, t in leaves))
+    signature = (
+        tuple(batch.batch_size),
+        tuple((k, t.dtype, t.shape) for k, t in leaves),
+        direct,
+    )
     cache = {} if cache is None else cache
     if cache.get("signature") != signature:
-        entries, tensor_end, _ = layout_entries(batch, rank, None)
+        entries, tensor_end, _ = layout_entries(batch, rank, None, direct)
         cache.clear()
         cache.update(signature=signature, entries=entries, tensor_end=tensor_end)
     entries, tensor_end = cache["entries"], cache["tensor_end"]
@@ -334,7 +357,7 @@ def pack_deferred(
     if cache.get("views_key") != views_key:
         dst, src_index, starts = [], [], []
         for i, e in enumerate(entries):
-            if e.nbytes:
+            if e.nbytes and e.offset != DIRECT:
                 start = header_len + e.offset
                 dst.append(out[start : start + e.nbytes].view(e.dtype).view(e.shape))
                 src_index.append(i)
@@ -376,15 +399,20 @@ def _leaf_device(batch: TensorDict) -> torch.device:
 
 
 def unpack(
-    buf: torch.Tensor, header: Header, td_device: torch.device | None = None
+    buf: torch.Tensor,
+    header: Header,
+    td_device: torch.device | None = None,
+    direct: list[torch.Tensor] = (),
 ) -> tuple[TensorDict, dict[str, np.ndarray] | None]:
-    """Zero-copy views of every tensor in ``buf``; the non-tensor blob is unpickled."""
+    """Zero-copy views of every tensor in ``buf``; the non-tensor blob is unpickled. Entries
+    at offset DIRECT take the tensors in ``direct``, in order."""
     data = buf[header.header_len : header.total_bytes]
-    pieces = data.split_with_sizes(_split_sizes(header))  # one call instead of one per key
+    pieces = iter(data.split_with_sizes(_split_sizes(header))[1::2])  # one call, not one per key
+    received = iter(direct)
     nested: dict = {}
     flat = True
-    for e, piece in zip(header.entries, pieces[1::2]):
-        t = piece.view(e.dtype).view(e.shape)
+    for e in header.entries:
+        t = next(received) if e.offset == DIRECT else next(pieces).view(e.dtype).view(e.shape)
         node = nested
         for part in e.key[:-1]:
             node = node.setdefault(part, {})
@@ -410,6 +438,8 @@ def _split_sizes(header: Header) -> list[int]:
         return cached[1]
     sizes, pos = [], 0
     for e in header.entries:
+        if e.offset == DIRECT:
+            continue
         sizes += [e.offset - pos, e.nbytes]
         pos = e.offset + e.nbytes
     sizes.append(header.data_bytes - pos)

@@ -29,7 +29,7 @@ class Comm:
     step: int
     """Comms with the same step run at the same time on disjoint groups; steps run in order."""
     what: str = "payload"
-    """What travels: 'sizes', 'pickle', 'header', 'payload', 'chunk'."""
+    """What travels: 'sizes', 'pickle', 'header', 'payload', 'chunk', 'leaf' (one tensor)."""
     exact: bool = True
     """False when nbytes is an estimate (pickle sizes predicted without pickling)."""
 

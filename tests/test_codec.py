@@ -348,3 +348,32 @@ def test_wire_next_expect_and_finish():
     assert wire.expect == 8192
     with pytest.raises(ValueError, match="initial_bytes must be >= 4096"):
         Wire(torch.device("cpu"), 0, initial_bytes=100)
+
+
+# -- leaves that travel on their own (strategies/direct.py) -------------------------------------
+def test_direct_leaves_are_described_but_not_packed():
+    td = TensorDict(
+        {"small": torch.arange(4.0), "big": torch.arange(4 * 300).view(4, 300), "s": torch.ones(4)},
+        batch_size=[4],
+    )
+    buf, header, fill = codec.pack_deferred(td, {"t": "x"}, direct=frozenset({1}))
+    fill(header.total_bytes)
+    offsets = [e.offset for e in header.entries]
+    assert offsets[1] == codec.DIRECT and offsets[0] != codec.DIRECT != offsets[2]
+    # The message holds only the small leaves and the blob; big is on its own.
+    assert header.data_bytes < td["big"].numel() * 8
+    decoded = decode_header(bytes(buf[: header.header_len].numpy()))
+    assert decoded.entries == header.entries
+    out, nt = codec.unpack(buf, decoded, direct=[td["big"].clone()])
+    assert list(out.keys()) == ["small", "big", "s"]  # the leader's order
+    for key in td.keys():
+        assert torch.equal(out[key], td[key]), key
+    assert nt == {"t": "x"}
+
+
+def test_direct_leaves_count_against_max_bytes():
+    td = TensorDict({"big": torch.zeros(4, 1024)}, batch_size=[4])
+    buf, header, _ = codec.pack_deferred(td, None, direct=frozenset({0}))
+    raw = bytes(buf[: header.header_len].numpy())
+    expect_error(raw, "separately sent leaves", max_bytes=header.total_bytes + 1000)
+    assert decode_header(raw, max_bytes=header.total_bytes + 4 * 1024 * 4).entries

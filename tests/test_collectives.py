@@ -151,11 +151,11 @@ def test_floor_is_one_broadcast(request, layout):
 
 
 # -- plan == trace -----------------------------------------------------------------------------
-def planned(name: str, layout: Layout, results: list[dict], first_call: bool) -> Plan:
+def planned(name: str, layout: Layout, results: list[dict], first_call: bool, **options) -> Plan:
     cls = strategies.get_class(name)
     spec = next(r["spec"] for r in results if r["spec"] is not None)
     params = inspect.signature(cls.plan).parameters
-    kwargs = {}
+    kwargs = dict(options)
     if "leaf_bytes" in params:
         kwargs["leaf_bytes"] = results[0]["leaf_bytes"]
     if first_call:
@@ -207,6 +207,19 @@ def test_plan_equals_trace_on_the_first_call(request, layout, name):
     """Plans of the wire-based strategies take the announced size: 64 KiB before any call."""
     results = record(world_of(request, layout), name, layout)
     assert mismatches(planned(name, layout, results, first_call=True), results, 0) == []
+
+
+@pytest.mark.parametrize("layout", [TP2PP2, DP2_SEED], ids=lambda x: x.describe())
+def test_direct_plan_equals_trace_with_leaves_sent_alone(request, layout):
+    """With a 1 KiB threshold the multimodal batch has leaves on both paths: the plan lists
+    the message, then one broadcast per large leaf, first call and steady state."""
+    opts = {"direct_min_bytes": 1024}
+    results = record(world_of(request, layout), "direct", layout, flag=True, **opts)
+    for call in (0, 1):
+        plan = planned("direct", layout, results, first_call=call == 0, **opts)
+        alone = [c for c in plan.comms if c.what == "leaf"]
+        assert 0 < len(alone) < len(results[0]["leaf_bytes"]) * layout.dp
+        assert mismatches(plan, results, call) == []
 
 
 def test_spec_of_matches_what_the_codec_packs():

@@ -22,9 +22,13 @@ from harness.world import World, WorldError
 from strategies.header import HeaderStrategy
 from strategies.layout import SEED_ORDER, Layout
 
-OURS = ("pickled", "header", "flat", "scatter_allgather")
+OURS = ("pickled", "header", "flat", "direct", "scatter_allgather")
 """Strategies that must carry every valid batch. Others (peer reproductions) may refuse a
 layout or a batch they document as out of reach, if they do so on every rank."""
+
+TEST_OPTIONS = {"direct": {"direct_min_bytes": 64}}
+"""Options the contract tests build a strategy with: ``direct``'s default threshold (1 MiB)
+would leave every small test batch on the packed path, so here most leaves travel alone."""
 
 
 class Refused(strategies.Unsupported):
@@ -126,7 +130,7 @@ def test_every_rank_ends_with_the_leaders_batch(request, layout, name, spec, lo,
     hi = lo + hi_extra
     sizes = (lo, lo, hi, hi, lo, lo)
     world = world_for(layout, request)
-    assert run_contract(world, name, layout, spec, sizes, seed, {}) == []
+    assert run_contract(world, name, layout, spec, sizes, seed, TEST_OPTIONS.get(name, {})) == []
 
 
 FIXED = BatchSpec(
@@ -151,7 +155,7 @@ def test_non_tensor_flag_both_ways(world8, name, flag):
     """Flagged: object arrays arrive everywhere; not flagged: receivers keep an empty dict."""
     layout = LAYOUTS_8[1]  # the seed's DP2×PP2×TP2
     spec = BatchSpec(FIXED.leaves, FIXED.non_tensor, FIXED.meta, broadcast_non_tensor=flag)
-    assert run_contract(world8, name, layout, spec, (3, 3, 1), 7, {}) == []
+    assert run_contract(world8, name, layout, spec, (3, 3, 1), 7, TEST_OPTIONS.get(name, {})) == []
 
 
 @pytest.mark.world
@@ -159,7 +163,8 @@ def test_non_tensor_flag_both_ways(world8, name, flag):
 def test_realistic_payloads_with_small_first_message(world4, name):
     """The rl_rollout and multimodal payloads, with a 4 KiB first message so every call of
     the wire-based strategies needs its second broadcast until the size is announced."""
-    options = {"initial_bytes": 4096} if name in ("header", "flat") else {}
+    options = {"initial_bytes": 4096} if name in ("header", "flat", "direct") else {}
+    options |= {"direct_min_bytes": 1024} if name == "direct" else {}
     layout = LAYOUTS_4[0]
     results = world4.run(payload_job, name, layout, options)
     assert [p for r in results for p in r] == []
@@ -185,10 +190,10 @@ class FlipsOneByte(HeaderStrategy):
 
     name = "flips_one_byte"
 
-    def finish_receiver(self, batch, buf, header):
+    def finish_receiver(self, batch, buf, header, direct=()):
         at = header.header_len + header.entries[0].offset
         buf[at] ^= 0xFF
-        return super().finish_receiver(batch, buf, header)
+        return super().finish_receiver(batch, buf, header, direct)
 
 
 def broken_job(ctx, layout: Layout) -> list[str]:
@@ -265,7 +270,9 @@ def test_wrong_leading_dim_raises_contract_error_without_a_hang(scratch_world, n
 
 
 def takes_max_bytes(name: str) -> bool:
-    return "max_bytes" in inspect.signature(strategies.get_class(name).__init__).parameters
+    """Whether the strategy's constructor (or one it passes options on to) takes max_bytes."""
+    inits = [c.__init__ for c in strategies.get_class(name).__mro__ if "__init__" in vars(c)]
+    return any("max_bytes" in inspect.signature(f).parameters for f in inits)
 
 
 def small_max_bytes_job(ctx, name: str, layout: Layout):
