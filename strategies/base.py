@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -93,6 +93,15 @@ class DataProto:
         return b
 
 
+class Hop(NamedTuple):
+    """One hop of a relay: the group, its gloo twin for host-side metadata, and its global
+    ranks in group-rank order (``ranks[0]`` is the source)."""
+
+    group: Any
+    cpu_group: Any
+    ranks: tuple[int, ...]
+
+
 @dataclass
 class ProcessGroups:
     """The groups a strategy may use, built once per layout and handed to every strategy."""
@@ -142,6 +151,16 @@ class ProcessGroups:
     @property
     def tp_cp_size(self) -> int:
         return len(self.tp_cp_ranks)
+
+    def seed_hops(self) -> list[Hop]:
+        """The hops this rank takes part in, in the seed's order: TP×CP if it is on pipeline
+        stage 0 and tp·cp > 1, then PP if pp > 1 (``Layout.seed_hop_groups`` for a plan)."""
+        hops = []
+        if self.pp_rank == 0 and self.tp_cp_size > 1:
+            hops.append(Hop(self.tp_cp_group, self.cpu_tp_cp_group, self.tp_cp_ranks))
+        if self.pp_size > 1:
+            hops.append(Hop(self.pp_group, self.cpu_pp_group, self.pp_ranks))
+        return hops
 
     @property
     def pp_size(self) -> int:

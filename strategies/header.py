@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from strategies.base import DataProto
 from strategies.packed import PackedStrategy
-from strategies.pickled import stage0_tp_cp_groups
 from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
 
 
@@ -24,12 +23,7 @@ class HeaderStrategy(PackedStrategy):
 
     def get_data_input(self, batch: DataProto) -> DataProto:
         g = self.groups
-        hops = []
-        if g.pp_rank == 0 and g.tp_cp_size > 1:
-            hops.append((g.tp_cp_group, g.tp_cp_ranks))
-        if g.pp_size > 1:
-            hops.append((g.pp_group, g.pp_ranks))
-        return self.relay(batch, hops)
+        return self.relay(batch, [(hop.group, hop.ranks) for hop in g.seed_hops()])
 
     @classmethod
     def plan(cls, layout, spec: PayloadSpec, expect: int | None = None) -> Plan:
@@ -39,12 +33,7 @@ class HeaderStrategy(PackedStrategy):
         first = expect if expect is not None else _steady_expect(total)
         comms: list[Comm] = []
         step = 0
-        hops = []
-        if layout.tp_cp > 1:
-            hops.append(stage0_tp_cp_groups(layout))
-        if layout.pp > 1:
-            hops.append(layout.groups("pp"))
-        for groups in hops:
+        for groups in layout.seed_hop_groups():
             step = _wire_comms(comms, groups, total, first, step)
         return Plan(
             cls.name,

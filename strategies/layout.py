@@ -108,6 +108,21 @@ class Layout:
             rest //= size
         return out
 
+    def stage0_tp_cp_groups(self) -> list[list[int]]:
+        """TP×CP groups of pipeline stage 0, one per replica."""
+        return [g for g in self.groups("tp-cp") if self.coords(g[0])["pp"] == 0]
+
+    def seed_hop_groups(self) -> list[list[list[int]]]:
+        """The seed's hops, each as the groups that run it at once: stage 0's TP×CP groups
+        when tp·cp > 1, then every PP group when pp > 1 (``ProcessGroups.seed_hops`` is the
+        same order seen from one rank)."""
+        hops = []
+        if self.tp_cp > 1:
+            hops.append(self.stage0_tp_cp_groups())
+        if self.pp > 1:
+            hops.append(self.groups("pp"))
+        return hops
+
     def group_of(self, axes: str, rank: int) -> list[int]:
         for g in self.groups(axes):
             if rank in g:

@@ -41,7 +41,6 @@ from tensordict import TensorDict
 
 from strategies.base import ContractError, DataProto, Strategy
 from strategies.codec import transportable
-from strategies.pickled import stage0_tp_cp_groups
 from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.trace import WORK
 
@@ -198,14 +197,8 @@ class MegatronBroadcastData(Strategy):
         if g.replica_ranks == (g.rank,):
             return batch
         msg = build_message(batch, g.rank) if g.is_leader else None
-        if g.pp_rank == 0 and g.tp_cp_size > 1:
-            msg = broadcast_message(
-                msg, g.tp_cp_ranks[0], g.tp_cp_group, g.cpu_tp_cp_group, g.device
-            )
-        if g.pp_size > 1:
-            if g.pp_rank != 0:
-                msg = None
-            msg = broadcast_message(msg, g.pp_ranks[0], g.pp_group, g.cpu_pp_group, g.device)
+        for hop in g.seed_hops():
+            msg = broadcast_message(msg, hop.ranks[0], hop.group, hop.cpu_group, g.device)
         if msg.table["error"] is not None:
             if g.is_leader:
                 raise ContractError(msg.table["error"])
@@ -226,15 +219,9 @@ class MegatronBroadcastData(Strategy):
         buffers = [(b, True) for b in spec.dtype_bytes]
         if not buffers and spec.tensor_bytes:
             buffers = [(spec.tensor_bytes, False)]
-        hops = []
-        if layout.replica_size > 1:
-            if layout.tp_cp > 1:
-                hops.append(stage0_tp_cp_groups(layout))
-            if layout.pp > 1:
-                hops.append(layout.groups("pp"))
         comms: list[Comm] = []
         step = 0
-        for groups in hops:
+        for groups in layout.seed_hop_groups():
             what = [
                 (8, "sizes", True),
                 (nt, "pickle", False),  # table (+ non_tensor_batch): size not predicted

@@ -28,11 +28,6 @@ def broadcast_obj(obj, group):
     return obj_list[0]
 
 
-def stage0_tp_cp_groups(layout) -> list[list[int]]:
-    """TP×CP groups of pipeline stage 0, one per replica."""
-    return [g for g in layout.groups("tp-cp") if layout.coords(g[0])["pp"] == 0]
-
-
 class Pickled(Strategy):
     name = "pickled"
     claims = "2 collectives per hop (sizes, pickled bytes): 2 on stage 0 with tp·cp>1, +2 for pp>1"
@@ -47,10 +42,8 @@ class Pickled(Strategy):
             except ContractError as exc:  # ship the refusal instead, so no receiver waits
                 refusal = exc
         carried = refusal if refusal is not None else (batch if whole else batch.batch)
-        if g.pp_rank == 0 and g.tp_cp_size > 1:
-            carried = broadcast_obj(carried, g.tp_cp_group)
-        if g.pp_size > 1:
-            carried = broadcast_obj(carried, g.pp_group)
+        for hop in g.seed_hops():
+            carried = broadcast_obj(carried, hop.group)
         if isinstance(carried, ContractError):
             if g.is_leader:
                 raise carried
@@ -67,44 +60,22 @@ class Pickled(Strategy):
     @classmethod
     def plan(cls, layout, spec: PayloadSpec) -> Plan:
         nbytes = spec.pickle_bytes + (spec.non_tensor_bytes if spec.broadcast_non_tensor else 0)
+        exact = spec.pickle_exact and not spec.broadcast_non_tensor
         comms = []
         step = 0
-        if layout.tp_cp > 1:
-            for ranks in stage0_tp_cp_groups(layout):
+        hops = layout.seed_hop_groups()
+        for groups in hops:  # broadcast_object_list: the sizes, then the pickled bytes
+            for ranks in groups:
                 comms.append(Comm("broadcast", tuple(ranks), ranks[0], 8, step, "sizes"))
-            for ranks in stage0_tp_cp_groups(layout):
+            for ranks in groups:
                 comms.append(
-                    Comm(
-                        "broadcast",
-                        tuple(ranks),
-                        ranks[0],
-                        nbytes,
-                        step + 1,
-                        "pickle",
-                        spec.pickle_exact and not spec.broadcast_non_tensor,
-                    )
+                    Comm("broadcast", tuple(ranks), ranks[0], nbytes, step + 1, "pickle", exact)
                 )
             step += 2
-        if layout.pp > 1:
-            for ranks in layout.groups("pp"):
-                comms.append(Comm("broadcast", tuple(ranks), ranks[0], 8, step, "sizes"))
-            for ranks in layout.groups("pp"):
-                comms.append(
-                    Comm(
-                        "broadcast",
-                        tuple(ranks),
-                        ranks[0],
-                        nbytes,
-                        step + 1,
-                        "pickle",
-                        spec.pickle_exact and not spec.broadcast_non_tensor,
-                    )
-                )
-        hops = (layout.tp_cp > 1) + (layout.pp > 1)
         return Plan(
             cls.name,
             comms,
-            leader=LocalWork(pickled_bytes=nbytes * hops),
+            leader=LocalWork(pickled_bytes=nbytes * len(hops)),
             receiver=LocalWork(pickled_bytes=nbytes),
             forwarder=LocalWork(pickled_bytes=2 * nbytes),
         )

@@ -26,7 +26,6 @@ from strategies.codec import (
     read_header,
     unpack,
 )
-from strategies.pickled import stage0_tp_cp_groups
 from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
 
 CHUNK_ALIGN = 64
@@ -168,7 +167,7 @@ class ScatterAllgather(Strategy):
                 )
             step += 1
         if n > 1:
-            for ranks in stage0_tp_cp_groups(layout):
+            for ranks in layout.stage0_tp_cp_groups():
                 comms.append(Comm("scatter", tuple(ranks), ranks[0], c, step, "chunk"))
             step += 1
         if layout.pp > 1:

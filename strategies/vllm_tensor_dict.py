@@ -38,7 +38,6 @@ from tensordict import TensorDict
 
 from strategies.base import DataProto, Strategy
 from strategies.codec import transportable
-from strategies.pickled import stage0_tp_cp_groups
 from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.trace import WORK
 
@@ -152,12 +151,8 @@ class VllmTensorDict(Strategy):
         if g.is_leader:
             batch.validate(g.rank)
             d = to_tensor_dict(batch)
-        if g.pp_rank == 0 and g.tp_cp_size > 1:
-            d = broadcast_tensor_dict(
-                d, g.tp_cp_ranks[0], g.tp_cp_group, g.cpu_tp_cp_group, g.device
-            )
-        if g.pp_size > 1:
-            d = broadcast_tensor_dict(d, g.pp_ranks[0], g.pp_group, g.cpu_pp_group, g.device)
+        for hop in g.seed_hops():
+            d = broadcast_tensor_dict(d, hop.ranks[0], hop.group, hop.cpu_group, g.device)
         if not g.is_leader:
             batch.batch, non_tensor = from_tensor_dict(d)
             if non_tensor is not None:
@@ -169,15 +164,9 @@ class VllmTensorDict(Strategy):
         """``leaf_bytes``: bytes of each tensor leaf in TensorDict order (see ``leaf_nbytes``)."""
         sizes, exact = leaf_nbytes(spec, leaf_bytes)
         nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
-        hops = []
-        if layout.replica_size > 1:
-            if layout.tp_cp > 1:
-                hops.append(stage0_tp_cp_groups(layout))
-            if layout.pp > 1:
-                hops.append(layout.groups("pp"))
         comms: list[Comm] = []
         step = 0
-        for groups in hops:
+        for groups in layout.seed_hop_groups():
             what = [(8, "sizes", True), (nt, "pickle", False)]
             what += [(n, "payload", exact) for n in sizes if n]
             for nbytes, kind, ok in what:
