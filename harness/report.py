@@ -342,6 +342,14 @@ def plot_speedup(df: pd.DataFrame) -> Figure:
     return fig
 
 
+def _strategy_lines(ax, tab: pd.DataFrame, names, styles, column: str) -> None:
+    """One line per strategy: ``column`` against payload bytes."""
+    for name in names:
+        rows = tab[tab["strategy"] == name].sort_values("payload_bytes")
+        if not rows.empty:
+            ax.plot(rows["payload_bytes"], rows[column], label=name, lw=1.6, ms=5, **styles[name])
+
+
 def plot_overhead(df: pd.DataFrame) -> Figure:
     """(c) vs_floor = p50 / floor p50 (same job) per strategy and payload, one panel per layout."""
     table = strategy_table(df)
@@ -349,17 +357,7 @@ def plot_overhead(df: pd.DataFrame) -> Figure:
     fig, pairs = _panels(df, "Overhead over the floor: p50 / floor p50, both timed in the same job")
     for layout, ax in pairs:
         tab = table[(table["layout"] == layout) & table["supported"]]
-        for name in strategies_of(df):
-            rows = tab[tab["strategy"] == name].sort_values("payload_bytes")
-            if not rows.empty:
-                ax.plot(
-                    rows["payload_bytes"],
-                    rows["vs_floor"],
-                    label=name,
-                    lw=1.6,
-                    ms=5,
-                    **styles[name],
-                )
+        _strategy_lines(ax, tab, strategies_of(df), styles, "vs_floor")
         ax.axhline(1.0, color="k", ls="--", lw=2, label="floor = 1× (one raw broadcast)")
         _bytes_axis(ax, table.loc[table["layout"] == layout, "payload_bytes"].dropna())
         _log_y(ax, "vs_floor: p50 / floor p50 (×, log scale)")
@@ -376,17 +374,7 @@ def plot_algbw(df: pd.DataFrame) -> Figure:
     fig, pairs = _panels(df, "Algorithm bandwidth: payload bytes / p50 (nccl-tests algbw)")
     for layout, ax in pairs:
         tab = table[(table["layout"] == layout) & table["supported"]]
-        for name in strategies_of(df):
-            rows = tab[tab["strategy"] == name].sort_values("payload_bytes")
-            if not rows.empty:
-                ax.plot(
-                    rows["payload_bytes"],
-                    rows["algbw_gbps"],
-                    label=name,
-                    lw=1.6,
-                    ms=5,
-                    **styles[name],
-                )
+        _strategy_lines(ax, tab, strategies_of(df), styles, "algbw_gbps")
         fl = floors[floors["layout"] == layout].sort_values("payload_bytes")
         if not fl.empty:
             label = "floor: one raw broadcast (median over every job's floor at that size)"
