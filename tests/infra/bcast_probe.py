@@ -18,7 +18,12 @@ import time
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=float, default=16.0)
-    ap.add_argument("--group", default="0,2", help="comma-separated ranks; the first is the root")
+    ap.add_argument(
+        "--group",
+        default="0,2",
+        help="comma-separated ranks, the first is the root; ';' separates disjoint groups that "
+        "broadcast at the same time",
+    )
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
@@ -38,47 +43,51 @@ def main() -> None:
     if node is not None and rank // local_world != int(node):
         raise SystemExit(f"rank {rank} landed on node {node}, expected {rank // local_world}")
 
-    members = [int(r) for r in args.group.split(",")]
-    root = members[0]
-    group = dist.new_group(members)  # every rank must take part in creating the group
+    # Several disjoint groups ("0,2;1,3") broadcast at once: what two rails carry together.
+    groups = [[int(r) for r in g.split(",")] for g in args.group.split(";")]
+    if len({r for g in groups for r in g}) != sum(len(g) for g in groups):
+        raise SystemExit(f"--group {args.group!r}: concurrent groups must be disjoint")
+    made = [dist.new_group(g) for g in groups]  # every rank takes part in creating each group
+    mine = next(((g, pg) for g, pg in zip(groups, made) if rank in g), None)
     numel = int(args.mib * 2**20) // 4
     seconds: list[float] = []
-    if rank in members:
-        buf = torch.empty(numel, dtype=torch.float32)
-        for _ in range(args.repeats):
-            if rank == root:
-                buf.copy_(torch.arange(numel, dtype=torch.float32))
-            else:
-                buf.zero_()
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            dist.broadcast(buf, src=root, group=group)
-            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            # The slowest member defines the broadcast's time (the root may return early).
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-            seconds.append(float(elapsed))
-            if rank != root and not torch.equal(buf[-8:], torch.arange(numel - 8, numel).float()):
-                raise SystemExit(f"rank {rank}: broadcast delivered wrong data")
-        if rank == root:
-            nbytes = numel * 4
-            med = statistics.median(seconds)
-            print(
-                "BCAST_PROBE "
-                + json.dumps(
-                    {
-                        "bytes": nbytes,
-                        "group": members,
-                        "world": world,
-                        "seconds": seconds,
-                        "median_s": med,
-                        "mbit_s": nbytes * 8 / med / 1e6,
-                        # Contention only ever slows a shaped link down: the best repeat is
-                        # the robust estimate of its rate on a busy 2-core machine.
-                        "best_mbit_s": nbytes * 8 / min(seconds) / 1e6,
-                    }
-                ),
-                flush=True,
-            )
+    buf = torch.empty(numel, dtype=torch.float32)
+    for _ in range(args.repeats):
+        if mine is not None and rank == mine[0][0]:
+            buf.copy_(torch.arange(numel, dtype=torch.float32))
+        else:
+            buf.zero_()
+        dist.barrier()
+        t0 = time.perf_counter()
+        if mine is not None:
+            dist.broadcast(buf, src=mine[0][0], group=mine[1])
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        # The slowest rank defines the time (a root may return early).
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        seconds.append(float(elapsed))
+        if mine is not None and not torch.equal(buf[-8:], torch.arange(numel - 8, numel).float()):
+            raise SystemExit(f"rank {rank}: broadcast delivered wrong data")
+    if rank == 0:
+        nbytes = numel * 4
+        med = statistics.median(seconds)
+        print(
+            "BCAST_PROBE "
+            + json.dumps(
+                {
+                    "bytes": nbytes,
+                    "group": groups[0] if len(groups) == 1 else groups,
+                    "world": world,
+                    "seconds": seconds,
+                    "median_s": med,
+                    "mbit_s": nbytes * 8 / med / 1e6,
+                    # Contention only ever slows a shaped link down: the best repeat is
+                    # the robust estimate of its rate on a busy 2-core machine.
+                    "best_mbit_s": nbytes * 8 / min(seconds) / 1e6,
+                    "aggregate_best_mbit_s": len(groups) * nbytes * 8 / min(seconds) / 1e6,
+                }
+            ),
+            flush=True,
+        )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -270,10 +270,17 @@ def test_emulated_rails_each_rank_uses_its_own_link(netns_ok):
         before = emu.link_bytes()
         results, foreign = _measure(emu, "1,3", repeats=5)
         after = emu.link_bytes()
+        both = _torchrun_probe(emu, "0,2;1,3", repeats=3, attempt=5)  # two rails at once
     grew = {k: after[k] - before[k] for k in after}
     assert grew["n0g1"] >= MIB16, grew  # rank 1's own rail carried the payload
     assert grew["n0g0"] < 0.05 * MIB16, grew  # and rank 0's rail did not
-    _check_rate(results, foreign, cfg.rate_mbit)
+    one = _check_rate(results, foreign, cfg.rate_mbit) * cfg.rate_mbit * PAYLOAD
+    # Two rails at once carry more than one: on a quiet 2-core VM 1740 Mbit/s of payload
+    # against 948 for one (the host's cores move every packet, so not quite 2x). Same-run ratio.
+    gain = both["aggregate_best_mbit_s"] / one
+    if gain <= 1.2 and foreign > 0.5:
+        pytest.skip(f"machine busy ({foreign:.1f} cores of other work): two rails gave {gain:.2f}x")
+    assert gain > 1.2, (both, one)
 
 
 def test_emulation_cleans_up_on_exception_and_sigterm(netns_ok, tmp_path):
