@@ -6,13 +6,16 @@ cluster instead (``harness.emulated``).
 Under the submitit launcher (``hydra/launcher=slurm|local``) every task of a job runs this
 whole Hydra job with one shared output directory: ``submitit.helpers.TorchDistributedEnvironment
 ().export()`` turns the task into a torch ``env://`` rank, and only global rank 0 writes the
-record and the job's log file.
+record and the job's log file. A plain ``srun -n N python -m harness ...`` step (N ≥ 2) works
+the same way from the step's Slurm variables (``launched_by_srun``).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -46,6 +49,40 @@ def launched_by_submitit() -> bool:
         return False
     # One rank per task: every task already is a process of the world, nothing to spawn.
     submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    return True
+
+
+def launched_by_srun() -> bool:
+    """True in one task of a plain ``srun`` step of two or more tasks (no submitit, no
+    torchrun): exports RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and MASTER_ADDR/PORT
+    (the step's first node; a port derived from the job and step ids) for env://."""
+    env = os.environ
+    if "RANK" in env or "SLURM_STEP_ID" not in env:
+        return False
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1"))
+    if tasks < 2:
+        return False
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
+    hosts = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=False
+    ).stdout.split()
+    if not hosts:
+        raise RuntimeError(
+            f"srun step of {tasks} tasks: cannot expand SLURM_STEP_NODELIST={nodelist!r} with "
+            "`scontrol show hostnames`; set MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE yourself "
+            "or launch through torchrun"
+        )
+    per_node = re.match(r"\d+", env.get("SLURM_STEP_TASKS_PER_NODE", ""))
+    step = int(env["SLURM_STEP_ID"]) if env["SLURM_STEP_ID"].isdigit() else 0
+    env.update(
+        RANK=env["SLURM_PROCID"],
+        WORLD_SIZE=str(tasks),
+        LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
+        LOCAL_WORLD_SIZE=per_node.group(0) if per_node else str(tasks),
+        MASTER_ADDR=hosts[0],
+        # Every task derives the same port; jobs and steps on one node get different ones.
+        MASTER_PORT=str(20000 + (int(env.get("SLURM_JOB_ID", "0")) * 16 + step) % 20000),
+    )
     return True
 
 
@@ -125,7 +162,7 @@ _TORCHRUN_CTX: dict = {}
 def run(cfg) -> dict | None:
     """Run one job; returns its record (None on torchrun ranks other than 0)."""
     layout_name = HydraConfig.get().runtime.choices.get("layout", "custom")
-    if launched_by_submitit() or under_torchrun():
+    if launched_by_submitit() or launched_by_srun() or under_torchrun():
         _quiet_non_zero_rank()
         layout = validate(cfg, int(os.environ["WORLD_SIZE"]))
         spec = spec_of(cfg, layout)

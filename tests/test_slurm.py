@@ -103,3 +103,19 @@ def test_slurm_sweep_one_rank_per_task_and_crash(slurm, tmp_path):
     print(
         f"\nslurm sweep of 2 jobs: {sweep_s:.0f} s; crashed job failed the sweep in {crash_s:.0f} s"
     )
+
+
+def test_plain_srun_tasks_are_the_ranks(slurm, tmp_path):
+    """`srun -n 4 python -m harness ...` without submitit: each task joins as one rank from the
+    step's Slurm variables, and rank 0 alone writes the record."""
+    run_dir = tmp_path / "run"
+    res = subprocess.run(
+        ["srun", "-n", "4", "-t", "5", "--kill-on-bad-exit=1", "-J", "bcb-plain-srun",
+         sys.executable, "-m", "harness", "strategy=flat", *FAST, f"hydra.run.dir={run_dir}"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={**os.environ, **slurm.env, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rec = json.loads((run_dir / "result.json").read_text())
+    assert rec["world_size"] == 4 and rec["correct"] is True and rec["strategy"] == "flat"
+    slurm.wait_idle(timeout=60)
