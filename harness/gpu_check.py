@@ -1,7 +1,7 @@
 """``make gpu-check``: the CUDA paths on a single-GPU machine with no network, in one command.
 
 (a) every strategy end to end with NCCL on a world of 1 (CUDA payload, verification on the
-GPU); (b) a gloo world of 4 ranks sharing the GPU with CUDA tensors: pickled, header and flat
+GPU); (b) a gloo world of 4 ranks sharing the GPU with CUDA tensors: pickled, header, flat, direct
 against the floor at ~64 KiB and ~64 MiB, where pickling CUDA tensors (device→host→device)
 shows. Records go under results/gpu/<timestamp>/; a table is printed. Without a GPU it says
 so and exits 0. Missing packages install offline from ./wheels (``make gpu-wheels``).
@@ -68,7 +68,7 @@ def main() -> int:
         [*py, f"strategy={names}", "backend=nccl", "layout.pp=1", "layout.tp=1",
          "iters=5", "warmup=1", f"hydra.sweep.dir={out}/nccl_world1"],
         # (b) gloo, 4 ranks sharing the GPU, CUDA tensors: ~64 KiB and ~64 MiB.
-        [*py, "strategy=pickled,header,flat", "backend=gloo_cuda", "layout=tp2pp2",
+        [*py, "strategy=pickled,header,flat,direct", "backend=gloo_cuda", "layout=tp2pp2",
          "payload.seq_len=512", "payload.batch_size=3,2880", "iters=10", "warmup=2",
          f"hydra.sweep.dir={out}/gloo_cuda_world4"],
     ]  # fmt: skip
