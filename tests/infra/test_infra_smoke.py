@@ -275,12 +275,13 @@ def test_emulated_rails_each_rank_uses_its_own_link(netns_ok):
     assert grew["n0g1"] >= MIB16, grew  # rank 1's own rail carried the payload
     assert grew["n0g0"] < 0.05 * MIB16, grew  # and rank 0's rail did not
     one = _check_rate(results, foreign, cfg.rate_mbit) * cfg.rate_mbit * PAYLOAD
-    # Two rails at once carry more than one: on a quiet 2-core VM 1740 Mbit/s of payload
-    # against 948 for one (the host's cores move every packet, so not quite 2x). Same-run ratio.
+    # Two rails at once carry more than one link can (sharing one link would give <= 1x): on a
+    # quiet 2-core VM 1740 Mbit/s of payload against 948 for one; the host's cores move every
+    # packet, so a slower or busier host gets less of the 2x. Same-run ratio.
     gain = both["aggregate_best_mbit_s"] / one
-    if gain <= 1.2 and foreign > 0.5:
+    if gain <= 1.05 and foreign > 0.5:
         pytest.skip(f"machine busy ({foreign:.1f} cores of other work): two rails gave {gain:.2f}x")
-    assert gain > 1.2, (both, one)
+    assert gain > 1.05, (both, one)
 
 
 def test_emulation_cleans_up_on_exception_and_sigterm(netns_ok, tmp_path):
