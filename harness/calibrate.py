@@ -7,8 +7,10 @@ collective in the model's own form (``costmodel.coefficients``) and writes
 ``conf/cluster/local.yaml`` atomically, with the world size and core count it ran on
 (``calibrated_ranks``, ``cpu_cores``: the oversubscription factor's reference).
 
-Run it on a quiet machine: every figure includes whatever else shares the cores. ``--max-load``
-refuses to start while the 1-minute load average is above it.
+Run it on a quiet machine: every figure includes whatever else shares the cores. ``--max-load N``
+refuses to start while other work uses more than N cores (harness.machine, from /proc/stat; the
+load average can be meaningless in a VM), and the report warns when other work took > 0.5 cores
+during the run.
 """
 
 from __future__ import annotations
@@ -420,16 +422,20 @@ def calibrate(
     max_load: float | None = None,
 ) -> tuple[Cluster, dict[str, Fit], list[Sample]]:
     """Measure, fit, and (unless ``out`` is None) write the ``local`` cluster file.
-    ``max_load``: refuse to start while the 1-minute load average is above it."""
+    ``max_load``: refuse to start while other work uses more than this many cores (measured
+    from /proc/stat over one second, see harness.machine)."""
+    from harness.machine import other_cores, other_cores_now, snapshot
     from harness.world import World
 
     t0 = time.perf_counter()
-    load_before = os.getloadavg()[0]
-    if max_load is not None and load_before > max_load:
-        raise SystemExit(
-            f"load average {load_before:.1f} > --max-load {max_load:g}: other jobs share the "
-            "cores and every figure would include them; try again when the machine is quiet"
-        )
+    if max_load is not None:
+        other = other_cores_now(1.0)
+        if other is not None and other > max_load:
+            raise SystemExit(
+                f"other work uses {other:.1f} cores > --max-load {max_load:g}: it shares the "
+                "cores and every figure would include it; try again when the machine is quiet"
+            )
+    start = snapshot()
     group_sizes = tuple(sorted({min(2, world_size), world_size}))
     if world_size < 2:
         raise ValueError(f"calibration needs a world of at least 2 ranks, got {world_size}")
@@ -448,9 +454,13 @@ def calibrate(
     cluster = build_local_cluster(fits, host, world_size, os.cpu_count() or 1)
     elapsed_s = time.perf_counter() - t0
     report = format_report(fits, samples, host, world_size, elapsed_s)
-    load = max(load_before, os.getloadavg()[0])
-    if load > (os.cpu_count() or 1):  # other jobs shared the cores: every figure is pessimistic
-        report += f"\nWARNING: load average {load:.1f} on {os.cpu_count()} cores; rerun when idle."
+    # A world passed in is still running: its ranks' CPU would read as other work.
+    other = other_cores(start) if own else None
+    if other is not None and other > 0.5:  # other jobs shared the cores: figures are pessimistic
+        report += (
+            f"\nWARNING: other work used {other:.1f} of {os.cpu_count()} cores meanwhile; "
+            "rerun when idle."
+        )
     if verbose:
         print(report)
     if out is not None:
@@ -520,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         "--max-load",
         type=float,
         default=None,
-        help="refuse to start while the 1-minute load average is above this",
+        help="refuse to start while other work uses more than this many cores (/proc/stat)",
     )
     args = parser.parse_args(argv)
     calibrate(

@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from harness.machine import other_cores, snapshot
+
 STRATEGIES = ("pickled", "header", "flat", "pp_first", "scatter_allgather")
 LINKS = {"node": "emulated", "gpu": "emulated_rails"}
 """Emulated link layout → the cost model preset that describes it."""
@@ -42,12 +44,11 @@ def run_jobs(out: Path, iters: int, warmup: int, batch_size: int, seq_len: int) 
         argv += ["emulate.enabled=true", "emulate.nodes=2", "emulate.rate_mbit=1000"]
         argv += [f"emulate.links={links}", f"hydra.run.dir={out / links}"]
         print(f"emulated_report: running {LINK_TITLES[links]} …", flush=True)
-        load_before = os.getloadavg()[0]
+        start = snapshot()
         subprocess.run(argv, cwd=REPO, check=True)
         # The intra-node phases are CPU-bound: other work on the machine slows them (never the
-        # shaped links), so the report says how busy the machine was.
-        machine = {"cpus": os.cpu_count(), "load_before": load_before}
-        machine["load_after"] = os.getloadavg()[0]
+        # shaped links), so the report says how much of the machine other work took.
+        machine = {"cpus": os.cpu_count(), "other_cores": other_cores(start)}
         (out / links / "machine.json").write_text(json.dumps(machine))
 
 
@@ -157,12 +158,14 @@ def table(root: Path) -> str:
         s = rec["payload_bytes"]
         machine_path = root / links / "machine.json"
         busy = ""
-        if machine_path.is_file():
-            m = json.loads(machine_path.read_text())
+        m = json.loads(machine_path.read_text()) if machine_path.is_file() else {}
+        if m.get("other_cores") is not None:
+            busy = f"; other work used {m['other_cores']:.2f} of {m['cpus']} CPUs meanwhile"
+            if m["other_cores"] > 0.5:
+                busy += " (CPU-bound phases ran slow: times are upper bounds)"
+        elif "load_before" in m:  # records from before harness.machine: the load average
             load = max(m["load_before"], m["load_after"])
-            busy = f"; 1-min load average {load:.1f} on {m['cpus']} CPUs"
-            if load > m["cpus"]:
-                busy += " (busy machine: CPU-bound phases run slow, times are upper bounds)"
+            busy = f"; 1-min load average {load:.1f} on {m['cpus']} CPUs (not a reliable measure)"
         lines += [
             f"## {LINK_TITLES[links]} (`emulate.links={links}`, cost model `{LINKS[links]}`)",
             "",

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from harness.emulate import EmulatedCluster, Emulation, EmulationUnavailable, unavailable_reason
+from harness.machine import other_cores, snapshot
 
 from .slurm import SlurmCluster
 
@@ -157,31 +158,18 @@ def _ours(emu: Emulation) -> list[str]:
     return [ln.split()[0] for ln in out.stdout.splitlines() if emu.uid in ln.split()[0]]
 
 
-def _cpu_snapshot() -> tuple[float, float, float]:
-    """(machine busy CPU-seconds, CPU-seconds of this process and its waited-for children,
-    wall time): the difference tells how much CPU other work took meanwhile."""
-    with open("/proc/stat") as f:
-        vals = [int(x) for x in f.readline().split()[1:]]
-    # user + nice + system; irq/softirq (our own traffic, charged to no task) and steal left out
-    busy = sum(vals[:3]) / os.sysconf("SC_CLK_TCK")
-    t = os.times()
-    return busy, t.user + t.system + t.children_user + t.children_system, time.monotonic()
-
-
 def _measure(emu: Emulation, group: str, repeats: int, attempts: int = 3) -> tuple[list, float]:
     """Run the probe until its best repeat is within 15 % of the shaped rate (at most
     ``attempts`` runs); return every run's result and the cores other work used meanwhile."""
     expected = emu.cfg.rate_mbit * PAYLOAD
     results = []
-    start = _cpu_snapshot()
+    start = snapshot()
     for attempt in range(attempts):
         results.append(_torchrun_probe(emu, group, repeats, attempt))
         if 0.85 <= results[-1]["best_mbit_s"] / expected <= 1.15:
             break
-    end = _cpu_snapshot()
     # ksoftirqd moving our own packets counts as "other work", hence a margin in _check_rate.
-    foreign = ((end[0] - start[0]) - (end[1] - start[1])) / (end[2] - start[2])
-    return results, foreign
+    return results, other_cores(start) or 0.0
 
 
 def _check_rate(results: list, foreign: float, rate_mbit: int) -> float:
