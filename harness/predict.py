@@ -85,7 +85,7 @@ def scaled_spec(
     """
     from harness import payloads
     from strategies.codec import Entry, align, encode_header
-    from strategies.plan import PayloadSpec, spec_of
+    from strategies.plan import PayloadSpec, bytes_per_dtype, spec_of
 
     if batch_size < 1:
         raise ValueError(f"payload.batch_size must be positive, got {batch_size}")
@@ -117,9 +117,6 @@ def scaled_spec(
         offset += nt_padded
     batch_dims = (batch_size, *tuple(big.batch.batch_size)[1:])
     header_len = len(encode_header(batch_dims, entries, offset, span))
-    per_dtype: dict = {}
-    for (_, t), n in zip(leaves, sizes):
-        per_dtype[t.dtype] = per_dtype.get(t.dtype, 0) + n
     return PayloadSpec(
         tensor_bytes=sum(sizes),
         n_tensors=len(sizes),
@@ -128,7 +125,7 @@ def scaled_spec(
         non_tensor_bytes=non_tensor if big.broadcast_non_tensor else 0,
         broadcast_non_tensor=big.broadcast_non_tensor,
         pickle_exact=False,
-        dtype_bytes=tuple(per_dtype.values()),
+        dtype_bytes=bytes_per_dtype([t.dtype for _, t in leaves], sizes),
         leaf_bytes=sizes,
     )
 

@@ -262,10 +262,7 @@ def plot_latency(df: pd.DataFrame) -> Figure:
             x, p50, p90 = rows["payload_bytes"], rows["p50_us"] / 1e3, rows["p90_us"] / 1e3
             ax.plot(x, p50, label=name, lw=1.6, ms=5, **styles[name])
             ax.fill_between(x, p50, p90, color=styles[name]["color"], alpha=0.12, lw=0)
-        fl = floors[floors["layout"] == layout].sort_values("payload_bytes")
-        if not fl.empty:
-            label = "floor: one raw broadcast (median over every job's floor at that size)"
-            ax.plot(fl["payload_bytes"], fl["floor_p50_us"] / 1e3, "k--", lw=2.4, label=label)
+        _floor_line(ax, floors, layout, "floor_p50_us", scale=1e-3)
         _bytes_axis(ax, table.loc[table["layout"] == layout, "payload_bytes"].dropna())
         _log_y(ax, "latency per call (ms, log scale): line p50, band p50 to p90")
         refused = _refused(table[table["layout"] == layout])
@@ -342,6 +339,14 @@ def plot_speedup(df: pd.DataFrame) -> Figure:
     return fig
 
 
+def _floor_line(ax, floors: pd.DataFrame, layout: str, column: str, scale: float = 1.0) -> None:
+    """The floor as its own dashed line: ``column`` × ``scale`` against payload bytes."""
+    fl = floors[floors["layout"] == layout].sort_values("payload_bytes")
+    if not fl.empty:
+        label = "floor: one raw broadcast (median over every job's floor at that size)"
+        ax.plot(fl["payload_bytes"], fl[column] * scale, "k--", lw=2.4, label=label)
+
+
 def _strategy_lines(ax, tab: pd.DataFrame, names, styles, column: str) -> None:
     """One line per strategy: ``column`` against payload bytes."""
     for name in names:
@@ -375,10 +380,7 @@ def plot_algbw(df: pd.DataFrame) -> Figure:
     for layout, ax in pairs:
         tab = table[(table["layout"] == layout) & table["supported"]]
         _strategy_lines(ax, tab, strategies_of(df), styles, "algbw_gbps")
-        fl = floors[floors["layout"] == layout].sort_values("payload_bytes")
-        if not fl.empty:
-            label = "floor: one raw broadcast (median over every job's floor at that size)"
-            ax.plot(fl["payload_bytes"], fl["floor_algbw_gbps"], "k--", lw=2.4, label=label)
+        _floor_line(ax, floors, layout, "floor_algbw_gbps")
         _bytes_axis(ax, table.loc[table["layout"] == layout, "payload_bytes"].dropna())
         _log_y(ax, "algbw (GB/s = 1e9 bytes/s, log scale)")
         refused = _refused(table[table["layout"] == layout])

@@ -18,10 +18,8 @@ collectives. Options: ``direct_min_bytes`` (1 MiB), plus those of
 
 from __future__ import annotations
 
-from strategies.codec import align
 from strategies.flat import Flat
-from strategies.header import _steady_expect, _wire_comms
-from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.plan import PayloadSpec, Plan
 
 DIRECT_MIN_BYTES = 1 << 20
 
@@ -45,30 +43,10 @@ class Direct(Flat):
         layout,
         spec: PayloadSpec,
         expect: int | None = None,
-        direct_min_bytes: int = DIRECT_MIN_BYTES,
+        direct_min_bytes: int | None = DIRECT_MIN_BYTES,
     ) -> Plan:
-        """Assumes contiguous leaves (what payloads hand over); a strided leaf is packed."""
-        leaves = spec.leaf_bytes
-        if leaves is None:  # only the total is known: equal leaves
-            leaves = (spec.tensor_bytes // max(spec.n_tensors, 1),) * spec.n_tensors
-        direct = [n for n in leaves if n >= direct_min_bytes]
-        head = spec.message_bytes - sum(align(n) for n in direct)
-        first = expect if expect is not None else _steady_expect(head)
-        comms: list[Comm] = []
-        if layout.replica_size > 1:
-            groups = layout.replica_groups()
-            step = _wire_comms(comms, groups, head, first, 0)
-            for n in direct:
-                for ranks in groups:
-                    comms.append(Comm("broadcast", tuple(ranks), ranks[0], n, step, "leaf"))
-                step += 1
-        nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
-        return Plan(
-            cls.name,
-            comms,
-            leader=LocalWork(packed_bytes=head),
-            receiver=LocalWork(pickled_bytes=nt, copied_bytes=first if head > first else 0),
-        )
+        """``flat``'s plan with this strategy's threshold (contiguous leaves assumed)."""
+        return super().plan(layout, spec, expect, direct_min_bytes)
 
 
 STRATEGY = Direct

@@ -9,9 +9,10 @@ TP-then-PP order. Options: see ``strategies.packed.PackedStrategy``.
 from __future__ import annotations
 
 from strategies.base import DataProto
+from strategies.codec import align
 from strategies.header import _steady_expect, _wire_comms
 from strategies.packed import PackedStrategy
-from strategies.plan import LocalWork, PayloadSpec, Plan
+from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
 
 
 class Flat(PackedStrategy):
@@ -23,12 +24,29 @@ class Flat(PackedStrategy):
         return self.relay(batch, [(g.replica_group, g.replica_ranks)])
 
     @classmethod
-    def plan(cls, layout, spec: PayloadSpec, expect: int | None = None) -> Plan:
-        total = spec.message_bytes
+    def plan(
+        cls,
+        layout,
+        spec: PayloadSpec,
+        expect: int | None = None,
+        direct_min_bytes: int | None = None,
+    ) -> Plan:
+        """``direct_min_bytes`` (strategies/direct.py): leaves of at least that many bytes leave
+        the message and follow it in a broadcast each; contiguous leaves assumed."""
+        leaves = spec.leaf_bytes
+        if leaves is None:  # only the total is known: equal leaves
+            leaves = (spec.tensor_bytes // max(spec.n_tensors, 1),) * spec.n_tensors
+        direct = [n for n in leaves if direct_min_bytes is not None and n >= direct_min_bytes]
+        total = spec.message_bytes - sum(align(n) for n in direct)
         first = expect if expect is not None else _steady_expect(total)
-        comms = []
+        comms: list[Comm] = []
         if layout.replica_size > 1:
-            _wire_comms(comms, layout.replica_groups(), total, first, 0)
+            groups = layout.replica_groups()
+            step = _wire_comms(comms, groups, total, first, 0)
+            for n in direct:
+                for ranks in groups:
+                    comms.append(Comm("broadcast", tuple(ranks), ranks[0], n, step, "leaf"))
+                step += 1
         nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
         return Plan(
             cls.name,

@@ -104,6 +104,14 @@ class PayloadSpec:
         return self.header_bytes + self.tensor_bytes + nt
 
 
+def bytes_per_dtype(dtypes, sizes) -> tuple[int, ...]:
+    """Bytes per distinct dtype, in order of each dtype's first leaf (``dtype_bytes``)."""
+    per_dtype: dict = {}
+    for dtype, n in zip(dtypes, sizes):
+        per_dtype[dtype] = per_dtype.get(dtype, 0) + n
+    return tuple(per_dtype.values())
+
+
 def spec_of(dp) -> PayloadSpec:
     """The exact PayloadSpec of a leader's DataProto (header size as the codec encodes it, with
     its 64-byte leaf padding folded in; pickle size measured)."""
@@ -118,9 +126,6 @@ def spec_of(dp) -> PayloadSpec:
     entries, data_bytes, span = layout_entries(dp.batch, 0, None if blob is None else len(blob))
     header_len = len(encode_header(tuple(dp.batch.batch_size), entries, data_bytes, span))
     nt_padded = -(-len(blob) // 64) * 64 if blob is not None else 0
-    per_dtype: dict = {}
-    for (_, t), n in zip(leaves, sizes):
-        per_dtype[t.dtype] = per_dtype.get(t.dtype, 0) + n
     return PayloadSpec(
         tensor_bytes=sum(sizes),
         n_tensors=len(sizes),
@@ -129,6 +134,6 @@ def spec_of(dp) -> PayloadSpec:
         non_tensor_bytes=len(blob) if blob is not None else 0,
         broadcast_non_tensor=dp.broadcast_non_tensor,
         pickle_exact=True,
-        dtype_bytes=tuple(per_dtype.values()),
+        dtype_bytes=bytes_per_dtype([t.dtype for _, t in leaves], sizes),
         leaf_bytes=tuple(sizes),
     )

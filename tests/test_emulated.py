@@ -115,19 +115,27 @@ def test_torchrun_across_two_hosts(netns_ok, tmp_path):
     assert names and not set(names) & set(_our_netns())
 
 
+def _emulated_job(run_dir, *overrides: str) -> tuple[subprocess.CompletedProcess, float]:
+    """One ``python -m harness`` job on the emulated cluster (tp2pp2, no references) and its
+    wall time."""
+    t0 = time.monotonic()
+    res = subprocess.run(
+        [sys.executable, "-m", "harness", "layout=tp2pp2", "references=[]", *FAST,
+         "emulate.enabled=true", *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    return res, time.monotonic() - t0
+
+
 @pytest.mark.world
 def test_emulated_cluster_job_records_shape_and_bytes(netns_ok, tmp_path):
     """``emulate.enabled=true``: the driver builds the cluster, runs the ranks inside it, and the
     record carries the cluster's shape and the bytes one call sent across nodes."""
     run_dir = tmp_path / "run"
-    t0 = time.monotonic()
-    res = subprocess.run(
-        [sys.executable, "-m", "harness", "strategy=pp_first", "layout=tp2pp2", "references=[]",
-         *FAST, "emulate.enabled=true", "emulate.nodes=2", "emulate.rate_mbit=1000",
-         "emulate.links=node", "timeout_s=60", f"hydra.run.dir={run_dir}"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+    res, elapsed = _emulated_job(
+        run_dir, "strategy=pp_first", "emulate.nodes=2", "emulate.rate_mbit=1000",
+        "emulate.links=node", "timeout_s=60",
     )  # fmt: skip
-    elapsed = time.monotonic() - t0
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     rec = json.loads((run_dir / "result.json").read_text())
     assert rec["correct"] is True and rec["strategy"] == "pp_first"
@@ -159,14 +167,10 @@ def test_emulated_crash_fails_fast_and_cleans_up(netns_ok, tmp_path):
     """A rank that dies fails the job (named node, non-zero exit) well before gloo's timeout,
     leaves no record and no namespace."""
     run_dir = tmp_path / "run"
-    t0 = time.monotonic()
-    res = subprocess.run(
-        [sys.executable, "-m", "harness", "strategy=header", "layout=tp2pp2", "references=[]",
-         *FAST, "emulate.enabled=true", "emulate.bytes_calls=0", "fault.rank=3",
-         "fault.kind=crash", "timeout_s=120", f"hydra.run.dir={run_dir}"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+    res, elapsed = _emulated_job(
+        run_dir, "strategy=header", "emulate.bytes_calls=0", "fault.rank=3", "fault.kind=crash",
+        "timeout_s=120",
     )  # fmt: skip
-    elapsed = time.monotonic() - t0
     assert res.returncode != 0
     assert "emulated node 1 failed" in res.stderr, res.stderr[-3000:]
     assert elapsed < 120, f"a crashed rank took {elapsed:.0f} s to fail the job"
