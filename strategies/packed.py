@@ -139,6 +139,17 @@ class PackedStrategy(Strategy):
         leaves = batch.batch.values(include_nested=True, leaves_only=True)
         self._direct = [t for i, t in enumerate(leaves) if i in direct]
         self._pack_buf = buf
+        alone = sum(nbytes_of(t) for t in self._direct)
+        if alone and header.total_bytes + alone > self.wire.max_bytes:
+            # A receiver refuses such a header only after the leader is committed to sending
+            # the leaves, and would leave it waiting in their broadcasts: refuse here instead,
+            # so the error header reaches every rank (max_bytes is the same on every rank).
+            self._fill = None
+            raise HeaderError(
+                f"rank {self.groups.rank}: the message ({header.total_bytes} bytes) and the "
+                f"leaves sent on their own ({alone} bytes) exceed max_bytes={self.wire.max_bytes}"
+                "; raise max_bytes on every rank or send a smaller batch"
+            )
         self.wire.stamp(buf, header.total_bytes)
         return buf, header, header.total_bytes
 

@@ -295,6 +295,27 @@ def test_receiver_refuses_a_message_over_max_bytes(scratch_world, name):
     assert "more than the maximum this receiver accepts (4096 bytes" in first, first
 
 
+def direct_over_max_bytes_job(ctx, layout: Layout):
+    groups = ctx.groups_for(layout)
+    strategy = strategies.get("direct", groups, max_bytes=64 << 10, direct_min_bytes=1024)
+    td = TensorDict({"x": torch.zeros(2, 16 << 10, dtype=torch.int64)}, [2])  # 256 KiB alone
+    dp = strategies.DataProto(td, {}, {"step": 1})
+    strategy.get_data_input(dp.entry_state(groups.is_leader))
+    return "returned"
+
+
+@pytest.mark.world
+def test_direct_refuses_leaves_over_max_bytes_on_every_rank(scratch_world):
+    """Leaves sent on their own count against max_bytes on the leader, before it commits to
+    sending them: every rank raises (the leader's refusal), none waits in a broadcast."""
+    world = scratch_world()
+    with pytest.raises(WorldError) as err:
+        world.run(direct_over_max_bytes_job, Layout(tp=2), timeout_s=ERROR_TIMEOUT_S)
+    text = str(err.value)
+    assert "stopped responding" not in text, text
+    assert "leaves sent on their own (262144 bytes) exceed max_bytes=65536" in text, text
+
+
 @pytest.mark.parametrize("name", ["header", "flat", "pp_first"])
 def test_large_messages_go_out_pipelined_and_arrive_whole(world4, name):
     """Above PIPELINE_MIN_BYTES the first message is SEGMENTS async broadcasts (packing
