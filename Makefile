@@ -35,7 +35,7 @@ bench-gate: $(STAMP)
 		--benchmark-autosave
 
 bench: $(STAMP)
-	$(BIN)/python -m harness.bench
+	$(BIN)/python -m harness.run.bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
@@ -52,4 +52,4 @@ gpu-wheels:
 
 # On a GPU machine: python3 (with its own torch) runs the CUDA checks; no .venv needed.
 gpu-check:
-	python3 -m harness.gpu_check
+	python3 -m harness.run.gpu_check

@@ -10,20 +10,22 @@ import sys
 import tempfile
 import warnings
 
+from harness import paths  # noqa: I001
+
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron.*")
 logging.getLogger("megatron").setLevel(logging.WARNING)  # its import-time INFO lines are noise
 
 import hydra  # noqa: E402
 
-from harness.config import ConfigError, register  # noqa: E402
+from harness.run.config import ConfigError, register  # noqa: E402
 
-CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+CONF = str(paths.CONF_DIR)
 
 
 @hydra.main(version_base="1.3", config_path=CONF, config_name="config")
 def _task(cfg):
-    from harness import app
-    from harness.world import WorldError
+    from harness.run import app
+    from harness.run.world import WorldError
 
     try:
         return app.run(cfg)

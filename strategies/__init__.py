@@ -11,7 +11,7 @@ import importlib
 import pkgutil
 from functools import cache
 
-from strategies.base import (
+from strategies.core.contract import (
     NON_TENSOR_FLAG,
     ContractError,
     DataProto,

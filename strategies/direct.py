@@ -13,13 +13,13 @@ The threshold trades one collective's start-up against copying the leaf: 1 MiB f
 CPU (a broadcast's α ≈ 0.3 ms ≈ copying 1 MiB here); on NCCL, where device copies are ~100×
 faster and α ~20 µs, a larger threshold (tens of MiB) keeps it from sending many small
 collectives. Options: ``direct_min_bytes`` (1 MiB), plus those of
-``strategies.packed.PackedStrategy``.
+``strategies.core.packed.PackedStrategy``.
 """
 
 from __future__ import annotations
 
+from strategies.core.plan import PayloadSpec, Plan
 from strategies.flat import Flat
-from strategies.plan import PayloadSpec, Plan
 
 DIRECT_MIN_BYTES = 1 << 20
 

@@ -3,16 +3,16 @@
 Same message and wire protocol as ``header`` (binary header + one flat buffer, one broadcast
 in steady state), but a single broadcast from the leader to every rank of the replica, so
 the collective library (gloo's tree, NCCL's ring) chooses the route instead of the seed's
-TP-then-PP order. Options: see ``strategies.packed.PackedStrategy``.
+TP-then-PP order. Options: see ``strategies.core.packed.PackedStrategy``.
 """
 
 from __future__ import annotations
 
-from strategies.base import DataProto
-from strategies.codec import align
+from strategies.core.codec import align
+from strategies.core.contract import DataProto
+from strategies.core.packed import PackedStrategy
+from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.header import _steady_expect, _wire_comms
-from strategies.packed import PackedStrategy
-from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
 
 
 class Flat(PackedStrategy):

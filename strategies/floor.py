@@ -15,9 +15,9 @@ import pickle
 import torch
 import torch.distributed as dist
 
-from strategies.base import DataProto, Strategy
-from strategies.codec import as_bytes, nbytes_of
-from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.codec import as_bytes, nbytes_of
+from strategies.core.contract import DataProto, Strategy
+from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 
 
 class Floor(Strategy):

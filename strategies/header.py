@@ -2,19 +2,19 @@
 tensor data.
 
 The leader packs a compact binary header (keys, dtypes, shapes, offsets) and every tensor of
-every dtype into one flat buffer (``strategies.codec``). Each hop moves it with a ``Wire``:
+every dtype into one flat buffer (``strategies.core.codec``). Each hop moves it with a ``Wire``:
 receivers post a first broadcast of the size the previous call announced, so in steady state a
 hop is ONE broadcast (two when the batch outgrows the announced size, e.g. the first call).
 Stage-0 ranks forward the received buffer unchanged on the PP hop; receivers get zero-copy
 views. Non-tensor data travels (pickled, inside the same buffer) only when flagged.
-Options: see ``strategies.packed.PackedStrategy``.
+Options: see ``strategies.core.packed.PackedStrategy``.
 """
 
 from __future__ import annotations
 
-from strategies.base import DataProto
-from strategies.packed import PackedStrategy
-from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.contract import DataProto
+from strategies.core.packed import PackedStrategy
+from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 
 
 class HeaderStrategy(PackedStrategy):
@@ -50,13 +50,13 @@ class HeaderStrategy(PackedStrategy):
 
 
 def _steady_expect(total: int) -> int:
-    from strategies.wire import Wire
+    from strategies.core.wire import Wire
 
     return Wire(None, 0).next_expect(total)
 
 
 def _wire_comms(comms: list[Comm], groups, total: int, first: int, step: int) -> int:
-    from strategies.wire import segments
+    from strategies.core.wire import segments
 
     for a, b in segments(first):  # one broadcast, or SEGMENTS pipelined ones when large
         for ranks in groups:

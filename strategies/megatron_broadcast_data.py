@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from strategies.base import ContractError, DataProto, Strategy
-from strategies.codec import transportable
-from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
-from strategies.trace import WORK
+from strategies.core.codec import transportable
+from strategies.core.contract import ContractError, DataProto, Strategy
+from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.trace import WORK
 
 MAX_DATA_DIM = 5
 """Header slots per key (Megatron's ``_MAX_DATA_DIM``); a shape must leave room for its 0."""

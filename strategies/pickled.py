@@ -16,8 +16,8 @@ import pickle
 
 import torch.distributed as dist
 
-from strategies.base import ContractError, DataProto, Strategy
-from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.contract import ContractError, DataProto, Strategy
+from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 
 
 def broadcast_obj(obj, group):

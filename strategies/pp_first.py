@@ -6,18 +6,18 @@ stages at once. The seed's order instead fans out on stage 0 and then runs tp·c
 broadcasts in parallel, so every stage-0 rank sends a full copy across the (usually
 inter-node) PP link; here only the leader's PP group crosses stages, and the tp·cp copies stay
 inside each stage (usually one node). Message, header codec and wire protocol are those of
-``header`` (``strategies.codec`` + ``strategies.wire.Wire``: one broadcast per hop in steady
+``header`` (``strategies.core.codec`` + ``strategies.core.wire.Wire``: one broadcast per hop in steady
 state, two when the batch outgrows the announced size); stage leaders forward the received
 buffer unchanged; receivers get zero-copy views. Non-tensor data travels (pickled, inside the
-same buffer) only when flagged. Options: see ``strategies.packed.PackedStrategy``.
+same buffer) only when flagged. Options: see ``strategies.core.packed.PackedStrategy``.
 """
 
 from __future__ import annotations
 
-from strategies.base import DataProto
+from strategies.core.contract import DataProto
+from strategies.core.packed import PackedStrategy
+from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.header import _steady_expect, _wire_comms
-from strategies.packed import PackedStrategy
-from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
 
 
 def leader_pp_groups(layout) -> list[list[int]]:

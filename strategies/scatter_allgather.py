@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from strategies.base import ContractError, DataProto, Strategy
-from strategies.codec import (
+from strategies.core.codec import (
     DEFAULT_MAX_BYTES,
     PREFIX_BYTES,
     HeaderError,
@@ -26,7 +25,8 @@ from strategies.codec import (
     read_header,
     unpack,
 )
-from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.contract import ContractError, DataProto, Strategy
+from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 
 CHUNK_ALIGN = 64
 

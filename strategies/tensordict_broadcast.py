@@ -56,9 +56,9 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from strategies.base import DataProto, Strategy, Unsupported
-from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
-from strategies.trace import WORK
+from strategies.core.contract import DataProto, Strategy, Unsupported
+from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.trace import WORK
 from strategies.vllm_tensor_dict import leaf_nbytes
 
 CONSOLIDATE_ALIGN = 8  # tensordict pads every leaf of a mixed-dtype storage to 8 bytes

@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from strategies.base import DataProto, Strategy
-from strategies.codec import transportable
-from strategies.plan import Comm, LocalWork, PayloadSpec, Plan
-from strategies.trace import WORK
+from strategies.core.codec import transportable
+from strategies.core.contract import DataProto, Strategy
+from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.trace import WORK
 
 BATCH_SIZE_KEY = "__batch_size__"
 NON_TENSOR_KEY = "__non_tensor_batch__"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 # Worlds are forked from this process: keep it single-threaded from the first test on, or a
-# fork after a multi-threaded OpenMP region can deadlock a rank (see harness/world.py).
+# fork after a multi-threaded OpenMP region can deadlock a rank (see harness/run/world.py).
 torch.set_num_threads(1)
 
 WORLD_TIMEOUT_S = 120.0
@@ -21,8 +21,8 @@ on a quiet machine; the margin is for loaded CI runners."""
 
 
 def _session_world(n: int):
-    # Imported here: harness.world pulls in megatron-core, which tier-1 runs do not need.
-    from harness.world import World
+    # Imported here: harness.run.world pulls in megatron-core, which tier-1 runs do not need.
+    from harness.run.world import World
 
     class SessionWorld(World):
         """A World that restarts itself if an earlier test left it torn down."""

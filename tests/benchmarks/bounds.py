@@ -10,7 +10,7 @@ sizes), not a few percent. ``collectives_per_call`` is counted, not timed: exact
 
 from __future__ import annotations
 
-from strategies.wire import SEGMENTS
+from strategies.core.wire import SEGMENTS
 
 SIZES = {"69KiB": 3, "8MiB": 356}
 """Payload name -> rl_rollout batch size at seq_len 512 (23,552 bytes per sample):

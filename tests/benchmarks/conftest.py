@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from tiers import marking
+
+pytest_collection_modifyitems = marking(__file__, "benchmark")
 
 
 @dataclass(frozen=True)
@@ -66,8 +69,8 @@ def mode() -> BenchMode:
 def bench_world(world4):
     """The session's 4-rank world with the benchmark layout's groups already built, so neither
     process start-up nor megatron-core group creation falls inside a benchmark round."""
-    from harness.runner import JobSpec, run_job_on_rank
-    from strategies.layout import Layout
+    from harness.run.runner import JobSpec, run_job_on_rank
+    from strategies.core.layout import Layout
 
     warm = JobSpec("flat", Layout(pp=2, tp=2), batch_size=1, seq_len=64, iters=1, warmup=0)
     world4.run(run_job_on_rank, warm, what="warming the benchmark world")

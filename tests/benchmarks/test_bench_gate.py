@@ -15,8 +15,8 @@ import time
 import pytest
 from bounds import BOUNDS, MIN_VS_FLOOR, SIZES
 
-from harness.runner import JobSpec, run_job_on_rank, summarize
-from strategies.layout import Layout
+from harness.run.runner import JobSpec, run_job_on_rank, summarize
+from strategies.core.layout import Layout
 
 LAYOUT = ("tp2pp2", Layout(pp=2, tp=2))
 SEQ_LEN = 512

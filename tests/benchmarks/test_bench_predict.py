@@ -1,4 +1,4 @@
-"""pytest-benchmark cases for the cost model's promise: ``harness.predict`` answers for one
+"""pytest-benchmark cases for the cost model's promise: ``harness.model.predict`` answers for one
 16,384-GPU layout in well under a second (issue 6), and ``costmodel.price`` prices a plan of
 thousands of collectives. Times are recorded in the benchmark JSON and compared across runs
 with ``pytest-benchmark compare``; they are not asserted, because an absolute time on a shared
@@ -14,7 +14,7 @@ import pytest
 def test_bench_predict_one_layout(benchmark):
     from hydra import compose, initialize_config_dir
 
-    from harness.predict import CONF, EXAMPLE, run
+    from harness.model.predict import CONF, EXAMPLE, run
 
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose(config_name="predict", overrides=[*EXAMPLE, "quiet=true"])
@@ -28,10 +28,10 @@ def test_bench_price_16k_rank_tree_plan(benchmark):
     """gloo's tree priced round by round across nodes, for every group of a 16,384-rank world."""
     from dataclasses import replace
 
-    from harness.costmodel import load_cluster, price
+    from harness.model.costmodel import load_cluster, price
     from strategies import get_class
-    from strategies.layout import Layout
-    from strategies.plan import PayloadSpec
+    from strategies.core.layout import Layout
+    from strategies.core.plan import PayloadSpec
 
     layout = Layout(dp=128, pp=8, tp=8, cp=2)
     spec = PayloadSpec(tensor_bytes=64 << 20, n_tensors=8, header_bytes=4096, pickle_bytes=0)

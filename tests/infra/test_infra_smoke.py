@@ -19,8 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from harness.emulate import EmulatedCluster, Emulation, EmulationUnavailable, unavailable_reason
-from harness.machine import other_cores, snapshot
+from harness.cluster.netns import (
+    EmulatedCluster,
+    Emulation,
+    EmulationUnavailable,
+    unavailable_reason,
+)
+from harness.run.machine import other_cores, snapshot
 
 from .slurm import SlurmCluster
 
@@ -284,7 +289,7 @@ def test_emulation_cleans_up_on_exception_and_sigterm(netns_ok, tmp_path):
         f"""
         import sys, time
         sys.path.insert(0, {str(HERE.parent.parent)!r})
-        from harness.emulate import Emulation
+        from harness.cluster.netns import Emulation
         with Emulation(nodes=2) as emu:
             print(emu.uid, flush=True)
             time.sleep(60)
@@ -312,7 +317,7 @@ def test_emulation_cleans_up_on_exception_and_sigterm(netns_ok, tmp_path):
 
 
 def test_emulation_reports_unavailable_cleanly(monkeypatch):
-    import harness.emulate as emulate
+    import harness.cluster.netns as emulate
 
     monkeypatch.setattr(emulate.os, "geteuid", lambda: 1000)
     assert "root" in (emulate.unavailable_reason() or "")

@@ -1,0 +1,240 @@
+"""Which strategy wins depends on the cluster's NIC layout: measure it on an emulated cluster.
+
+    python -m harness.cluster.table                      # run both jobs, write the table
+    python -m harness.cluster.table --from results/emulated   # re-read earlier records
+
+Two jobs run on the emulated 2-node cluster (harness.cluster.launch; tp=2 inside a node, pp=2 across
+1 Gbit/s links, rl_rollout 720 × 512 ≈ 16 MiB): one with one link per node, one with one link
+per rank ("rails"). Each job times all five strategies interleaved (pickled is the job's
+strategy, the other four its references, so every strategy sees the same machine noise), and
+its counting phase gives the bytes one call sent across nodes. Beside each measurement the cost
+model's price of the strategy's plan on ``conf/cluster/emulated.yaml`` / ``emulated_rails.yaml``
+and the predicted / measured ratio; a strategy is "link-bound" when the model puts more than
+half its time on the inter-node link. The markdown table goes to ``<dir>/report.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from harness import paths  # noqa: I001
+from harness.run.machine import other_cores, snapshot
+
+STRATEGIES = ("pickled", "header", "flat", "pp_first", "scatter_allgather")
+LINKS = {"node": "emulated", "gpu": "emulated_rails"}
+"""Emulated link layout → the cost model preset that describes it."""
+LINK_TITLES = {"node": "one link per node", "gpu": "one link per GPU (rails)"}
+WIRE = 1514 / 1448  # wire bytes per payload byte at MTU 1500 (Ethernet + IP + TCP headers)
+TIE = 0.05
+"""Measured times closer than this (relative) are a tie: either order counts as agreeing."""
+REPO = paths.REPO
+
+
+def run_jobs(out: Path, iters: int, warmup: int, batch_size: int, seq_len: int) -> None:
+    """One harness job per link layout, each on its own emulated cluster."""
+    for links in LINKS:
+        argv = [sys.executable, "-m", "harness", "strategy=pickled", "layout=tp2pp2"]
+        argv += [f"references=[{','.join(s for s in STRATEGIES if s != 'pickled')}]"]
+        argv += ["payload=rl_rollout", f"payload.batch_size={batch_size}"]
+        argv += [f"payload.seq_len={seq_len}", f"iters={iters}", f"warmup={warmup}"]
+        argv += ["emulate.enabled=true", "emulate.nodes=2", "emulate.rate_mbit=1000"]
+        argv += [f"emulate.links={links}", f"hydra.run.dir={out / links}"]
+        print(f"emulated_report: running {LINK_TITLES[links]} …", flush=True)
+        start = snapshot()
+        subprocess.run(argv, cwd=REPO, check=True)
+        # The intra-node phases are CPU-bound: other work on the machine slows them (never the
+        # shaped links), so the report says how much of the machine other work took.
+        machine = {"cpus": os.cpu_count(), "other_cores": other_cores(start)}
+        (out / links / "machine.json").write_text(json.dumps(machine))
+
+
+def measured(record: dict) -> dict[str, dict]:
+    """p50 and cross-node bytes per call of every strategy in one job's record."""
+    rows = {
+        record["strategy"]: {
+            "p50_us": record["p50_us"],
+            "cross_node_bytes_per_call": record.get("cross_node_bytes_per_call"),
+        }
+    }
+    for name, ref in (record.get("references") or {}).items():
+        rows[name] = {
+            "p50_us": ref["p50_us"],
+            "cross_node_bytes_per_call": ref.get("cross_node_bytes_per_call"),
+        }
+    return rows
+
+
+def predicted_cross_bytes(plan, ranks_per_node: int) -> int:
+    """Payload bytes one call of ``plan`` sends between nodes, as gloo moves them: a broadcast
+    along its binomial tree's edges, a scatter straight from the root, an all-gather around a
+    ring in group order."""
+    from harness.model.costmodel import tree_rounds
+
+    def node(r: int) -> int:
+        return r // ranks_per_node
+
+    total = 0
+    for c in plan.comms:
+        if c.kind == "broadcast":
+            edges = [e for rnd in tree_rounds(c.ranks, c.root) for e in rnd]
+            total += c.nbytes * sum(node(a) != node(b) for a, b in edges)
+        elif c.kind == "scatter":
+            total += c.nbytes * sum(node(r) != node(c.root) for r in c.ranks)
+        elif c.kind == "all_gather":
+            p = len(c.ranks)
+            ring = zip(c.ranks, c.ranks[1:] + c.ranks[:1])
+            total += c.nbytes * (p - 1) // p * sum(node(a) != node(b) for a, b in ring)
+    return total
+
+
+def predictions(batch_size: int, seq_len: int, seed: int = 0) -> dict[str, dict[str, dict]]:
+    """{links: {strategy: {total_s, link_bound, cross_bytes}}} from each strategy's plan."""
+    import strategies
+    from harness.model.costmodel import load_cluster, price
+    from harness.run import payloads
+    from strategies.core.layout import Layout
+    from strategies.core.plan import spec_of
+
+    layout = Layout(tp=2, pp=2)
+    spec = spec_of(payloads.make("rl_rollout", batch_size, seq_len, seed, None))
+    out: dict[str, dict[str, dict]] = {}
+    for links, preset in LINKS.items():
+        cluster = load_cluster(preset)
+        out[links] = {}
+        for name in STRATEGIES:
+            plan = strategies.get_class(name).plan(layout, spec)
+            pred = price(plan, cluster, layout)
+            inter_beta = sum(s.critical.beta_s for s in pred.steps if s.critical.link == "inter")
+            out[links][name] = {
+                "total_s": pred.total_s,
+                "link_bound": inter_beta > 0.5 * pred.total_s,
+                "cross_bytes": predicted_cross_bytes(plan, cluster.gpus_per_node),
+                "dominant": pred.dominant(),
+            }
+    return out
+
+
+def ranking_agrees(meas: dict[str, float], pred: dict[str, float]) -> tuple[bool, list[str]]:
+    """Whether every pair that both the measurement and the model separate by more than TIE is
+    ordered alike (a tie on either side, e.g. the model's equal prices for header, flat and
+    pp_first on rails, cannot disagree)."""
+
+    def tie(t: dict[str, float], a: str, b: str) -> bool:
+        return abs(t[a] - t[b]) <= TIE * min(t[a], t[b])
+
+    names = sorted(meas)
+    bad = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            if tie(meas, a, b) or tie(pred, a, b):
+                continue
+            if (meas[a] < meas[b]) != (pred[a] < pred[b]):
+                bad.append(f"{a} vs {b}")
+    return not bad, bad
+
+
+def table(root: Path) -> str:
+    recs = {links: json.loads((root / links / "result.json").read_text()) for links in LINKS}
+    first = recs["node"]
+    preds = predictions(first["batch_size"], first["seq_len"])
+    lines = [
+        "# Emulated 2-node cluster: 1 Gbit/s links, tp=2 in a node, pp=2 across",
+        "",
+        "Measured: `python -m harness.cluster.table` (harness.cluster.launch, gloo on CPU, p50 of the",
+        "slowest rank per iteration, all five strategies interleaved in one job per link layout).",
+        "Predicted: each strategy's plan priced by harness.model.costmodel on conf/cluster/emulated.yaml",
+        "(one link per node) and emulated_rails.yaml (one per rank). Bytes are wire bytes per",
+        f"call that crossed nodes (S = payload; predicted = plan's payload bytes × {WIRE:.4f}).",
+        "",
+    ]
+    summary = []
+    for links in LINKS:
+        rec = recs[links]
+        meas = measured(rec)
+        s = rec["payload_bytes"]
+        machine_path = root / links / "machine.json"
+        busy = ""
+        m = json.loads(machine_path.read_text()) if machine_path.is_file() else {}
+        if m.get("other_cores") is not None:
+            busy = f"; other work used {m['other_cores']:.2f} of {m['cpus']} CPUs meanwhile"
+            if m["other_cores"] > 0.5:
+                busy += " (CPU-bound phases ran slow: times are upper bounds)"
+        elif "load_before" in m:  # records from before harness.run.machine: the load average
+            load = max(m["load_before"], m["load_after"])
+            busy = f"; 1-min load average {load:.1f} on {m['cpus']} CPUs (not a reliable measure)"
+        lines += [
+            f"## {LINK_TITLES[links]} (`emulate.links={links}`, cost model `{LINKS[links]}`)",
+            "",
+            f"payload S = {s / 2**20:.2f} MiB, {rec['iters']} timed iterations, "
+            f"{rec['emulate_rate_mbit']} Mbit/s, {rec['emulate_nodes']} nodes × "
+            f"{rec['emulate_ranks_per_node']} ranks{busy}",
+            "",
+            "| strategy | measured p50 ms | predicted ms | predicted/measured | link-bound | "
+            "crossed per call (× S) | predicted crossing (× S) | model: dominated by |",
+            "|---|---:|---:|---:|:-:|---:|---:|---|",
+        ]
+        ratios_bound = []
+        for name in sorted(STRATEGIES, key=lambda n: meas[n]["p50_us"]):
+            m, p = meas[name], preds[links][name]
+            ms = m["p50_us"] / 1e3
+            ratio = p["total_s"] * 1e3 / ms
+            if p["link_bound"]:
+                ratios_bound.append((name, ratio))
+            crossed = m["cross_node_bytes_per_call"]
+            crossed_txt = f"{crossed / s:.3f}" if crossed is not None else "–"
+            lines.append(
+                f"| {name} | {ms:.1f} | {p['total_s'] * 1e3:.1f} | {ratio:.3f} | "
+                f"{'yes' if p['link_bound'] else 'no'} | {crossed_txt} | "
+                f"{p['cross_bytes'] * WIRE / s:.3f} | {p['dominant']} |"
+            )
+        agree, bad = ranking_agrees(
+            {n: meas[n]["p50_us"] for n in STRATEGIES},
+            {n: preds[links][n]["total_s"] for n in STRATEGIES},
+        )
+        within = [n for n, r in ratios_bound if abs(r - 1) <= 0.10]
+        lines += [
+            "",
+            f"- link-bound strategies within 10 %: {len(within)} of {len(ratios_bound)} "
+            f"({', '.join(f'{n} {r:.3f}' for n, r in ratios_bound)})",
+            f"- ranking (pairs within {TIE:.0%} in either column are ties): "
+            + ("same as measured" if agree else f"differs on {', '.join(bad)}"),
+            "",
+        ]
+        summary.append((links, len(within) == len(ratios_bound), agree))
+    lines.append(
+        "Verdict: "
+        + "; ".join(
+            f"{LINK_TITLES[links]}: {'all link-bound within 10 %' if ok else 'NOT all within 10 %'}"
+            f", {'same ranking' if agree else 'ranking differs'}"
+            for links, ok, agree in summary
+        )
+    )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--from", dest="src", help="read records from this dir (node/, gpu/)")
+    ap.add_argument("--out", default="results/emulated", help="where jobs and report.md go")
+    ap.add_argument("--iters", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--batch-size", type=int, default=720)
+    ap.add_argument("--seq-len", type=int, default=512)
+    args = ap.parse_args(argv)
+    root = Path(args.src or args.out)
+    if args.src is None:
+        run_jobs(root, args.iters, args.warmup, args.batch_size, args.seq_len)
+    text = table(root)
+    (root / "report.md").write_text(text)
+    print(text)
+    print(f"report: {root / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,548 @@
+"""Fit the cost model's α and β to this machine: ``python -m harness.model.calibrate [--world 4]``.
+
+Times broadcast, scatter and all_gather on a real gloo world (groups of 2 and of the whole
+world), host pickle/unpickle/memcpy rates, the fixed per-call host costs (pickle.dumps/loads,
+codec pack/unpack on tiny ``rl_rollout`` batches, see ``per_call_costs``), fits α, β per
+collective in the model's own form (``costmodel.coefficients``) and writes
+``conf/cluster/local.yaml`` atomically, with the world size and core count it ran on
+(``calibrated_ranks``, ``cpu_cores``: the oversubscription factor's reference).
+
+Run it on a quiet machine: every figure includes whatever else shares the cores. ``--max-load N``
+refuses to start while other work uses more than N cores (harness.run.machine, from /proc/stat; the
+load average can be meaningless in a VM), and the report warns when other work took > 0.5 cores
+during the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from harness.model.costmodel import (
+    ALLGATHER_ALGORITHMS,
+    BROADCAST_ALGORITHMS,
+    CONF_DIR,
+    SCATTER_ALGORITHMS,
+    Cluster,
+    Link,
+    cluster_to_config,
+    coefficients,
+    load_cluster,
+)
+
+KIB = 1024
+DEFAULT_SIZES = tuple(KIB * 4**i for i in range(8))  # 1 KiB .. 16 MiB
+SHORT_SIZES = tuple(KIB * 4**i for i in range(6))  # 1 KiB .. 1 MiB
+ALGORITHMS = {
+    "broadcast": ("broadcast_algorithm", BROADCAST_ALGORITHMS),
+    "scatter": ("scatter_algorithm", SCATTER_ALGORITHMS),
+    "all_gather": ("allgather_algorithm", ALLGATHER_ALGORITHMS),
+}
+# One machine: every rank is on the same "node", so nothing is ever priced on `inter`.
+LOCAL_GPUS_PER_NODE = 1024
+# Per-call host costs: the sweep's payload at its smallest sizes, where the bytes cost little
+# and the fixed part (Python, per-leaf pickling, header encode/decode) dominates.
+PER_CALL_PAYLOAD = ("rl_rollout", (1, 2, 3), 512)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Median over iterations of the max over ranks, for one collective shape."""
+
+    kind: str
+    group_size: int
+    payload_bytes: int
+    """nccl-tests S: broadcast bytes; scatter/all_gather total bytes over the group."""
+    nbytes: int
+    """``Comm.nbytes`` convention (scatter: one chunk)."""
+    p50_s: float
+
+
+@dataclass(frozen=True)
+class Fit:
+    kind: str
+    algorithm: str
+    link: Link
+    r2: float
+    max_rel_err: float
+    rms_rel_err: float
+
+
+# --------------------------------------------------------------------------------------------
+# What runs on each rank
+# --------------------------------------------------------------------------------------------
+def _time_collectives(ctx, group_sizes, sizes, reps):
+    import torch
+    import torch.distributed as dist
+
+    ctx.report("calibrate: building groups")
+    groups = {}
+    for p in group_sizes:  # new_group is collective: every rank calls it in the same order
+        groups[p] = None if p == ctx.world_size else dist.new_group(list(range(p)))
+    buffers = {}
+    for p in group_sizes:
+        for size in sizes:
+            chunk = max(1, size // p)
+            buffers[("broadcast", p, size)] = (torch.zeros(size, dtype=torch.uint8),)
+            buffers[("scatter", p, size)] = (
+                torch.zeros(chunk, dtype=torch.uint8),
+                [torch.full((chunk,), i, dtype=torch.uint8) for i in range(p)],
+            )
+            buffers[("all_gather", p, size)] = (
+                torch.zeros(chunk, dtype=torch.uint8),
+                [torch.zeros(chunk, dtype=torch.uint8) for _ in range(p)],
+            )
+
+    def call(kind, p, size):
+        group = groups[p]
+        bufs = buffers[(kind, p, size)]
+        if kind == "broadcast":
+            dist.broadcast(bufs[0], src=0, group=group)
+        elif kind == "scatter":
+            dist.scatter(bufs[0], bufs[1] if ctx.rank == 0 else None, src=0, group=group)
+        else:
+            dist.all_gather(bufs[1], bufs[0], group=group)
+
+    times = {key: [] for key in buffers}
+    keys = list(buffers)
+    # Iteration-outer loop interleaves shapes, so slow drift of a shared machine hits all alike;
+    # the order is shuffled each iteration (same seed on every rank) because the first call
+    # after a group switch or a long idle wait runs slow; iteration 0 is the warm-up.
+    for it in range(reps + 1):
+        ctx.report(f"calibrate: iteration {it}")
+        random.Random(it).shuffle(keys)
+        for key in keys:
+            kind, p, size = key
+            dist.barrier()
+            if ctx.rank >= p:
+                continue
+            t0 = time.perf_counter()
+            call(kind, p, size)
+            dt = time.perf_counter() - t0
+            if it:
+                times[key].append(dt)
+    dist.barrier()
+    return times
+
+
+def _time_host(ctx, nbytes, reps):
+    """pickle.dumps / loads and memcpy rates, measured on rank 0 while the others wait."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    out = None
+    if ctx.rank == 0:
+        from tensordict import TensorDict
+
+        # A batch-like TensorDict: a few tensors of mixed dtypes, as the pickled strategy sends.
+        n_elem = nbytes // 16
+        batch = TensorDict(
+            {
+                "input_ids": torch.arange(n_elem, dtype=torch.int64),
+                "attention_mask": torch.ones(n_elem, dtype=torch.int32),
+                "position_ids": torch.arange(n_elem, dtype=torch.int32),
+            },
+            batch_size=[],
+        )
+        dumps, loads, copies = [], [], []
+        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        for it in range(reps + 1):
+            t0 = time.perf_counter()
+            blob = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+            t1 = time.perf_counter()
+            pickle.loads(blob)
+            t2 = time.perf_counter()
+            dst.copy_(src)
+            t3 = time.perf_counter()
+            if it:
+                dumps.append(len(blob) / (t1 - t0))
+                loads.append(len(blob) / (t2 - t1))
+                copies.append(nbytes / (t3 - t2))
+        out = dict(
+            pickle_bytes_per_s=statistics.median(dumps),
+            unpickle_bytes_per_s=statistics.median(loads),
+            memcpy_bytes_per_s=statistics.median(copies),
+        )
+        if torch.cuda.is_available():
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            d2h, h2d = [], []
+            for it in range(reps + 1):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                host.copy_(dev)
+                torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                dev.copy_(host)
+                torch.cuda.synchronize()
+                t2 = time.perf_counter()
+                if it:
+                    d2h.append(nbytes / (t1 - t0))
+                    h2d.append(nbytes / (t2 - t1))
+            out.update(
+                d2h_bytes_per_s=statistics.median(d2h), h2d_bytes_per_s=statistics.median(h2d)
+            )
+            src_dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            d2d = []
+            for it in range(reps + 1):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                dev.copy_(src_dev)
+                torch.cuda.synchronize()
+                if it:
+                    d2d.append(nbytes / (time.perf_counter() - t0))
+            out.update(device_copy_bytes_per_s=statistics.median(d2d))
+    dist.barrier()
+    return out
+
+
+def _time_per_call(ctx, reps):
+    """Fixed per-call host costs, timed inside the calibration world the way strategies call
+    them (so under the same sharing of the cores as the collectives' α and β): per tiny
+    ``PER_CALL_PAYLOAD`` batch, the leader validates + packs (``codec.pack``, non-tensor data
+    included), broadcasts, every receiver decodes the header and unpacks; then the leader
+    pickles the TensorDict, broadcasts it, every receiver unpickles it. Returns, per rank,
+    ``{kind: [(seconds, bytes, blob_bytes), ...]}`` (bytes: what the model charges by size)."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    from harness.run import payloads
+    from strategies.core.codec import DEFAULT_MAX_BYTES, pack, read_header, unpack
+
+    name, sizes, seq_len = PER_CALL_PAYLOAD
+    batches = [payloads.make(name, b, seq_len, 0) for b in sizes]
+    leader = ctx.rank == 0
+    out: dict[str, list] = {"pack": [], "unpack": [], "pickle": [], "unpickle": []}
+    bufs: dict[int, torch.Tensor] = {}
+    caches: dict[int, dict] = {i: {} for i in range(len(batches))}  # steady state: hits
+    for it in range(reps + 1):
+        ctx.report(f"calibrate: per-call costs, iteration {it}")
+        for i, dp in enumerate(batches):
+            nt = dp.non_tensor_batch if dp.broadcast_non_tensor else None
+            ref, header = pack(dp.batch, nt)  # sizes every rank knows
+            total = header.total_bytes
+            nt_bytes = header.non_tensor[1] if header.non_tensor else 0
+            blob_len = len(pickle.dumps(dp.batch))
+            dist.barrier()
+            if leader:
+                t0 = time.perf_counter()
+                dp.validate(0)
+                buf, _ = pack(dp.batch, nt, out=bufs.get(i))
+                dt = time.perf_counter() - t0
+                bufs[i] = buf
+                dist.broadcast(buf[:total], src=0)
+                sample = ("pack", dt, total, nt_bytes)
+            else:
+                got = torch.empty(total, dtype=torch.uint8)
+                dist.broadcast(got, src=0)
+                t0 = time.perf_counter()
+                unpack(got, read_header(got, DEFAULT_MAX_BYTES, ctx.rank, caches[i]))
+                sample = ("unpack", time.perf_counter() - t0, 0, nt_bytes)
+            if it:
+                out[sample[0]].append(sample[1:])
+            dist.barrier()
+            size = torch.zeros(1, dtype=torch.int64)
+            if leader:
+                t0 = time.perf_counter()
+                blob = pickle.dumps(dp.batch)
+                dt = time.perf_counter() - t0
+                size[0] = len(blob)
+                dist.broadcast(size, src=0)
+                dist.broadcast(torch.frombuffer(bytearray(blob), dtype=torch.uint8), src=0)
+                sample = ("pickle", dt, len(blob), 0)
+            else:
+                dist.broadcast(size, src=0)
+                got = torch.empty(int(size[0]), dtype=torch.uint8)
+                dist.broadcast(got, src=0)
+                t0 = time.perf_counter()
+                pickle.loads(got.numpy().tobytes())
+                sample = ("unpickle", time.perf_counter() - t0, blob_len, 0)
+            if it:
+                out[sample[0]].append(sample[1:])
+    dist.barrier()
+    return out
+
+
+def per_call_costs(per_rank: list[dict], rates: dict[str, float]) -> dict[str, float]:
+    """Fixed seconds per call: each timed call minus what ``rates`` charge for its bytes
+    (memcpy for the packed message and pickle for its non-tensor blob; unpickle for a received
+    blob), median over ranks, sizes and repetitions, clamped at 0."""
+    charge = {
+        "pack": lambda n, nt: n / rates["memcpy_bytes_per_s"] + nt / rates["pickle_bytes_per_s"],
+        "unpack": lambda n, nt: nt / rates["unpickle_bytes_per_s"],
+        "pickle": lambda n, nt: n / rates["pickle_bytes_per_s"],
+        "unpickle": lambda n, nt: n / rates["unpickle_bytes_per_s"],
+    }
+    out = {}
+    for kind, cost in charge.items():
+        fixed = [t - cost(n, nt) for r in per_rank for t, n, nt in r.get(kind, ())]
+        out[f"{kind}_call_s"] = max(0.0, statistics.median(fixed)) if fixed else 0.0
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Fitting
+# --------------------------------------------------------------------------------------------
+def samples_from(per_rank: list[dict], world_size: int) -> list[Sample]:
+    out = []
+    for key in per_rank[0]:
+        kind, p, size = key
+        # Done when the last rank holds the data: max over the group's ranks, per iteration.
+        per_iter = [max(ts) for ts in zip(*(per_rank[r][key] for r in range(p)))]
+        nbytes = size // p if kind == "scatter" else size
+        out.append(Sample(kind, p, size, nbytes, statistics.median(per_iter)))
+    return out
+
+
+def fit_kind(samples: list[Sample], kind: str, algorithm: str) -> Fit:
+    """Least squares of t = a·α + b·β in relative error (every size counts, not just the big
+    ones), with α, β ≥ 0."""
+    param = ALGORITHMS[kind][0]
+    rows = [s for s in samples if s.kind == kind]
+    coef = np.array(
+        [coefficients(kind, s.group_size, s.nbytes, **{param: algorithm}) for s in rows]
+    )
+    t = np.array([s.p50_s for s in rows])
+    weighted = coef / t[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(weighted, np.ones_like(t), rcond=None)
+    if alpha < 0:  # a burst or cache effect can pull α below zero; refit bandwidth alone
+        alpha = 0.0
+        beta = float(np.sum(weighted[:, 1]) / np.sum(weighted[:, 1] ** 2))
+    if beta <= 0:
+        beta = 1e-15
+        alpha = float(np.sum(weighted[:, 0]) / np.sum(weighted[:, 0] ** 2))
+    pred = coef @ np.array([alpha, beta])
+    rel = (pred - t) / t
+    ss_res = float(np.sum((t - pred) ** 2))
+    ss_tot = float(np.sum((t - t.mean()) ** 2)) or 1.0
+    return Fit(
+        kind,
+        algorithm,
+        Link(float(alpha), float(beta)),
+        r2=1 - ss_res / ss_tot,
+        max_rel_err=float(np.max(np.abs(rel))),
+        rms_rel_err=float(np.sqrt(np.mean(rel**2))),
+    )
+
+
+def best_fits(samples: list[Sample]) -> dict[str, Fit]:
+    """Per collective, the algorithm form whose fit has the lowest RMS relative error."""
+    out = {}
+    for kind, (_, algorithms) in ALGORITHMS.items():
+        fits = [fit_kind(samples, kind, a) for a in algorithms]
+        out[kind] = min(fits, key=lambda f: f.rms_rel_err)
+    return out
+
+
+def build_local_cluster(
+    fits: dict[str, Fit], host: dict[str, float], world_size: int = 0, cpu_cores: int = 0
+) -> Cluster:
+    by_kind = {kind: f.link for kind, f in fits.items()}
+    return Cluster(
+        name="local",
+        gpus_per_node=LOCAL_GPUS_PER_NODE,
+        nics_per_node=1,
+        intra=by_kind["broadcast"],
+        inter=by_kind["broadcast"],  # never used: one machine is one node
+        broadcast_algorithm=fits["broadcast"].algorithm,  # type: ignore[arg-type]
+        scatter_algorithm=fits["scatter"].algorithm,  # type: ignore[arg-type]
+        allgather_algorithm=fits["all_gather"].algorithm,  # type: ignore[arg-type]
+        intra_by_kind=by_kind,
+        inter_by_kind={},
+        d2h_bytes_per_s=host.get("d2h_bytes_per_s", host["memcpy_bytes_per_s"]),
+        h2d_bytes_per_s=host.get("h2d_bytes_per_s", host["memcpy_bytes_per_s"]),
+        pickle_bytes_per_s=host["pickle_bytes_per_s"],
+        unpickle_bytes_per_s=host["unpickle_bytes_per_s"],
+        memcpy_bytes_per_s=host["memcpy_bytes_per_s"],
+        device_copy_bytes_per_s=host.get("device_copy_bytes_per_s", 0.0),
+        pickle_call_s=host.get("pickle_call_s", 0.0),
+        unpickle_call_s=host.get("unpickle_call_s", 0.0),
+        pack_call_s=host.get("pack_call_s", 0.0),
+        unpack_call_s=host.get("unpack_call_s", 0.0),
+        # A CPU world time-slices the machine's cores; a GPU world does not (factor off).
+        cpu_cores=0 if "device_copy_bytes_per_s" in host else cpu_cores,
+        calibrated_ranks=world_size,
+    )
+
+
+def write_cluster_yaml(cluster: Cluster, path: Path, header: str) -> None:
+    """Write atomically (temp file + rename in the same folder): a crash never leaves half a
+    file where the harness reads its presets."""
+    from omegaconf import OmegaConf
+
+    def rounded(node):  # 4 significant digits: the fit is not better than that
+        if isinstance(node, float) and node < 1e-3 and node != 0:
+            return float(f"{node:.3e}")
+        if isinstance(node, dict):
+            return {k: rounded(v) for k, v in node.items()}
+        return float(f"{node:.4g}") if isinstance(node, float) else node
+
+    cfg = OmegaConf.to_container(OmegaConf.structured(cluster_to_config(cluster)))
+    text = OmegaConf.to_yaml(OmegaConf.create(rounded(cfg)))
+    comment = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(comment + text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# --------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------
+def calibrate(
+    world_size: int = 4,
+    sizes: tuple[int, ...] = DEFAULT_SIZES,
+    reps: int = 21,
+    out: Path | None = CONF_DIR / "local.yaml",
+    host_bytes: int = 16 * 2**20,
+    world=None,
+    verbose: bool = True,
+    max_load: float | None = None,
+) -> tuple[Cluster, dict[str, Fit], list[Sample]]:
+    """Measure, fit, and (unless ``out`` is None) write the ``local`` cluster file.
+    ``max_load``: refuse to start while other work uses more than this many cores (measured
+    from /proc/stat over one second, see harness.run.machine)."""
+    from harness.run.machine import other_cores, other_cores_now, snapshot
+    from harness.run.world import World
+
+    t0 = time.perf_counter()
+    if max_load is not None:
+        other = other_cores_now(1.0)
+        if other is not None and other > max_load:
+            raise SystemExit(
+                f"other work uses {other:.1f} cores > --max-load {max_load:g}: it shares the "
+                "cores and every figure would include it; try again when the machine is quiet"
+            )
+    start = snapshot()
+    group_sizes = tuple(sorted({min(2, world_size), world_size}))
+    if world_size < 2:
+        raise ValueError(f"calibration needs a world of at least 2 ranks, got {world_size}")
+    own = world is None
+    world = world or World(world_size).start()
+    try:
+        per_rank = world.run(_time_collectives, group_sizes, tuple(sizes), reps, what="calibrate")
+        host = world.run(_time_host, host_bytes, max(3, reps // 2), what="host rates")[0]
+        calls = world.run(_time_per_call, max(10, reps), what="per-call host costs")
+        host.update(per_call_costs(calls, host))
+    finally:
+        if own:
+            world.close()
+    samples = samples_from(per_rank, world_size)
+    fits = best_fits(samples)
+    cluster = build_local_cluster(fits, host, world_size, os.cpu_count() or 1)
+    elapsed_s = time.perf_counter() - t0
+    report = format_report(fits, samples, host, world_size, elapsed_s)
+    # A world passed in is still running: its ranks' CPU would read as other work.
+    other = other_cores(start) if own else None
+    if other is not None and other > 0.5:  # other jobs shared the cores: figures are pessimistic
+        report += (
+            f"\nWARNING: other work used {other:.1f} of {os.cpu_count()} cores meanwhile; "
+            "rerun when idle."
+        )
+    if verbose:
+        print(report)
+    if out is not None:
+        header = (
+            "Written by `python -m harness.model.calibrate`; do not edit by hand, run it again.\n"
+            f"{datetime.datetime.now().isoformat(timespec='seconds')} on "
+            f"{platform.node()} ({os.cpu_count()} cores), gloo world of {world_size}, "
+            f"groups {list(group_sizes)}, {len(sizes)} sizes, median of {reps}.\n"
+            "Values measured here, not public figures; every rank is on one node.\n\n" + report
+        )
+        write_cluster_yaml(cluster, Path(out), header)
+        load_cluster(Path(out))  # what was written must load and validate
+        if verbose:
+            print(f"wrote {out}")
+    return cluster, fits, samples
+
+
+def format_report(
+    fits: dict[str, Fit], samples: list[Sample], host: dict, world_size: int, elapsed_s: float
+) -> str:
+    lines = [f"fit per collective (world {world_size}, {elapsed_s:.1f} s):"]
+    for kind, f in fits.items():
+        lines.append(
+            f"  {kind:<10} {f.algorithm:<18} alpha {f.link.alpha_s * 1e6:8.1f} us  "
+            f"bw {f.link.bandwidth_gbytes_per_s:6.3f} GB/s  R2 {f.r2:.4f}  "
+            f"max rel err {100 * f.max_rel_err:5.1f}%  rms {100 * f.rms_rel_err:5.1f}%"
+        )
+    lines.append("measured p50 vs model (ms):")
+    for s in samples:
+        f = fits[s.kind]
+        param = ALGORITHMS[s.kind][0]
+        a, b = coefficients(s.kind, s.group_size, s.nbytes, **{param: f.algorithm})
+        pred = a * f.link.alpha_s + b * f.link.beta_s_per_byte
+        lines.append(
+            f"  {s.kind:<10} p={s.group_size} S={s.payload_bytes:>9} B  "
+            f"measured {s.p50_s * 1e3:8.3f}  model {pred * 1e3:8.3f}  "
+            f"({100 * (pred - s.p50_s) / s.p50_s:+5.1f}%)"
+        )
+    lines.append(
+        "host: "
+        + ", ".join(
+            f"{k.replace('_bytes_per_s', '')} {v / 1e9:.3f} GB/s"
+            for k, v in host.items()
+            if k.endswith("_bytes_per_s")
+        )
+    )
+    calls = {k: v for k, v in host.items() if k.endswith("_call_s")}
+    if calls:
+        name, sizes, seq_len = PER_CALL_PAYLOAD
+        lines.append(
+            f"per call ({name} B={list(sizes)} seq {seq_len}, bytes subtracted): "
+            + ", ".join(f"{k.removesuffix('_call_s')} {v * 1e6:.0f} us" for k, v in calls.items())
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.model.calibrate", description=__doc__)
+    parser.add_argument("--world", type=int, default=4, help="ranks in the gloo world (>= 2)")
+    parser.add_argument(
+        "--out", type=Path, default=CONF_DIR / "local.yaml", help="cluster file to write"
+    )
+    parser.add_argument("--reps", type=int, default=21, help="timed iterations per shape")
+    parser.add_argument("--short", action="store_true", help="sizes up to 1 MiB only (tests)")
+    parser.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
+    parser.add_argument(
+        "--max-load",
+        type=float,
+        default=None,
+        help="refuse to start while other work uses more than this many cores (/proc/stat)",
+    )
+    args = parser.parse_args(argv)
+    calibrate(
+        world_size=args.world,
+        sizes=SHORT_SIZES if args.short else DEFAULT_SIZES,
+        reps=args.reps,
+        out=None if args.dry_run else args.out,
+        host_bytes=(2 if args.short else 16) * 2**20,
+        max_load=args.max_load,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,373 @@
+"""Predicted broadcast latency from 8 to 16,384 GPUs: ``python -m harness.model.extrapolate``.
+
+    python -m harness.model.extrapolate [--cluster h200_ib] [--out results/predict/extrapolation]
+                                  [--tp 8] [--cp 1] [--pp 1,2,4,8] [--batch-size 512]
+
+Nothing runs: every strategy's plan is priced by ``harness.model.costmodel`` (via
+``harness.model.predict``) for a fixed payload (default rl_rollout, B=512, S=4096: 92 MiB of tensors,
+an RL step's global batch slice per replica) on layouts tp × cp inside a node, pp ∈ {1,2,4,8}
+stages and dp filling the world. Writes ``extrapolation.csv``, ``extrapolation.png`` and
+``extrapolation.md`` (a recommendation table), all labelled PREDICTED.
+
+It also answers the SC'21 question (Narayanan et al., the scatter/gather optimisation of
+Megatron's pipeline): once PP stages sit on different nodes and TP inside one, does
+scatter_allgather (each TP rank carries 1/t across the slow link, then an NVLink all-gather)
+overtake a plain broadcast (header, flat, pickled)? It reports the smallest pp and world size
+at which it does, for the whole call and for its network part alone (the whole call includes
+host packing, which the h200_ib preset prices at a stand-in host memcpy rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import sys
+import time
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron.*")
+logging.getLogger("megatron").setLevel(logging.WARNING)
+
+import pandas as pd  # noqa: E402
+
+PLAIN = ("header", "flat", "pickled")  # the "plain broadcast" side of the SC'21 comparison
+MIN_WORLD, MAX_WORLD = 8, 16384
+
+
+def layouts(tp: int, cp: int, pps: list[int], max_world: int = MAX_WORLD):
+    """(world, Layout) for every power-of-two world from 8 to ``max_world`` that tp·cp·pp
+    divides, dp filling it."""
+    from strategies.core.layout import Layout
+
+    world = MIN_WORLD
+    while world <= max_world:
+        for pp in pps:
+            per_replica = tp * cp * pp
+            if world % per_replica == 0:
+                yield world, Layout(dp=world // per_replica, pp=pp, tp=tp, cp=cp)
+        world *= 2
+
+
+def sweep(cluster, spec, tp: int, cp: int, pps: list[int], max_world: int) -> pd.DataFrame:
+    """One row per (world, pp, strategy) with predicted seconds and the dominant term."""
+    from harness.model.predict import predict_all
+
+    rows = []
+    for world, layout in layouts(tp, cp, pps, max_world):
+        for name, p in predict_all(layout, spec, cluster).items():
+            if isinstance(p, str):
+                continue  # unsupported (tensordict_broadcast at dp > 1)
+            rows.append(
+                dict(
+                    world_size=world,
+                    dp=layout.dp,
+                    pp=layout.pp,
+                    tp=layout.tp,
+                    cp=layout.cp,
+                    strategy=name,
+                    predicted_ms=p.total_s * 1e3,
+                    predicted_comm_ms=p.comm_s * 1e3,
+                    predicted_local_ms=p.local_s * 1e3,
+                    predicted_inter_ms=p.inter_s * 1e3,
+                    dominant=p.dominant(),
+                )
+            )
+    return pd.DataFrame(rows)
+
+
+def crossover(df: pd.DataFrame, column: str) -> dict:
+    """Where scatter_allgather first beats the best plain broadcast on ``column``."""
+    out = {"column": column, "pp": None, "world_size": None, "rows": []}
+    for (pp, world), g in df.groupby(["pp", "world_size"], sort=True):
+        g = g.set_index("strategy")[column]
+        if "scatter_allgather" not in g:
+            continue
+        plain = g[[s for s in PLAIN if s in g]]
+        best_plain = plain.idxmin()
+        ratio = g["scatter_allgather"] / plain.min()
+        out["rows"].append(dict(pp=pp, world_size=world, best_plain=best_plain, ratio=ratio))
+    wins = [r for r in out["rows"] if r["ratio"] < 1]
+    if wins:
+        first = min(wins, key=lambda r: (r["pp"], r["world_size"]))
+        out.update(pp=first["pp"], world_size=first["world_size"])
+    return out
+
+
+def size_crossover(cluster, payload: str, seq_len: int, tp: int, cp: int, pp: int, top: int):
+    """Smallest B (powers of two up to ``top``) at which scatter_allgather beats the best plain
+    broadcast at this pp (smallest world: dp=1), on the whole call and on the network part."""
+    from harness.model.predict import predict_all, scaled_spec
+    from strategies.core.layout import Layout
+
+    layout = Layout(pp=pp, tp=tp, cp=cp)
+    found: dict[str, tuple[int, int] | None] = {"total_s": None, "comm_s": None}
+    b = 1
+    while b <= top and None in found.values():
+        spec = scaled_spec(payload, b, seq_len)
+        preds = predict_all(layout, spec, cluster, [*PLAIN, "scatter_allgather"])
+        for attr in found:
+            best_plain = min(getattr(preds[s], attr) for s in PLAIN)
+            if found[attr] is None and getattr(preds["scatter_allgather"], attr) < best_plain:
+                found[attr] = (b, spec.tensor_bytes)
+        b *= 2
+    return found
+
+
+def emulated_check() -> list[str]:
+    """The brief's measured table (16 MiB, tp=2 inside a node, pp=2 across a 1 Gbit link) next
+    to what the model predicts for it: the only place the SC'21 effect was measured here."""
+    from harness.model.costmodel import load_cluster
+    from harness.model.predict import price_strategy
+    from strategies.core.layout import Layout
+    from strategies.core.plan import PayloadSpec
+
+    measured = {  # brief/beyond-one-machine.md, medians in ms
+        "emulated": {"header": 287, "flat": 282, "pp_first": 146, "scatter_allgather": 155},
+        "emulated_rails": {"header": 147, "flat": 148, "pp_first": 148, "scatter_allgather": 86},
+    }
+    spec = PayloadSpec(tensor_bytes=16 << 20, n_tensors=1, header_bytes=0, pickle_bytes=16 << 20)
+    layout = Layout(pp=2, tp=2)
+    lines = [
+        "| cluster | strategy | measured ms (brief) | PREDICTED ms | pred/meas |",
+        "|---|---|---|---|---|",
+    ]
+    for name, table in measured.items():
+        cluster = load_cluster(name)
+        for strategy, ms in table.items():
+            p = price_strategy(strategy, layout, spec, cluster).comm_s * 1e3
+            lines.append(f"| {name} | {strategy} | {ms} | {p:.0f} | {p / ms:.2f} |")
+    return lines
+
+
+def sc21_sentence(cross: dict, cluster, label: str) -> str:
+    rows = cross["rows"]
+    by_pp = {}
+    for r in rows:
+        by_pp.setdefault(r["pp"], []).append(r["ratio"])
+    ratios = ", ".join(
+        f"pp={pp}: {min(v):.2f}–{max(v):.2f}×" if min(v) != max(v) else f"pp={pp}: {v[0]:.2f}×"
+        for pp, v in sorted(by_pp.items())
+    )
+    if cross["pp"] is None:
+        return (
+            f"{label}: scatter_allgather never beats the best plain broadcast on {cluster.name} "
+            f"(its time / best plain: {ratios})."
+        )
+    return (
+        f"{label}: scatter_allgather overtakes the best plain broadcast from pp={cross['pp']} "
+        f"(smallest world {cross['world_size']} GPUs) on {cluster.name} "
+        f"(its time / best plain: {ratios}; < 1 = scatter_allgather faster)."
+    )
+
+
+def size_lines(sizes: dict, payload: str, seq_len: int, batch_size: int) -> list[str]:
+    lines = []
+    for pp, found in sizes.items():
+        parts = []
+        for attr, label in (("total_s", "whole call"), ("comm_s", "network part")):
+            hit = found[attr]
+            parts.append(
+                f"{label} from B={hit[0]} ({hit[1] / 2**20:.3g} MiB)"
+                if hit
+                else f"{label}: not up to B={4 * batch_size}"
+            )
+        lines.append(
+            f"Payload-size crossover at pp={pp}, dp=1 ({payload}, S={seq_len}): scatter_allgather "
+            f"wins the {'; the '.join(parts)}."
+        )
+    return lines
+
+
+def plot(df: pd.DataFrame, path: Path, title: str, pps: list[int]) -> None:
+    """Row 1: the whole call; row 2: its network part (where the SC'21 effect shows), per pp."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pps = [pp for pp in pps if pp in set(df.pp)]
+    fig, axes = plt.subplots(
+        2, len(pps), figsize=(4.2 * len(pps) + 2, 8), sharey="row", squeeze=False
+    )
+    marks = "osD^v<>ph*"
+    styles = {s: marks[i % len(marks)] + "-" for i, s in enumerate(sorted(df.strategy.unique()))}
+    for row, (col, what) in enumerate(
+        (("predicted_ms", "whole call"), ("predicted_comm_ms", "network part"))
+    ):
+        for ax, pp in zip(axes[row], pps):
+            g = df[df.pp == pp]
+            for s, gs in g.groupby("strategy"):
+                style = "k--" if s == "floor" else styles[s]
+                ax.plot(gs.world_size, gs[col], style, label=s, ms=4, lw=1)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"pp={pp}, {what}", fontsize=10)
+            ax.grid(True, which="both", lw=0.3)
+            if row == 1:
+                ax.set_xlabel("world size (GPUs)")
+        axes[row][0].set_ylabel(f"PREDICTED {what} (ms)")
+    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def recommendation(df: pd.DataFrame) -> list[str]:
+    lines = [
+        "| pp | world sizes (GPUs) | PREDICTED best | ms | runner-up | × | best plain broadcast | "
+        "ms | scatter_allgather ms (network part) | dominant term of best |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for pp, g in df[df.strategy != "floor"].groupby("pp"):
+        # Winners per world; runs of equal winners are merged (replicas do not interact when
+        # tp·cp fills whole nodes, so dp rarely changes the answer).
+        for world, gw in g.groupby("world_size"):
+            gw = gw.sort_values("predicted_ms")
+            plain = gw[gw.strategy.isin(PLAIN)].iloc[0]
+            sag = gw[gw.strategy == "scatter_allgather"].iloc[0]
+            best, second = gw.iloc[0], gw.iloc[1]
+            lines.append(
+                f"| {pp} | {world} | {best.strategy} | {best.predicted_ms:.3g} | "
+                f"{second.strategy} | {second.predicted_ms / best.predicted_ms:.2f} | "
+                f"{plain.strategy} | {plain.predicted_ms:.3g} | {sag.predicted_ms:.3g} "
+                f"({sag.predicted_comm_ms:.3g}) | {best.dominant} |"
+            )
+    return _merge_runs(lines)
+
+
+def _merge_runs(lines: list[str]) -> list[str]:
+    """Collapse consecutive rows that differ only in the world size into one range row."""
+    out = lines[:2]
+    prev_key, first_world, last = None, None, None
+    for line in lines[2:] + [None]:
+        if line is not None:
+            cells = line.split(" | ")
+            key = (cells[0], *cells[2:])
+        if line is None or key != prev_key:
+            if last is not None:
+                cells = last.split(" | ")
+                world = cells[1] if first_world == cells[1] else f"{first_world}–{cells[1]}"
+                out.append(" | ".join([cells[0], world, *cells[2:]]))
+            if line is None:
+                break
+            prev_key, first_world = key, line.split(" | ")[1]
+        last = line
+    return out
+
+
+def run(
+    cluster_name: str = "h200_ib",
+    out: Path | str = "results/predict/extrapolation",
+    payload: str = "rl_rollout",
+    batch_size: int = 512,
+    seq_len: int = 4096,
+    tp: int = 8,
+    cp: int = 1,
+    pps: tuple[int, ...] = (1, 2, 4, 8),
+    max_world: int = MAX_WORLD,
+    memcpy_gbytes_per_s: float | None = None,
+    quiet: bool = False,
+) -> dict:
+    from harness.model.costmodel import load_cluster
+    from harness.model.predict import scaled_spec
+
+    t0 = time.perf_counter()
+    cluster = load_cluster(cluster_name)
+    if memcpy_gbytes_per_s:  # e.g. a device-to-device pack on GPU instead of the host stand-in
+        cluster = replace(cluster, memcpy_bytes_per_s=memcpy_gbytes_per_s * 1e9)
+    spec = scaled_spec(payload, batch_size, seq_len)
+    df = sweep(cluster, spec, tp, cp, list(pps), max_world)
+    total = crossover(df, "predicted_ms")
+    comm = crossover(df, "predicted_comm_ms")
+    sizes = {pp: size_crossover(cluster, payload, seq_len, tp, cp, pp, 4 * batch_size)
+             for pp in pps if pp > 1}  # fmt: skip
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    mib = spec.tensor_bytes / 2**20
+    what = f"{payload} B={batch_size} S={seq_len} ({mib:.3g} MiB)"
+    memcpy = f"host memcpy {cluster.memcpy_bytes_per_s / 1e9:.3g} GB/s"
+    title = (
+        f"PREDICTED (cost model, not measured): cluster {cluster.name} "
+        f"({cluster.gpus_per_node} GPUs, {cluster.nics_per_node} NICs per node, {memcpy}), "
+        f"{what}, tp={tp} cp={cp}, dp fills the world"
+    )
+    df.to_csv(out / "extrapolation.csv", index=False)
+    plot(df, out / "extrapolation.png", title, list(pps))
+    sentences = [
+        sc21_sentence(total, cluster, "Whole call"),
+        sc21_sentence(comm, cluster, "Network part only (local packing excluded)"),
+    ]
+    md = [
+        f"# PREDICTED broadcast latency vs world size — {cluster.name}",
+        "",
+        f"**PREDICTED by the α–β cost model (`harness/model/costmodel.py`), not measured.** "
+        f"{title}. Generated {datetime.date.today().isoformat()} by "
+        f"`python -m harness.model.extrapolate --cluster {cluster_name}`.",
+        "",
+        "## SC'21: does scatter_allgather overtake a plain broadcast?",
+        "",
+        *[f"- {s}" for s in sentences],
+        *[f"- {line}" for line in size_lines(sizes, payload, seq_len, batch_size)],
+        "- World size matters only through dp; with tp·cp filling whole nodes DP replicas share "
+        "no node and no NIC, so every world of a given pp predicts the same time: the crossover "
+        "is in pp (and payload size), not in world size.",
+        "",
+        "### Check against the brief's measured emulated cluster (network part, 16 MiB, "
+        "tp=2 × pp=2)",
+        "",
+        *emulated_check(),
+        "",
+        "## Recommendation (PREDICTED)",
+        "",
+        *recommendation(df),
+        "",
+    ]
+    (out / "extrapolation.md").write_text("\n".join(md))
+    elapsed = time.perf_counter() - t0
+    if not quiet:
+        print("\n".join(md))
+        print(f"-> {out}/extrapolation.{{csv,png,md}} in {elapsed:.1f} s")
+    return dict(
+        table=df, total=total, comm=comm, sizes=sizes, sentences=sentences, elapsed_s=elapsed
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.model.extrapolate", description=__doc__)
+    ap.add_argument("--cluster", default="h200_ib")
+    ap.add_argument("--out", default="results/predict/extrapolation")
+    ap.add_argument("--payload", default="rl_rollout")
+    ap.add_argument("--batch-size", type=int, default=512)
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--pp", default="1,2,4,8", help="comma-separated pipeline depths")
+    ap.add_argument("--max-world", type=int, default=MAX_WORLD)
+    ap.add_argument(
+        "--memcpy-gbytes-per-s",
+        type=float,
+        default=None,
+        help="override the cluster's pack/copy rate (GB/s), e.g. an on-GPU copy",
+    )
+    a = ap.parse_args(argv)
+    run(
+        a.cluster,
+        a.out,
+        a.payload,
+        a.batch_size,
+        a.seq_len,
+        a.tp,
+        a.cp,
+        tuple(int(x) for x in a.pp.split(",")),
+        a.max_world,
+        a.memcpy_gbytes_per_s,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

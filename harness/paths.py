@@ -1,0 +1,11 @@
+"""Where the project's files are: the repository root and its ``conf/`` directory, in one
+place so that no module counts parent directories of its own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+"""The checkout (or install prefix) that holds ``harness/`` and ``strategies/``."""
+CONF_DIR = REPO / "conf"
+"""Hydra's configuration tree: one group per folder."""

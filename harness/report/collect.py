@@ -1,0 +1,69 @@
+"""Turn any run or sweep directory into one tidy table: one row per job's result.json.
+
+python -m harness.report.collect results/sweeps/<dir> [--out table.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+COLUMNS = [
+    "strategy", "layout", "world_size", "dp", "pp", "tp", "cp", "payload", "batch_size",
+    "payload_bytes", "p50_us", "p90_us", "floor_p50_us", "baseline_p50_us", "vs_floor",
+    "vs_baseline", "algbw_gbps", "collectives_per_call", "peak_rss_bytes",
+]  # fmt: skip
+
+
+def load(root: Path | str) -> pd.DataFrame:
+    """Every result.json under ``root`` (nested reference dicts flattened as ref_<name>_<field>)."""
+    rows = []
+    for path in sorted(Path(root).rglob("result.json")):
+        rec = json.loads(path.read_text())
+        for name, ref in (rec.pop("references", None) or {}).items():
+            for k, v in ref.items():
+                rec[f"ref_{name}_{k}"] = v
+        rec["job_dir"] = str(path.parent)
+        rows.append(rec)
+    return pd.DataFrame(rows)
+
+
+def summary_table(df: pd.DataFrame) -> str:
+    if df.empty:
+        return "(no results)"
+    cols = [c for c in COLUMNS if c in df.columns]
+    view = df[cols].sort_values(["layout", "batch_size", "strategy"])
+    fmt = {
+        "p50_us": "{:.0f}".format,
+        "p90_us": "{:.0f}".format,
+        "floor_p50_us": "{:.0f}".format,
+        "baseline_p50_us": "{:.0f}".format,
+        "vs_floor": "{:.2f}".format,
+        "vs_baseline": "{:.2f}".format,
+        "algbw_gbps": "{:.3f}".format,
+    }
+    return view.to_string(index=False, formatters={k: v for k, v in fmt.items() if k in cols})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("root", help="a run or sweep directory")
+    ap.add_argument("--out", help="CSV path (default <root>/results.csv)")
+    args = ap.parse_args(argv)
+    df = load(args.root)
+    if df.empty:
+        print(f"no result.json under {args.root}", file=sys.stderr)
+        return 1
+    out = Path(args.out) if args.out else Path(args.root) / "results.csv"
+    df.to_csv(out, index=False)
+    print(summary_table(df))
+    print(f"\n{len(df)} records -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""Typed configuration of one job (Hydra structured configs) and its validation.
+
+Every field has a docstring; ``validate`` runs before any process starts and says what is
+wrong with the numbers in the message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+import strategies
+from harness.run import payloads
+from strategies.core.layout import DEFAULT_ORDER, Layout, LayoutError
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; raised before any rank starts."""
+
+
+@dataclass
+class StrategyConf:
+    name: str = MISSING
+    """Strategy module name under ``strategies/`` (see ``strategies.names()``)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Keyword options of that strategy (its module docstring lists them)."""
+
+
+@dataclass
+class LayoutConf:
+    dp: int = 1
+    """Data-parallel replicas (each gets its own, differently seeded batch)."""
+    pp: int = 1
+    """Pipeline stages."""
+    tp: int = 1
+    """Tensor-parallel ranks per stage."""
+    cp: int = 1
+    """Context-parallel ranks per stage."""
+    order: str = DEFAULT_ORDER
+    """Megatron order string, fastest axis first (seed: tp-cp-ep-pp-dp)."""
+
+
+@dataclass
+class PayloadConf:
+    name: str = "rl_rollout"
+    """Batch generator: rl_rollout | pretrain | multimodal (harness/run/payloads.py)."""
+    batch_size: int = 8
+    """B, the leading dimension of every tensor."""
+    seq_len: int = 1024
+    """S, tokens per sample; must divide by 2·cp (Megatron's zig-zag CP split)."""
+    broadcast_non_tensor: bool | None = None
+    """meta_info['_broadcast_non_tensor_batch']; null keeps the payload's default."""
+    seed: int = 0
+    """Replica r's leader generates its batch from seed + r."""
+
+
+@dataclass
+class BackendConf:
+    name: str = "gloo"
+    """Process-group backend: gloo | nccl."""
+    device: str = "cpu"
+    """Where tensors live: cpu, or cuda (one GPU per rank for nccl; shared for gloo)."""
+
+
+@dataclass
+class FaultConf:
+    rank: int = -1
+    """Rank that misbehaves (-1: none). For testing that failures are reported, not hung."""
+    at_iter: int = 0
+    """Timed iteration at which it does."""
+    kind: str = "crash"
+    """crash (the process exits) | hang (it stops answering)."""
+
+
+@dataclass
+class EmulateConf:
+    enabled: bool = False
+    """Run the job on an emulated multi-node cluster (``harness.cluster.launch``): each node a network
+    namespace, nodes joined by tc-shaped veth links. Needs root and iproute2; gloo on CPU."""
+    nodes: int = 2
+    """Emulated nodes; the world (dp·pp·tp·cp) is split into equal blocks of consecutive ranks,
+    rank r on node r // ranks_per_node (the layout's order puts TP, then CP, innermost)."""
+    rate_mbit: int = 1000
+    """Rate of every link, each direction, Mbit/s (tbf; accurate 250–2000 on 2 cores)."""
+    links: str = "node"
+    """node: one link per node, shared by its ranks | gpu: one link per rank ("rails")."""
+    ranks_per_node: int | None = None
+    """Ranks on each node; null: world size / nodes (must divide evenly)."""
+    bytes_calls: int = 2
+    """Untimed calls per strategy in the link-counting phase that gives
+    cross_node_bytes_per_call (0: skip the phase)."""
+    limit_s: float | None = None
+    """Wall-clock limit of the whole emulated launch; null: 2·timeout_s + 60 s."""
+
+
+@dataclass
+class BenchConfig:
+    strategy: StrategyConf = field(default_factory=StrategyConf)
+    """The strategy under test."""
+    layout: LayoutConf = field(default_factory=LayoutConf)
+    """Parallel shape of the world (world size = dp·pp·tp·cp)."""
+    payload: PayloadConf = field(default_factory=PayloadConf)
+    """What the leader holds."""
+    backend: BackendConf = field(default_factory=BackendConf)
+    """Transport and device."""
+    iters: int = 20
+    """Timed rounds; each round calls the strategy and every reference once, interleaved."""
+    warmup: int = 3
+    """Untimed rounds first (allocations, the wire's first-call size, caches)."""
+    timeout_s: float = 120.0
+    """A rank silent this long fails the job (named); gloo's own timeout sits just past it."""
+    references: list[str] = field(default_factory=lambda: ["floor", "pickled"])
+    """Measured in the same job for vs_floor and vs_baseline (pickled is the baseline)."""
+    fault: FaultConf = field(default_factory=FaultConf)
+    """Fault injection (tests)."""
+    emulate: EmulateConf = field(default_factory=EmulateConf)
+    """Emulated multi-node cluster (off by default). Its own key, apart from the cost model's
+    ``cluster`` group: this one runs the job, that one predicts it."""
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="bench_schema", node=BenchConfig)
+
+
+def layout_of(cfg) -> Layout:
+    try:
+        layout = Layout(
+            dp=cfg.layout.dp,
+            pp=cfg.layout.pp,
+            tp=cfg.layout.tp,
+            cp=cfg.layout.cp,
+            order=cfg.layout.order,
+        )
+        layout.megatron_kwargs()  # an order megatron-core cannot build fails here, not in ranks
+        return layout
+    except LayoutError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def validate(cfg, world_size: int | None = None) -> Layout:
+    """Check a whole job config; return its Layout. Raises ConfigError with the arithmetic."""
+    layout = layout_of(cfg)
+    if world_size is not None:
+        try:
+            layout.check_world(world_size)
+        except LayoutError as exc:
+            raise ConfigError(f"layout does not match the world: {exc}") from None
+    known = strategies.names(include_floor=True)
+    if cfg.strategy.name not in known:
+        raise ConfigError(f"unknown strategy {cfg.strategy.name!r}; valid names: {known}")
+    for ref in cfg.references:
+        if ref not in known:
+            raise ConfigError(f"unknown reference strategy {ref!r}; valid names: {known}")
+    if cfg.payload.name not in payloads.PAYLOADS:
+        raise ConfigError(
+            f"unknown payload {cfg.payload.name!r}; valid names: {sorted(payloads.PAYLOADS)}"
+        )
+    for key in ("batch_size", "seq_len"):
+        value = cfg.payload[key]
+        if value < 1:
+            raise ConfigError(f"payload.{key} must be positive, got {value}")
+    if cfg.payload.seq_len % (2 * layout.cp):
+        raise ConfigError(
+            f"payload.seq_len={cfg.payload.seq_len} is not divisible by 2·cp = {2 * layout.cp} "
+            "(Megatron splits the sequence into 2·cp zig-zag chunks)"
+        )
+    if cfg.iters < 1 or cfg.warmup < 0:
+        raise ConfigError(
+            f"iters must be >= 1 and warmup >= 0, got iters={cfg.iters}, warmup={cfg.warmup}"
+        )
+    if cfg.timeout_s <= 0:
+        raise ConfigError(f"timeout_s must be positive, got {cfg.timeout_s}")
+    if cfg.backend.name not in ("gloo", "nccl"):
+        raise ConfigError(f"backend.name must be gloo or nccl, got {cfg.backend.name!r}")
+    if cfg.backend.device not in ("cpu", "cuda"):
+        raise ConfigError(f"backend.device must be cpu or cuda, got {cfg.backend.device!r}")
+    if cfg.backend.name == "nccl" and cfg.backend.device != "cuda":
+        raise ConfigError("backend nccl carries CUDA tensors: set backend.device=cuda")
+    if cfg.backend.device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus == 0:
+            raise ConfigError("backend.device=cuda but this machine has no CUDA device")
+        if cfg.backend.name == "nccl" and gpus < layout.world_size:
+            raise ConfigError(
+                f"nccl needs one GPU per rank: world {layout.world_size} > {gpus} GPUs "
+                "(NCCL refuses two ranks on one GPU; use backend=gloo_cuda to share one)"
+            )
+    if "emulate" in cfg and cfg.emulate.enabled:
+        _validate_emulate(cfg, layout)
+    if cfg.fault.kind not in ("crash", "hang"):
+        raise ConfigError(f"fault.kind must be crash or hang, got {cfg.fault.kind!r}")
+    if cfg.fault.rank >= layout.world_size:
+        raise ConfigError(
+            f"fault.rank={cfg.fault.rank} is outside the world of {layout.world_size}"
+        )
+    return layout
+
+
+def _validate_emulate(cfg, layout: Layout) -> None:
+    e = cfg.emulate
+    if e.nodes < 1:
+        raise ConfigError(f"emulate.nodes must be >= 1, got {e.nodes}")
+    if e.links not in ("node", "gpu"):
+        raise ConfigError(f"emulate.links must be node or gpu, got {e.links!r}")
+    if e.rate_mbit <= 0:
+        raise ConfigError(f"emulate.rate_mbit must be positive, got {e.rate_mbit}")
+    if e.bytes_calls < 0:
+        raise ConfigError(f"emulate.bytes_calls must be >= 0, got {e.bytes_calls}")
+    if layout.world_size % e.nodes:
+        raise ConfigError(
+            f"emulate.nodes={e.nodes} does not divide the world of {layout.world_size} "
+            f"({layout.describe()}): every node holds the same number of ranks"
+        )
+    per_node = layout.world_size // e.nodes
+    if e.ranks_per_node is not None and e.ranks_per_node != per_node:
+        raise ConfigError(
+            f"emulate.ranks_per_node={e.ranks_per_node} but world {layout.world_size} / "
+            f"nodes {e.nodes} = {per_node}"
+        )
+    if cfg.backend.name != "gloo" or cfg.backend.device != "cpu":
+        raise ConfigError(
+            "emulate.enabled needs backend=gloo on cpu: the emulated links carry TCP, "
+            f"got {cfg.backend.name}/{cfg.backend.device}"
+        )

@@ -1,0 +1,304 @@
+"""One job on one rank: build groups, make the payload, warm up, time interleaved calls,
+count collectives, measure peak memory and verify every rank bit for bit.
+
+``run_job_on_rank`` runs identically in a forked world (``harness.run.world``) and under torchrun;
+``summarize`` turns all ranks' results into one record (latency per iteration = max over ranks).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import strategies
+from harness.run import payloads
+from harness.run.verify import VerificationError, compare, digest, tensor_digest
+from strategies.core.codec import nbytes_of
+from strategies.core.layout import Layout
+from strategies.core.trace import Recorder
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a rank needs to run one job (picklable; sent to every rank)."""
+
+    strategy: str
+    layout: Layout
+    payload: str = "rl_rollout"
+    batch_size: int = 8
+    seq_len: int = 1024
+    broadcast_non_tensor: bool | None = None
+    seed: int = 0
+    iters: int = 20
+    warmup: int = 3
+    references: tuple[str, ...] = ("floor", "pickled")
+    options: dict = field(default_factory=dict)
+    fault_rank: int = -1
+    fault_at_iter: int = -1
+    fault_kind: str = "crash"
+    link_bytes_calls: int = 0
+    """Emulated clusters only: untimed calls per strategy whose node-link bytes are counted
+    (``harness.cluster.launch``); 0 skips the phase."""
+
+
+def _fault(spec: JobSpec, rank: int, it: int) -> None:
+    if rank == spec.fault_rank and it == spec.fault_at_iter:
+        if spec.fault_kind == "crash":
+            os._exit(17)
+        while True:  # hang: never return, never answer
+            time.sleep(3600)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rss_peak_reset() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM (peak RSS) for this process
+        return True
+    except OSError:
+        return False
+
+
+def _rss_peak() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def leader_batch(spec: JobSpec, groups, layout: Layout) -> strategies.DataProto | None:
+    """The replica leader's DataProto (different, seeded data per replica), on the device."""
+    if not groups.is_leader:
+        return None
+    replica = layout.coords(groups.rank)["dp"]
+    dp = payloads.make(
+        spec.payload, spec.batch_size, spec.seq_len, spec.seed + replica, spec.broadcast_non_tensor
+    )
+    if groups.device.type != "cpu":
+        dp.batch = dp.batch.to(groups.device)
+    return dp
+
+
+def run_job_on_rank(ctx, spec: JobSpec) -> dict:
+    rank = ctx.rank
+    ctx.report("building groups")
+    groups = ctx.groups_for(spec.layout)
+    device = groups.device
+    ctx.report("generating the payload")
+    full = leader_batch(spec, groups, spec.layout)
+    # meta_info is already on every rank before get_data_input (ROLL's dispatcher put it there).
+    meta = [full.meta_info if full is not None else None]
+    dist.broadcast_object_list(meta, src=groups.leader, group=groups.cpu_replica_group)
+    if full is None:
+        full = strategies.DataProto(None, {}, meta[0])
+    order = [spec.strategy] + [r for r in spec.references if r != spec.strategy]
+    built = {}
+    for name in order:
+        opts = spec.options if name == spec.strategy else {}
+        try:
+            built[name] = strategies.get(name, groups, **opts)
+        except strategies.Unsupported as exc:  # raised on every rank, before any collective
+            return {"rank": rank, "unsupported": f"{name}: {exc}", "is_leader": groups.is_leader}
+        built[name].prepare(full.entry_state(groups.is_leader))
+
+    def call(name: str):
+        entry = full.entry_state(groups.is_leader)
+        return built[name].get_data_input(entry)
+
+    for it in range(spec.warmup):
+        for name in order:
+            ctx.report(f"warm-up {it} of {name}")
+            dist.barrier()
+            call(name)
+    _sync(device)
+    times = {name: [] for name in order}
+    for it in range(spec.iters):
+        k = it % len(order)
+        for name in order[k:] + order[:k]:  # rotate who goes first: no strategy always leads
+            ctx.report(f"timed iteration {it} of {name}")
+            if name == spec.strategy:
+                _fault(spec, rank, it)
+            entry = full.entry_state(groups.is_leader)
+            dist.barrier()
+            t0 = time.perf_counter()
+            built[name].get_data_input(entry)
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    link_bytes = _link_bytes_phase(ctx, spec, order, call) if spec.link_bytes_calls > 0 else {}
+    # Untimed: one recorded call per strategy (collectives, local work), one for peak memory.
+    collectives, work, peak_rss, peak_rss_delta, peak_cuda = {}, {}, {}, {}, {}
+    for name in order:
+        ctx.report(f"counting collectives of {name}")
+        dist.barrier()
+        with Recorder() as rec:
+            call(name)
+        collectives[name] = [(c.kind, c.ranks, c.root, c.nbytes) for c in rec.comms]
+        work[name] = dict(rec.work)
+        ctx.report(f"measuring peak memory of {name}")
+        dist.barrier()
+        base = _rss_now()
+        _rss_peak_reset()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            cuda_base = torch.cuda.memory_allocated(device)
+        call(name)
+        _sync(device)
+        peak_rss[name] = _rss_peak()  # VmHWM since the reset: this call's high-water mark
+        peak_rss_delta[name] = max(0, peak_rss[name] - base)
+        peak_cuda[name] = (
+            torch.cuda.max_memory_allocated(device) - cuda_base if device.type == "cuda" else 0
+        )
+    problems = {}
+    leader_digest = digest(full, True) if groups.is_leader else None
+    for name in order:
+        ctx.report(f"verifying {name}")
+        dist.barrier()
+        out = call(name)
+        problems[name] = _verify(name, built[name], out, leader_digest, groups, full)
+    return {
+        "rank": rank,
+        "is_leader": groups.is_leader,
+        "times_s": times,
+        "collectives": collectives,
+        "work": work,
+        "peak_rss_bytes": peak_rss,
+        "peak_rss_delta_bytes": peak_rss_delta,
+        "peak_cuda_bytes": peak_cuda,
+        "problems": problems,
+        "payload_bytes": _payload_bytes(full) if groups.is_leader else None,
+        "device": str(device),
+        **({"link_bytes_per_call": link_bytes} if link_bytes else {}),
+    }
+
+
+def _link_bytes_phase(ctx, spec: JobSpec, order: list[str], call) -> dict[str, float]:
+    """Node-link bytes per call of each strategy, on an emulated cluster: rank 0 reads the links'
+    counters around ``link_bytes_calls`` back-to-back calls of one strategy. Barriers fence the
+    window so only that strategy's traffic (and one barrier's few hundred bytes) is counted."""
+    from harness.cluster.launch import link_counter
+
+    read = link_counter() if ctx.rank == 0 else None
+    out: dict[str, float] = {}
+    for name in order:
+        ctx.report(f"counting link bytes of {name}")
+        dist.barrier()
+        before = read() if read is not None else 0
+        dist.barrier()
+        for _ in range(spec.link_bytes_calls):
+            call(name)
+        dist.barrier()
+        if read is not None:
+            out[name] = (read() - before) / spec.link_bytes_calls
+    return out
+
+
+def _payload_bytes(full) -> int:
+    """What the floor sends: tensor bytes, plus the pickled non_tensor_batch when flagged."""
+    n = sum(nbytes_of(t) for _, t in full.batch.items(include_nested=True, leaves_only=True))
+    if full.broadcast_non_tensor:
+        n += len(pickle.dumps(full.non_tensor_batch, protocol=pickle.HIGHEST_PROTOCOL))
+    return n
+
+
+def _rss_now() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def _verify(name, strategy, out, leader_digest, groups, full) -> list[str]:
+    """Compare this rank's result with the leader's; floor compares its raw buffer."""
+    if name == "floor":
+        sent = [tensor_digest(strategy.sent) if groups.is_leader else None]
+        dist.broadcast_object_list(sent, src=groups.leader, group=groups.cpu_replica_group)
+        got = tensor_digest(strategy.received)
+        return [] if got == sent[0] else [f"floor: rank {groups.rank}: received bytes differ"]
+    expected = [leader_digest]
+    dist.broadcast_object_list(expected, src=groups.leader, group=groups.cpu_replica_group)
+    expected = expected[0]
+    with_nt = bool(full.broadcast_non_tensor)
+    got = digest(out, with_nt)
+    if not with_nt:
+        expected = dict(expected, non_tensor=None)
+        got = dict(got, non_tensor=None)
+        if not groups.is_leader and out.non_tensor_batch:
+            return [f"{name}: rank {groups.rank}: non_tensor_batch arrived although not flagged"]
+    if out.meta_info != full.meta_info:
+        return [f"{name}: rank {groups.rank}: meta_info changed"]
+    return compare(expected, got, groups.rank, name)
+
+
+def _pct(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) * 1e6
+
+
+def summarize(spec: JobSpec, rank_results: list[dict]) -> dict:
+    """Fold all ranks' results into one record's measured fields (max over ranks per iter)."""
+    refused = [r["unsupported"] for r in rank_results if "unsupported" in r]
+    if refused:
+        return {"unsupported": refused[0]}
+    problems = [p for r in rank_results for lst in r["problems"].values() for p in lst]
+    if problems:
+        raise VerificationError("; ".join(problems[:10]))
+    leaders = [r for r in rank_results if r["is_leader"]]
+    payload_bytes = leaders[0]["payload_bytes"]
+    link_bytes = next(
+        (r["link_bytes_per_call"] for r in rank_results if "link_bytes_per_call" in r), {}
+    )
+    per_strategy = {}
+    for name in rank_results[0]["times_s"]:
+        t = np.array([r["times_s"][name] for r in rank_results])  # ranks × iters
+        per_iter = t.max(axis=0)
+        skew = t.max(axis=0) - t.min(axis=0)
+        per_strategy[name] = {
+            "p50_us": _pct(per_iter, 50),
+            "p90_us": _pct(per_iter, 90),
+            "p99_us": _pct(per_iter, 99),
+            "min_us": float(per_iter.min()) * 1e6,
+            "max_us": float(per_iter.max()) * 1e6,
+            "mean_us": float(per_iter.mean()) * 1e6,
+            "rank_skew_us": float(np.median(skew)) * 1e6,
+            "collectives_per_call": max(len(r["collectives"][name]) for r in rank_results),
+            "collectives_leader": len(leaders[0]["collectives"][name]),
+            "comm_bytes_leader": sum(c[3] for c in leaders[0]["collectives"][name]),
+            "peak_rss_bytes": max(r["peak_rss_bytes"][name] for r in rank_results),
+            "peak_rss_delta_bytes": max(r["peak_rss_delta_bytes"][name] for r in rank_results),
+            "peak_cuda_bytes": max(r["peak_cuda_bytes"][name] for r in rank_results),
+            "work_leader": leaders[0]["work"][name],
+            "work_receiver_max": _max_work(
+                r["work"][name] for r in rank_results if not r["is_leader"]
+            ),
+        }
+        if name in link_bytes:
+            per_strategy[name]["cross_node_bytes_per_call"] = link_bytes[name]
+    return {
+        "payload_bytes": payload_bytes,
+        "strategies": per_strategy,
+        "device": rank_results[0]["device"],
+    }
+
+
+def _max_work(works) -> dict:
+    out: dict = {}
+    for w in works:
+        for k, v in w.items():
+            out[k] = max(out.get(k, 0), v)
+    return out

@@ -1,0 +1,64 @@
+"""Bit-for-bit checks of every rank's result against what its replica leader sent."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+
+import torch
+
+from strategies import DataProto
+from strategies.core.codec import as_bytes
+
+
+class VerificationError(AssertionError):
+    """A rank ended with data that differs from its leader's; the message names rank and key."""
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    raw = as_bytes(t.detach())
+    return hashlib.blake2b(raw.cpu().numpy().tobytes(), digest_size=16).hexdigest()
+
+
+def digest(dp: DataProto, with_non_tensor: bool) -> dict:
+    """Per-key fingerprints: dtype, shape and a hash of the raw bytes."""
+    out: dict = {"batch_size": None, "keys": {}, "non_tensor": None}
+    if dp.batch is not None:
+        out["batch_size"] = list(dp.batch.batch_size)
+        for key, t in dp.batch.items(include_nested=True, leaves_only=True):
+            out["keys"][key] = (str(t.dtype), list(t.shape), tensor_digest(t))
+    if with_non_tensor:
+        out["non_tensor"] = {
+            k: hashlib.blake2b(pickle.dumps(v.tolist()), digest_size=16).hexdigest() + str(v.dtype)
+            for k, v in dp.non_tensor_batch.items()
+        }
+    return out
+
+
+def compare(expected: dict, got: dict, rank: int, strategy: str) -> list[str]:
+    """Every difference, each naming the rank and the key."""
+    problems = []
+    where = f"{strategy}: rank {rank}"
+    if got["batch_size"] != expected["batch_size"]:
+        problems.append(
+            f"{where}: batch_size {got['batch_size']} != leader's {expected['batch_size']}"
+        )
+    for key, (dtype, shape, h) in expected["keys"].items():
+        if key not in got["keys"]:
+            problems.append(f"{where}: key {key!r} missing")
+            continue
+        gdtype, gshape, gh = got["keys"][key]
+        if gdtype != dtype:
+            problems.append(f"{where}: key {key!r} dtype {gdtype} != leader's {dtype}")
+        elif gshape != shape:
+            problems.append(f"{where}: key {key!r} shape {gshape} != leader's {shape}")
+        elif gh != h:
+            problems.append(f"{where}: key {key!r} values differ from the leader's")
+    for key in got["keys"]:
+        if key not in expected["keys"]:
+            problems.append(f"{where}: unexpected key {key!r}")
+    if expected["non_tensor"] != got["non_tensor"]:
+        exp, g = expected["non_tensor"] or {}, got["non_tensor"] or {}
+        bad = sorted(k for k in set(exp) | set(g) if exp.get(k) != g.get(k))
+        problems.append(f"{where}: non_tensor_batch keys {bad} differ from the leader's")
+    return problems

@@ -1,0 +1,496 @@
+"""Persistent multi-process worlds: start N real ranks once, then run many jobs on them.
+
+A gloo world of 8 costs ~10 s to start on two cores, so sweeps and tests reuse one world per
+(world size, backend). Ranks are forked from the driver after the heavy imports, report their
+progress, and are killed as a group when anything fails: no rank outlives its driver.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import datetime
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+# Ranks are forked from this process. A fork taken after the parent ran a multi-threaded
+# OpenMP region can leave a child deadlocked in its first parallel op (libgomp's pool does not
+# survive fork), so the driver stays single-threaded; ranks run one thread each anyway.
+torch.set_num_threads(1)
+
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron.*")
+# Imported here, in the driver, so forked ranks inherit them instead of paying ~5 s each.
+from harness.run.lean_import import parallel_state  # noqa: E402
+
+ps = parallel_state()
+from tensordict import TensorDict  # noqa: E402, F401
+
+from strategies import ProcessGroups, Unsupported  # noqa: E402
+
+
+class WorldError(RuntimeError):
+    """A rank failed, crashed or stopped responding; the message names the rank and phase."""
+
+
+@dataclass
+class RankContext:
+    """What a task running on a rank gets: who it is, and how to report progress."""
+
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+    conn: Connection | None = None
+    step: int = 0
+    cache: dict = field(default_factory=dict)
+    job: int = 0
+    """The driver's number for the task being run; every message back carries it."""
+
+    def report(self, phase: str) -> None:
+        """Tell the driver what this rank is doing now (used to name a hung rank)."""
+        self.step += 1
+        self.send("phase", phase)
+
+    def send(self, kind: str, payload: Any) -> None:
+        if self.conn is not None:
+            self.conn.send((self.job, kind, self.step, payload))
+
+    def groups_for(self, layout):
+        """The strategies' ProcessGroups for ``layout``, built through megatron-core once and
+        cached; a new layout tears down Megatron's state and its groups, then builds them
+        again (collective)."""
+        key = ("groups", layout)
+        if key not in self.cache:
+            layout.check_world(self.world_size)
+            self.cache = {k: v for k, v in self.cache.items() if k[0] != "groups"}
+            self.release_groups()
+            with _recording_new_groups() as made:
+                ps.initialize_model_parallel(
+                    **layout.megatron_kwargs(), create_gloo_process_groups=False
+                )
+                groups = ProcessGroups.from_megatron(
+                    order="-".join(layout.tokens), device=self.device
+                )
+            self.cache["owned_groups", None] = made
+            self.cache[key] = groups
+        return self.cache[key]
+
+    def release_groups(self) -> None:
+        """Destroy the process groups the last layout made (collective, like making them).
+
+        megatron-core's destroy_model_parallel only forgets its groups. Each gloo group keeps
+        a transport thread that wakes ~100 times a second, so a world that visited a dozen
+        layouts held ~200 of them per rank and its idle ranks took most of two cores."""
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        for group in self.cache.pop(("owned_groups", None), []):
+            dist.destroy_process_group(group)
+
+
+class _recording_new_groups:
+    """Within the block, every group ``torch.distributed.new_group`` makes for this rank is
+    recorded (megatron-core and ProcessGroups call it through the module, so both are seen)."""
+
+    def __enter__(self) -> list:
+        self.made: list = []
+        self._orig = dist.new_group
+
+        def new_group(*args, **kwargs):
+            group = self._orig(*args, **kwargs)
+            if isinstance(group, dist.ProcessGroup) and group is not dist.group.WORLD:
+                self.made.append(group)
+            return group
+
+        dist.new_group = new_group
+        return self.made
+
+    def __exit__(self, *exc) -> None:
+        dist.new_group = self._orig
+
+
+def _die_with_parent() -> None:
+    # A rank must never outlive its driver (Ctrl-C, kill -9 of the driver, a crashed test).
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _device_for(backend: str, device: str, local_rank: int) -> torch.device:
+    if device == "cuda" or backend == "nccl":
+        index = local_rank % max(torch.cuda.device_count(), 1)
+        if backend == "nccl" or device == "cuda":
+            torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def _worker(
+    local_rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    device: str,
+    timeout_s: float,
+    conns: list[Connection],
+    status_conns: list[Connection],
+) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver owns Ctrl-C and kills us
+    conn = conns[local_rank]
+    for c in conns + status_conns:
+        if c not in (conn, status_conns[local_rank]):
+            c.close()
+    _answer_status(status_conns[local_rank], threading.get_ident())
+    torch.set_num_threads(1)  # N ranks share 2 cores; more threads only oversubscribe
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    try:
+        dev = _device_for(backend, device, local_rank)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=local_rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        ctx = RankContext(local_rank, world_size, backend, dev, conn)
+        ctx.send("ready", None)
+    except Exception:
+        conn.send((0, "error", 0, traceback.format_exc()))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        except Exception as exc:  # e.g. a task function the forked rank cannot unpickle
+            ctx.job = -1  # unknown: the driver treats it as this job's failure
+            ctx.send(
+                "error",
+                f"could not receive the task ({type(exc).__name__}: {exc}); ranks are forked "
+                "when the world starts, so task functions must be importable, or defined "
+                f"before World.start()\n{traceback.format_exc()}",
+            )
+            continue
+        if msg is None:
+            break
+        ctx.job, fn, args = msg
+        try:
+            ctx.send("ok", fn(ctx, *args))
+        except Exception as exc:  # report, keep serving; the driver decides the world's fate
+            # An Unsupported refusal is raised on every rank before any collective, so the
+            # world stays in step; anything else may have left collectives half done.
+            kind = "refused" if isinstance(exc, Unsupported) else "error"
+            ctx.send(kind, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def where(frame) -> str:
+    """Where a thread is blocked: the innermost torch.distributed call and our caller of it."""
+    stack = []
+    while frame is not None:
+        stack.append(frame)
+        frame = frame.f_back
+    inner_dist = next((f for f in stack if "torch/distributed" in f.f_code.co_filename), None)
+    ours = next(
+        (
+            f
+            for f in stack
+            if "/harness/" in f.f_code.co_filename or "/strategies/" in f.f_code.co_filename
+        ),
+        stack[0] if stack else None,
+    )
+    if ours is None:
+        return "idle"
+    at = f"{os.path.basename(ours.f_code.co_filename)}:{ours.f_lineno} {ours.f_code.co_name}"
+    if inner_dist is not None:
+        return f"in collective torch.distributed.{inner_dist.f_code.co_name} (from {at})"
+    return f"outside any collective, at {stack[0].f_code.co_name} (from {at})"
+
+
+def _answer_status(conn: Connection, main_ident: int) -> None:
+    """A daemon thread that tells the driver where the main thread is, even when it is stuck."""
+
+    def serve() -> None:
+        while True:
+            try:
+                conn.recv()
+                conn.send(where(sys._current_frames().get(main_ident)))
+            except (EOFError, OSError):
+                return
+
+    threading.Thread(target=serve, daemon=True, name="bcastbench-status").start()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class World:
+    """N ranks started once with torch.multiprocessing (fork), serving tasks until closed."""
+
+    def __init__(
+        self,
+        world_size: int,
+        backend: str = "gloo",
+        device: str = "cpu",
+        timeout_s: float = 120.0,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.backend = backend
+        self.device = device
+        self.timeout_s = timeout_s
+        self._ctx = None
+        self._conns: list[Connection] = []
+        self._last: dict[int, tuple[int, str]] = {}
+        self._job = 0
+        self.start_s = 0.0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> World:
+        t0 = time.perf_counter()
+        self._job = 0  # the ranks' "ready" answers carry job 0
+        mp = tmp.get_context("fork")
+        pairs = [mp.Pipe(duplex=True) for _ in range(self.world_size)]
+        status = [mp.Pipe(duplex=True) for _ in range(self.world_size)]
+        self._conns = [a for a, _ in pairs]
+        self._status = [a for a, _ in status]
+        children = [b for _, b in pairs]
+        status_children = [b for _, b in status]
+        # Gloo's own timeout sits past ours, so the driver names the hung rank first.
+        self._ctx = tmp.start_processes(
+            _worker,
+            args=(
+                self.world_size,
+                _free_port(),
+                self.backend,
+                self.device,
+                self.timeout_s + 5,
+                children,
+                status_children,
+            ),
+            nprocs=self.world_size,
+            join=False,
+            start_method="fork",
+        )
+        for c in children + status_children:
+            c.close()
+        self._collect("starting the world", self.timeout_s)
+        self.start_s = time.perf_counter() - t0
+        _LIVE.add(self)
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._ctx is not None and all(p.is_alive() for p in self._ctx.processes)
+
+    def close(self, kill: bool = False) -> None:
+        if self._ctx is None:
+            return
+        procs = self._ctx.processes
+        if not kill:
+            for c in self._conns:
+                try:
+                    c.send(None)
+                except (OSError, BrokenPipeError):
+                    pass
+            deadline = time.monotonic() + 5
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(5)
+        for c in self._conns + self._status:
+            c.close()
+        self._ctx = None
+        _LIVE.discard(self)
+
+    def __enter__(self) -> World:
+        return self.start() if self._ctx is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.close(kill=exc[0] is not None)
+
+    # -- tasks -----------------------------------------------------------------------------
+    def run(
+        self, fn: Callable[..., Any], *args: Any, what: str = "", timeout_s: float | None = None
+    ) -> list[Any]:
+        """Run ``fn(ctx, *args)`` on every rank; return the per-rank results in rank order.
+
+        Any rank's error, crash or silence (no progress for ``timeout_s``) kills the whole
+        world and raises WorldError naming the rank and what it was doing.
+        """
+        if not self.alive:
+            raise WorldError("the world is not running (it was closed or a rank died)")
+        self._job += 1
+        try:
+            for c in self._conns:
+                c.send((self._job, fn, args))
+            return self._collect(
+                what or getattr(fn, "__name__", "task"), timeout_s or self.timeout_s
+            )
+        except WorldError:
+            raise  # _collect tore the world down, unless every rank refused before any collective
+        except BaseException:
+            # Anything else that cut the wait short (an unpicklable result, Ctrl-C, a test
+            # framework's interrupt) may leave answers in flight and ranks in a collective: a
+            # world left like that is out of step, so it goes.
+            self.close(kill=True)
+            raise
+
+    def _where(self, ranks: list[int]) -> dict[int, str]:
+        """Ask each rank's status thread where its main thread is (2 s at most)."""
+        out = {}
+        for r in ranks:
+            try:
+                self._status[r].send("?")
+                # Generous: on an overloaded machine a status thread can wait seconds for the GIL.
+                out[r] = self._status[r].recv() if self._status[r].poll(10.0) else "no answer"
+            except (OSError, EOFError):
+                out[r] = "no answer (process gone)"
+        return out
+
+    def _collect(self, what: str, timeout_s: float) -> list[Any]:
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        refused: set[int] = set()
+        self._last = {r: (0, what) for r in range(self.world_size)}
+        conn_rank = {c: r for r, c in enumerate(self._conns)}
+        sentinels = {p.sentinel: r for r, p in enumerate(self._ctx.processes)}
+        last_progress = time.monotonic()
+
+        def handle(rank: int, conn: Connection) -> bool:
+            nonlocal last_progress
+            try:
+                job, kind, step, payload = conn.recv()
+            except (EOFError, OSError):
+                return False
+            if job not in (self._job, -1):
+                # Cannot happen while worlds that fail are torn down; if it does, the ranks
+                # are out of step and nothing they say can be trusted.
+                self.close(kill=True)
+                raise WorldError(
+                    f"rank {rank} answered job {job} while job {self._job} ({what}) runs: "
+                    "the world is out of step"
+                )
+            last_progress = time.monotonic()
+            if kind == "phase":
+                self._last[rank] = (step, payload)
+            elif kind in ("error", "refused"):
+                errors[rank] = payload
+                if kind == "refused":
+                    refused.add(rank)
+            else:
+                results[rank] = payload
+            return True
+
+        while len(results) + len(errors) < self.world_size:
+            pending = [c for c, r in conn_rank.items() if r not in results and r not in errors]
+            ready = wait(pending + list(sentinels), timeout=1.0)
+            now = time.monotonic()
+            for obj in ready:
+                if obj in sentinels:
+                    rank = sentinels[obj]
+                    conn = self._conns[rank]
+                    while rank not in results and rank not in errors and conn.poll():
+                        if not handle(rank, conn):  # drain what it said before dying
+                            break
+                    if rank in results or rank in errors:
+                        continue
+                    self._ctx.processes[rank].join(2)  # reap it, so exitcode is known
+                    code = self._ctx.processes[rank].exitcode
+                    phase = self._last[rank][1]
+                    self.close(kill=True)
+                    raise WorldError(
+                        f"rank {rank} exited with code {code} while {phase!r} ({what}); "
+                        "the world was torn down"
+                    )
+                handle(conn_rank[obj], obj)
+            if errors and len(results) + len(errors) < self.world_size:
+                # One rank failed; the others may now block in a collective forever.
+                if now - last_progress > min(5.0, timeout_s):
+                    break
+            elif now - last_progress > timeout_s:
+                stuck = [r for r in range(self.world_size) if r not in results]
+                places = self._where(stuck)
+                # The culprit is a rank NOT waiting in a collective (the others wait for it);
+                # failing that, the one that reported the least progress.
+                outside = [r for r in stuck if not places[r].startswith("in collective")]
+                culprit = outside[0] if outside else min(stuck, key=lambda r: self._last[r][0])
+                detail = "; ".join(f"rank {r}: {self._last[r][1]!r}, {places[r]}" for r in stuck)
+                self.close(kill=True)
+                raise WorldError(
+                    f"rank {culprit} stopped responding for {timeout_s:.0f} s while "
+                    f"{self._last[culprit][1]!r} ({what}), {places[culprit]}; "
+                    f"all unfinished ranks: {detail}; the world was torn down"
+                )
+        if errors:
+            rank = min(errors)
+            # Tear down even if every rank answered: a root's broadcast can complete while a
+            # failed receiver never took part, leaving the ranks' collective sequences out of
+            # step, and the next job would hang or read the wrong bytes. A fresh world is cheap.
+            if refused != set(range(self.world_size)):
+                self.close(kill=True)
+            first_line = errors[rank].strip().splitlines()[0]
+            raise WorldError(
+                f"rank {rank} failed in {what}: {first_line}\n--- traceback of rank {rank} ---\n"
+                f"{errors[rank]}"
+            )
+        return [results[r] for r in range(self.world_size)]
+
+
+_LIVE: set[World] = set()
+_CACHE: dict[tuple, World] = {}
+
+
+def get_world(
+    world_size: int, backend: str = "gloo", device: str = "cpu", timeout_s: float = 120.0
+) -> World:
+    """A running world of this shape, reused across jobs of one process (sweeps, tests)."""
+    key = (world_size, backend, device)
+    world = _CACHE.get(key)
+    if world is not None and world.alive:
+        world.timeout_s = timeout_s
+        return world
+    world = World(world_size, backend, device, timeout_s).start()
+    _CACHE[key] = world
+    return world
+
+
+def close_all() -> None:
+    for world in list(_LIVE):
+        world.close(kill=True)
+    _CACHE.clear()
+
+
+atexit.register(close_all)

@@ -1,0 +1,178 @@
+"""Shared machinery of the header-based strategies: pack on the leader, move the message with
+a ``Wire``, unpack as views. Not a strategy itself (no ``STRATEGY``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from strategies.core.codec import (
+    DEFAULT_MAX_BYTES,
+    DIRECT,
+    Header,
+    HeaderError,
+    encode_error,
+    nbytes_of,
+    pack_deferred,
+    transportable,
+    unpack,
+)
+from strategies.core.contract import ContractError, DataProto, Strategy
+from strategies.core.wire import Wire
+
+
+class PackedStrategy(Strategy):
+    """Options (all strategies built on it):
+
+    - ``initial_bytes`` (64 KiB): first-message size before any call has announced one;
+    - ``eager_max_bytes`` (256 MiB): largest first message a receiver will post;
+    - ``max_bytes`` (16 GiB): receivers refuse a header that claims more than this.
+
+    A subclass that sets ``direct_min_bytes`` sends every contiguous leaf of at least that
+    many bytes in a broadcast of its own, straight from the tensor, after the message on
+    each hop (strategies/direct.py); the header still describes it.
+    """
+
+    direct_min_bytes: int | None = None
+
+    def __init__(
+        self,
+        groups,
+        initial_bytes: int = 64 << 10,
+        eager_max_bytes: int = 256 << 20,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> None:
+        super().__init__(groups)
+        self.wire = Wire(groups.device, groups.rank, initial_bytes, eager_max_bytes, max_bytes)
+        self._pack_buf: torch.Tensor | None = None  # leader's send buffer, reused across calls
+        self._pack_cache: dict = {}  # layout + destination views of the last batch structure
+        self._fill = None
+        self._direct: list[torch.Tensor] = []  # leader: the leaves that travel on their own
+
+    def pack(self, batch: DataProto) -> tuple[torch.Tensor, Header, int]:
+        """Leader: pack into the reused buffer; returns (buffer, header, total bytes).
+
+        A batch that breaks the contract becomes an error message instead, which travels the
+        same hops, so every rank raises (``complete``) rather than waiting forever.
+        """
+        try:
+            batch.validate(self.groups.rank)
+            return self._pack(batch)
+        except (ContractError, HeaderError) as exc:
+            raw = encode_error(str(exc))
+            size = max(len(raw), self.wire.expect)
+            buf = torch.zeros(size, dtype=torch.uint8, device=self.groups.device)
+            buf[: len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+            self.wire.stamp(buf, len(raw))
+            self._fill = None
+            self._direct = []
+            return buf, Header((), (), 0, len(raw), 0, None, error=str(exc)), len(raw)
+
+    def relay(self, batch: DataProto, hops: list[tuple[object, tuple[int, ...]]]) -> DataProto:
+        """The leader packs; each hop ``(group, ranks)`` this rank takes part in moves the
+        message from ``ranks[0]`` to the rest of the group; receivers forward what they got
+        unchanged on their next hop and unpack the last message they received."""
+        g = self.groups
+        if g.replica_ranks == (g.rank,):
+            return batch
+        buf, header, total = self.pack(batch) if g.is_leader else (None, None, 0)
+        direct = self._direct if g.is_leader else []
+        for group, ranks in hops:
+            src = ranks[0]
+            if g.rank == src:
+                self.wire.send(buf, total, group, src, fill=self.take_fill())
+                _broadcast_all(direct, group, src)
+            else:
+                buf, header = self.wire.recv(group, src)
+                total = header.total_bytes
+                direct = [
+                    torch.empty(e.shape, dtype=e.dtype, device=g.device)
+                    for e in header.entries
+                    if e.offset == DIRECT
+                ]
+                _broadcast_all(direct, group, src)
+        return self.complete(batch, buf, header, total, direct)
+
+    def complete(self, batch: DataProto, buf, header: Header, total: int, direct=()) -> DataProto:
+        """End of a call on every rank: agree on the next size, raise a refusal, or unpack."""
+        g = self.groups
+        self.wire.finish(self.wire.next_expect(total) if g.is_leader else header.next_expect)
+        if header.error is not None:
+            if g.is_leader:
+                raise ContractError(header.error)
+            raise ContractError(
+                f"rank {g.rank}: the replica leader (rank {g.leader}) refused its batch: "
+                f"{header.error}"
+            )
+        if not g.is_leader:
+            self.finish_receiver(batch, buf, header, direct)
+        return batch
+
+    def direct_leaves(self, batch: DataProto) -> frozenset[int]:
+        """Indices (in iteration order) of the leaves that travel on their own: contiguous,
+        on the groups' device, at least ``direct_min_bytes``. Sending them from the tensor
+        itself skips the pack copy, at one more collective each."""
+        if self.direct_min_bytes is None:
+            return frozenset()
+        leaves = batch.batch.items(include_nested=True, leaves_only=True)
+        return frozenset(
+            i
+            for i, (_, t) in enumerate(leaves)
+            if nbytes_of(t) >= self.direct_min_bytes
+            and t.is_contiguous()
+            and t.device == self.groups.device
+        )
+
+    def _pack(self, batch: DataProto) -> tuple[torch.Tensor, Header, int]:
+        nt = batch.non_tensor_batch if batch.broadcast_non_tensor else None
+        direct = self.direct_leaves(batch)
+        buf, header, self._fill = pack_deferred(
+            batch.batch,
+            nt,
+            out=self._pack_buf,
+            min_capacity=self.wire.expect,
+            rank=self.groups.rank,
+            cache=self._pack_cache,
+            direct=direct,
+        )
+        leaves = batch.batch.values(include_nested=True, leaves_only=True)
+        self._direct = [t for i, t in enumerate(leaves) if i in direct]
+        self._pack_buf = buf
+        alone = sum(nbytes_of(t) for t in self._direct)
+        if alone and header.total_bytes + alone > self.wire.max_bytes:
+            # A receiver refuses such a header only after the leader is committed to sending
+            # the leaves, and would leave it waiting in their broadcasts: refuse here instead,
+            # so the error header reaches every rank (max_bytes is the same on every rank).
+            self._fill = None
+            raise HeaderError(
+                f"rank {self.groups.rank}: the message ({header.total_bytes} bytes) and the "
+                f"leaves sent on their own ({alone} bytes) exceed max_bytes={self.wire.max_bytes}"
+                "; raise max_bytes on every rank or send a smaller batch"
+            )
+        self.wire.stamp(buf, header.total_bytes)
+        return buf, header, header.total_bytes
+
+    def take_fill(self):
+        """The leader's pending ``fill`` (packing deferred into the first send), once."""
+        fill, self._fill = self._fill, None
+        return fill
+
+    def finish_receiver(
+        self, batch: DataProto, buf: torch.Tensor, header: Header, direct=()
+    ) -> DataProto:
+        td, non_tensor = unpack(buf, header, td_device=None, direct=direct)
+        batch.batch = td
+        if non_tensor is not None:
+            batch.non_tensor_batch = non_tensor
+        return batch
+
+
+def _broadcast_all(tensors: list[torch.Tensor], group, src: int) -> None:
+    """One async broadcast per tensor, then wait for all: the backend may run them at once
+    (gloo has two worker threads per group), and none waits for the previous one's reply."""
+    handles = [
+        dist.broadcast(transportable(t), src=src, group=group, async_op=True) for t in tensors
+    ]
+    for h in handles:
+        h.wait()

@@ -1,0 +1,139 @@
+"""Communication plans: what a strategy will do for a layout and payload, stated without running.
+
+A plan lists every collective every replica issues (kind, global ranks, root, bytes, step) and
+the local work per role. The cost model prices plans; a test checks each plan against the
+collectives a real gloo run records (``strategies.core.trace``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+CommKind = Literal["broadcast", "scatter", "all_gather"]
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One collective on one group."""
+
+    kind: CommKind
+    """The collective."""
+    ranks: tuple[int, ...]
+    """Global ranks of the group, in group-rank order."""
+    root: int | None
+    """Global rank of the source (broadcast, scatter); None for all_gather."""
+    nbytes: int
+    """Message size: broadcast = bytes every rank ends with; scatter = bytes per rank (one
+    chunk); all_gather = total gathered bytes per rank (nccl-tests convention)."""
+    step: int
+    """Comms with the same step run at the same time on disjoint groups; steps run in order."""
+    what: str = "payload"
+    """What travels: 'sizes', 'pickle', 'header', 'payload', 'chunk', 'leaf' (one tensor)."""
+    exact: bool = True
+    """False when nbytes is an estimate (pickle sizes predicted without pickling)."""
+
+
+@dataclass(frozen=True)
+class LocalWork:
+    """Bytes a rank touches outside the network, per call."""
+
+    pickled_bytes: int = 0
+    """Bytes produced by pickle.dumps (source) or consumed by pickle.loads (receiver)."""
+    packed_bytes: int = 0
+    """Bytes copied into a flat send buffer."""
+    copied_bytes: int = 0
+    """Other host copies (buffer growth, copy-out of received data)."""
+    d2h_bytes: int = 0
+    """Device to host copies (pickling CUDA tensors)."""
+    h2d_bytes: int = 0
+    """Host to device copies."""
+
+
+@dataclass
+class Plan:
+    """Everything one call of ``get_data_input`` does, for every replica of a layout."""
+
+    strategy: str
+    comms: list[Comm] = field(default_factory=list)
+    leader: LocalWork = field(default_factory=LocalWork)
+    """Work on each replica leader."""
+    receiver: LocalWork = field(default_factory=LocalWork)
+    """Work on a rank that only receives (the heaviest such role)."""
+    forwarder: LocalWork = field(default_factory=LocalWork)
+    """Work on a rank that receives and then sends on (stage-0 ranks in two-hop strategies)."""
+
+    def for_rank(self, rank: int) -> list[Comm]:
+        """The comms ``rank`` takes part in, in issue order."""
+        return [c for c in self.comms if rank in c.ranks]
+
+    @property
+    def steps(self) -> int:
+        return 1 + max((c.step for c in self.comms), default=-1)
+
+
+@dataclass(frozen=True)
+class PayloadSpec:
+    """What a plan needs to know about a batch, without holding its data."""
+
+    tensor_bytes: int
+    """Sum of the batch's tensor bytes (``payload_bytes`` in records)."""
+    n_tensors: int
+    """Number of tensor leaves."""
+    header_bytes: int
+    """Encoded size of the header strategies send (exact: encoding is cheap and pure)."""
+    pickle_bytes: int
+    """Bytes ``pickle`` produces for the TensorDict (exact when measured, else estimated)."""
+    non_tensor_bytes: int = 0
+    """Pickled bytes of non_tensor_batch."""
+    broadcast_non_tensor: bool = False
+    """meta_info['_broadcast_non_tensor_batch']."""
+    pickle_exact: bool = False
+    """Whether pickle_bytes was measured."""
+    dtype_bytes: tuple[int, ...] = ()
+    """Tensor bytes per distinct dtype, in order of each dtype's first leaf (strategies that
+    send one buffer per dtype)."""
+    leaf_bytes: tuple[int, ...] | None = None
+    """Bytes of each tensor leaf in iteration order (strategies that send one per tensor)."""
+
+    @property
+    def message_bytes(self) -> int:
+        """Size of the codec's message: header (with leaf padding) + tensors + the padded
+        non-tensor blob when it travels."""
+        nt = -(-self.non_tensor_bytes // 64) * 64 if self.broadcast_non_tensor else 0
+        return self.header_bytes + self.tensor_bytes + nt
+
+
+def bytes_per_dtype(dtypes, sizes) -> tuple[int, ...]:
+    """Bytes per distinct dtype, in order of each dtype's first leaf (``dtype_bytes``)."""
+    per_dtype: dict = {}
+    for dtype, n in zip(dtypes, sizes):
+        per_dtype[dtype] = per_dtype.get(dtype, 0) + n
+    return tuple(per_dtype.values())
+
+
+def spec_of(dp) -> PayloadSpec:
+    """The exact PayloadSpec of a leader's DataProto (header size as the codec encodes it, with
+    its 64-byte leaf padding folded in; pickle size measured)."""
+    import pickle
+
+    from strategies.core.codec import encode_header, layout_entries, nbytes_of
+
+    leaves = list(dp.batch.items(include_nested=True, leaves_only=True))
+    sizes = [nbytes_of(t) for _, t in leaves]
+    nt = dp.non_tensor_batch if dp.broadcast_non_tensor else None
+    blob = pickle.dumps(nt, protocol=pickle.HIGHEST_PROTOCOL) if nt is not None else None
+    entries, data_bytes, span = layout_entries(dp.batch, 0, None if blob is None else len(blob))
+    header_len = len(encode_header(tuple(dp.batch.batch_size), entries, data_bytes, span))
+    nt_padded = -(-len(blob) // 64) * 64 if blob is not None else 0
+    return PayloadSpec(
+        tensor_bytes=sum(sizes),
+        n_tensors=len(sizes),
+        header_bytes=header_len + data_bytes - sum(sizes) - nt_padded,
+        pickle_bytes=len(pickle.dumps(dp.batch)),
+        non_tensor_bytes=len(blob) if blob is not None else 0,
+        broadcast_non_tensor=dp.broadcast_non_tensor,
+        pickle_exact=True,
+        dtype_bytes=bytes_per_dtype([t.dtype for _, t in leaves], sizes),
+        leaf_bytes=tuple(sizes),
+    )

@@ -1,0 +1,121 @@
+"""Moving one packed message (header + data) over a group in one broadcast in steady state.
+
+Receivers cannot size a buffer before they know the message, which normally costs a separate
+header broadcast. Here every rank instead posts a first broadcast of ``expect`` bytes, a size
+all ranks agree on because it came in the previous call's header; the leader packs the header
+and as much data as fits into it. A message that does not fit sends its remainder in a second
+broadcast, and the header of every call tells all ranks the size to expect next time.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import torch.distributed as dist
+
+from strategies.core.codec import DEFAULT_MAX_BYTES, PREFIX_BYTES, Header, peek_total, read_header
+
+NEXT_EXPECT_OFFSET = 20  # byte offset of next_expect in the header prefix (see codec._PREFIX)
+PAGE = 4096
+# A first message this large goes out in SEGMENTS async broadcasts, so the leader packs
+# segment i+1 while segment i is on the wire; below it, one broadcast costs less.
+PIPELINE_MIN_BYTES = 4 << 20
+SEGMENTS = 4
+
+
+def segments(first: int) -> list[tuple[int, int]]:
+    """Byte ranges of the first message's broadcasts; both sides derive them from ``first``."""
+    if first < PIPELINE_MIN_BYTES:
+        return [(0, first)]
+    step = -(-first // SEGMENTS // PAGE) * PAGE
+    return [(a, min(a + step, first)) for a in range(0, first, step)]
+
+
+class Wire:
+    """Per-rank state of the speculative protocol; one per strategy instance."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        rank: int,
+        initial_bytes: int = 64 << 10,
+        eager_max_bytes: int = 256 << 20,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> None:
+        if initial_bytes < PAGE:
+            raise ValueError(
+                f"initial_bytes must be >= {PAGE} (one header page), got {initial_bytes}"
+            )
+        self.device = device
+        self.rank = rank
+        self.initial_bytes = initial_bytes
+        self.eager_max_bytes = eager_max_bytes
+        self.max_bytes = max_bytes
+        self.expect = initial_bytes
+        self._headers: dict = {}  # last decoded header, by its raw bytes
+
+    def next_expect(self, total: int) -> int:
+        """Leader's guess for the next call: this size plus 1/64 headroom (at most 64 KiB),
+        page-rounded. Every byte of headroom is sent each call, so it stays small; a batch
+        that outgrows it costs one extra broadcast once."""
+        if total > self.eager_max_bytes:
+            return self.initial_bytes
+        guess = total + min(total // 64, 64 << 10)
+        return max(self.initial_bytes, (guess + PAGE - 1) // PAGE * PAGE)
+
+    def stamp(self, buf: torch.Tensor, total: int) -> None:
+        """Write next_expect into a packed buffer's header (leader, before sending)."""
+        raw = struct.pack("<Q", self.next_expect(total))
+        buf[NEXT_EXPECT_OFFSET : NEXT_EXPECT_OFFSET + 8].copy_(
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        )
+
+    def send(self, buf: torch.Tensor, total: int, group, src: int, fill=None) -> None:
+        """Source side; ``buf`` holds (or, with ``fill``, will hold) the message in [:total]
+        and has capacity >= expect. ``fill(upto)`` packs the bytes before ``upto``."""
+        first = self.expect
+        parts = segments(first)
+        handles = []
+        for a, b in parts:
+            if fill is not None:
+                fill(min(b, total))
+            if len(parts) == 1:
+                dist.broadcast(buf[a:b], src=src, group=group)
+            else:
+                handles.append(dist.broadcast(buf[a:b], src=src, group=group, async_op=True))
+        for h in handles:
+            h.wait()
+        if total > first:
+            if fill is not None:
+                fill(total)
+            dist.broadcast(buf[first:total], src=src, group=group)
+
+    def recv(self, group, src: int) -> tuple[torch.Tensor, Header]:
+        """Receiver side; returns a buffer with capacity >= max(total, expect), so it can be
+        forwarded on the next hop unchanged."""
+        first = self.expect
+        buf = torch.empty(first, dtype=torch.uint8, device=self.device)
+        parts = segments(first)
+        if len(parts) == 1:
+            dist.broadcast(buf, src=src, group=group)
+        else:
+            handles = [
+                dist.broadcast(buf[a:b], src=src, group=group, async_op=True) for a, b in parts
+            ]
+            for h in handles:
+                h.wait()
+        total = peek_total(buf[:PREFIX_BYTES].cpu().numpy().tobytes(), self.max_bytes, self.rank)
+        if total > first:
+            full = torch.empty(total, dtype=torch.uint8, device=self.device)
+            full[:first].copy_(buf)
+            dist.broadcast(full[first:total], src=src, group=group)
+            buf = full
+        return buf, read_header(buf, self.max_bytes, self.rank, self._headers)
+
+    def finish(self, next_expect: int) -> None:
+        """Every rank of the replica adopts the size the leader announced, at the end of a call."""
+        nxt = next_expect
+        if nxt < PAGE or nxt > self.eager_max_bytes:
+            nxt = self.initial_bytes
+        self.expect = nxt

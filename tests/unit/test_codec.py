@@ -1,0 +1,379 @@
+"""Tier 1 (no process group): the binary header and flat-buffer packing the header-based
+strategies share; round trips for every dtype and layout, and corrupt or oversized headers.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+
+import pytest
+import torch
+from batchgen import (
+    DTYPE_NAMES,
+    BatchSpec,
+    LeafSpec,
+    batch_problems,
+    batch_specs,
+    build_batch,
+    raw_bytes,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict
+
+from strategies.core import codec
+from strategies.core.codec import (
+    ALIGN,
+    DTYPES,
+    MAX_KEYS,
+    MAX_NDIM,
+    PREFIX_BYTES,
+    Entry,
+    HeaderError,
+    align,
+    decode_header,
+    encode_header,
+    layout_entries,
+    pack,
+    peek_total,
+    read_header,
+    unpack,
+)
+from strategies.core.trace import WORK
+from strategies.core.wire import PAGE, Wire
+
+FAST = settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+def leaves(td: TensorDict) -> list[tuple[tuple[str, ...], torch.Tensor]]:
+    return [
+        (k if isinstance(k, tuple) else (k,), t)
+        for k, t in td.items(include_nested=True, leaves_only=True)
+    ]
+
+
+def test_every_listed_dtype_has_a_code():
+    names = {str(d).removeprefix("torch.") for d in DTYPES}
+    assert names == set(DTYPE_NAMES)  # the same list the random batches draw from
+
+
+# -- round trips -----------------------------------------------------------------------------
+@FAST
+@given(spec=batch_specs(big=False), b=st.integers(0, 5), next_expect=st.integers(0, 2**40))
+def test_header_round_trip(spec: BatchSpec, b: int, next_expect: int):
+    dp = build_batch(spec, b, seed=b)
+    blob = pickle.dumps(dp.non_tensor_batch) if spec.broadcast_non_tensor else None
+    entries, data_bytes, span = layout_entries(dp.batch, 0, None if blob is None else len(blob))
+    raw = encode_header((b,), entries, data_bytes, span, next_expect)
+    assert len(raw) % ALIGN == 0
+    header = decode_header(raw)
+    assert header.batch_size == (b,)
+    assert header.entries == tuple(entries)
+    assert header.data_bytes == data_bytes
+    assert header.header_len == len(raw)
+    assert header.next_expect == next_expect
+    assert header.non_tensor == span
+    assert peek_total(raw[:PREFIX_BYTES]) == len(raw) + data_bytes
+    for e, (key, t) in zip(entries, leaves(dp.batch)):
+        assert e.key == key and e.dtype == t.dtype and e.shape == tuple(t.shape)
+        assert e.nbytes == t.numel() * t.element_size()  # the view's bytes, not its storage
+        assert e.offset % ALIGN == 0
+
+
+@FAST
+@given(spec=batch_specs(big=False), b=st.integers(0, 5))
+def test_pack_unpack_round_trip_bit_exact(spec: BatchSpec, b: int):
+    dp = build_batch(spec, b, seed=b + 1)
+    nt = dp.non_tensor_batch if spec.broadcast_non_tensor else None
+    before = WORK["packed_bytes"]
+    buf, header = pack(dp.batch, nt, next_expect=12345, rank=3)
+    total = header.total_bytes
+    assert WORK["packed_bytes"] - before == total
+    # Only each leaf's own elements are packed, whatever storage it views.
+    expected_data = 0
+    for _, t in leaves(dp.batch):
+        expected_data = align(expected_data + t.numel() * t.element_size())
+    if nt is not None:
+        expected_data = align(expected_data + len(pickle.dumps(nt, pickle.HIGHEST_PROTOCOL)))
+    assert header.data_bytes == expected_data
+    assert buf.dtype == torch.uint8 and buf.numel() >= total
+    assert read_header(buf[:total], codec.DEFAULT_MAX_BYTES, 3) == header
+    td, non_tensor = unpack(buf[:total], header)
+    got = type(dp)(td, non_tensor if non_tensor is not None else {}, dp.meta_info)
+    receiver_view = not spec.broadcast_non_tensor
+    assert batch_problems(dp, got, is_leader=not receiver_view, where="unpack") == []
+    if nt is None:
+        assert non_tensor is None
+    # Zero-copy: every received leaf is a view into the buffer.
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+    for _, t in leaves(td):
+        if t.numel():
+            assert lo <= t.data_ptr() < hi
+
+
+def test_views_pack_only_their_own_bytes():
+    parent = torch.arange(1 << 20, dtype=torch.float32).view(1024, 1024)  # 4 MiB storage
+    td = TensorDict(
+        {
+            "window": parent[10:14, 100:103],  # 4×3 view with a storage offset
+            "column": parent[:4, 7],  # strided, non-contiguous
+            "expanded": torch.ones(1, 5).expand(4, 5),  # stride 0
+            "t": parent[:12].view(12, 1024)[:, :4].reshape(4, 3, 4).transpose(1, 2),
+        },
+        batch_size=[4],
+    )
+    buf, header = pack(td, None)
+    assert header.data_bytes == align(48) + align(16) + align(80) + align(192)
+    assert header.total_bytes < 1024
+    td2, _ = unpack(buf, header)
+    for key in td.keys():
+        assert torch.equal(td2[key], td[key]), key
+        assert td2[key].is_contiguous()
+
+
+def test_pack_reuses_a_large_enough_buffer():
+    td = TensorDict({"x": torch.arange(8)}, batch_size=[8])
+    out = torch.empty(4096, dtype=torch.uint8)
+    buf, _ = pack(td, None, out=out)
+    assert buf.data_ptr() == out.data_ptr()
+    small = torch.empty(8, dtype=torch.uint8)
+    buf2, header = pack(td, None, out=small, min_capacity=1000)
+    assert buf2.data_ptr() != small.data_ptr() and buf2.numel() >= 1000
+    assert torch.equal(unpack(buf2, header)[0]["x"], td["x"])
+
+
+def test_many_dtypes_in_one_buffer_keep_every_bit():
+    spec = BatchSpec(
+        tuple(
+            LeafSpec((name,), name, (3,), kind)
+            for name, kind in zip(
+                [str(d).removeprefix("torch.") for d in DTYPES],
+                ["contiguous", "strided", "view", "expanded", "transposed", "view"] * 2,
+            )
+        )
+    )
+    dp = build_batch(spec, 5, seed=0)
+    buf, header = pack(dp.batch, None)
+    td, _ = unpack(buf, header)
+    for key, t in leaves(dp.batch):
+        assert td[key].dtype == t.dtype
+        assert torch.equal(raw_bytes(td[key]), raw_bytes(t)), key
+    assert torch.isnan(dp.batch["float64"]).any()  # the specials really are in there
+    assert torch.isinf(dp.batch["float64"]).any()
+
+
+# -- unsupported dtypes ------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:.*quantize_per_tensor")
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.zeros(4, 2, dtype=torch.float8_e4m3fn),
+        lambda: torch.zeros(4, dtype=torch.uint16),
+        lambda: torch.quantize_per_tensor(torch.zeros(4, 2), 0.1, 0, torch.quint8),
+    ],
+    ids=["float8_e4m3fn", "uint16", "quint8"],
+)
+def test_unsupported_dtype_names_key_and_rank(make):
+    t = make()
+    flat = TensorDict({"ok": torch.zeros(4), "odd": t}, batch_size=[4])
+    with pytest.raises(HeaderError) as err:
+        pack(flat, None, rank=5)
+    msg = str(err.value)
+    assert "rank 5" in msg and "batch['odd']" in msg and str(t.dtype) in msg
+    assert "supported: bool, uint8" in msg
+    nested = TensorDict({"outer": {"inner": t}}, batch_size=[4])
+    with pytest.raises(HeaderError, match=r"batch\[\('outer', 'inner'\)\]"):
+        pack(nested, None, rank=5)
+
+
+# -- corrupt headers ---------------------------------------------------------------------------
+def sample_header(non_tensor: bool = False) -> tuple[bytes, list[Entry], int]:
+    td = TensorDict(
+        {"a": torch.zeros(4, 3), "n": {"b": torch.zeros(4, dtype=torch.int16)}}, batch_size=[4]
+    )
+    entries, data_bytes, span = layout_entries(td, 0, 10 if non_tensor else None)
+    return encode_header((4,), entries, data_bytes, span), entries, data_bytes
+
+
+def patch_prefix(raw: bytes, **fields) -> bytes:
+    names = ("magic", "version", "flags", "header_len", "data_bytes", "next_expect")
+    values = dict(zip(names, struct.unpack_from("<4sHHIQQ", raw)))
+    values.update(fields)
+    return struct.pack("<4sHHIQQ", *(values[n] for n in names)) + raw[PREFIX_BYTES:]
+
+
+def expect_error(raw: bytes, match: str, max_bytes: int = codec.DEFAULT_MAX_BYTES):
+    with pytest.raises(HeaderError, match=match) as err:
+        decode_header(raw, max_bytes=max_bytes, rank=7)
+    assert "rank 7" in str(err.value)
+
+
+def test_bad_magic():
+    raw, _, _ = sample_header()
+    expect_error(b"XXXX" + raw[4:], "corrupt header .magic")
+
+
+def test_bad_version():
+    raw, _, _ = sample_header()
+    expect_error(patch_prefix(raw, version=9), "header version 9")
+
+
+@pytest.mark.parametrize("cut", [0, 1, PREFIX_BYTES - 1])
+def test_truncated_prefix(cut):
+    raw, _, _ = sample_header()
+    expect_error(raw[:cut], "header truncated")
+
+
+def test_truncated_body():
+    raw, _, _ = sample_header()
+    expect_error(raw[: len(raw) - ALIGN], "header truncated")
+
+
+def test_header_len_not_aligned_or_too_small():
+    raw, _, _ = sample_header()
+    expect_error(patch_prefix(raw, header_len=PREFIX_BYTES + 3), "header_len")
+    expect_error(patch_prefix(raw, header_len=8), "header_len")
+
+
+def test_fields_running_past_the_header():
+    td = TensorDict({f"k{i}": torch.zeros(2) for i in range(8)}, batch_size=[2])
+    entries, data_bytes, _ = layout_entries(td)
+    raw = encode_header((2,), entries, data_bytes, None)
+    assert len(raw) > 128
+    expect_error(patch_prefix(raw, header_len=64), "runs past 64 bytes")
+
+
+def test_offsets_out_of_range():
+    raw, entries, data_bytes = sample_header()
+    moved = [entries[0], Entry(entries[1].key, entries[1].dtype, entries[1].shape, 4096, 8)]
+    expect_error(encode_header((4,), moved, data_bytes, None), r"spans bytes 4096\.\.4104")
+    shrunk = encode_header((4,), entries, ALIGN, None)  # the data region no longer fits
+    expect_error(shrunk, r"batch\[\('n', 'b'\)\] spans bytes")
+
+
+def test_misaligned_offset():
+    _, entries, data_bytes = sample_header()
+    bad = [Entry(entries[0].key, entries[0].dtype, entries[0].shape, 8, 48)]
+    expect_error(encode_header((4,), bad, data_bytes, None), "spans bytes 8")
+
+
+def test_unknown_dtype_code_and_too_many_dims():
+    raw, _, _ = sample_header()
+    # Layout after the prefix: bdim(1) B(8) n_keys(4) n_parts(1) len(2) 'a'(1) code(1) ndim(1)
+    code_at = PREFIX_BYTES + 1 + 8 + 4 + 1 + 2 + 1
+    bad_code = raw[:code_at] + bytes([200]) + raw[code_at + 1 :]
+    expect_error(bad_code, "unknown dtype code 200")
+    bad_ndim = raw[: code_at + 1] + bytes([MAX_NDIM + 1]) + raw[code_at + 2 :]
+    expect_error(bad_ndim, f"claims {MAX_NDIM + 1} dims")
+
+
+def test_too_many_keys():
+    raw, _, _ = sample_header()
+    at = PREFIX_BYTES + 1 + 8
+    bad = raw[:at] + struct.pack("<I", MAX_KEYS + 1) + raw[at + 4 :]
+    expect_error(bad, f"{MAX_KEYS + 1} keys")
+
+
+def test_leading_dim_must_be_b():
+    _, entries, data_bytes = sample_header()
+    expect_error(encode_header((5,), entries, data_bytes, None), "expected leading dim B=5")
+
+
+def test_undecodable_key():
+    raw, _, _ = sample_header()
+    at = PREFIX_BYTES + 1 + 8 + 4 + 1 + 2  # the single byte of key 'a'
+    expect_error(raw[:at] + b"\xff" + raw[at + 1 :], "corrupt header")
+
+
+def test_non_tensor_blob_past_the_region():
+    raw, entries, data_bytes = sample_header(non_tensor=True)
+    assert decode_header(raw).non_tensor is not None
+    bad = encode_header((4,), entries, data_bytes, (data_bytes - 8, 64))
+    expect_error(bad, "non-tensor blob runs past")
+
+
+# -- oversized headers are refused before anything is allocated --------------------------------
+def test_claims_more_than_max_bytes():
+    raw, _, data_bytes = sample_header()
+    expect_error(raw, "more than the maximum this receiver accepts", max_bytes=data_bytes)
+    huge = patch_prefix(raw, data_bytes=1 << 60)
+    with pytest.raises(HeaderError, match=r"rank 2: header claims \d+ bytes.*raise max_bytes"):
+        peek_total(huge[:PREFIX_BYTES], rank=2)
+    with pytest.raises(HeaderError, match="rank 2: header claims"):
+        read_header(torch.frombuffer(bytearray(huge), dtype=torch.uint8), 1 << 30, 2)
+
+
+def test_wire_refuses_oversized_message_before_allocating(monkeypatch):
+    """A receiver learns the size from the first broadcast and must refuse a message larger
+    than max_bytes without allocating a buffer for it."""
+    raw, _, _ = sample_header()
+    claim = patch_prefix(raw, data_bytes=1 << 40)
+    first = 64 << 10
+
+    def fake_broadcast(tensor, src=None, group=None, **kwargs):
+        tensor[: len(claim)].copy_(torch.frombuffer(bytearray(claim), dtype=torch.uint8))
+
+    sizes: list[int] = []
+    real_empty = torch.empty
+
+    def spy_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        sizes.append(t.numel())
+        return t
+
+    monkeypatch.setattr("strategies.core.wire.dist.broadcast", fake_broadcast)
+    monkeypatch.setattr(torch, "empty", spy_empty)
+    wire = Wire(torch.device("cpu"), rank=6, initial_bytes=first, max_bytes=1 << 30)
+    with pytest.raises(HeaderError, match="rank 6: header claims"):
+        wire.recv(group=None, src=0)
+    assert sizes and max(sizes) <= first
+
+
+def test_wire_next_expect_and_finish():
+    wire = Wire(torch.device("cpu"), 0, initial_bytes=64 << 10, eager_max_bytes=1 << 20)
+    assert wire.next_expect(100) == 64 << 10
+    n = 200_000
+    guess = wire.next_expect(n)
+    headroom = min(n // 64, 64 << 10)  # small: every byte of headroom is sent every call
+    assert guess % PAGE == 0 and n + headroom <= guess < n + headroom + PAGE
+    assert wire.next_expect((1 << 20) + 1) == 64 << 10  # too large to post eagerly
+    wire.finish(1 << 30)
+    assert wire.expect == 64 << 10
+    wire.finish(8192)
+    assert wire.expect == 8192
+    with pytest.raises(ValueError, match="initial_bytes must be >= 4096"):
+        Wire(torch.device("cpu"), 0, initial_bytes=100)
+
+
+# -- leaves that travel on their own (strategies/direct.py) -------------------------------------
+def test_direct_leaves_are_described_but_not_packed():
+    td = TensorDict(
+        {"small": torch.arange(4.0), "big": torch.arange(4 * 300).view(4, 300), "s": torch.ones(4)},
+        batch_size=[4],
+    )
+    buf, header, fill = codec.pack_deferred(td, {"t": "x"}, direct=frozenset({1}))
+    fill(header.total_bytes)
+    offsets = [e.offset for e in header.entries]
+    assert offsets[1] == codec.DIRECT and offsets[0] != codec.DIRECT != offsets[2]
+    # The message holds only the small leaves and the blob; big is on its own.
+    assert header.data_bytes < td["big"].numel() * 8
+    decoded = decode_header(bytes(buf[: header.header_len].numpy()))
+    assert decoded.entries == header.entries
+    out, nt = codec.unpack(buf, decoded, direct=[td["big"].clone()])
+    assert list(out.keys()) == ["small", "big", "s"]  # the leader's order
+    for key in td.keys():
+        assert torch.equal(out[key], td[key]), key
+    assert nt == {"t": "x"}
+
+
+def test_direct_leaves_count_against_max_bytes():
+    td = TensorDict({"big": torch.zeros(4, 1024)}, batch_size=[4])
+    buf, header, _ = codec.pack_deferred(td, None, direct=frozenset({0}))
+    raw = bytes(buf[: header.header_len].numpy())
+    expect_error(raw, "separately sent leaves", max_bytes=header.total_bytes + 1000)
+    assert decode_header(raw, max_bytes=header.total_bytes + 4 * 1024 * 4).entries

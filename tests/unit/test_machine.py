@@ -1,0 +1,45 @@
+"""Tier 1: harness.run.machine measures other work's CPU from /proc/stat (not the load average)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness.run.machine import other_cores, other_cores_now, snapshot
+
+pytestmark = pytest.mark.skipif(snapshot() is None, reason="no /proc/stat")
+
+SPIN = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 2.0:\n    pass\n"
+
+
+def test_a_running_child_is_other_work_until_reaped():
+    proc = subprocess.Popen([sys.executable, "-c", SPIN])
+    try:
+        time.sleep(0.3)  # past its start-up
+        busy = other_cores_now(1.0)
+    finally:
+        proc.wait()
+    # One spinning process holds about a core; anything else running only adds to it.
+    assert busy is not None and busy >= 0.5
+
+
+def test_own_work_is_not_other_work():
+    start = snapshot()
+    t = time.monotonic()
+    while time.monotonic() - t < 0.5:  # half a second of this process's own CPU
+        pass
+    mid = snapshot()
+    assert mid.own_s - start.own_s >= 0.3
+    other = other_cores(start, mid)
+    assert other is not None and other >= 0.0
+    # Not a bound on other work (CI shares its machine), only that ours was taken out: the
+    # machine was at least as busy as we were, and we are not in the remainder.
+    assert (mid.busy_s - start.busy_s) >= (mid.own_s - start.own_s) * 0.9
+
+
+def test_no_interval_has_no_answer():
+    now = snapshot()
+    assert other_cores(now, now) is None and other_cores(None) is None
