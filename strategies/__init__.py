@@ -15,15 +15,19 @@ from strategies.core.contract import (
     NON_TENSOR_FLAG,
     ContractError,
     DataProto,
+    LeaderFailed,
     ProcessGroups,
     Strategy,
     Unsupported,
 )
+from strategies.core.groups import GroupMismatch
 
 __all__ = [
     "NON_TENSOR_FLAG",
     "ContractError",
     "DataProto",
+    "GroupMismatch",
+    "LeaderFailed",
     "ProcessGroups",
     "Strategy",
     "Unsupported",

@@ -11,7 +11,9 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict
+from tensordict import NonTensorData, NonTensorStack, TensorDict, is_tensor_collection
+
+from strategies.core.groups import MegatronView, check_order, derive_replicas
 
 NON_TENSOR_FLAG = "_broadcast_non_tensor_batch"
 
@@ -54,43 +56,152 @@ class DataProto:
             return DataProto(self.batch, self.non_tensor_batch, self.meta_info)
         return DataProto(None, {}, copy.deepcopy(self.meta_info))
 
-    def validate(self, rank: int | None = None) -> int:
+    def validate(self, rank: int | None = None, device: torch.device | None = None) -> int:
         """Check the leader's batch; return B. Raises ContractError naming key and rank."""
-        rank = _rank() if rank is None else rank
-        if self.batch is None:
-            raise ContractError(f"rank {rank}: the leader's DataProto has batch=None")
-        if not isinstance(self.batch, TensorDict):
+        return validate(self, rank, device)
+
+
+# -- any DataProto-shaped object (ours, verl's, ROLL's) ----------------------------------------
+PROTO_ATTRS = ("batch", "non_tensor_batch", "meta_info")
+
+
+def _is_leaf(cls) -> bool:
+    """Tensors, jagged NestedTensors and the non-tensor leaves (NonTensorData, NonTensorStack)
+    are leaves; any other TensorDict is a node (tensordict's default skips non-tensor leaves)."""
+    return not is_tensor_collection(cls) or issubclass(cls, (NonTensorData, NonTensorStack))
+
+
+def leaves(td) -> list[tuple[tuple[str, ...], Any]]:
+    """Every leaf of a TensorDict in iteration order, its key as a tuple; non-tensor leaves
+    come as their NonTensorData / NonTensorStack."""
+    out = []
+    for key, value in td.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf):
+        out.append((key if isinstance(key, tuple) else (key,), value))
+    return out
+
+
+def is_non_tensor_leaf(value) -> bool:
+    return isinstance(value, (NonTensorData, NonTensorStack))
+
+
+def wants_non_tensor(batch) -> bool:
+    """``meta_info["_broadcast_non_tensor_batch"]`` of any DataProto-shaped object (False for
+    anything without a meta_info dict, so a broken leader batch never raises here)."""
+    meta = getattr(batch, "meta_info", None)
+    return bool(meta.get(NON_TENSOR_FLAG, False)) if isinstance(meta, dict) else False
+
+
+def deliver(entry, batch: TensorDict, non_tensor: dict | None):
+    """Receiver: write what arrived onto the entry object it was handed (any DataProto-shaped
+    class keeps its type) and return it."""
+    entry.batch = batch
+    if non_tensor is not None:
+        entry.non_tensor_batch = non_tensor
+    return entry
+
+
+def _key_name(key: tuple[str, ...]):
+    return key if len(key) > 1 else key[0]
+
+
+def validate(batch, rank: int | None = None, device: torch.device | None = None) -> int:
+    """Check a leader's DataProto-shaped object (attributes batch, non_tensor_batch,
+    meta_info); return B. ``device``: the groups' device, where (besides the CPU) leaves may
+    live. Raises ContractError naming the key and the rank."""
+    rank = _rank() if rank is None else rank
+    missing = [a for a in PROTO_ATTRS if not hasattr(batch, a)]
+    if missing:
+        raise ContractError(
+            f"rank {rank}: get_data_input takes a DataProto-shaped object (attributes "
+            f"{', '.join(PROTO_ATTRS)}); got {type(batch).__name__}, which lacks {missing}"
+        )
+    td = batch.batch
+    if td is None:
+        raise ContractError(f"rank {rank}: the leader's DataProto has batch=None")
+    if not isinstance(td, TensorDict):
+        raise ContractError(
+            f"rank {rank}: batch must be a tensordict.TensorDict, got {type(td).__name__}"
+        )
+    if len(td.batch_size) < 1:
+        raise ContractError(
+            f"rank {rank}: batch.batch_size is {list(td.batch_size)}; expected a leading batch "
+            "dimension B"
+        )
+    b = int(td.batch_size[0])
+    for key, value in leaves(td):
+        _check_leaf(_key_name(key), value, b, rank, device)
+    non_tensor = batch.non_tensor_batch
+    if not isinstance(non_tensor, dict):
+        raise ContractError(
+            f"rank {rank}: non_tensor_batch is {type(non_tensor).__name__}; expected a dict of "
+            f"numpy arrays of length B={b}"
+        )
+    for key, arr in non_tensor.items():
+        if not isinstance(arr, np.ndarray):
             raise ContractError(
-                f"rank {rank}: batch must be a tensordict.TensorDict, got {type(self.batch).__name__}"
+                f"rank {rank}: non_tensor_batch[{key!r}] is {type(arr).__name__}; expected a "
+                f"numpy array of length B={b}"
             )
-        if len(self.batch.batch_size) < 1:
+        if arr.ndim < 1 or arr.shape[0] != b:
             raise ContractError(
-                f"rank {rank}: batch.batch_size is {list(self.batch.batch_size)}; expected a "
-                "leading batch dimension B"
+                f"rank {rank}: non_tensor_batch[{key!r}] has length "
+                f"{arr.shape[0] if arr.ndim else 'scalar'}; expected B={b}"
             )
-        b = int(self.batch.batch_size[0])
-        for key, value in self.batch.items(include_nested=True, leaves_only=True):
-            if not isinstance(value, torch.Tensor):
-                raise ContractError(
-                    f"rank {rank}: batch[{key!r}] is {type(value).__name__}; expected a tensor"
-                )
-            if value.dim() < 1 or value.shape[0] != b:
-                raise ContractError(
-                    f"rank {rank}: batch[{key!r}] has shape {list(value.shape)}; expected leading "
-                    f"dim B={b}"
-                )
-        for key, arr in self.non_tensor_batch.items():
-            if not isinstance(arr, np.ndarray):
-                raise ContractError(
-                    f"rank {rank}: non_tensor_batch[{key!r}] is {type(arr).__name__}; expected a "
-                    f"numpy array of length B={b}"
-                )
-            if arr.ndim < 1 or arr.shape[0] != b:
-                raise ContractError(
-                    f"rank {rank}: non_tensor_batch[{key!r}] has length "
-                    f"{arr.shape[0] if arr.ndim else 'scalar'}; expected B={b}"
-                )
-        return b
+    return b
+
+
+def _check_leaf(key, value, b: int, rank: int, device: torch.device | None) -> None:
+    if is_non_tensor_leaf(value):
+        shape = list(value.batch_size)
+    elif isinstance(value, torch.Tensor):
+        shape = list(value.shape)
+        if value.device.type == "meta" or (
+            device is not None and value.device.type != "cpu" and value.device != device
+        ):
+            where = "the CPU" + (f" or {device}" if device is not None else "")
+            raise ContractError(
+                f"rank {rank}: batch[{key!r}] is on device {value.device}; expected {where}"
+            )
+    else:
+        raise ContractError(
+            f"rank {rank}: batch[{key!r}] is {type(value).__name__}; expected a tensor"
+        )
+    if not shape or shape[0] != b:
+        raise ContractError(
+            f"rank {rank}: batch[{key!r}] has shape {shape}; expected leading dim B={b}"
+        )
+
+
+# -- a leader's failure, shipped to its receivers -----------------------------------------------
+class LeaderFailed(ContractError):
+    """Raised on a receiver whose replica leader failed before or while sending its batch; the
+    message names the leader's rank and its error (type and text)."""
+
+
+def failure_text(exc: BaseException) -> str:
+    """A leader's exception as the one line its receivers raise with: ``Type: message``."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def attempt(work, *args, **kwargs) -> tuple[Any, Exception | None]:
+    """Run the leader's fallible work (validate, encode) before its first collective: any
+    Exception comes back as the second value instead of propagating, so the strategy can ship
+    it in the message it sends anyway and no receiver is left waiting."""
+    try:
+        return work(*args, **kwargs), None
+    except Exception as exc:  # noqa: BLE001 -- any type: it travels to the receivers
+        return None, exc
+
+
+def raise_failure(groups, text: str, exc: BaseException | None = None):
+    """End of a call that carried a failure: the leader re-raises its own exception (or a
+    ContractError with ``text``), a receiver raises LeaderFailed naming the leader's error."""
+    if groups.is_leader:
+        raise exc if exc is not None else ContractError(text)
+    raise LeaderFailed(
+        f"rank {groups.rank}: the replica leader (rank {groups.leader}) failed to send its "
+        f"batch: {text}"
+    )
 
 
 class Hop(NamedTuple):
@@ -167,17 +278,15 @@ class ProcessGroups:
         return len(self.pp_ranks)
 
     @classmethod
-    def from_megatron(
-        cls, order: str = "tp-cp-ep-dp-pp", device: torch.device | None = None
-    ) -> ProcessGroups:
-        """Build from an initialized ``megatron.core.parallel_state``.
+    def from_megatron(cls, order: str | None = None, device: torch.device | None = None):
+        """Build from an initialized ``megatron.core.parallel_state``; every rank must call it
+        (it gathers each rank's groups over the world and creates the replica groups).
 
-        ``order`` must be the order string given to ``initialize_model_parallel`` (megatron-core
-        keeps it only inside a local RankGenerator); a mismatch is detected and raised.
-
-        Megatron builds TP×CP and PP groups but no tp-cp-pp group (its model-parallel group
-        leaves CP out), so the replica group is made here from Megatron's own RankGenerator.
-        Every rank must call this (group creation is collective).
+        The replica group (all tp·cp·pp ranks of a DP replica; megatron-core builds none) is
+        derived from megatron-core's own TP×CP and PP groups and checked against its DP,
+        DP×CP, CP, TP and model-parallel groups (``strategies.core.groups``); any mismatch
+        raises ``GroupMismatch`` on every rank, naming the ranks, before a strategy exists.
+        ``order`` is optional: when given, the groups it implies are compared as well.
         """
         from megatron.core import parallel_state as ps
 
@@ -187,59 +296,85 @@ class ProcessGroups:
                 "initialize_model_parallel(...) first"
             )
         rank = dist.get_rank()
-        world = dist.get_world_size()
-        tp = ps.get_tensor_model_parallel_world_size()
-        cp = ps.get_context_parallel_world_size()
-        pp = ps.get_pipeline_model_parallel_world_size()
-        gen = ps.RankGenerator(tp=tp, ep=1, dp=world // (tp * cp * pp), pp=pp, cp=cp, order=order)
+        views: list = [None] * dist.get_world_size()
+        dist.all_gather_object(views, _megatron_view(ps, rank))
+        replicas = derive_replicas(views)
+        if order is not None:
+            _check_against_order(order, views, replicas)
         backend = dist.get_backend()
-        replica_group = cpu_replica = None
-        for ranks in gen.get_ranks("tp-cp-pp"):
-            g = dist.new_group(ranks)
-            g_cpu = dist.new_group(ranks, backend="gloo") if backend != "gloo" else g
-            if rank in ranks:
-                replica_group, cpu_replica = g, g_cpu
+        replica_group, cpu_replica = _new_groups(replicas.values(), rank, backend, twin=True)
         tp_cp_group = ps.get_tensor_and_context_parallel_group()
         pp_group = ps.get_pipeline_model_parallel_group()
-        mine = [g for g in gen.get_ranks("tp-cp") if rank in g][0]
-        if list(dist.get_process_group_ranks(tp_cp_group)) != mine:
-            raise RuntimeError(
-                f"rank {rank}: megatron's TP×CP group is "
-                f"{dist.get_process_group_ranks(tp_cp_group)} but order {order!r} gives {mine}; "
-                "pass the order given to initialize_model_parallel"
-            )
         cpu_tp_cp = cpu_pp = None
         if backend != "gloo":
-            for ranks in gen.get_ranks("tp-cp"):
-                g = dist.new_group(ranks, backend="gloo")
-                if rank in ranks:
-                    cpu_tp_cp = g
-            for ranks in gen.get_ranks("pp"):
-                g = dist.new_group(ranks, backend="gloo")
-                if rank in ranks:
-                    cpu_pp = g
+            cpu_tp_cp = _new_groups((v.tp_cp for v in views), rank, "gloo")[0]
+            cpu_pp = _new_groups((v.pp for v in views), rank, "gloo")[0]
         if device is None:
             device = (
                 torch.device("cuda", torch.cuda.current_device())
                 if backend == "nccl"
                 else torch.device("cpu")
             )
+        mine = views[rank]
         return cls(
             tp_cp_group=tp_cp_group,
             pp_group=pp_group,
             replica_group=replica_group,
-            tp_cp_ranks=tuple(dist.get_process_group_ranks(tp_cp_group)),
-            pp_ranks=tuple(dist.get_process_group_ranks(pp_group)),
-            replica_ranks=tuple(dist.get_process_group_ranks(replica_group)),
-            pp_rank=ps.get_pipeline_model_parallel_rank(),
-            tp_cp_rank=dist.get_rank(tp_cp_group),
+            tp_cp_ranks=mine.tp_cp,
+            pp_ranks=mine.pp,
+            replica_ranks=replicas[rank],
+            pp_rank=mine.pp.index(rank),
+            tp_cp_rank=mine.tp_cp.index(rank),
             device=device,
             cpu_tp_cp_group=cpu_tp_cp,
             cpu_pp_group=cpu_pp,
             cpu_replica_group=cpu_replica,
             rank=rank,
-            replicas=world // (tp * cp * pp),
+            replicas=len(set(replicas.values())),
         )
+
+
+def _megatron_view(ps, rank: int) -> MegatronView:
+    """This rank's groups as megatron-core built them (global ranks, group-rank order)."""
+
+    def ranks(group) -> tuple[int, ...]:
+        return tuple(dist.get_process_group_ranks(group))
+
+    return MegatronView(
+        rank=rank,
+        tp=ranks(ps.get_tensor_model_parallel_group()),
+        cp=ranks(ps.get_context_parallel_group()),
+        tp_cp=ranks(ps.get_tensor_and_context_parallel_group()),
+        pp=ranks(ps.get_pipeline_model_parallel_group()),
+        dp=ranks(ps.get_data_parallel_group(with_context_parallel=False)),
+        dp_cp=ranks(ps.get_data_parallel_group(with_context_parallel=True)),
+        mp=ranks(ps.get_model_parallel_group()),
+    )
+
+
+def _check_against_order(order: str, views, replicas) -> None:
+    from strategies.core.layout import Layout
+
+    v = views[0]
+    cp = len(v.cp)
+    layout = Layout(dp=len(v.dp), pp=len(v.pp), tp=len(v.tp), cp=cp, order=order)
+    groups = {axes: layout.groups(axes) for axes in ("tp-cp", "pp", "dp", "tp-cp-pp")}
+    check_order(groups, views, replicas, order)
+
+
+def _new_groups(rank_lists, rank: int, backend: str, twin: bool = False):
+    """One group per distinct rank list, created in the same order on every rank (group
+    creation is collective); returns this rank's group and, with ``twin``, its gloo twin
+    (the same group on gloo)."""
+    mine = mine_cpu = None
+    for ranks in sorted(set(tuple(sorted(r)) for r in rank_lists)):
+        group = dist.new_group(list(ranks), backend="gloo" if backend == "gloo" else None)
+        cpu = group
+        if twin and backend != "gloo":
+            cpu = dist.new_group(list(ranks), backend="gloo")
+        if rank in ranks:
+            mine, mine_cpu = group, cpu
+    return mine, mine_cpu
 
 
 class Strategy:
