@@ -1,0 +1,396 @@
+"""A world whose ranks are Ray actors, placed in one placement group as RL frameworks place
+their workers, with torch.distributed and megatron-core groups built inside the actors.
+
+Each actor holds a ``harness.run.world.RankContext``, so the rank-side job of the forked world
+(``harness.run.runner.run_job_on_rank``) runs here unchanged: same groups, same timing, same
+verification. ``RayWorld.submit``/``collect`` also let a driver hand each rank its own arguments
+(Ray ObjectRefs included), which is what dispatch (``harness.ray.dispatch``) needs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import psutil
+
+from harness import paths
+
+NODE_RESOURCE = "bcb_node"
+"""Custom resource a multi-node cluster's node ``k`` advertises as ``bcb_node<k>``: bundles ask
+for it so rank ``r`` lands on node ``r // ranks_per_node``, as torchrun's node ranks place it."""
+
+
+class RayUnavailable(RuntimeError):
+    """Ray is not installed here (``pip install "ray==2.60.0"``)."""
+
+
+def import_ray():
+    """The ``ray`` module, or RayUnavailable saying how to install it."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise RayUnavailable(
+            f"Ray worlds need the optional ray package ({exc}); install it with "
+            '`python -m pip install "ray==2.60.0"`'
+        ) from None
+    return ray
+
+
+@dataclass
+class RayConf:
+    """How to reach (or start) a Ray cluster and place the ranks on it."""
+
+    address: str = "local"
+    """``"local"``: start a private cluster in this process and stop it at close; otherwise the
+    address of a running cluster (``"10.0.0.1:6379"`` or ``"auto"``), which is left running."""
+    num_cpus: int = 2
+    """CPUs the private cluster advertises (``address="local"`` only)."""
+    object_store_mb: int = 512
+    """Object store size of the private cluster, MiB (``address="local"`` only)."""
+    placement: Literal["STRICT_PACK", "PACK"] = "STRICT_PACK"
+    """Placement-group strategy: all ranks on one node (STRICT_PACK, what one-node RL jobs get)
+    or as few nodes as fit (PACK, what verl and ROLL ask for across nodes)."""
+    actor_cpus: float = 0.25
+    """CPUs each rank's bundle reserves; fractional, so 8 ranks fit a 2-CPU cluster."""
+    ranks_per_node: int | None = None
+    """When set, rank ``r`` is pinned to the node advertising ``bcb_node<r // ranks_per_node>``
+    (the emulated cluster); None lets the placement group choose."""
+    backend: Literal["gloo", "nccl"] = "gloo"
+    """torch.distributed backend inside the actors (nccl gives each rank a GPU bundle)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the ranks' tensors live."""
+    socket_ifname: str | None = None
+    """``GLOO_SOCKET_IFNAME`` for the actors (the emulated cluster's ``eth0``); None: gloo's
+    default."""
+    timeout_s: float = 120.0
+    """No-answer limit for one task on the ranks; also gloo's own timeout (plus a margin)."""
+    start_timeout_s: float = 120.0
+    """Limit for the placement group to be placed and every actor to join the world."""
+    dispatch: Literal["leader", "all_ranks"] = "leader"
+    """How a job's driver hands each replica its chunk: to the replica's leader, which then
+    broadcasts (ROLL), or one object per replica fetched by every rank (verl, NeMo-RL)."""
+
+    def __post_init__(self) -> None:
+        if self.placement not in ("STRICT_PACK", "PACK"):
+            raise ValueError(f"ray.placement must be STRICT_PACK or PACK, got {self.placement!r}")
+        if self.ranks_per_node is not None and self.placement == "STRICT_PACK":
+            raise ValueError(
+                f"ray.ranks_per_node={self.ranks_per_node} spreads ranks over nodes, but "
+                "STRICT_PACK puts every bundle on one node; use placement=PACK"
+            )
+        if self.num_cpus < 1 or self.actor_cpus <= 0 or self.object_store_mb < 80:
+            raise ValueError(
+                f"ray.num_cpus ({self.num_cpus}) must be >= 1, ray.actor_cpus "
+                f"({self.actor_cpus}) > 0 and ray.object_store_mb ({self.object_store_mb}) >= 80 "
+                "(Ray's minimum object store is 75 MiB)"
+            )
+        if self.dispatch not in ("leader", "all_ranks"):
+            raise ValueError(f"ray.dispatch must be leader or all_ranks, got {self.dispatch!r}")
+
+
+class RankActor:
+    """One rank: joins the torch.distributed world, then runs ``fn(ctx, *args)`` on request."""
+
+    def __init__(self, rank: int, world_size: int, backend: str, device: str) -> None:
+        import torch
+
+        torch.set_num_threads(1)  # ranks share the node's cores; more threads oversubscribe
+        self.rank, self.world_size = rank, world_size
+        self.backend, self.device = backend, device
+        self.ctx = None
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind((self.node_ip(), 0))
+            return s.getsockname()[1]
+
+    def join(self, master_addr: str, port: int, timeout_s: float) -> int:
+        """Initialize torch.distributed (collective over all actors); return this pid."""
+        import torch.distributed as dist
+
+        from harness.run.world import RankContext, _device_for
+
+        os.environ.update(
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(port),
+        )
+        # Ray pins each GPU bundle's actor to one visible device, so any index maps to 0.
+        dev = _device_for(self.backend, self.device, self.rank)
+        dist.init_process_group(
+            self.backend,
+            init_method=f"tcp://{master_addr}:{port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        self.ctx = RankContext(self.rank, self.world_size, self.backend, dev)
+        return os.getpid()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(self.ctx, *args)
+
+    def leave(self) -> None:
+        """Destroy the groups and the world (collective); the actor is killed afterwards."""
+        import torch.distributed as dist
+
+        if self.ctx is not None:
+            self.ctx.release_groups()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _descendants() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+class RayWorld:
+    """``world_size`` ranks as Ray actors in one placement group, serving tasks until closed."""
+
+    def __init__(self, world_size: int, conf: RayConf | None = None) -> None:
+        from harness.run.world import WorldError  # noqa: F401  (fail early if torch is absent)
+
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.conf = conf or RayConf()
+        if self.conf.ranks_per_node is not None and world_size % self.conf.ranks_per_node:
+            raise ValueError(
+                f"ray.ranks_per_node ({self.conf.ranks_per_node}) does not divide the world of "
+                f"{world_size}"
+            )
+        self.world_size = world_size
+        self.actors: list = []
+        self.rank_pids: list[int] = []
+        self.started_pids: set[int] = set()
+        """Processes this world's private cluster started (raylet, GCS, workers): close()
+        waits for each of them to end and kills any that does not, by pid."""
+        self.start_s = 0.0
+        self._ray = None
+        self._pg = None
+        self._owns_cluster = False
+        self._connected = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> RayWorld:
+        ray = self._ray = import_ray()
+        t0 = time.perf_counter()
+        try:
+            self._connect(ray)
+            self._place(ray)
+            self._join(ray)
+        except BaseException:
+            self.close(kill=True)
+            raise
+        if self._owns_cluster:
+            self.started_pids |= _descendants() - self._before
+        self.start_s = time.perf_counter() - t0
+        return self
+
+    def _actor_env(self) -> dict[str, str]:
+        path = os.environ.get("PYTHONPATH", "")
+        env = {
+            "PYTHONPATH": str(paths.REPO) + (os.pathsep + path if path else ""),
+            "OMP_NUM_THREADS": "1",
+        }
+        if self.conf.socket_ifname:
+            env["GLOO_SOCKET_IFNAME"] = self.conf.socket_ifname
+        return env
+
+    def _connect(self, ray) -> None:
+        from harness.run.world import WorldError
+
+        if ray.is_initialized():
+            raise WorldError(
+                "a Ray session is already open in this process; a RayWorld opens and closes "
+                "its own (close the other one first)"
+            )
+        runtime_env = {"env_vars": self._actor_env()}
+        self._before = _descendants()
+        if self.conf.address == "local":
+            self._owns_cluster = True
+            ray.init(
+                num_cpus=self.conf.num_cpus,
+                object_store_memory=self.conf.object_store_mb * 2**20,
+                include_dashboard=False,
+                runtime_env=runtime_env,
+                log_to_driver=False,
+            )
+        else:
+            ray.init(address=self.conf.address, runtime_env=runtime_env, log_to_driver=False)
+        self._connected = True
+        if self._owns_cluster:
+            self.started_pids |= _descendants() - self._before
+
+    def _bundle(self, rank: int) -> dict[str, float]:
+        c = self.conf
+        bundle: dict[str, float] = {"CPU": c.actor_cpus}
+        if c.backend == "nccl" or c.device == "cuda":
+            bundle["GPU"] = 1
+        if c.ranks_per_node is not None:
+            bundle[f"{NODE_RESOURCE}{rank // c.ranks_per_node}"] = 0.001
+        return bundle
+
+    def _place(self, ray) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from harness.run.world import WorldError
+
+        bundles = [self._bundle(r) for r in range(self.world_size)]
+        self._pg = placement_group(bundles, strategy=self.conf.placement)
+        try:
+            ray.get(self._pg.ready(), timeout=self.conf.start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WorldError(
+                f"the placement group of {self.world_size} bundles ({bundles[0]} for rank 0, "
+                f"{self.conf.placement}) was not placed within {self.conf.start_timeout_s:.0f} s; "
+                f"the cluster offers {ray.cluster_resources()}"
+            ) from None
+        remote = ray.remote(RankActor)
+        self.actors = [
+            remote.options(
+                num_cpus=self.conf.actor_cpus,
+                num_gpus=bundles[r].get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._pg, placement_group_bundle_index=r
+                ),
+                name=None,
+            ).remote(r, self.world_size, self.conf.backend, self.conf.device)
+            for r in range(self.world_size)
+        ]
+
+    def _join(self, ray) -> None:
+        c = self.conf
+        # MASTER_ADDR is rank 0's node; the port is one rank 0 found free there.
+        addr = self._get(self.actors[0].node_ip.remote(), "asking rank 0 for its node address")
+        port = self._get(self.actors[0].free_port.remote(), "asking rank 0 for a free port")
+        # gloo's own timeout sits past ours, so the driver names a hung rank first.
+        refs = [a.join.remote(addr, port, c.timeout_s + 5) for a in self.actors]
+        self.rank_pids = self.collect(
+            refs, "joining the torch.distributed world", c.start_timeout_s
+        )
+
+    def _get(self, ref, what: str):
+        return self.collect([ref], what, self.conf.start_timeout_s)[0]
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.actors) and self._connected
+
+    def close(self, kill: bool = False) -> None:
+        """Leave the world, kill the actors, remove the placement group, and (for a private
+        cluster) shut Ray down and make sure every process it started has ended."""
+        ray = self._ray
+        if ray is None or not self._connected:
+            self._reap()
+            return
+        if self.actors and not kill:
+            try:
+                ray.get([a.leave.remote() for a in self.actors], timeout=10)
+            except Exception:
+                pass  # a rank that cannot leave cleanly is killed below anyway
+        for actor in self.actors:
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
+        self.actors = []
+        if self._pg is not None:
+            try:
+                ray.util.remove_placement_group(self._pg)
+            except Exception:
+                pass
+            self._pg = None
+        ray.shutdown()
+        self._connected = False
+        self._reap()
+
+    def _reap(self, grace_s: float = 15.0) -> None:
+        """Wait for the processes the private cluster started; SIGKILL any left, by pid."""
+        procs = []
+        for pid in self.started_pids:
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                continue
+        _, alive = psutil.wait_procs(procs, timeout=grace_s)
+        for proc in alive:
+            try:
+                proc.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+
+    def __enter__(self) -> RayWorld:
+        return self.start() if not self.alive else self
+
+    def __exit__(self, *exc) -> None:
+        self.close(kill=exc[0] is not None)
+
+    # -- tasks -----------------------------------------------------------------------------
+    def run(
+        self, fn: Callable[..., Any], *args: Any, what: str = "", timeout_s: float | None = None
+    ) -> list[Any]:
+        """Run ``fn(ctx, *args)`` on every rank; the per-rank results in rank order (as
+        ``harness.run.world.World.run``)."""
+        refs = self.submit(fn, [args] * self.world_size)
+        return self.collect(refs, what or getattr(fn, "__name__", "task"), timeout_s)
+
+    def submit(self, fn: Callable[..., Any], per_rank_args: Sequence[Sequence[Any]]) -> list:
+        """Start ``fn(ctx, *per_rank_args[r])`` on every rank r; return the ObjectRefs. An
+        ObjectRef among the arguments reaches the rank as its value (Ray fetches it)."""
+        from harness.run.world import WorldError
+
+        if not self.alive:
+            raise WorldError("the Ray world is not running (it was closed or failed)")
+        if len(per_rank_args) != self.world_size:
+            raise ValueError(
+                f"{len(per_rank_args)} argument lists for a world of {self.world_size}"
+            )
+        return [a.call.remote(fn, *args) for a, args in zip(self.actors, per_rank_args)]
+
+    def collect(self, refs: list, what: str, timeout_s: float | None = None) -> list[Any]:
+        """Every rank's answer in rank order. A rank that fails, dies or stays silent past
+        ``timeout_s`` tears the world down and raises WorldError naming it."""
+        from harness.run.world import WorldError
+
+        ray = self._ray
+        limit = timeout_s or self.conf.timeout_s
+        deadline = time.monotonic() + limit
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        pending, results = list(refs), {}
+        while pending:
+            ready, pending = ray.wait(
+                pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+            )
+            if not ready:
+                late = sorted(rank_of[r] for r in pending)
+                self.close(kill=True)
+                raise WorldError(
+                    f"ranks {late} did not answer within {limit:.0f} s while {what}; the Ray "
+                    "world was torn down"
+                )
+            ref = ready[0]
+            try:
+                results[rank_of[ref]] = ray.get(ref)
+            except Exception as exc:
+                self.close(kill=True)
+                detail = str(exc).strip()
+                raise WorldError(
+                    f"rank {rank_of[ref]} failed in {what}: {type(exc).__name__}; the Ray world "
+                    f"was torn down\n{detail}"
+                ) from None
+        return [results[r] for r in range(len(refs))]
