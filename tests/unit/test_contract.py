@@ -15,6 +15,7 @@ from tensordict import TensorDict
 import strategies
 from harness.run.verify import compare, digest, tensor_digest
 from strategies import NON_TENSOR_FLAG, ContractError, DataProto, ProcessGroups
+from strategies.core import contract
 
 
 def good_batch(b: int = 4, flag: bool = False) -> DataProto:
@@ -234,3 +235,45 @@ def test_compare_names_rank_and_key():
     assert any("x: rank 5: key ('n', 'mask') values differ" in p for p in problems), problems
     assert any("non_tensor_batch keys ['text']" in p for p in problems), problems
     assert compare(expected, digest(good_batch(4, flag=True), True), 5, "x") == []
+
+
+# -- any DataProto-shaped object; a leader's failure as its receivers see it -------------------
+def test_validate_takes_any_dataproto_shaped_object_and_names_what_is_not():
+    class Shaped:  # the three attributes verl's and ROLL's DataProto have, no methods of ours
+        def __init__(self, dp):
+            self.batch, self.non_tensor_batch, self.meta_info = (
+                dp.batch,
+                dp.non_tensor_batch,
+                dp.meta_info,
+            )
+
+    assert contract.validate(Shaped(good_batch(3)), rank=0) == 3
+    with pytest.raises(ContractError, match=r"rank 2: get_data_input takes a DataProto-shaped"):
+        contract.validate({"batch": None}, rank=2)
+    with pytest.raises(ContractError, match=r"got NoneType, which lacks \['batch'"):
+        contract.validate(None, rank=0)
+
+
+def test_validate_refuses_a_leaf_on_a_foreign_device():
+    dp = good_batch(2)
+    dp.batch["m"] = torch.empty(2, 3, device="meta")
+    with pytest.raises(ContractError, match=r"rank 0: batch\['m'\] is on device meta"):
+        dp.validate(rank=0)
+
+
+def test_attempt_and_raise_failure_ship_any_exception():
+    def broken():
+        raise RuntimeError("no batch today")
+
+    value, exc = contract.attempt(broken)
+    assert value is None and isinstance(exc, RuntimeError)
+    text = contract.failure_text(exc)
+    assert text == "RuntimeError: no batch today"
+    with pytest.raises(strategies.LeaderFailed) as err:
+        contract.raise_failure(fake_groups(rank=1), text)
+    assert str(err.value) == (
+        "rank 1: the replica leader (rank 0) failed to send its batch: RuntimeError: no batch today"
+    )
+    assert isinstance(err.value, ContractError)
+    with pytest.raises(RuntimeError, match="no batch today"):  # the leader: its own exception
+        contract.raise_failure(fake_groups(rank=0), text, exc)
