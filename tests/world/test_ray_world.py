@@ -1,0 +1,100 @@
+"""A local Ray world (harness.ray): ranks as actors in a placement group run the forked world's
+rank-side job unchanged, both dispatch modes deliver every replica's chunk bit for bit, a
+crashing rank fails the job by name, and closing leaves no process Ray started behind.
+
+One private Ray cluster of 2 CPUs for the module (starting it and 4 actors that import torch
+and megatron-core is most of the time); skipped when ray is not installed.
+"""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+pytest.importorskip("ray", reason='ray is an optional extra: pip install "ray==2.60.0"')
+
+from harness.ray.dispatch import DispatchSpec, Mode, _Driver, _verify, run_dispatch  # noqa: E402
+from harness.ray.world import RayConf, RayWorld  # noqa: E402
+from harness.run.runner import JobSpec, run_job_on_rank, summarize  # noqa: E402
+from harness.run.world import WorldError  # noqa: E402
+from strategies.core.layout import Layout  # noqa: E402
+
+TP2PP2 = Layout(pp=2, tp=2)
+SMALL = {"batch_size": 4, "seq_len": 64}
+
+
+@pytest.fixture(scope="module")
+def ray_world():
+    world = RayWorld(4, RayConf(num_cpus=2, object_store_mb=256)).start()
+    try:
+        yield world
+    finally:
+        world.close(kill=True)
+
+
+def test_modes_parse_and_floors_join():
+    spec = DispatchSpec(TP2PP2, ("leader:header", "all_ranks"))
+    assert [m.name for m in spec.parsed_modes()] == [
+        "leader:header",
+        "all_ranks",
+        "leader:floor",
+        "all_ranks:raw",
+    ]
+    for bad, says in [
+        ("leader:nope", "unknown strategy 'nope'"),
+        ("broadcast", "expected 'leader:<strategy>'"),
+        ("all_ranks:fast", "expected 'leader:<strategy>'"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            Mode.parse(bad)
+
+
+def test_verification_names_rank_and_key():
+    """The driver-side check fails a rank whose bytes differ, naming it and the key."""
+    drv = _Driver.build(DispatchSpec(Layout(dp=2, pp=2, tp=2), **SMALL))
+    meta = drv.global_batch.meta_info
+    out = [(0, (drv.expected[d], meta)) for d in drv.replica_of]
+    assert _verify(drv, Mode.parse("all_ranks"), out) == []
+    wrong = dict(drv.expected[0], keys=dict(drv.expected[0]["keys"]))
+    wrong["keys"]["advantages"] = (*wrong["keys"]["advantages"][:2], "0" * 32)
+    out[5] = (0, (wrong, meta))  # rank 5: replica 0, stage 1, tp rank 1
+    problems = _verify(drv, Mode.parse("all_ranks"), out)
+    assert problems and all("rank 5" in p for p in problems)
+    assert any("'advantages'" in p for p in problems)
+    raw = [(0, h) for h in (drv.expected_raw[d] for d in drv.replica_of)]
+    raw[2] = (0, "f" * 32)
+    assert _verify(drv, Mode.parse("all_ranks:raw"), raw) == [
+        "all_ranks:raw: rank 2: received bytes differ from chunk 1"  # rank 2: replica 1
+    ]
+
+
+def test_dispatch_modes_deliver_every_chunk(ray_world):
+    spec = DispatchSpec(TP2PP2, ("leader:header", "all_ranks"), iters=2, warmup=1, **SMALL)
+    record = run_dispatch(ray_world, spec)  # raises VerificationError on any wrong byte
+    assert record["scope"] == "dispatch+broadcast" and record["correct"]
+    assert set(record["modes"]) == {"leader:header", "all_ranks", "leader:floor", "all_ranks:raw"}
+    for name, row in record["modes"].items():
+        assert len(row["times_s"]) == 2 and row["p50_us"] > 0, name
+        assert row["floor_mode"] == (
+            "leader:floor" if name.startswith("leader") else "all_ranks:raw"
+        )
+    assert record["modes"]["leader:floor"]["vs_floor"] == 1.0
+
+
+def test_forked_worlds_rank_job_runs_unchanged(ray_world):
+    spec = JobSpec("header", TP2PP2, iters=2, warmup=1, references=("floor",), **SMALL)
+    summary = summarize(spec, ray_world.run(run_job_on_rank, spec))
+    assert set(summary["strategies"]) == {"header", "floor"}
+    assert summary["strategies"]["header"]["collectives_leader"] >= 1
+
+
+def test_crashing_rank_fails_by_name_and_close_leaves_nothing(ray_world):
+    pids = set(ray_world.started_pids)
+    assert set(ray_world.rank_pids) <= pids, "the rank actors must be among the tracked pids"
+    spec = JobSpec("header", TP2PP2, iters=2, warmup=0, fault_rank=1, fault_at_iter=0, **SMALL)
+    with pytest.raises(WorldError, match="rank 1"):
+        ray_world.run(run_job_on_rank, spec, timeout_s=60)
+    assert not ray_world.alive
+    ray_world.close()
+    left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert left == [], f"processes the Ray world started are still running: {left}"
