@@ -18,8 +18,8 @@ Adapted to fit the ``get_data_input`` contract:
 
 - Megatron's callers pass the key list and one dtype per call; here receivers know neither, so
   a small table (keys, dtype per key, batch_size) is pickled with ``broadcast_object_list`` over
-  the hop's gloo twin group first. The same table carries the leader's refusal (zero-size dim,
-  ndim >= 5, a broken DataProto), so receivers raise the same error instead of waiting forever;
+  the hop's gloo twin group first. The same table carries the leader's failure (zero-size dim,
+  ndim >= 5, a broken DataProto, any exception), so receivers raise it instead of waiting;
 - one header for all keys instead of one per dtype call (the original's callers pay one header
   per dtype); dtype buffers go in order of each dtype's first key;
 - ``non_tensor_batch``, when ``meta_info['_broadcast_non_tensor_batch']`` is set, rides pickled
@@ -40,7 +40,17 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from strategies.core.codec import transportable
-from strategies.core.contract import ContractError, DataProto, Strategy
+from strategies.core.contract import (
+    ContractError,
+    DataProto,
+    Strategy,
+    attempt,
+    deliver,
+    failure_text,
+    raise_failure,
+    validate,
+    wants_non_tensor,
+)
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.trace import WORK
 
@@ -57,11 +67,13 @@ class _Message:
         header: torch.Tensor | None,
         flats: list[torch.Tensor],
         sizes_cpu: torch.Tensor | None = None,
+        failure: Exception | None = None,
     ):
         self.table = table
         self.header = header
         self.flats = flats
         self.sizes_cpu = sizes_cpu
+        self.failure = failure  # the leader's own exception, re-raised after the last hop
 
 
 def _key_tuple(key) -> tuple[str, ...]:
@@ -83,15 +95,20 @@ def _check_leaf(key, t: torch.Tensor, rank: int) -> None:
         )
 
 
-def build_message(batch: DataProto, rank: int) -> _Message:
-    """Leader: table + header + per-dtype flat buffers, or a table that carries the refusal."""
-    try:
-        batch.validate(rank)
-        leaves = list(batch.batch.items(include_nested=True, leaves_only=True))
-        for key, t in leaves:
-            _check_leaf(key, t, rank)
-    except ContractError as exc:
-        return _Message({"error": str(exc)}, None, [])
+def build_message(batch: DataProto, rank: int, device: torch.device | None = None) -> _Message:
+    """Leader: table + header + per-dtype flat buffers, or a table that carries the failure
+    (of any exception type) so every rank raises it."""
+    built, exc = attempt(_build, batch, rank, device)
+    if exc is not None:
+        return _Message({"error": failure_text(exc)}, None, [], failure=exc)
+    return built
+
+
+def _build(batch: DataProto, rank: int, device: torch.device | None) -> _Message:
+    validate(batch, rank, device)
+    leaves = list(batch.batch.items(include_nested=True, leaves_only=True))
+    for key, t in leaves:
+        _check_leaf(key, t, rank)
     keys = [_key_tuple(k) for k, _ in leaves]
     dtypes = [t.dtype for _, t in leaves]
     sizes = [0] * (MAX_DATA_DIM * len(leaves))
@@ -115,7 +132,7 @@ def build_message(batch: DataProto, rank: int) -> _Message:
         "batch_size": list(batch.batch.batch_size),
         "keys": keys,
         "dtypes": dtypes,
-        "non_tensor": batch.non_tensor_batch if batch.broadcast_non_tensor else None,
+        "non_tensor": batch.non_tensor_batch if wants_non_tensor(batch) else None,
     }
     return _Message(table, header, flats)
 
@@ -196,19 +213,15 @@ class MegatronBroadcastData(Strategy):
         g = self.groups
         if g.replica_ranks == (g.rank,):
             return batch
-        msg = build_message(batch, g.rank) if g.is_leader else None
+        msg = build_message(batch, g.rank, g.device) if g.is_leader else None
+        failure = msg.failure if msg is not None else None
         for hop in g.seed_hops():
             msg = broadcast_message(msg, hop.ranks[0], hop.group, hop.cpu_group, g.device)
         if msg.table["error"] is not None:
-            if g.is_leader:
-                raise ContractError(msg.table["error"])
-            raise ContractError(
-                f"rank {g.rank}: the replica leader refused the batch: {msg.table['error']}"
-            )
+            raise_failure(g, msg.table["error"], failure)
         if not g.is_leader:
-            batch.batch, non_tensor = unflatten(msg)
-            if non_tensor is not None:
-                batch.non_tensor_batch = non_tensor
+            td, non_tensor = unflatten(msg)
+            deliver(batch, td, non_tensor)
         return batch
 
     @classmethod

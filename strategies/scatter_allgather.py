@@ -18,14 +18,22 @@ import torch.distributed as dist
 from strategies.core.codec import (
     DEFAULT_MAX_BYTES,
     PREFIX_BYTES,
-    HeaderError,
     encode_error,
     pack,
     peek_total,
     read_header,
     unpack,
 )
-from strategies.core.contract import ContractError, DataProto, Strategy
+from strategies.core.contract import (
+    DataProto,
+    Strategy,
+    attempt,
+    deliver,
+    failure_text,
+    raise_failure,
+    validate,
+    wants_non_tensor,
+)
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 
 CHUNK_ALIGN = 64
@@ -65,12 +73,10 @@ class ScatterAllgather(Strategy):
         dev = g.device
         # 1. Header: everyone learns the message size and layout.
         if g.is_leader:
-            try:
-                batch.validate(g.rank)
-                nt = batch.non_tensor_batch if batch.broadcast_non_tensor else None
-                buf, header = pack(batch.batch, nt, out=self._pack_buf, rank=g.rank)
-            except (ContractError, HeaderError) as exc:
+            packed, exc = attempt(self._pack, batch)
+            if exc is not None:
                 self._refuse(exc)
+            buf, header = packed
             total = header.total_bytes
             c = chunk_bytes(total, n)
             if buf.numel() < max(c * n, self.header_bytes):
@@ -98,10 +104,7 @@ class ScatterAllgather(Strategy):
                 head = rest
             header = read_header(head, self.max_bytes, g.rank)
             if header.error is not None:
-                raise ContractError(
-                    f"rank {g.rank}: the replica leader (rank {g.leader}) refused its batch: "
-                    f"{header.error}"
-                )
+                raise_failure(g, header.error)
             total = header.total_bytes
             c = chunk_bytes(total, n)
         # 2. Scatter on stage 0; 3. each chunk down its PP group; 4. all-gather per stage.
@@ -125,15 +128,20 @@ class ScatterAllgather(Strategy):
         if g.is_leader:
             return batch
         td, non_tensor = unpack(full, header)
-        batch.batch = td
-        if non_tensor is not None:
-            batch.non_tensor_batch = non_tensor
-        return batch
+        return deliver(batch, td, non_tensor)
+
+    def _pack(self, batch: DataProto):
+        """Leader: everything that can fail, before the first collective."""
+        g = self.groups
+        validate(batch, g.rank, g.device)
+        nt = batch.non_tensor_batch if wants_non_tensor(batch) else None
+        return pack(batch.batch, nt, out=self._pack_buf, rank=g.rank)
 
     def _refuse(self, exc: Exception) -> None:
-        """Leader: send the refusal where the header would go (every rank reads it), then raise."""
+        """Leader: send the failure where the header would go (every rank reads it), then
+        raise it."""
         g = self.groups
-        raw = encode_error(str(exc))
+        raw = encode_error(failure_text(exc))
         buf = torch.zeros(max(len(raw), self.header_bytes), dtype=torch.uint8, device=g.device)
         buf[: len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
         dist.broadcast(buf[: self.header_bytes], src=g.leader, group=g.replica_group)

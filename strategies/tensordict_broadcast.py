@@ -42,6 +42,11 @@ is set) travels in a second ``broadcast_object_list`` over the replica's gloo tw
 the storage on the SENDER's device index; the leader keeps its own batch (the library's
 consolidated copy is dropped).
 
+Adapted so that no rank waits for a leader that failed: the leader validates and consolidates
+(what the library would do first) before the call; if anything raises, it broadcasts a
+TensorDict holding only its error (``ERROR_KEY``) through the same library call, and every rank
+raises it.
+
 Adapted for the 8-byte padding: a complex128 leaf can land at an offset that is not a multiple
 of 16, where the library's own ``view(complex128)`` fails on receivers. Such leaves travel as
 ``view_as_real`` float64 under a reserved ``__complex128__`` prefix and receivers restore them
@@ -54,15 +59,28 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict
+from tensordict import NonTensorData, TensorDict
 
-from strategies.core.contract import DataProto, Strategy, Unsupported
+from strategies.core.contract import (
+    DataProto,
+    Strategy,
+    Unsupported,
+    attempt,
+    deliver,
+    failure_text,
+    raise_failure,
+    validate,
+    wants_non_tensor,
+)
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.trace import WORK
 from strategies.vllm_tensor_dict import leaf_nbytes
 
 CONSOLIDATE_ALIGN = 8  # tensordict pads every leaf of a mixed-dtype storage to 8 bytes
 COMPLEX_PREFIX = "__complex128__"
+ERROR_KEY = "__leader_error__"
+"""A TensorDict holding only this NonTensorData carries the leader's failure (any exception,
+found by consolidating before the call) instead of a batch, so no receiver waits."""
 
 
 def _hide_complex128(td: TensorDict) -> TensorDict:
@@ -131,26 +149,34 @@ class TensorDictBroadcast(Strategy):
         g = self.groups
         if g.replica_ranks == (g.rank,):
             return batch
-        td = _hide_complex128(batch.batch) if g.is_leader else TensorDict()
-        if g.is_leader:
-            batch.validate(g.rank)
-            if not td.is_consolidated():
-                WORK["packed_bytes"] += sum(
-                    _padded(t.numel() * t.element_size())
-                    for _, t in td.items(include_nested=True, leaves_only=True)
-                )
+        td, exc = attempt(self._preflight, batch) if g.is_leader else (TensorDict(), None)
+        if exc is not None:  # the library carries the failure in place of the batch
+            td = TensorDict({ERROR_KEY: NonTensorData(failure_text(exc))}, batch_size=[])
         # Correct here: the replica holds global rank 0, which is the leader and group index 0.
         out = td.broadcast(src=g.leader, group=g.replica_group, device=g.device)
+        if ERROR_KEY in out.keys():
+            raise_failure(g, out.get(ERROR_KEY).data, exc)
         non_tensor = None
-        if batch.broadcast_non_tensor:
+        if wants_non_tensor(batch):
             box = [batch.non_tensor_batch if g.is_leader else None]
             dist.broadcast_object_list(box, src=g.leader, group=g.cpu_replica_group)
             non_tensor = box[0]
         if not g.is_leader:
-            batch.batch = _restore_complex128(out)
-            if non_tensor is not None:
-                batch.non_tensor_batch = non_tensor
+            deliver(batch, _restore_complex128(out), non_tensor)
         return batch
+
+    def _preflight(self, batch: DataProto) -> TensorDict:
+        """Leader: validate, then consolidate as the library would (the same single copy), so
+        whatever the library would fail on fails here, before its first collective."""
+        validate(batch, self.groups.rank, self.groups.device)
+        td = _hide_complex128(batch.batch)
+        if td.is_consolidated():
+            return td
+        WORK["packed_bytes"] += sum(
+            _padded(t.numel() * t.element_size())
+            for _, t in td.items(include_nested=True, leaves_only=True)
+        )
+        return td.consolidate(metadata=True, device=self.groups.device)
 
     @classmethod
     def plan(cls, layout, spec: PayloadSpec, leaf_bytes: tuple[int, ...] | None = None) -> Plan:

@@ -17,6 +17,8 @@ Adapted to fit the ``get_data_input`` contract:
 
 - keys are TensorDict leaf keys (a nested key travels as its tuple), and ``batch_size`` rides as
   one more inline metadata entry; receivers rebuild the TensorDict;
+- a leader that fails before sending (any exception) sends a metadata list holding only
+  its error, so every rank raises it instead of waiting for tensors;
 - ``non_tensor_batch``, when ``meta_info['_broadcast_non_tensor_batch']`` is set, travels inline
   in the metadata list as vLLM carries any non-tensor value;
 - receivers allocate CUDA tensors on their own ``groups.device`` (vLLM: its current device);
@@ -37,12 +39,23 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from strategies.core.codec import transportable
-from strategies.core.contract import DataProto, Strategy
+from strategies.core.contract import (
+    DataProto,
+    Strategy,
+    attempt,
+    deliver,
+    failure_text,
+    raise_failure,
+    validate,
+    wants_non_tensor,
+)
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.trace import WORK
 
 BATCH_SIZE_KEY = "__batch_size__"
 NON_TENSOR_KEY = "__non_tensor_batch__"
+ERROR_KEY = "__leader_error__"
+"""A metadata list holding only this key carries the leader's failure instead of a batch."""
 
 
 @dataclass(frozen=True)
@@ -98,12 +111,13 @@ def broadcast_tensor_dict(
     return out
 
 
-def to_tensor_dict(batch: DataProto) -> dict:
-    """Leader: the DataProto as the flat dict vLLM broadcasts."""
+def to_tensor_dict(batch: DataProto, rank: int = 0, device=None) -> dict:
+    """Leader: the DataProto as the flat dict vLLM broadcasts (validated first)."""
+    validate(batch, rank, device)
     out: dict = {BATCH_SIZE_KEY: list(batch.batch.batch_size)}
     for key, t in batch.batch.items(include_nested=True, leaves_only=True):
         out[key] = t
-    if batch.broadcast_non_tensor:
+    if wants_non_tensor(batch):
         out[NON_TENSOR_KEY] = batch.non_tensor_batch
     return out
 
@@ -147,16 +161,18 @@ class VllmTensorDict(Strategy):
         g = self.groups
         if g.replica_ranks == (g.rank,):
             return batch
-        d = None
+        d = exc = None
         if g.is_leader:
-            batch.validate(g.rank)
-            d = to_tensor_dict(batch)
+            d, exc = attempt(to_tensor_dict, batch, g.rank, g.device)
+            if exc is not None:  # the failure travels as the metadata list, so no rank waits
+                d = {ERROR_KEY: failure_text(exc)}
         for hop in g.seed_hops():
             d = broadcast_tensor_dict(d, hop.ranks[0], hop.group, hop.cpu_group, g.device)
+        if ERROR_KEY in d:
+            raise_failure(g, d[ERROR_KEY], exc)
         if not g.is_leader:
-            batch.batch, non_tensor = from_tensor_dict(d)
-            if non_tensor is not None:
-                batch.non_tensor_batch = non_tensor
+            td, non_tensor = from_tensor_dict(d)
+            deliver(batch, td, non_tensor)
         return batch
 
     @classmethod

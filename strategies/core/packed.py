@@ -18,7 +18,16 @@ from strategies.core.codec import (
     transportable,
     unpack,
 )
-from strategies.core.contract import ContractError, DataProto, Strategy
+from strategies.core.contract import (
+    DataProto,
+    Strategy,
+    attempt,
+    deliver,
+    failure_text,
+    raise_failure,
+    validate,
+    wants_non_tensor,
+)
 from strategies.core.wire import Wire
 
 
@@ -49,25 +58,30 @@ class PackedStrategy(Strategy):
         self._pack_cache: dict = {}  # layout + destination views of the last batch structure
         self._fill = None
         self._direct: list[torch.Tensor] = []  # leader: the leaves that travel on their own
+        self._failure: Exception | None = None  # leader: what it shipped instead of a batch
 
     def pack(self, batch: DataProto) -> tuple[torch.Tensor, Header, int]:
         """Leader: pack into the reused buffer; returns (buffer, header, total bytes).
 
-        A batch that breaks the contract becomes an error message instead, which travels the
-        same hops, so every rank raises (``complete``) rather than waiting forever.
+        Whatever fails here (a batch that breaks the contract, a dtype the header cannot
+        carry, an object that is no DataProto, any exception) becomes an error message
+        instead, which travels the same hops, so every rank raises (``complete``) rather than
+        waiting forever.
         """
-        try:
-            batch.validate(self.groups.rank)
-            return self._pack(batch)
-        except (ContractError, HeaderError) as exc:
-            raw = encode_error(str(exc))
-            size = max(len(raw), self.wire.expect)
-            buf = torch.zeros(size, dtype=torch.uint8, device=self.groups.device)
-            buf[: len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-            self.wire.stamp(buf, len(raw))
-            self._fill = None
-            self._direct = []
-            return buf, Header((), (), 0, len(raw), 0, None, error=str(exc)), len(raw)
+        self._failure = None
+        packed, exc = attempt(self._pack, batch)
+        if exc is None:
+            return packed
+        self._failure = exc
+        error = failure_text(exc)
+        raw = encode_error(error)
+        size = max(len(raw), self.wire.expect)
+        buf = torch.zeros(size, dtype=torch.uint8, device=self.groups.device)
+        buf[: len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        self.wire.stamp(buf, len(raw))
+        self._fill = None
+        self._direct = []
+        return buf, Header((), (), 0, len(raw), 0, None, error=error), len(raw)
 
     def relay(self, batch: DataProto, hops: list[tuple[object, tuple[int, ...]]]) -> DataProto:
         """The leader packs; each hop ``(group, ranks)`` this rank takes part in moves the
@@ -99,12 +113,7 @@ class PackedStrategy(Strategy):
         g = self.groups
         self.wire.finish(self.wire.next_expect(total) if g.is_leader else header.next_expect)
         if header.error is not None:
-            if g.is_leader:
-                raise ContractError(header.error)
-            raise ContractError(
-                f"rank {g.rank}: the replica leader (rank {g.leader}) refused its batch: "
-                f"{header.error}"
-            )
+            raise_failure(g, header.error, self._failure if g.is_leader else None)
         if not g.is_leader:
             self.finish_receiver(batch, buf, header, direct)
         return batch
@@ -125,7 +134,8 @@ class PackedStrategy(Strategy):
         )
 
     def _pack(self, batch: DataProto) -> tuple[torch.Tensor, Header, int]:
-        nt = batch.non_tensor_batch if batch.broadcast_non_tensor else None
+        validate(batch, self.groups.rank, self.groups.device)
+        nt = batch.non_tensor_batch if wants_non_tensor(batch) else None
         direct = self.direct_leaves(batch)
         buf, header, self._fill = pack_deferred(
             batch.batch,
@@ -162,10 +172,7 @@ class PackedStrategy(Strategy):
         self, batch: DataProto, buf: torch.Tensor, header: Header, direct=()
     ) -> DataProto:
         td, non_tensor = unpack(buf, header, td_device=None, direct=direct)
-        batch.batch = td
-        if non_tensor is not None:
-            batch.non_tensor_batch = non_tensor
-        return batch
+        return deliver(batch, td, non_tensor)
 
 
 def _broadcast_all(tensors: list[torch.Tensor], group, src: int) -> None:

@@ -1,0 +1,165 @@
+"""Tier 2 (real gloo worlds): whatever the replica leader holds or raises, every rank of the
+replica finishes the call within seconds: it either ends with the leader's batch, exact, or
+raises an error naming the leader's. No rank waits in a collective for a leader that failed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from batchgen import raw_bytes
+from tensordict import TensorDict
+
+import strategies
+from strategies.core.layout import Layout
+
+LAYOUTS = {"tp2pp2": Layout(tp=2, pp=2), "tp2pp2dp2": Layout(dp=2, tp=2, pp=2)}
+FAIL_WITHIN_S = 5.0
+"""The job's no-progress limit: a rank still waiting after this is a hang."""
+
+
+@dataclass
+class ForeignProto:
+    """DataProto-shaped (verl's and ROLL's attribute names), not our class."""
+
+    batch: Any
+    non_tensor_batch: dict
+    meta_info: dict
+
+
+class BatchRaises:
+    """A leader object whose ``.batch`` raises an exception type the project never handles."""
+
+    non_tensor_batch: dict = {}
+    meta_info: dict = {}
+
+    @property
+    def batch(self):
+        raise RuntimeError("the batch is gone")
+
+
+def good_td(b: int = 3) -> TensorDict:
+    return TensorDict({"x": torch.arange(b * 4, dtype=torch.float32).view(b, 4)}, [b])
+
+
+def with_leaf(name: str, value: torch.Tensor):
+    td = good_td()
+    td._tensordict[name] = value  # bypasses TensorDict's own checks, as a buggy producer might
+    return strategies.DataProto(td, {}, {"step": 1})
+
+
+CASES = {
+    # case: (what the leader holds, text every rank's error must contain; None: may succeed)
+    "foreign_proto_bad_batch": (
+        lambda: ForeignProto({"x": torch.zeros(3)}, {}, {"step": 1}),
+        "batch must be a tensordict.TensorDict, got dict",
+    ),
+    "plain_tensordict": (good_td, "got TensorDict, which lacks"),
+    "dict": (lambda: {"batch": good_td()}, "got dict, which lacks"),
+    "none": (lambda: None, "got NoneType, which lacks"),
+    "leading_dims_disagree": (
+        lambda: with_leaf("bad", torch.zeros(2, 5)),
+        "batch['bad'] has shape [2, 5]; expected leading dim B=3",
+    ),
+    "non_tensor_wrong_length": (
+        lambda: strategies.DataProto(good_td(), {"uid": np.array(["a"], dtype=object)}, {}),
+        "non_tensor_batch['uid'] has length 1; expected B=3",
+    ),
+    "meta_device": (
+        lambda: with_leaf("m", torch.empty(3, 2, device="meta")),
+        "batch['m'] is on device meta",
+    ),
+    "batch_property_raises": (BatchRaises, "RuntimeError: the batch is gone"),
+    "float8": (lambda: with_leaf("f8", torch.ones(3, 2).to(torch.float8_e4m3fn)), None),
+    "uint16": (lambda: with_leaf("u16", torch.arange(6).view(3, 2).to(torch.uint16)), None),
+    "uint32": (lambda: with_leaf("u32", torch.arange(6).view(3, 2).to(torch.uint32)), None),
+    "uint64": (lambda: with_leaf("u64", torch.arange(6).view(3, 2).to(torch.uint64)), None),
+}
+
+
+def failure_job(ctx, name: str, layout: Layout, case: str):
+    """One call with the case's object on the leader and the ordinary entry state elsewhere;
+    returns ("raised", "Type: message") or ("exact", problems) for this rank."""
+    groups = ctx.groups_for(layout)
+    strategy = strategies.get(name, groups)
+    make, _ = CASES[case]
+    expected = make()
+    entry = make() if groups.is_leader else strategies.DataProto(None, {}, {"step": 1})
+    if isinstance(expected, strategies.DataProto):
+        entry.meta_info = dict(expected.meta_info)
+    ctx.report(f"{name} {case}")
+    try:
+        out = strategy.get_data_input(entry)
+    except Exception as exc:  # noqa: BLE001 -- the test looks at what every rank raised
+        return "raised", f"{type(exc).__name__}: {exc}"
+    problems = []
+    for key, want in expected.batch.items(include_nested=True, leaves_only=True):
+        have = out.batch.get(key)
+        if have.dtype != want.dtype or not torch.equal(raw_bytes(have), raw_bytes(want)):
+            problems.append(f"rank {ctx.rank}: {key!r} differs")
+    return "exact", problems
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("name", strategies.names())
+def test_every_rank_raises_the_leaders_error_or_ends_exact(world4, name, case):
+    layout = LAYOUTS["tp2pp2"]
+    world4.run(failure_job, name, layout, "leading_dims_disagree")  # groups built, warmed up
+    t0 = time.monotonic()
+    results = world4.run(failure_job, name, layout, case, timeout_s=FAIL_WITHIN_S)
+    elapsed = time.monotonic() - t0
+    assert elapsed < FAIL_WITHIN_S, f"{name} {case}: took {elapsed:.1f} s"
+    outcomes = {outcome for outcome, _ in results}
+    assert len(outcomes) == 1, f"{name} {case}: ranks disagree: {results}"
+    _, must_name = CASES[case]
+    if outcomes == {"exact"}:
+        assert must_name is None, f"{name} {case}: carried what the leader should refuse"
+        assert [p for _, problems in results for p in problems] == []
+        return
+    leader = layout.leaders()[0]
+    leader_error = results[leader][1]
+    assert must_name is None or must_name in leader_error, f"{name} {case}: {leader_error}"
+    for rank, (_, message) in enumerate(results):
+        if rank != leader:  # a receiver names the leader and carries its error as it was
+            assert message.startswith(f"LeaderFailed: rank {rank}: "), message
+            assert f"replica leader (rank {leader})" in message, message
+            assert leader_error in message, f"{name} {case} rank {rank}: {message}"
+
+
+def dp_failure_job(ctx, name: str, layout: Layout):
+    """DP > 1: replica 0's leader holds None, replica 1's a good batch."""
+    groups = ctx.groups_for(layout)
+    try:
+        strategy = strategies.get(name, groups)
+    except NotImplementedError:
+        return "refused layout", ""
+    dp = layout.coords(ctx.rank)["dp"]
+    if groups.is_leader:
+        entry = None if dp == 0 else strategies.DataProto(good_td(), {}, {})
+    else:
+        entry = strategies.DataProto(None, {}, {})
+    try:
+        out = strategy.get_data_input(entry)
+    except Exception as exc:  # noqa: BLE001
+        return "raised", f"{type(exc).__name__}: {exc}"
+    return "exact", str(torch.equal(out.batch["x"], good_td()["x"]))
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("name", strategies.names())
+def test_a_failing_replica_leaves_the_other_replica_exact(world8, name):
+    layout = LAYOUTS["tp2pp2dp2"]
+    results = world8.run(dp_failure_job, name, layout, timeout_s=FAIL_WITHIN_S)
+    if {r for r, _ in results} == {"refused layout"}:
+        pytest.skip(f"{name} refuses {layout.describe()}")
+    for rank, (outcome, detail) in enumerate(results):
+        if layout.coords(rank)["dp"] == 0:
+            assert outcome == "raised" and "got NoneType" in detail, (rank, detail)
+        else:
+            assert (outcome, detail) == ("exact", "True"), (rank, detail)
