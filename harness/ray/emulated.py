@@ -119,18 +119,16 @@ def run_emulated(
 ) -> list[dict]:
     """Run the dispatch driver with ``dispatch_args`` on a fresh emulated Ray cluster; return
     its records, each with the cluster's shape added."""
-    from harness.cluster.netns import EmulatedCluster, Emulation
+    from harness.cluster.netns import Emulation
 
     world_size = _world_size(dispatch_args)
     if world_size % nodes:
         raise ValueError(f"{nodes} nodes do not divide the world of {world_size}")
     per_node = world_size // nodes
-    cluster = EmulatedCluster(
-        nodes=nodes, rate_mbit=rate_mbit, links="node", ranks_per_node=per_node
-    )
+    shape = {"nodes": nodes, "rate_mbit": rate_mbit, "links": "node", "ranks_per_node": per_node}
     scratch = Path(tempfile.mkdtemp(prefix="bcastbench-ray-emulated-"))
     try:
-        with Emulation(cluster) as emu:
+        with Emulation(**shape) as emu:
             procs = start_ray_nodes(emu, scratch, cpus_per_node, object_store_mb, 120.0)
             try:
                 records = _drive(emu, dispatch_args, scratch, per_node, link_bytes_calls, limit_s)
