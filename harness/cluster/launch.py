@@ -1,4 +1,5 @@
-"""Run one job on an emulated multi-node cluster (``emulate.enabled=true``; see harness.cluster.netns).
+"""Run one job on an emulated multi-node cluster (``emulate.enabled=true``; see
+harness.cluster.netns).
 
     python -m harness strategy=pp_first layout=tp2pp2 emulate.enabled=true \
         emulate.nodes=2 emulate.rate_mbit=1000 emulate.links=node   # or links=gpu ("rails")
@@ -104,13 +105,15 @@ def _tail(path: Path, n: int = 3000) -> str:
 def run_emulated(cfg, layout, overrides: list[str], out_dir: Path) -> dict:
     """Run the job ``overrides`` describe on an emulated cluster; return its record (not yet
     written). Agents' output goes to ``out_dir/emulate-node<k>.log``."""
-    from harness.cluster.netns import EmulatedCluster, Emulation, EmulationUnavailable
+    from omegaconf import OmegaConf
+
+    from harness.cluster.netns import EmulateConf, Emulation, EmulationUnavailable
 
     e = cfg.emulate
-    per_node = layout.world_size // int(e.nodes)
-    cluster = EmulatedCluster(
-        nodes=int(e.nodes), rate_mbit=int(e.rate_mbit), links=str(e.links), ranks_per_node=per_node
-    )
+    conf = OmegaConf.to_object(e) if OmegaConf.is_config(e) else e
+    if not isinstance(conf, EmulateConf):  # a job config composed without the schema
+        conf = EmulateConf(**conf)
+    cluster = conf.for_world(layout.world_size)
     limit_s = float(e.limit_s) if e.limit_s is not None else 2 * float(cfg.timeout_s) + 60
     out_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="bcastbench-emulated-"))

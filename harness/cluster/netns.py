@@ -26,8 +26,7 @@ import signal
 import subprocess
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
 
 PREFIX = "bcb-"
 _SEQ = itertools.count()
@@ -38,25 +37,38 @@ class EmulationUnavailable(RuntimeError):
 
 
 @dataclass
-class EmulatedCluster:
-    """How many nodes, how they are linked, and how fast the links are."""
+class EmulateConf:
+    """An emulated cluster: how many nodes, how they are linked, how fast the links are, and
+    how the harness runs a job on it. The job config's ``emulate:`` key (schema registered by
+    ``harness.run.config``) and the argument of ``Emulation`` are this one type."""
 
+    enabled: bool = False
+    """Run the job on the emulated cluster (``harness.cluster.launch``). Needs root and
+    iproute2; gloo on CPU."""
     nodes: int = 2
-    """Number of emulated nodes (one network namespace each)."""
+    """Emulated nodes (one network namespace each); the world (dp·pp·tp·cp) is split into
+    equal blocks of consecutive ranks, rank r on node r // ranks_per_node (the layout's order
+    puts TP, then CP, innermost)."""
     rate_mbit: int = 1000
-    """tbf rate of each link, per direction, in Mbit/s (payload ≈ 0.956 of it at MTU 1500).
-    The brief found tbf accurate to 1 % from 250 Mbit/s to 2 Gbit/s on 2 cores."""
-    links: Literal["node", "gpu"] = "node"
-    """``"node"``: one link per node shared by its ranks; ``"gpu"``: one link per rank (rails)."""
-    ranks_per_node: int = 2
-    """Ranks placed on each node, in blocks: rank ``r`` lives on node ``r // ranks_per_node``."""
+    """tbf rate of each link, per direction, in Mbit/s (the payload gets ≈ (MTU − 52)/(MTU + 14)
+    of it over TCP)."""
+    links: str = "node"
+    """``node``: one link per node shared by its ranks; ``gpu``: one link per rank (rails)."""
+    ranks_per_node: int | None = None
+    """Ranks placed on each node, in blocks; null: world size / nodes for a harness job
+    (``for_world``), 2 for a bare ``Emulation``."""
+    bytes_calls: int = 2
+    """Untimed calls per strategy in the link-counting phase that gives
+    cross_node_bytes_per_call (0: skip the phase)."""
+    limit_s: float | None = None
+    """Wall-clock limit of the whole emulated launch; null: 2·timeout_s + 60 s."""
     burst_kb: int = 32
     """tbf bucket of each link's sending end (node → hub), in KiB. A large bucket lets the
-    first bytes pass at line speed (a negative fitted α); ~32 KiB keeps α fittable."""
+    first bytes pass at line speed (a negative fitted α); a small one keeps α fittable."""
     hub_burst_kb: int = 256
-    """tbf bucket of each link's receiving end (hub → node), in KiB. Two equal small buckets in
-    series lost ~15 % of the rate (measured: 0.85 of payload rate at 32+32 KiB, 0.96–0.98 at
-    32+256 KiB), so the receiving end, which only matters for incast, gets a larger bucket."""
+    """tbf bucket of each link's receiving end (hub → node), in KiB. Two equal small buckets
+    in series lose part of the rate, so the receiving end, which only matters for incast, gets
+    a larger bucket."""
     subnet: str = "10.231.0.0/16"
     """Private IPv4 subnet used only inside the namespaces (must hold 256·(nodes+1) addresses)."""
     latency_ms: int = 50
@@ -64,22 +76,35 @@ class EmulatedCluster:
     mtu: int = 1500
     """MTU of every veth."""
 
-    def __post_init__(self) -> None:
-        if self.nodes < 1 or self.ranks_per_node < 1:
-            raise ValueError("nodes and ranks_per_node must be >= 1")
+    def for_world(self, world_size: int) -> EmulateConf:
+        """This cluster with ``ranks_per_node`` filled in for a world of ``world_size``."""
+        if self.nodes < 1 or world_size % self.nodes:
+            raise ValueError(
+                f"emulate.nodes={self.nodes} does not divide the world of {world_size}"
+            )
+        return replace(self, ranks_per_node=world_size // self.nodes)
+
+    def check(self) -> None:
+        """The values ``Emulation`` needs; a ValueError naming the field."""
+        if self.nodes < 1 or not self.ranks_per_node or self.ranks_per_node < 1:
+            raise ValueError(
+                f"emulate.nodes and emulate.ranks_per_node must be >= 1, got {self.nodes} and "
+                f"{self.ranks_per_node} (use for_world(world_size) to fill ranks_per_node)"
+            )
         if self.links not in ("node", "gpu"):
-            raise ValueError(f"links must be 'node' or 'gpu', got {self.links!r}")
-        if self.rate_mbit <= 0 or self.burst_kb <= 0 or self.hub_burst_kb <= 0:
-            raise ValueError("rate_mbit, burst_kb and hub_burst_kb must be positive")
+            raise ValueError(f"emulate.links must be node or gpu, got {self.links!r}")
+        for name in ("rate_mbit", "burst_kb", "hub_burst_kb"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"emulate.{name} must be positive, got {getattr(self, name)}")
         if self.ranks_per_node > 250:
-            raise ValueError("at most 250 ranks per node")
+            raise ValueError(f"emulate.ranks_per_node: at most 250, got {self.ranks_per_node}")
         net = ipaddress.ip_network(self.subnet)
         if net.version != 4 or net.num_addresses < 256 * (self.nodes + 1):
-            raise ValueError(f"subnet {self.subnet} is too small for {self.nodes} nodes")
+            raise ValueError(f"emulate.subnet {self.subnet} is too small for {self.nodes} nodes")
 
     @property
     def world_size(self) -> int:
-        return self.nodes * self.ranks_per_node
+        return self.nodes * (self.ranks_per_node or 0)
 
 
 def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -162,13 +187,16 @@ def _kill_netns_pids(name: str) -> None:
 
 
 class Emulation:
-    """Context manager that builds an :class:`EmulatedCluster` and tears it down again."""
+    """Context manager that builds an :class:`EmulateConf` cluster and tears it down again."""
 
-    def __init__(self, cfg: EmulatedCluster | None = None, **overrides: object) -> None:
+    def __init__(self, cfg: EmulateConf | None = None, **overrides: object) -> None:
         if cfg is None:
-            cfg = EmulatedCluster(**overrides)  # type: ignore[arg-type]
+            cfg = EmulateConf(**overrides)  # type: ignore[arg-type]
         elif overrides:
-            raise TypeError("pass either an EmulatedCluster or keyword overrides, not both")
+            raise TypeError("pass either an EmulateConf or keyword overrides, not both")
+        if cfg.ranks_per_node is None:
+            cfg = replace(cfg, ranks_per_node=2)
+        cfg.check()
         self.cfg = cfg
         self.uid = f"{os.getpid()}-{next(_SEQ)}"
         self.hub = f"{PREFIX}{self.uid}-hub"

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from harness import paths  # noqa: I001
+from harness.files import write_atomic, write_json
 from harness.run.machine import other_cores, snapshot
 
 STRATEGIES = ("pickled", "header", "flat", "pp_first", "scatter_allgather")
@@ -44,13 +45,13 @@ def run_jobs(out: Path, iters: int, warmup: int, batch_size: int, seq_len: int) 
         argv += [f"payload.seq_len={seq_len}", f"iters={iters}", f"warmup={warmup}"]
         argv += ["emulate.enabled=true", "emulate.nodes=2", "emulate.rate_mbit=1000"]
         argv += [f"emulate.links={links}", f"hydra.run.dir={out / links}"]
-        print(f"emulated_report: running {LINK_TITLES[links]} …", flush=True)
+        print(f"cluster table: running {LINK_TITLES[links]} …", flush=True)
         start = snapshot()
         subprocess.run(argv, cwd=REPO, check=True)
         # The intra-node phases are CPU-bound: other work on the machine slows them (never the
         # shaped links), so the report says how much of the machine other work took.
         machine = {"cpus": os.cpu_count(), "other_cores": other_cores(start)}
-        (out / links / "machine.json").write_text(json.dumps(machine))
+        write_json(out / links / "machine.json", machine)
 
 
 def measured(record: dict) -> dict[str, dict]:
@@ -73,7 +74,7 @@ def predicted_cross_bytes(plan, ranks_per_node: int) -> int:
     """Payload bytes one call of ``plan`` sends between nodes, as gloo moves them: a broadcast
     along its binomial tree's edges, a scatter straight from the root, an all-gather around a
     ring in group order."""
-    from harness.model.costmodel import tree_rounds
+    from harness.model.formulas import tree_rounds
 
     def node(r: int) -> int:
         return r // ranks_per_node
@@ -95,7 +96,8 @@ def predicted_cross_bytes(plan, ranks_per_node: int) -> int:
 def predictions(batch_size: int, seq_len: int, seed: int = 0) -> dict[str, dict[str, dict]]:
     """{links: {strategy: {total_s, link_bound, cross_bytes}}} from each strategy's plan."""
     import strategies
-    from harness.model.costmodel import load_cluster, price
+    from harness.model.cluster import load_cluster
+    from harness.model.pricing import price
     from harness.run import payloads
     from strategies.core.layout import Layout
     from strategies.core.plan import spec_of
@@ -138,87 +140,122 @@ def ranking_agrees(meas: dict[str, float], pred: dict[str, float]) -> tuple[bool
     return not bad, bad
 
 
+def load_records(root: Path) -> dict[str, dict]:
+    """``{links: record}`` of the two jobs under ``root`` (``node/``, ``gpu/``)."""
+    recs = {}
+    for links in LINKS:
+        path = root / links / "result.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no {path}")
+        recs[links] = json.loads(path.read_text())
+    return recs
+
+
+def compare(root: Path) -> list[dict]:
+    """Measured p50 and predicted time of every strategy of both jobs under ``root``."""
+    recs = load_records(root)
+    preds = predictions(recs["node"]["batch_size"], recs["node"]["seq_len"])
+    return [
+        dict(
+            links=links,
+            preset=LINKS[links],
+            strategy=name,
+            measured_ms=m["p50_us"] / 1e3,
+            predicted_ms=preds[links][name]["total_s"] * 1e3,
+        )
+        for links, rec in recs.items()
+        for name, m in measured(rec).items()
+        if name in preds[links]
+    ]
+
+
+def _machine_note(root: Path, links: str) -> str:
+    """How busy the machine was during the job (``machine.json`` beside the record)."""
+    path = root / links / "machine.json"
+    m = json.loads(path.read_text()) if path.is_file() else {}
+    if m.get("other_cores") is None:
+        return ""
+    note = f"; other work used {m['other_cores']:.2f} of {m['cpus']} CPUs meanwhile"
+    if m["other_cores"] > 0.5:
+        note += " (CPU-bound phases ran slow: times are upper bounds)"
+    return note
+
+
+def _section(root: Path, links: str, rec: dict, preds: dict[str, dict]) -> tuple[list, bool, bool]:
+    """One link layout's table and verdict lines; (lines, all link-bound within 10 %, agree)."""
+    meas = measured(rec)
+    s = rec["payload_bytes"]
+    lines = [
+        f"## {LINK_TITLES[links]} (`emulate.links={links}`, cost model `{LINKS[links]}`)",
+        "",
+        f"payload S = {s / 2**20:.2f} MiB, {rec['iters']} timed iterations, "
+        f"{rec['emulate_rate_mbit']} Mbit/s, {rec['emulate_nodes']} nodes × "
+        f"{rec['emulate_ranks_per_node']} ranks{_machine_note(root, links)}",
+        "",
+        "| strategy | measured p50 ms | predicted ms | predicted/measured | link-bound | "
+        "crossed per call (× S) | predicted crossing (× S) | model: dominated by |",
+        "|---|---:|---:|---:|:-:|---:|---:|---|",
+    ]
+    ratios_bound = []
+    for name in sorted(STRATEGIES, key=lambda n: meas[n]["p50_us"]):
+        m, p = meas[name], preds[name]
+        ms = m["p50_us"] / 1e3
+        ratio = p["total_s"] * 1e3 / ms
+        if p["link_bound"]:
+            ratios_bound.append((name, ratio))
+        crossed = m["cross_node_bytes_per_call"]
+        crossed_txt = f"{crossed / s:.3f}" if crossed is not None else "–"
+        lines.append(
+            f"| {name} | {ms:.1f} | {p['total_s'] * 1e3:.1f} | {ratio:.3f} | "
+            f"{'yes' if p['link_bound'] else 'no'} | {crossed_txt} | "
+            f"{p['cross_bytes'] * WIRE / s:.3f} | {p['dominant']} |"
+        )
+    agree, bad = ranking_agrees(
+        {n: meas[n]["p50_us"] for n in STRATEGIES}, {n: preds[n]["total_s"] for n in STRATEGIES}
+    )
+    within = [n for n, r in ratios_bound if abs(r - 1) <= 0.10]
+    lines += [
+        "",
+        f"- link-bound strategies within 10 %: {len(within)} of {len(ratios_bound)} "
+        f"({', '.join(f'{n} {r:.3f}' for n, r in ratios_bound)})",
+        f"- ranking (pairs within {TIE:.0%} in either column are ties): "
+        + ("same as measured" if agree else f"differs on {', '.join(bad)}"),
+        "",
+    ]
+    return lines, len(within) == len(ratios_bound), agree
+
+
 def table(root: Path) -> str:
-    recs = {links: json.loads((root / links / "result.json").read_text()) for links in LINKS}
+    recs = load_records(root)
     first = recs["node"]
     preds = predictions(first["batch_size"], first["seq_len"])
     lines = [
         "# Emulated 2-node cluster: 1 Gbit/s links, tp=2 in a node, pp=2 across",
         "",
-        "Measured: `python -m harness.cluster.table` (harness.cluster.launch, gloo on CPU, p50 of the",
-        "slowest rank per iteration, all five strategies interleaved in one job per link layout).",
-        "Predicted: each strategy's plan priced by harness.model.costmodel on conf/cluster/emulated.yaml",
-        "(one link per node) and emulated_rails.yaml (one per rank). Bytes are wire bytes per",
-        f"call that crossed nodes (S = payload; predicted = plan's payload bytes × {WIRE:.4f}).",
+        "Measured: `python -m harness.cluster.table` (harness.cluster.launch, gloo on CPU, p50 of",
+        "the slowest rank per iteration, all five strategies interleaved in one job per link",
+        "layout). Predicted: each strategy's plan priced by harness.model.pricing on",
+        "conf/cluster/emulated.yaml (one link per node) and emulated_rails.yaml (one per rank).",
+        "Bytes are wire bytes per call that crossed nodes (S = payload; predicted = plan's",
+        f"payload bytes × {WIRE:.4f}).",
         "",
     ]
-    summary = []
-    for links in LINKS:
-        rec = recs[links]
-        meas = measured(rec)
-        s = rec["payload_bytes"]
-        machine_path = root / links / "machine.json"
-        busy = ""
-        m = json.loads(machine_path.read_text()) if machine_path.is_file() else {}
-        if m.get("other_cores") is not None:
-            busy = f"; other work used {m['other_cores']:.2f} of {m['cpus']} CPUs meanwhile"
-            if m["other_cores"] > 0.5:
-                busy += " (CPU-bound phases ran slow: times are upper bounds)"
-        elif "load_before" in m:  # records from before harness.run.machine: the load average
-            load = max(m["load_before"], m["load_after"])
-            busy = f"; 1-min load average {load:.1f} on {m['cpus']} CPUs (not a reliable measure)"
-        lines += [
-            f"## {LINK_TITLES[links]} (`emulate.links={links}`, cost model `{LINKS[links]}`)",
-            "",
-            f"payload S = {s / 2**20:.2f} MiB, {rec['iters']} timed iterations, "
-            f"{rec['emulate_rate_mbit']} Mbit/s, {rec['emulate_nodes']} nodes × "
-            f"{rec['emulate_ranks_per_node']} ranks{busy}",
-            "",
-            "| strategy | measured p50 ms | predicted ms | predicted/measured | link-bound | "
-            "crossed per call (× S) | predicted crossing (× S) | model: dominated by |",
-            "|---|---:|---:|---:|:-:|---:|---:|---|",
-        ]
-        ratios_bound = []
-        for name in sorted(STRATEGIES, key=lambda n: meas[n]["p50_us"]):
-            m, p = meas[name], preds[links][name]
-            ms = m["p50_us"] / 1e3
-            ratio = p["total_s"] * 1e3 / ms
-            if p["link_bound"]:
-                ratios_bound.append((name, ratio))
-            crossed = m["cross_node_bytes_per_call"]
-            crossed_txt = f"{crossed / s:.3f}" if crossed is not None else "–"
-            lines.append(
-                f"| {name} | {ms:.1f} | {p['total_s'] * 1e3:.1f} | {ratio:.3f} | "
-                f"{'yes' if p['link_bound'] else 'no'} | {crossed_txt} | "
-                f"{p['cross_bytes'] * WIRE / s:.3f} | {p['dominant']} |"
-            )
-        agree, bad = ranking_agrees(
-            {n: meas[n]["p50_us"] for n in STRATEGIES},
-            {n: preds[links][n]["total_s"] for n in STRATEGIES},
-        )
-        within = [n for n, r in ratios_bound if abs(r - 1) <= 0.10]
-        lines += [
-            "",
-            f"- link-bound strategies within 10 %: {len(within)} of {len(ratios_bound)} "
-            f"({', '.join(f'{n} {r:.3f}' for n, r in ratios_bound)})",
-            f"- ranking (pairs within {TIE:.0%} in either column are ties): "
-            + ("same as measured" if agree else f"differs on {', '.join(bad)}"),
-            "",
-        ]
-        summary.append((links, len(within) == len(ratios_bound), agree))
-    lines.append(
-        "Verdict: "
-        + "; ".join(
+    verdicts = []
+    for links, rec in recs.items():
+        section, ok, agree = _section(root, links, rec, preds[links])
+        lines += section
+        verdicts.append(
             f"{LINK_TITLES[links]}: {'all link-bound within 10 %' if ok else 'NOT all within 10 %'}"
             f", {'same ranking' if agree else 'ranking differs'}"
-            for links, ok, agree in summary
         )
-    )
+    lines.append("Verdict: " + "; ".join(verdicts))
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m harness.cluster.table", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--from", dest="src", help="read records from this dir (node/, gpu/)")
     ap.add_argument("--out", default="results/emulated", help="where jobs and report.md go")
     ap.add_argument("--iters", type=int, default=7)
@@ -226,11 +263,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=720)
     ap.add_argument("--seq-len", type=int, default=512)
     args = ap.parse_args(argv)
+    for name in ("iters", "batch_size", "seq_len"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        ap.error(f"--warmup must be >= 0, got {args.warmup}")
     root = Path(args.src or args.out)
     if args.src is None:
         run_jobs(root, args.iters, args.warmup, args.batch_size, args.seq_len)
-    text = table(root)
-    (root / "report.md").write_text(text)
+    try:
+        text = table(root)
+    except (FileNotFoundError, KeyError) as exc:
+        ap.error(f"--from {root}: not a cluster table directory ({exc})")
+    write_atomic(root / "report.md", text)
     print(text)
     print(f"report: {root / 'report.md'}")
     return 0

@@ -1,45 +1,44 @@
-"""Fit the cost model's α and β to this machine: ``python -m harness.model.calibrate [--world 4]``.
+"""Fit the cost model's α and β to the machine it runs on: ``python -m harness.model.calibrate``.
 
-Times broadcast, scatter and all_gather on a real gloo world (groups of 2 and of the whole
-world), host pickle/unpickle/memcpy rates, the fixed per-call host costs (pickle.dumps/loads,
-codec pack/unpack on tiny ``rl_rollout`` batches, see ``per_call_costs``), fits α, β per
-collective in the model's own form (``costmodel.coefficients``) and writes
-``conf/cluster/local.yaml`` atomically, with the world size and core count it ran on
-(``calibrated_ranks``, ``cpu_cores``: the oversubscription factor's reference).
+A Hydra app (``conf/calibrate.yaml``: ``world=4 reps=21 short=false dry_run=false max_load=null
+out=conf/cluster/local.yaml``). Times broadcast, scatter and all_gather on a real gloo world
+(groups of 2 and of the whole world), host pickle/unpickle/memcpy rates, the fixed per-call host
+costs (pickle.dumps/loads, codec pack/unpack on tiny ``rl_rollout`` batches, see
+``per_call_costs``), fits α, β per collective in the model's own form
+(``formulas.coefficients``) and writes the cluster file atomically, with the world size and core
+count it ran on (``calibrated_ranks``, ``cpu_cores``: the oversubscription factor's reference).
 
-Run it on a quiet machine: every figure includes whatever else shares the cores. ``--max-load N``
-refuses to start while other work uses more than N cores (harness.run.machine, from /proc/stat; the
-load average can be meaningless in a VM), and the report warns when other work took > 0.5 cores
-during the run.
+Run it on a quiet machine: every figure includes whatever else shares the cores. ``max_load=N``
+refuses to start while other work uses more than N cores (harness.run.machine, from /proc/stat;
+the load average can be meaningless in a VM), and the report warns when other work took > 0.5
+cores during the run.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import platform
 import random
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from harness.model.costmodel import (
+from harness.files import write_atomic
+from harness.model.cluster import CONF_DIR, GB, US, ClusterConf, LinkConf, load_cluster
+from harness.model.formulas import (
     ALLGATHER_ALGORITHMS,
     BROADCAST_ALGORITHMS,
-    CONF_DIR,
     SCATTER_ALGORITHMS,
-    Cluster,
-    Link,
-    cluster_to_config,
+    ClusterError,
     coefficients,
-    load_cluster,
 )
+
+PROG = "python -m harness.model.calibrate"
 
 KIB = 1024
 DEFAULT_SIZES = tuple(KIB * 4**i for i in range(8))  # 1 KiB .. 16 MiB
@@ -73,7 +72,7 @@ class Sample:
 class Fit:
     kind: str
     algorithm: str
-    link: Link
+    link: LinkConf
     r2: float
     max_rel_err: float
     rms_rel_err: float
@@ -137,77 +136,76 @@ def _time_collectives(ctx, group_sizes, sizes, reps):
 
 
 def _time_host(ctx, nbytes, reps):
-    """pickle.dumps / loads and memcpy rates, measured on rank 0 while the others wait."""
-    import pickle
-
+    """pickle.dumps / loads and memcpy rates (and device copies where CUDA is available),
+    measured on rank 0 while the others wait."""
     import torch
     import torch.distributed as dist
 
     out = None
     if ctx.rank == 0:
-        from tensordict import TensorDict
-
-        # A batch-like TensorDict: a few tensors of mixed dtypes, as the pickled strategy sends.
-        n_elem = nbytes // 16
-        batch = TensorDict(
-            {
-                "input_ids": torch.arange(n_elem, dtype=torch.int64),
-                "attention_mask": torch.ones(n_elem, dtype=torch.int32),
-                "position_ids": torch.arange(n_elem, dtype=torch.int32),
-            },
-            batch_size=[],
-        )
-        dumps, loads, copies = [], [], []
-        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-        dst = torch.empty_like(src)
-        for it in range(reps + 1):
-            t0 = time.perf_counter()
-            blob = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
-            t1 = time.perf_counter()
-            pickle.loads(blob)
-            t2 = time.perf_counter()
-            dst.copy_(src)
-            t3 = time.perf_counter()
-            if it:
-                dumps.append(len(blob) / (t1 - t0))
-                loads.append(len(blob) / (t2 - t1))
-                copies.append(nbytes / (t3 - t2))
-        out = dict(
-            pickle_bytes_per_s=statistics.median(dumps),
-            unpickle_bytes_per_s=statistics.median(loads),
-            memcpy_bytes_per_s=statistics.median(copies),
-        )
+        out = _host_rates(nbytes, reps)
         if torch.cuda.is_available():
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-            d2h, h2d = [], []
-            for it in range(reps + 1):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                host.copy_(dev)
-                torch.cuda.synchronize()
-                t1 = time.perf_counter()
-                dev.copy_(host)
-                torch.cuda.synchronize()
-                t2 = time.perf_counter()
-                if it:
-                    d2h.append(nbytes / (t1 - t0))
-                    h2d.append(nbytes / (t2 - t1))
-            out.update(
-                d2h_bytes_per_s=statistics.median(d2h), h2d_bytes_per_s=statistics.median(h2d)
-            )
-            src_dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-            d2d = []
-            for it in range(reps + 1):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                dev.copy_(src_dev)
-                torch.cuda.synchronize()
-                if it:
-                    d2d.append(nbytes / (time.perf_counter() - t0))
-            out.update(device_copy_bytes_per_s=statistics.median(d2d))
+            out.update(_device_rates(nbytes, reps))
     dist.barrier()
     return out
+
+
+def _host_rates(nbytes: int, reps: int) -> dict[str, float]:
+    import pickle
+
+    import torch
+    from tensordict import TensorDict
+
+    # A batch-like TensorDict: a few tensors of mixed dtypes, as the pickled strategy sends.
+    n_elem = nbytes // 16
+    batch = TensorDict(
+        {
+            "input_ids": torch.arange(n_elem, dtype=torch.int64),
+            "attention_mask": torch.ones(n_elem, dtype=torch.int32),
+            "position_ids": torch.arange(n_elem, dtype=torch.int32),
+        },
+        batch_size=[],
+    )
+    dumps, loads, copies = [], [], []
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    for it in range(reps + 1):  # iteration 0 warms up
+        t0 = time.perf_counter()
+        blob = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+        t1 = time.perf_counter()
+        pickle.loads(blob)
+        t2 = time.perf_counter()
+        dst.copy_(src)
+        t3 = time.perf_counter()
+        if it:
+            dumps.append(len(blob) / (t1 - t0))
+            loads.append(len(blob) / (t2 - t1))
+            copies.append(nbytes / (t3 - t2))
+    return dict(
+        pickle_bytes_per_s=statistics.median(dumps),
+        unpickle_bytes_per_s=statistics.median(loads),
+        memcpy_bytes_per_s=statistics.median(copies),
+    )
+
+
+def _device_rates(nbytes: int, reps: int) -> dict[str, float]:
+    """Device→host, host→device (pinned) and device→device copy rates, bytes/s."""
+    import torch
+
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src_dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    copies = {"d2h": (host, dev), "h2d": (dev, host), "device_copy": (dev, src_dev)}
+    rates: dict[str, list[float]] = {name: [] for name in copies}
+    for it in range(reps + 1):
+        for name, (to, frm) in copies.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            to.copy_(frm)
+            torch.cuda.synchronize()
+            if it:
+                rates[name].append(nbytes / (time.perf_counter() - t0))
+    return {f"{name}_bytes_per_s": statistics.median(v) for name, v in rates.items()}
 
 
 def _time_per_call(ctx, reps):
@@ -217,66 +215,77 @@ def _time_per_call(ctx, reps):
     included), broadcasts, every receiver decodes the header and unpacks; then the leader
     pickles the TensorDict, broadcasts it, every receiver unpickles it. Returns, per rank,
     ``{kind: [(seconds, bytes, blob_bytes), ...]}`` (bytes: what the model charges by size)."""
+    import torch.distributed as dist
+
+    from harness.run import payloads
+
+    name, sizes, seq_len = PER_CALL_PAYLOAD
+    batches = [payloads.make(name, b, seq_len, 0) for b in sizes]
+    out: dict[str, list] = {"pack": [], "unpack": [], "pickle": [], "unpickle": []}
+    bufs: dict[int, object] = {}
+    caches: dict[int, dict] = {i: {} for i in range(len(batches))}  # steady state: hits
+    for it in range(reps + 1):  # iteration 0 warms up
+        ctx.report(f"calibrate: per-call costs, iteration {it}")
+        for i, dp in enumerate(batches):
+            samples = (_pack_round(ctx.rank, dp, i, bufs, caches[i]), _pickle_round(ctx.rank, dp))
+            if it:
+                for kind, *sample in samples:
+                    out[kind].append(tuple(sample))
+    dist.barrier()
+    return out
+
+
+def _pack_round(rank: int, dp, i: int, bufs: dict, cache: dict) -> tuple:
+    """One pack → broadcast → unpack of ``dp``: ``(kind, seconds, bytes, non-tensor bytes)``."""
+    import torch
+    import torch.distributed as dist
+
+    from strategies.core.codec import DEFAULT_MAX_BYTES, pack, read_header, unpack
+
+    nt = dp.non_tensor_batch if dp.broadcast_non_tensor else None
+    _, header = pack(dp.batch, nt)  # sizes every rank knows
+    total = header.total_bytes
+    nt_bytes = header.non_tensor[1] if header.non_tensor else 0
+    dist.barrier()
+    if rank == 0:
+        t0 = time.perf_counter()
+        dp.validate(0)
+        buf, _ = pack(dp.batch, nt, out=bufs.get(i))
+        dt = time.perf_counter() - t0
+        bufs[i] = buf
+        dist.broadcast(buf[:total], src=0)
+        return ("pack", dt, total, nt_bytes)
+    got = torch.empty(total, dtype=torch.uint8)
+    dist.broadcast(got, src=0)
+    t0 = time.perf_counter()
+    unpack(got, read_header(got, DEFAULT_MAX_BYTES, rank, cache))
+    return ("unpack", time.perf_counter() - t0, 0, nt_bytes)
+
+
+def _pickle_round(rank: int, dp) -> tuple:
+    """One pickle → broadcast → unpickle of ``dp.batch``: ``(kind, seconds, bytes, 0)``."""
     import pickle
 
     import torch
     import torch.distributed as dist
 
-    from harness.run import payloads
-    from strategies.core.codec import DEFAULT_MAX_BYTES, pack, read_header, unpack
-
-    name, sizes, seq_len = PER_CALL_PAYLOAD
-    batches = [payloads.make(name, b, seq_len, 0) for b in sizes]
-    leader = ctx.rank == 0
-    out: dict[str, list] = {"pack": [], "unpack": [], "pickle": [], "unpickle": []}
-    bufs: dict[int, torch.Tensor] = {}
-    caches: dict[int, dict] = {i: {} for i in range(len(batches))}  # steady state: hits
-    for it in range(reps + 1):
-        ctx.report(f"calibrate: per-call costs, iteration {it}")
-        for i, dp in enumerate(batches):
-            nt = dp.non_tensor_batch if dp.broadcast_non_tensor else None
-            ref, header = pack(dp.batch, nt)  # sizes every rank knows
-            total = header.total_bytes
-            nt_bytes = header.non_tensor[1] if header.non_tensor else 0
-            blob_len = len(pickle.dumps(dp.batch))
-            dist.barrier()
-            if leader:
-                t0 = time.perf_counter()
-                dp.validate(0)
-                buf, _ = pack(dp.batch, nt, out=bufs.get(i))
-                dt = time.perf_counter() - t0
-                bufs[i] = buf
-                dist.broadcast(buf[:total], src=0)
-                sample = ("pack", dt, total, nt_bytes)
-            else:
-                got = torch.empty(total, dtype=torch.uint8)
-                dist.broadcast(got, src=0)
-                t0 = time.perf_counter()
-                unpack(got, read_header(got, DEFAULT_MAX_BYTES, ctx.rank, caches[i]))
-                sample = ("unpack", time.perf_counter() - t0, 0, nt_bytes)
-            if it:
-                out[sample[0]].append(sample[1:])
-            dist.barrier()
-            size = torch.zeros(1, dtype=torch.int64)
-            if leader:
-                t0 = time.perf_counter()
-                blob = pickle.dumps(dp.batch)
-                dt = time.perf_counter() - t0
-                size[0] = len(blob)
-                dist.broadcast(size, src=0)
-                dist.broadcast(torch.frombuffer(bytearray(blob), dtype=torch.uint8), src=0)
-                sample = ("pickle", dt, len(blob), 0)
-            else:
-                dist.broadcast(size, src=0)
-                got = torch.empty(int(size[0]), dtype=torch.uint8)
-                dist.broadcast(got, src=0)
-                t0 = time.perf_counter()
-                pickle.loads(got.numpy().tobytes())
-                sample = ("unpickle", time.perf_counter() - t0, blob_len, 0)
-            if it:
-                out[sample[0]].append(sample[1:])
+    blob_len = len(pickle.dumps(dp.batch))
     dist.barrier()
-    return out
+    size = torch.zeros(1, dtype=torch.int64)
+    if rank == 0:
+        t0 = time.perf_counter()
+        blob = pickle.dumps(dp.batch)
+        dt = time.perf_counter() - t0
+        size[0] = len(blob)
+        dist.broadcast(size, src=0)
+        dist.broadcast(torch.frombuffer(bytearray(blob), dtype=torch.uint8), src=0)
+        return ("pickle", dt, len(blob), 0)
+    dist.broadcast(size, src=0)
+    got = torch.empty(int(size[0]), dtype=torch.uint8)
+    dist.broadcast(got, src=0)
+    t0 = time.perf_counter()
+    pickle.loads(got.numpy().tobytes())
+    return ("unpickle", time.perf_counter() - t0, blob_len, 0)
 
 
 def per_call_costs(per_rank: list[dict], rates: dict[str, float]) -> dict[str, float]:
@@ -334,7 +343,7 @@ def fit_kind(samples: list[Sample], kind: str, algorithm: str) -> Fit:
     return Fit(
         kind,
         algorithm,
-        Link(float(alpha), float(beta)),
+        LinkConf.from_si(float(alpha), float(beta)),
         r2=1 - ss_res / ss_tot,
         max_rel_err=float(np.max(np.abs(rel))),
         rms_rel_err=float(np.sqrt(np.mean(rel**2))),
@@ -352,38 +361,40 @@ def best_fits(samples: list[Sample]) -> dict[str, Fit]:
 
 def build_local_cluster(
     fits: dict[str, Fit], host: dict[str, float], world_size: int = 0, cpu_cores: int = 0
-) -> Cluster:
+) -> ClusterConf:
+    """The ``local`` cluster the fits and host rates (SI, as measured) describe."""
     by_kind = {kind: f.link for kind, f in fits.items()}
-    return Cluster(
+    memcpy = host["memcpy_bytes_per_s"]
+    return ClusterConf(
         name="local",
         gpus_per_node=LOCAL_GPUS_PER_NODE,
         nics_per_node=1,
         intra=by_kind["broadcast"],
         inter=by_kind["broadcast"],  # never used: one machine is one node
-        broadcast_algorithm=fits["broadcast"].algorithm,  # type: ignore[arg-type]
-        scatter_algorithm=fits["scatter"].algorithm,  # type: ignore[arg-type]
-        allgather_algorithm=fits["all_gather"].algorithm,  # type: ignore[arg-type]
+        broadcast_algorithm=fits["broadcast"].algorithm,
+        scatter_algorithm=fits["scatter"].algorithm,
+        allgather_algorithm=fits["all_gather"].algorithm,
         intra_by_kind=by_kind,
         inter_by_kind={},
-        d2h_bytes_per_s=host.get("d2h_bytes_per_s", host["memcpy_bytes_per_s"]),
-        h2d_bytes_per_s=host.get("h2d_bytes_per_s", host["memcpy_bytes_per_s"]),
-        pickle_bytes_per_s=host["pickle_bytes_per_s"],
-        unpickle_bytes_per_s=host["unpickle_bytes_per_s"],
-        memcpy_bytes_per_s=host["memcpy_bytes_per_s"],
-        device_copy_bytes_per_s=host.get("device_copy_bytes_per_s", 0.0),
-        pickle_call_s=host.get("pickle_call_s", 0.0),
-        unpickle_call_s=host.get("unpickle_call_s", 0.0),
-        pack_call_s=host.get("pack_call_s", 0.0),
-        unpack_call_s=host.get("unpack_call_s", 0.0),
+        d2h_gbytes_per_s=host.get("d2h_bytes_per_s", memcpy) / GB,
+        h2d_gbytes_per_s=host.get("h2d_bytes_per_s", memcpy) / GB,
+        pickle_gbytes_per_s=host["pickle_bytes_per_s"] / GB,
+        unpickle_gbytes_per_s=host["unpickle_bytes_per_s"] / GB,
+        memcpy_gbytes_per_s=memcpy / GB,
+        device_copy_gbytes_per_s=host.get("device_copy_bytes_per_s", 0.0) / GB,
+        **{
+            f"{k}_call_us": host.get(f"{k}_call_s", 0.0) / US
+            for k in ("pickle", "unpickle", "pack", "unpack")
+        },  # fmt: skip
         # A CPU world time-slices the machine's cores; a GPU world does not (factor off).
         cpu_cores=0 if "device_copy_bytes_per_s" in host else cpu_cores,
         calibrated_ranks=world_size,
     )
 
 
-def write_cluster_yaml(cluster: Cluster, path: Path, header: str) -> None:
-    """Write atomically (temp file + rename in the same folder): a crash never leaves half a
-    file where the harness reads its presets."""
+def write_cluster_yaml(cluster: ClusterConf, path: Path, header: str) -> None:
+    """The cluster as YAML under ``header`` (as comments), written atomically: a crash never
+    leaves half a file where the harness reads its presets."""
     from omegaconf import OmegaConf
 
     def rounded(node):  # 4 significant digits: the fit is not better than that
@@ -393,24 +404,48 @@ def write_cluster_yaml(cluster: Cluster, path: Path, header: str) -> None:
             return {k: rounded(v) for k, v in node.items()}
         return float(f"{node:.4g}") if isinstance(node, float) else node
 
-    cfg = OmegaConf.to_container(OmegaConf.structured(cluster_to_config(cluster)))
+    cfg = OmegaConf.to_container(OmegaConf.structured(cluster))
     text = OmegaConf.to_yaml(OmegaConf.create(rounded(cfg)))
     comment = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(comment + text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, comment + text)
 
 
 # --------------------------------------------------------------------------------------------
 # Driver
 # --------------------------------------------------------------------------------------------
+def _refuse_when_busy(max_load: float | None) -> None:
+    from harness.run.machine import other_cores_now
+
+    if max_load is None:
+        return
+    other = other_cores_now(1.0)
+    if other is not None and other > max_load:
+        raise SystemExit(
+            f"other work uses {other:.1f} cores > max_load {max_load:g}: it shares the "
+            "cores and every figure would include it; try again when the machine is quiet"
+        )
+
+
+def _measure(world, group_sizes, sizes, reps: int, host_bytes: int):
+    """Per-rank collective times and the host figures (rates and per-call costs)."""
+    per_rank = world.run(_time_collectives, group_sizes, tuple(sizes), reps, what="calibrate")
+    host = world.run(_time_host, host_bytes, max(3, reps // 2), what="host rates")[0]
+    calls = world.run(_time_per_call, max(10, reps), what="per-call host costs")
+    host.update(per_call_costs(calls, host))
+    return per_rank, host
+
+
+def _file_header(world_size: int, group_sizes, n_sizes: int, reps: int, report: str) -> str:
+    return (
+        f"Written by `{PROG}`; do not edit by hand, run it again.\n"
+        f"{datetime.datetime.now().isoformat(timespec='seconds')} on "
+        f"{platform.node()} ({os.cpu_count()} cores), gloo world of {world_size}, "
+        f"groups {list(group_sizes)}, {n_sizes} sizes, median of {reps}.\n"
+        "Values measured on that machine, not public figures; every rank is on one node.\n\n"
+        + report
+    )
+
+
 def calibrate(
     world_size: int = 4,
     sizes: tuple[int, ...] = DEFAULT_SIZES,
@@ -420,40 +455,30 @@ def calibrate(
     world=None,
     verbose: bool = True,
     max_load: float | None = None,
-) -> tuple[Cluster, dict[str, Fit], list[Sample]]:
+) -> tuple[ClusterConf, dict[str, Fit], list[Sample]]:
     """Measure, fit, and (unless ``out`` is None) write the ``local`` cluster file.
     ``max_load``: refuse to start while other work uses more than this many cores (measured
     from /proc/stat over one second, see harness.run.machine)."""
-    from harness.run.machine import other_cores, other_cores_now, snapshot
+    from harness.run.machine import other_cores, snapshot
     from harness.run.world import World
 
+    if world_size < 2:
+        raise ClusterError(f"world: calibration needs at least 2 ranks, got {world_size}")
     t0 = time.perf_counter()
-    if max_load is not None:
-        other = other_cores_now(1.0)
-        if other is not None and other > max_load:
-            raise SystemExit(
-                f"other work uses {other:.1f} cores > --max-load {max_load:g}: it shares the "
-                "cores and every figure would include it; try again when the machine is quiet"
-            )
+    _refuse_when_busy(max_load)
     start = snapshot()
     group_sizes = tuple(sorted({min(2, world_size), world_size}))
-    if world_size < 2:
-        raise ValueError(f"calibration needs a world of at least 2 ranks, got {world_size}")
     own = world is None
     world = world or World(world_size).start()
     try:
-        per_rank = world.run(_time_collectives, group_sizes, tuple(sizes), reps, what="calibrate")
-        host = world.run(_time_host, host_bytes, max(3, reps // 2), what="host rates")[0]
-        calls = world.run(_time_per_call, max(10, reps), what="per-call host costs")
-        host.update(per_call_costs(calls, host))
+        per_rank, host = _measure(world, group_sizes, sizes, reps, host_bytes)
     finally:
         if own:
             world.close()
     samples = samples_from(per_rank, world_size)
     fits = best_fits(samples)
     cluster = build_local_cluster(fits, host, world_size, os.cpu_count() or 1)
-    elapsed_s = time.perf_counter() - t0
-    report = format_report(fits, samples, host, world_size, elapsed_s)
+    report = format_report(fits, samples, host, world_size, time.perf_counter() - t0)
     # A world passed in is still running: its ranks' CPU would read as other work.
     other = other_cores(start) if own else None
     if other is not None and other > 0.5:  # other jobs shared the cores: figures are pessimistic
@@ -464,14 +489,8 @@ def calibrate(
     if verbose:
         print(report)
     if out is not None:
-        header = (
-            "Written by `python -m harness.model.calibrate`; do not edit by hand, run it again.\n"
-            f"{datetime.datetime.now().isoformat(timespec='seconds')} on "
-            f"{platform.node()} ({os.cpu_count()} cores), gloo world of {world_size}, "
-            f"groups {list(group_sizes)}, {len(sizes)} sizes, median of {reps}.\n"
-            "Values measured here, not public figures; every rank is on one node.\n\n" + report
-        )
-        write_cluster_yaml(cluster, Path(out), header)
+        write_cluster_yaml(cluster, Path(out), _file_header(world_size, group_sizes, len(sizes),
+                                                            reps, report))  # fmt: skip
         load_cluster(Path(out))  # what was written must load and validate
         if verbose:
             print(f"wrote {out}")
@@ -517,31 +536,58 @@ def format_report(
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.model.calibrate", description=__doc__)
-    parser.add_argument("--world", type=int, default=4, help="ranks in the gloo world (>= 2)")
-    parser.add_argument(
-        "--out", type=Path, default=CONF_DIR / "local.yaml", help="cluster file to write"
-    )
-    parser.add_argument("--reps", type=int, default=21, help="timed iterations per shape")
-    parser.add_argument("--short", action="store_true", help="sizes up to 1 MiB only (tests)")
-    parser.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
-    parser.add_argument(
-        "--max-load",
-        type=float,
-        default=None,
-        help="refuse to start while other work uses more than this many cores (/proc/stat)",
-    )
-    args = parser.parse_args(argv)
+@dataclass
+class CalibrateConf:
+    """Root config of ``conf/calibrate.yaml``."""
+
+    world: int = 4
+    """Ranks in the gloo world (>= 2); recorded as ``calibrated_ranks``."""
+    reps: int = 21
+    """Timed iterations per shape (the median is kept)."""
+    short: bool = False
+    """Sizes up to 1 MiB only and a 2 MiB host buffer (tests, quick looks)."""
+    dry_run: bool = False
+    """Print the fit, write nothing."""
+    max_load: float | None = None
+    """Refuse to start while other work uses more than this many cores (/proc/stat)."""
+    out: str | None = None
+    """Cluster file to write; null: the ``local`` preset, ``conf/cluster/local.yaml``."""
+
+
+def check(cfg) -> None:
+    if cfg.world < 2:
+        raise ClusterError(f"world must be >= 2 (a broadcast needs two ranks), got {cfg.world}")
+    if cfg.reps < 1:
+        raise ClusterError(f"reps must be >= 1, got {cfg.reps}")
+    if cfg.max_load is not None and cfg.max_load < 0:
+        raise ClusterError(f"max_load must be >= 0 cores or null, got {cfg.max_load}")
+    if cfg.out is not None and Path(cfg.out).suffix not in (".yaml", ".yml"):
+        raise ClusterError(f"out must name a .yaml file, got {cfg.out!r}")
+
+
+def task(cfg) -> None:
     calibrate(
-        world_size=args.world,
-        sizes=SHORT_SIZES if args.short else DEFAULT_SIZES,
-        reps=args.reps,
-        out=None if args.dry_run else args.out,
-        host_bytes=(2 if args.short else 16) * 2**20,
-        max_load=args.max_load,
+        world_size=cfg.world,
+        sizes=SHORT_SIZES if cfg.short else DEFAULT_SIZES,
+        reps=cfg.reps,
+        out=None if cfg.dry_run else Path(cfg.out or CONF_DIR / "local.yaml"),
+        host_bytes=(2 if cfg.short else 16) * 2**20,
+        max_load=cfg.max_load,
     )
-    return 0
+
+
+def register() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="calibrate_schema", node=CalibrateConf)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m harness.model.calibrate [world=4] [reps=21] [short=true] [dry_run=true] ...``"""
+    from harness.model.command import run_app
+
+    register()
+    return run_app(PROG, "calibrate", task, check, argv)
 
 
 if __name__ == "__main__":

@@ -1,31 +1,32 @@
 """Predicted broadcast latency from 8 to 16,384 GPUs: ``python -m harness.model.extrapolate``.
 
-    python -m harness.model.extrapolate [--cluster h200_ib] [--out results/predict/extrapolation]
-                                  [--tp 8] [--cp 1] [--pp 1,2,4,8] [--batch-size 512]
+    python -m harness.model.extrapolate [cluster=h200_ib] [layout.tp=8] [layout.cp=1]
+        [layout.pp=8] [payload.batch_size=512] [cluster.memcpy_gbytes_per_s=...] [max_world=...]
 
-Nothing runs: every strategy's plan is priced by ``harness.model.costmodel`` (via
-``harness.model.predict``) for a fixed payload (default rl_rollout, B=512, S=4096: 92 MiB of tensors,
-an RL step's global batch slice per replica) on layouts tp × cp inside a node, pp ∈ {1,2,4,8}
-stages and dp filling the world. Writes ``extrapolation.csv``, ``extrapolation.png`` and
-``extrapolation.md`` (a recommendation table), all labelled PREDICTED.
+A Hydra app (``conf/extrapolate.yaml``) on the same ``cluster/``, ``layout/`` and ``payload/``
+groups as ``harness.model.predict``. Nothing runs: every strategy's plan is priced by
+``harness.model.pricing`` (via ``harness.model.predict``) for a fixed payload (default
+rl_rollout, B=512, S=4096, an RL step's global batch slice per replica) on layouts tp × cp inside
+a node, pp ∈ {1, 2, 4, …, layout.pp} stages and dp filling the world. Writes
+``extrapolation.csv``, ``extrapolation.png`` and ``extrapolation.md`` (a recommendation table),
+all labelled PREDICTED, into the job directory (``results/predict/extrapolation``).
 
 It also answers the SC'21 question (Narayanan et al., the scatter/gather optimisation of
 Megatron's pipeline): once PP stages sit on different nodes and TP inside one, does
 scatter_allgather (each TP rank carries 1/t across the slow link, then an NVLink all-gather)
 overtake a plain broadcast (header, flat, pickled)? It reports the smallest pp and world size
 at which it does, for the whole call and for its network part alone (the whole call includes
-host packing, which the h200_ib preset prices at a stand-in host memcpy rate).
+host packing, priced at the preset's pack/copy rate).
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import logging
 import sys
 import time
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron.*")
@@ -33,6 +34,14 @@ logging.getLogger("megatron").setLevel(logging.WARNING)
 
 import pandas as pd  # noqa: E402
 
+from harness import paths  # noqa: E402
+from harness.files import write_atomic, write_csv, write_figure  # noqa: E402
+from harness.model.cluster import ClusterConf, load_cluster  # noqa: E402
+from harness.run.config import LayoutConf, PayloadConf  # noqa: E402
+
+PROG = "python -m harness.model.extrapolate"
+EMULATED_RECORDS = paths.REPO / "results" / "reference_emulated"
+"""Where ``harness.cluster.table`` keeps its committed emulated-cluster records."""
 PLAIN = ("header", "flat", "pickled")  # the "plain broadcast" side of the SC'21 comparison
 MIN_WORLD, MAX_WORLD = 8, 16384
 
@@ -116,29 +125,27 @@ def size_crossover(cluster, payload: str, seq_len: int, tp: int, cp: int, pp: in
     return found
 
 
-def emulated_check() -> list[str]:
-    """The brief's measured table (16 MiB, tp=2 inside a node, pp=2 across a 1 Gbit link) next
-    to what the model predicts for it: the only place the SC'21 effect was measured here."""
-    from harness.model.costmodel import load_cluster
-    from harness.model.predict import price_strategy
-    from strategies.core.layout import Layout
-    from strategies.core.plan import PayloadSpec
+def emulated_check(root: Path = EMULATED_RECORDS) -> list[str]:
+    """The emulated-cluster records under ``root`` (tp=2 inside a node, pp=2 across a shaped
+    link, written by ``python -m harness.cluster.table``) beside what the model predicts for
+    them: the one place the SC'21 effect is measured rather than predicted."""
+    from harness.cluster import table
 
-    measured = {  # brief/beyond-one-machine.md, medians in ms
-        "emulated": {"header": 287, "flat": 282, "pp_first": 146, "scatter_allgather": 155},
-        "emulated_rails": {"header": 147, "flat": 148, "pp_first": 148, "scatter_allgather": 86},
-    }
-    spec = PayloadSpec(tensor_bytes=16 << 20, n_tensors=1, header_bytes=0, pickle_bytes=16 << 20)
-    layout = Layout(pp=2, tp=2)
+    try:
+        rows = table.compare(root)
+    except FileNotFoundError as exc:
+        return [
+            f"(no emulated-cluster records: {exc}; `python -m harness.cluster.table` makes them)"
+        ]
     lines = [
-        "| cluster | strategy | measured ms (brief) | PREDICTED ms | pred/meas |",
+        "| cluster | strategy | measured p50 ms | PREDICTED ms | pred/meas |",
         "|---|---|---|---|---|",
     ]
-    for name, table in measured.items():
-        cluster = load_cluster(name)
-        for strategy, ms in table.items():
-            p = price_strategy(strategy, layout, spec, cluster).comm_s * 1e3
-            lines.append(f"| {name} | {strategy} | {ms} | {p:.0f} | {p / ms:.2f} |")
+    for r in rows:
+        lines.append(
+            f"| {r['preset']} | {r['strategy']} | {r['measured_ms']:.0f} | "
+            f"{r['predicted_ms']:.0f} | {r['predicted_ms'] / r['measured_ms']:.2f} |"
+        )
     return lines
 
 
@@ -212,7 +219,7 @@ def plot(df: pd.DataFrame, path: Path, title: str, pps: list[int]) -> None:
     axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_figure(path, fig, dpi=110)
     plt.close(fig)
 
 
@@ -259,8 +266,38 @@ def _merge_runs(lines: list[str]) -> list[str]:
     return out
 
 
+def _markdown(cluster: ClusterConf, title: str, sentences, sizes, spec_args, df) -> str:
+    payload, seq_len, batch_size = spec_args
+    return "\n".join(
+        [
+            f"# PREDICTED broadcast latency vs world size — {cluster.name}",
+            "",
+            f"**PREDICTED by the α–β cost model (`harness/model/pricing.py`), not measured.** "
+            f"{title}. Generated {datetime.date.today().isoformat()} by `{PROG} "
+            f"cluster={cluster.name}`.",
+            "",
+            "## SC'21: does scatter_allgather overtake a plain broadcast?",
+            "",
+            *[f"- {s}" for s in sentences],
+            *[f"- {line}" for line in size_lines(sizes, payload, seq_len, batch_size)],
+            "- World size matters only through dp; with tp·cp filling whole nodes DP replicas "
+            "share no node and no NIC, so every world of a given pp predicts the same time: the "
+            "crossover is in pp (and payload size), not in world size.",
+            "",
+            "### Check against the measured emulated cluster (whole call, tp=2 × pp=2)",
+            "",
+            *emulated_check(),
+            "",
+            "## Recommendation (PREDICTED)",
+            "",
+            *recommendation(df),
+            "",
+        ]
+    )
+
+
 def run(
-    cluster_name: str = "h200_ib",
+    cluster: str | ClusterConf = "h200_ib",
     out: Path | str = "results/predict/extrapolation",
     payload: str = "rl_rollout",
     batch_size: int = 512,
@@ -269,16 +306,13 @@ def run(
     cp: int = 1,
     pps: tuple[int, ...] = (1, 2, 4, 8),
     max_world: int = MAX_WORLD,
-    memcpy_gbytes_per_s: float | None = None,
     quiet: bool = False,
 ) -> dict:
-    from harness.model.costmodel import load_cluster
+    """Price every strategy on every world, find the crossovers, write csv, png and md."""
     from harness.model.predict import scaled_spec
 
     t0 = time.perf_counter()
-    cluster = load_cluster(cluster_name)
-    if memcpy_gbytes_per_s:  # e.g. a device-to-device pack on GPU instead of the host stand-in
-        cluster = replace(cluster, memcpy_bytes_per_s=memcpy_gbytes_per_s * 1e9)
+    cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster
     spec = scaled_spec(payload, batch_size, seq_len)
     df = sweep(cluster, spec, tp, cp, list(pps), max_world)
     total = crossover(df, "predicted_ms")
@@ -286,87 +320,96 @@ def run(
     sizes = {pp: size_crossover(cluster, payload, seq_len, tp, cp, pp, 4 * batch_size)
              for pp in pps if pp > 1}  # fmt: skip
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    mib = spec.tensor_bytes / 2**20
-    what = f"{payload} B={batch_size} S={seq_len} ({mib:.3g} MiB)"
-    memcpy = f"host memcpy {cluster.memcpy_bytes_per_s / 1e9:.3g} GB/s"
     title = (
         f"PREDICTED (cost model, not measured): cluster {cluster.name} "
-        f"({cluster.gpus_per_node} GPUs, {cluster.nics_per_node} NICs per node, {memcpy}), "
-        f"{what}, tp={tp} cp={cp}, dp fills the world"
+        f"({cluster.gpus_per_node} GPUs, {cluster.nics_per_node} NICs per node, pack/copy "
+        f"{cluster.pack_copy_bytes_per_s / 1e9:.3g} GB/s), {payload} B={batch_size} "
+        f"S={seq_len} ({spec.tensor_bytes / 2**20:.3g} MiB), tp={tp} cp={cp}, dp fills the world"
     )
-    df.to_csv(out / "extrapolation.csv", index=False)
+    write_csv(out / "extrapolation.csv", df)
     plot(df, out / "extrapolation.png", title, list(pps))
     sentences = [
         sc21_sentence(total, cluster, "Whole call"),
         sc21_sentence(comm, cluster, "Network part only (local packing excluded)"),
     ]
-    md = [
-        f"# PREDICTED broadcast latency vs world size — {cluster.name}",
-        "",
-        f"**PREDICTED by the α–β cost model (`harness/model/costmodel.py`), not measured.** "
-        f"{title}. Generated {datetime.date.today().isoformat()} by "
-        f"`python -m harness.model.extrapolate --cluster {cluster_name}`.",
-        "",
-        "## SC'21: does scatter_allgather overtake a plain broadcast?",
-        "",
-        *[f"- {s}" for s in sentences],
-        *[f"- {line}" for line in size_lines(sizes, payload, seq_len, batch_size)],
-        "- World size matters only through dp; with tp·cp filling whole nodes DP replicas share "
-        "no node and no NIC, so every world of a given pp predicts the same time: the crossover "
-        "is in pp (and payload size), not in world size.",
-        "",
-        "### Check against the brief's measured emulated cluster (network part, 16 MiB, "
-        "tp=2 × pp=2)",
-        "",
-        *emulated_check(),
-        "",
-        "## Recommendation (PREDICTED)",
-        "",
-        *recommendation(df),
-        "",
-    ]
-    (out / "extrapolation.md").write_text("\n".join(md))
+    md = _markdown(cluster, title, sentences, sizes, (payload, seq_len, batch_size), df)
+    write_atomic(out / "extrapolation.md", md)
     elapsed = time.perf_counter() - t0
     if not quiet:
-        print("\n".join(md))
+        print(md)
         print(f"-> {out}/extrapolation.{{csv,png,md}} in {elapsed:.1f} s")
     return dict(
         table=df, total=total, comm=comm, sizes=sizes, sentences=sentences, elapsed_s=elapsed
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.model.extrapolate", description=__doc__)
-    ap.add_argument("--cluster", default="h200_ib")
-    ap.add_argument("--out", default="results/predict/extrapolation")
-    ap.add_argument("--payload", default="rl_rollout")
-    ap.add_argument("--batch-size", type=int, default=512)
-    ap.add_argument("--seq-len", type=int, default=4096)
-    ap.add_argument("--tp", type=int, default=8)
-    ap.add_argument("--cp", type=int, default=1)
-    ap.add_argument("--pp", default="1,2,4,8", help="comma-separated pipeline depths")
-    ap.add_argument("--max-world", type=int, default=MAX_WORLD)
-    ap.add_argument(
-        "--memcpy-gbytes-per-s",
-        type=float,
-        default=None,
-        help="override the cluster's pack/copy rate (GB/s), e.g. an on-GPU copy",
-    )
-    a = ap.parse_args(argv)
+@dataclass
+class ExtrapolateConf:
+    """Root config of ``conf/extrapolate.yaml``."""
+
+    layout: LayoutConf = field(default_factory=LayoutConf)
+    """tp and cp: the shape inside a node; pp: the deepest pipeline (1, 2, 4, … up to it are
+    priced); dp is ignored (it fills each world)."""
+    payload: PayloadConf = field(default_factory=PayloadConf)
+    """The batch each replica's leader holds (sized, never built at full size)."""
+    cluster: ClusterConf = field(default_factory=ClusterConf)
+    """Machine room to price on; ``conf/cluster/``."""
+    max_world: int = MAX_WORLD
+    """Largest world priced; worlds are powers of two from 8."""
+    quiet: bool = False
+    """Write the files, print only where they are."""
+
+
+def pipeline_depths(max_pp: int) -> tuple[int, ...]:
+    """1, 2, 4, … up to ``max_pp`` (and ``max_pp`` itself when it is not a power of two)."""
+    out = [1]
+    while out[-1] * 2 <= max_pp:
+        out.append(out[-1] * 2)
+    return tuple(dict.fromkeys([*out, max_pp]))
+
+
+def check(cfg) -> None:
+    from harness.model.predict import check as check_prediction
+    from harness.run.config import ConfigError
+
+    check_prediction(cfg)
+    per_replica = cfg.layout.tp * cfg.layout.cp
+    if cfg.max_world < MIN_WORLD or cfg.max_world < per_replica:
+        raise ConfigError(
+            f"max_world must be >= {MIN_WORLD} and >= layout.tp·cp = {per_replica}, "
+            f"got {cfg.max_world}"
+        )
+
+
+def task(cfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
     run(
-        a.cluster,
-        a.out,
-        a.payload,
-        a.batch_size,
-        a.seq_len,
-        a.tp,
-        a.cp,
-        tuple(int(x) for x in a.pp.split(",")),
-        a.max_world,
-        a.memcpy_gbytes_per_s,
+        OmegaConf.to_object(cfg.cluster),  # type: ignore[arg-type]
+        HydraConfig.get().runtime.output_dir,
+        cfg.payload.name,
+        cfg.payload.batch_size,
+        cfg.payload.seq_len,
+        cfg.layout.tp,
+        cfg.layout.cp,
+        pipeline_depths(cfg.layout.pp),
+        cfg.max_world,
+        cfg.quiet,
     )
-    return 0
+
+
+def register() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="extrapolate_schema", node=ExtrapolateConf)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from harness.model.command import run_app
+
+    register()
+    return run_app(PROG, "extrapolate", task, check, argv)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
         payload=rl_rollout payload.batch_size=512 payload.seq_len=4096
     python -m harness.model.predict -m layout.dp=8,64,128 ...   # one prediction.json per job
 
-Each strategy's ``plan(layout, spec)`` is priced by ``harness.model.costmodel.price``; the app prints
+Each strategy's ``plan(layout, spec)`` is priced by ``harness.model.pricing.price``; the app prints
 the ranking, the winner and why (which link and which α/β term decide it), and writes
 ``prediction.json`` atomically into the job directory (``results/predict/...``). The payload is
 never built at its real size: ``scaled_spec`` builds it at small B and scales (every leaf has
@@ -25,13 +25,14 @@ from harness import paths  # noqa: I001
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron.*")
 logging.getLogger("megatron").setLevel(logging.WARNING)
 
-import hydra  # noqa: E402
 from hydra.core.config_store import ConfigStore  # noqa: E402
 
-from harness.model.costmodel import ClusterConfig, Prediction  # noqa: E402
+from harness.model.cluster import ClusterConf  # noqa: E402
+from harness.model.pricing import Prediction  # noqa: E402
 from harness.run.config import LayoutConf, PayloadConf  # noqa: E402
 
 CONF = str(paths.CONF_DIR)
+PROG = "python -m harness.model.predict"
 EXAMPLE = (
     "cluster=h200_ib layout.dp=128 layout.pp=8 layout.tp=8 layout.cp=2 "
     "payload=rl_rollout payload.batch_size=512 payload.seq_len=4096"
@@ -45,15 +46,15 @@ PARTS = ("local work", "intra-node α", "intra-node β", "inter-node α", "inter
 
 
 @dataclass
-class PredictConfig:
+class PredictConf:
     """Root config of ``conf/predict.yaml``."""
 
     layout: LayoutConf = field(default_factory=LayoutConf)
     """Parallel shape (world size = dp·pp·tp·cp); reuses ``conf/layout/``."""
     payload: PayloadConf = field(default_factory=PayloadConf)
     """Batch description; reuses ``conf/payload/`` (the batch is sized, never sent)."""
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    """Machine room to price on; ``conf/cluster/`` (schema ``costmodel.ClusterConfig``)."""
+    cluster: ClusterConf = field(default_factory=ClusterConf)
+    """Machine room to price on; ``conf/cluster/`` (``harness.model.cluster.ClusterConf``)."""
     strategies: list[str] = field(default_factory=list)
     """Strategies to price; empty = every selectable one (``strategies.names()``)."""
     quiet: bool = False
@@ -61,7 +62,7 @@ class PredictConfig:
 
 
 def register() -> None:
-    ConfigStore.instance().store(name="predict_schema", node=PredictConfig)
+    ConfigStore.instance().store(name="predict_schema", node=PredictConf)
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,7 +192,7 @@ def price_strategy(name: str, layout, spec, cluster) -> Prediction:
     from dataclasses import replace
 
     import strategies
-    from harness.model.costmodel import price
+    from harness.model.pricing import price
 
     cls = strategies.get_class(name)
     if not replicas_independent(layout, cluster.gpus_per_node):
@@ -292,24 +293,49 @@ def to_json(preds: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def layout_of(cfg):
+    """The ``Layout`` of ``cfg.layout`` (a prediction need not be buildable by megatron-core)."""
+    from strategies.core.layout import Layout
+
+    c = cfg.layout
+    return Layout(dp=int(c.dp), pp=int(c.pp), tp=int(c.tp), cp=int(c.cp), order=str(c.order))
+
+
+def cluster_of(cfg) -> ClusterConf:
+    """``cfg.cluster`` as the runtime type (the structured config is it; this validates)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(cfg.cluster)  # type: ignore[return-value]
+
+
+def check(cfg) -> None:
+    """Every value a prediction job reads, checked before any job runs (``command.run_app``)."""
+    import strategies
+    from harness.run import payloads
+    from harness.run.config import ConfigError
+
+    layout_of(cfg)
+    cluster_of(cfg)
+    if cfg.payload.name not in payloads.PAYLOADS:
+        raise ConfigError(
+            f"payload.name: unknown payload {cfg.payload.name!r}; valid: {sorted(payloads.PAYLOADS)}"
+        )
+    for key in ("batch_size", "seq_len"):
+        if cfg.payload[key] < 1:
+            raise ConfigError(f"payload.{key} must be positive, got {cfg.payload[key]}")
+    unknown = sorted(set(cfg.get("strategies") or ()) - set(strategies.names()))
+    if unknown:
+        raise ConfigError(f"strategies: unknown {unknown}; valid: {strategies.names()}")
+
+
 def run(cfg) -> dict[str, Any]:
     """One prediction job: build the spec, price every strategy, print, return the record."""
     from omegaconf import OmegaConf
 
-    from harness.model.costmodel import cluster_from_config
-    from strategies.core.layout import Layout
-
     t0 = time.perf_counter()
-    layout = Layout(
-        dp=int(cfg.layout.dp),
-        pp=int(cfg.layout.pp),
-        tp=int(cfg.layout.tp),
-        cp=int(cfg.layout.cp),
-        order=str(cfg.layout.order),
-    )
+    layout = layout_of(cfg)
+    cluster = cluster_of(cfg)
     cluster_cfg = OmegaConf.to_container(cfg.cluster, resolve=True)
-    cluster_cfg.pop("_target_", None)
-    cluster = cluster_from_config(cluster_cfg)
     p = cfg.payload
     spec = scaled_spec(
         p.name, int(p.batch_size), int(p.seq_len), int(p.seed), p.broadcast_non_tensor
@@ -346,21 +372,28 @@ def run(cfg) -> dict[str, Any]:
     )
 
 
-@hydra.main(version_base="1.3", config_path=CONF, config_name="predict")
-def main(cfg) -> None:
+def task(cfg) -> None:
+    """One Hydra job: price, print, write ``prediction.json`` into the job's directory."""
     from pathlib import Path
 
     from hydra.core.hydra_config import HydraConfig
 
-    from harness.run.records import write_atomic
+    from harness.files import write_json
 
     record = run(cfg)
-    out = Path(HydraConfig.get().runtime.output_dir) / "prediction.json"
-    write_atomic(out, record)
+    write_json(Path(HydraConfig.get().runtime.output_dir) / "prediction.json", record)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m harness.model.predict [overrides]``; a bad value exits 2 with one line."""
+    from harness.model.command import run_app
+
+    register()
+    # Multirun jobs share one process: nothing to tear down between them.
+    return run_app(PROG, "predict", task, check, argv)
 
 
 register()
 
 if __name__ == "__main__":
-    # Multirun jobs share one process: nothing to tear down between them.
     sys.exit(main())

@@ -10,7 +10,7 @@ measured, log-log).
 Two figures of merit (targets from the issue): the median |predicted/measured − 1| (≤ 25 %), and
 the share of (layout, payload size) points where the predicted fastest strategy is the measured
 fastest (≥ 90 %). "Measured fastest" ranks strategies by ``vs_floor`` (p50 / floor p50 from the
-same job, the side-by-side ratio brief/measurement.md asks for), not by p50 across jobs.
+same job: load common to both cancels), not by p50 across jobs.
 
 Ties: with few iterations on a shared machine a strategy's p50 is only known to within its
 p90/p50 spread. Where the model puts the predicted and the measured fastest closer together than
@@ -19,7 +19,7 @@ point counts as a tie. Both figures are reported, strict and tie-aware.
 
 Oversubscription: calibration times collectives on a world of N ranks on C cores; a sweep world
 of W > max(C, N) ranks time-slices them harder (a dp=2 world of 8 ranks on 2 cores runs two
-replicas at once). ``costmodel.price`` applies ``Cluster.oversubscription`` =
+replicas at once). ``pricing.price`` applies ``ClusterConf.oversubscription`` =
 max(1, W / max(C, N)) on CPU clusters (C = ``cpu_cores``, N = ``calibrated_ranks``, fields the
 calibration writes); the table also shows the model without it, for comparison.
 """
@@ -39,6 +39,8 @@ logging.getLogger("megatron").setLevel(logging.WARNING)
 
 import pandas as pd  # noqa: E402
 
+from harness.files import write_atomic, write_csv, write_figure  # noqa: E402
+
 TARGET_MEDIAN_ERR = 0.25
 TARGET_AGREEMENT = 0.90
 BAND = 0.25  # ± band drawn around y = x
@@ -47,11 +49,9 @@ POINT = ["payload", "seq_len", "layout", "batch_size"]  # one ranking per (layou
 
 def calibration_world(cluster_name: str) -> tuple[int | None, str]:
     """World size and header line of a calibrated preset (``# ... gloo world of N ...``)."""
-    from harness.model.costmodel import CONF_DIR
+    from harness.model.cluster import preset_path
 
-    path = Path(cluster_name)
-    if path.suffix not in (".yaml", ".yml"):
-        path = CONF_DIR / f"{cluster_name}.yaml"
+    path = preset_path(cluster_name)
     try:
         text = path.read_text()
     except OSError:
@@ -63,7 +63,8 @@ def calibration_world(cluster_name: str) -> tuple[int | None, str]:
 def price_records(df: pd.DataFrame, cluster_name: str) -> pd.DataFrame:
     """One row per measured, supported record with predicted and measured times (µs)."""
     import strategies
-    from harness.model.costmodel import load_cluster, price
+    from harness.model.cluster import load_cluster
+    from harness.model.pricing import price
     from harness.run import payloads
     from strategies.core.layout import Layout
     from strategies.core.plan import spec_of
@@ -83,7 +84,7 @@ def price_records(df: pd.DataFrame, cluster_name: str) -> pd.DataFrame:
         )
         pred = price(strategies.get_class(r["strategy"]).plan(layout, spec), cluster, layout)
         floor = price(strategies.get_class("floor").plan(layout, spec), cluster, layout)
-        oversub = pred.oversubscription  # already in pred.total_s (costmodel.price)
+        oversub = pred.oversubscription  # already in pred.total_s (pricing.price)
         rows.append(
             dict(
                 strategy=r["strategy"],
@@ -254,7 +255,7 @@ def plot(v: pd.DataFrame, path: Path, ctx: dict, cluster: str, m: dict) -> None:
         f"sweep of {ctx['date']} ({m['records']} records)"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_figure(path, fig, dpi=120)
     plt.close(fig)
 
 
@@ -282,8 +283,107 @@ def oversub_check(v: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+TIES_NOTE = (
+    "**Ties.** Each record's p50 is known only to within its spread: a sweep of few iterations "
+    "on a shared machine leaves p90/p50 − 1 well above zero. At a point where the "
+    "model's fastest and the measured fastest differ, the model's own gap between them "
+    "(predicted time of the measured fastest over that of the predicted fastest, − 1) is "
+    "compared with the wider p90/p50 spread of the two records: a model gap inside the "
+    "spread is a *tie* — the model says the two cost the same to within what this "
+    "measurement resolves, so the measurement cannot show the model wrong. A tie-aware "
+    "agreement counts those points; the strict figure does not. A model gap beyond the "
+    "spread is a real miss even when the measured gap is small."
+)
+
+
+def _met(good: bool) -> str:
+    return "met" if good else "**missed**"
+
+
+def _metric_rows(m: dict) -> list[str]:
+    """The figures of merit, with and without the oversubscription factor, against targets."""
+    return [
+        "| metric | model | model without oversubscription factor | target |",
+        "|---|---|---|---|",
+        f"| median \\|pred/meas − 1\\|, strategies ({m['records']} records) | "
+        f"{m['median_abs_err']:.1%} ({_met(m['median_abs_err'] <= TARGET_MEDIAN_ERR)}) | "
+        f"{m['median_abs_err_no_oversub']:.1%} | ≤ 25 % |",
+        f"| records within ±25 % | {m['within_band']:.0%} | {m['within_band_no_oversub']:.0%} | |",
+        f"| median \\|pred/meas − 1\\|, floor | {m['floor_median_abs_err']:.1%} | "
+        f"{m['floor_median_abs_err_no_oversub']:.1%} | ≤ 25 % |",
+        f"| median \\|pred vs_floor / meas vs_floor − 1\\| (each record over its own job's floor:"
+        f" load common to both cancels) | {m['median_abs_vs_floor_err']:.1%} | same | |",
+        f"| predicted fastest = measured fastest (by vs_floor), strict, {m['points']} points | "
+        f"{m['agreement']:.0%} ({_met(m['agreement'] >= TARGET_AGREEMENT)}) | same (one factor "
+        f"per point cannot reorder) | ≥ 90 % |",
+        f"| … tie-aware: a disagreement whose two predictions are closer than the measured "
+        f"p90/p50 spread counts as a tie ({m['ties']} such points) | "
+        f"{m['agreement_or_tie']:.0%} ({_met(m['agreement_or_tie'] >= TARGET_AGREEMENT)}) | same "
+        f"| ≥ 90 % |",
+        f"| … (for reference) counting a disagreement whose measured gap is inside that spread | "
+        f"{m['agreement_or_measured_noise']:.0%} | | |",
+        f"| … by raw p50 across jobs | {m['agreement_by_p50']:.0%} | | |",
+    ]
+
+
+def _point_rows(r: pd.DataFrame) -> list[str]:
+    lines = [
+        "| layout | B | payload bytes | predicted fastest | measured fastest | measured gap | why |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for _, x in r.iterrows():
+        lines.append(
+            f"| {x.layout} | {x.batch_size} | {x.payload_bytes} | {x.predicted_fastest} | "
+            f"{x.measured_fastest} | {x.measured_gap:.0%} | {x.why or 'agree'} |"
+        )
+    return lines
+
+
+def _error_rows(v: pd.DataFrame) -> list[str]:
+    """Error by strategy, then by payload size."""
+    lines = ["## Error by strategy (model / without oversubscription factor)", ""]
+    lines += ["| strategy | median pred/meas − 1 | without factor | worst |", "|---|---|---|---|"]
+    for s, g in v.groupby("strategy"):
+        worst = g.loc[g.err.abs().idxmax()]
+        lines.append(
+            f"| {s} | {g.err.median():+.0%} | {g.err_no_oversub.median():+.0%} | "
+            f"{worst.err:+.0%} ({worst.layout} B={worst.batch_size}) |"
+        )
+    lines += ["", "## Error by payload size", ""]
+    lines += ["| B | payload bytes | median pred/meas − 1 | without factor |", "|---|---|---|---|"]
+    for b, g in v.groupby("batch_size"):
+        lines.append(
+            f"| {b} | {int(g.payload_bytes.iloc[0])} | {g.err.median():+.0%} | "
+            f"{g.err_no_oversub.median():+.0%} |"
+        )
+    return lines
+
+
+def _oversub_rows(v: pd.DataFrame) -> list[str]:
+    o = oversub_check(v)
+    if not len(o):
+        return []
+    lines = [
+        "",
+        "## Oversubscription factor vs the sweep",
+        "",
+        "Measured p50 of each oversubscribed record over the same strategy, batch and "
+        "replica shape at dp = 1 (different jobs, so each ratio carries both jobs' noise):",
+        "",
+        "| layouts | factor | records | median measured ratio (range) | median floor ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for (lay, base, f), g in o.groupby(["layout", "base_layout", "factor"]):
+        lines.append(
+            f"| {lay} / {base} | {f:.3g} | {len(g)} | {g.measured_ratio.median():.2f} "
+            f"({g.measured_ratio.min():.2f}–{g.measured_ratio.max():.2f}) | "
+            f"{g.floor_ratio.median():.2f} |"
+        )
+    return lines
+
+
 def markdown(v: pd.DataFrame, r: pd.DataFrame, m: dict, ctx: dict, sweep: Path, cluster: str):
-    from harness.model.costmodel import load_cluster
+    from harness.model.cluster import load_cluster
 
     _, calib = calibration_world(cluster)
     c = load_cluster(cluster)
@@ -293,7 +393,6 @@ def markdown(v: pd.DataFrame, r: pd.DataFrame, m: dict, ctx: dict, sweep: Path, 
         if c.cpu_cores
         else "no oversubscription factor (not a CPU cluster)"
     )
-    ok = lambda good: "met" if good else "**missed**"  # noqa: E731
     lines = [
         f"# Cost model vs measurement: {sweep.name}",
         "",
@@ -301,84 +400,17 @@ def markdown(v: pd.DataFrame, r: pd.DataFrame, m: dict, ctx: dict, sweep: Path, 
         f"{ctx['torch']}; cluster `{cluster}` ({calib or 'no calibration header'}; {basis}). "
         f"Validated {datetime.date.today().isoformat()} by `python -m harness.model.validate`.",
         "",
-        "| metric | model | model without oversubscription factor | target |",
-        "|---|---|---|---|",
-        f"| median \\|pred/meas − 1\\|, strategies ({m['records']} records) | "
-        f"{m['median_abs_err']:.1%} ({ok(m['median_abs_err'] <= TARGET_MEDIAN_ERR)}) | "
-        f"{m['median_abs_err_no_oversub']:.1%} | ≤ 25 % |",
-        f"| records within ±25 % | {m['within_band']:.0%} | {m['within_band_no_oversub']:.0%} | |",
-        f"| median \\|pred/meas − 1\\|, floor | {m['floor_median_abs_err']:.1%} | "
-        f"{m['floor_median_abs_err_no_oversub']:.1%} | ≤ 25 % |",
-        f"| median \\|pred vs_floor / meas vs_floor − 1\\| (each record over its own job's floor:"
-        f" load common to both cancels) | {m['median_abs_vs_floor_err']:.1%} | same | |",
-        f"| predicted fastest = measured fastest (by vs_floor), strict, {m['points']} points | "
-        f"{m['agreement']:.0%} ({ok(m['agreement'] >= TARGET_AGREEMENT)}) | same (one factor per "
-        f"point cannot reorder) | ≥ 90 % |",
-        f"| … tie-aware: a disagreement whose two predictions are closer than the measured "
-        f"p90/p50 spread counts as a tie ({m['ties']} such points) | "
-        f"{m['agreement_or_tie']:.0%} ({ok(m['agreement_or_tie'] >= TARGET_AGREEMENT)}) | same "
-        f"| ≥ 90 % |",
-        f"| … (for reference) counting a disagreement whose measured gap is inside that spread | "
-        f"{m['agreement_or_measured_noise']:.0%} | | |",
-        f"| … by raw p50 across jobs | {m['agreement_by_p50']:.0%} | | |",
+        *_metric_rows(m),
         "",
-        "**Ties.** Each record's p50 is known only to within its spread: the sweep takes few "
-        "iterations on a shared machine, so p90/p50 − 1 is often 20–40 %. At a point where the "
-        "model's fastest and the measured fastest differ, the model's own gap between them "
-        "(predicted time of the measured fastest over that of the predicted fastest, − 1) is "
-        "compared with the wider p90/p50 spread of the two records: a model gap inside the "
-        "spread is a *tie* — the model says the two cost the same to within what this "
-        "measurement resolves, so the measurement cannot show the model wrong. A tie-aware "
-        "agreement counts those points; the strict figure does not. A model gap beyond the "
-        "spread is a real miss even when the measured gap is small.",
+        TIES_NOTE,
         "",
         "## Fastest strategy per point",
         "",
-        "| layout | B | payload bytes | predicted fastest | measured fastest | measured gap | why |",
-        "|---|---|---|---|---|---|---|",
+        *_point_rows(r),
+        "",
+        *_error_rows(v),
+        *_oversub_rows(v),
     ]
-    for _, x in r.iterrows():
-        lines.append(
-            f"| {x.layout} | {x.batch_size} | {x.payload_bytes} | {x.predicted_fastest} | "
-            f"{x.measured_fastest} | {x.measured_gap:.0%} | {x.why or 'agree'} |"
-        )
-    lines += ["", "## Error by strategy (model / without oversubscription factor)", ""]
-    lines += [
-        "| strategy | median pred/meas − 1 | without factor | worst |",
-        "|---|---|---|---|",
-    ]
-    for s, g in v.groupby("strategy"):
-        worst = g.loc[g.err.abs().idxmax()]
-        lines.append(
-            f"| {s} | {g.err.median():+.0%} | {g.err_no_oversub.median():+.0%} | "
-            f"{worst.err:+.0%} ({worst.layout} B={worst.batch_size}) |"
-        )
-    lines += ["", "## Error by payload size", ""]
-    lines += [
-        "| B | payload bytes | median pred/meas − 1 | without factor |",
-        "|---|---|---|---|",
-    ]
-    for b, g in v.groupby("batch_size"):
-        lines.append(
-            f"| {b} | {int(g.payload_bytes.iloc[0])} | {g.err.median():+.0%} | "
-            f"{g.err_no_oversub.median():+.0%} |"
-        )
-    o = oversub_check(v)
-    if len(o):
-        lines += ["", "## Oversubscription factor vs the sweep", ""]
-        lines += [
-            "Measured p50 of each oversubscribed record over the same strategy, batch and "
-            "replica shape at dp = 1 (different jobs, so each ratio carries both jobs' noise):",
-            "",
-            "| layouts | factor | records | median measured ratio (range) | median floor ratio |",
-            "|---|---|---|---|---|",
-        ]
-        for (lay, base, f), g in o.groupby(["layout", "base_layout", "factor"]):
-            lines.append(
-                f"| {lay} / {base} | {f:.3g} | {len(g)} | {g.measured_ratio.median():.2f} "
-                f"({g.measured_ratio.min():.2f}–{g.measured_ratio.max():.2f}) | "
-                f"{g.floor_ratio.median():.2f} |"
-            )
     return "\n".join(lines) + "\n"
 
 
@@ -397,9 +429,9 @@ def validate(sweep: Path | str, cluster: str = "local", quiet: bool = False) -> 
     r = rankings(v)
     m = metrics(v, r)
     ctx = sweep_context(df)
-    _atomic_text(sweep / "model_validation.csv", v.to_csv(index=False))
+    write_csv(sweep / "model_validation.csv", v)
     md = markdown(v, r, m, ctx, sweep, cluster)
-    _atomic_text(sweep / "model_validation.md", md)
+    write_atomic(sweep / "model_validation.md", md)
     plot(v, sweep / "model_validation.png", ctx, cluster, m)
     if not quiet:
         print(md)
@@ -407,22 +439,17 @@ def validate(sweep: Path | str, cluster: str = "local", quiet: bool = False) -> 
     return dict(metrics=m, table=v, rankings=r)
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    import os
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.model.validate", description=__doc__)
     ap.add_argument("sweep", help="a sweep directory with result.json records")
     ap.add_argument("--cluster", default="local", help="cluster preset or YAML (default local)")
     args = ap.parse_args(argv)
-    validate(args.sweep, args.cluster)
+    from harness.model.cluster import ClusterError
+
+    try:
+        validate(args.sweep, args.cluster)
+    except ClusterError as exc:
+        ap.error(str(exc))  # one line, exit 2
     return 0
 
 

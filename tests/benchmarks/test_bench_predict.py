@@ -1,5 +1,5 @@
 """pytest-benchmark cases for the cost model's promise: ``harness.model.predict`` answers for one
-16,384-GPU layout in well under a second (issue 6), and ``costmodel.price`` prices a plan of
+16,384-GPU layout in well under a second (issue 6), and ``pricing.price`` prices a plan of
 thousands of collectives. Times are recorded in the benchmark JSON and compared across runs
 with ``pytest-benchmark compare``; they are not asserted, because an absolute time on a shared
 CI runner measures the runner (see bounds.py for the ratio gate).
@@ -28,7 +28,8 @@ def test_bench_price_16k_rank_tree_plan(benchmark):
     """gloo's tree priced round by round across nodes, for every group of a 16,384-rank world."""
     from dataclasses import replace
 
-    from harness.model.costmodel import load_cluster, price
+    from harness.model.cluster import load_cluster
+    from harness.model.pricing import price
     from strategies import get_class
     from strategies.core.layout import Layout
     from strategies.core.plan import PayloadSpec

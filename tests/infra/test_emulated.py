@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.cluster.netns import EmulatedCluster, Emulation, unavailable_reason
+from harness.cluster.netns import EmulateConf, Emulation, unavailable_reason
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["iters=2", "warmup=1", "payload.batch_size=64", "payload.seq_len=256"]
@@ -82,7 +82,7 @@ def test_torchrun_across_two_hosts(netns_ok, tmp_path):
     """torchrun --nnodes 2 with a c10d rendezvous, one agent per namespace; the record is
     written once, by global rank 0 on node 0."""
     run_dir = tmp_path / "run"
-    cfg = EmulatedCluster(nodes=2, rate_mbit=1000, links="node", ranks_per_node=2)
+    cfg = EmulateConf(nodes=2, rate_mbit=1000, links="node", ranks_per_node=2)
     with Emulation(cfg) as emu:
         procs = []
         for node in range(2):

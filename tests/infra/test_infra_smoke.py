@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 
 from harness.cluster.netns import (
-    EmulatedCluster,
+    EmulateConf as EmulatedCluster,
+)
+from harness.cluster.netns import (
     Emulation,
     EmulationUnavailable,
     unavailable_reason,

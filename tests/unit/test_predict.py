@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.model.costmodel import load_cluster, price
+from harness.model.cluster import load_cluster
 from harness.model.predict import (
     CONF,
     EXAMPLE,
@@ -23,6 +23,7 @@ from harness.model.predict import (
     run,
     scaled_spec,
 )
+from harness.model.pricing import price
 from harness.run import payloads
 from strategies import Unsupported, get_class, names
 from strategies.core.layout import Layout
@@ -146,7 +147,7 @@ def test_validate_model_on_fixture(tmp_path):
         assert 0 <= m[key] < 10
     assert 0 <= m["agreement"] <= m["agreement_or_tie"] <= 1
     # The dp=2 world (8 ranks) is twice the calibration world (4 ranks, 2 cores): factor 2,
-    # applied by costmodel.price itself; the table also carries the model without it.
+    # applied by pricing.price itself; the table also carries the model without it.
     assert set(table.oversub_factor) == {1.0, 2.0}
     assert (table.predicted_us == table.predicted_no_oversub_us * table.oversub_factor).all()
     assert all(ranks.why[~ranks.agree].str.len() > 0)

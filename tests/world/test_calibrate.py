@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.model.costmodel import coefficients, load_cluster
+from harness.model.cluster import load_cluster
+from harness.model.formulas import coefficients
 
 MIB = 2**20
 

@@ -1,0 +1,116 @@
+"""Run a config-shaped command (predict, calibrate, extrapolate) as a Hydra app from an argv.
+
+``run_app`` composes every job a command line asks for (a ``-m`` sweep expanded in full) and
+checks each one before the first job starts, so a bad override or value prints one line naming
+the field and what is valid and exits 2, with no traceback; only then does Hydra run the jobs
+(its output directories, multirun, ``--cfg``, ``--help``). Errors the job itself raises for a
+bad value are reported the same way.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from harness import paths
+
+USAGE_EXIT = 2
+"""Exit status for a bad command line or config value (argparse's)."""
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """What a bad override or value raises (as opposed to a bug, which keeps its traceback)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from harness.model.formulas import ClusterError
+    from harness.run.config import ConfigError
+    from strategies.core.layout import LayoutError
+
+    return (HydraException, OmegaConfBaseException, ClusterError, ConfigError, LayoutError)
+
+
+def one_line(exc: BaseException) -> str:
+    """An error as one line: Hydra's 'could not find' lists the valid options; OmegaConf's
+    multi-line errors keep their key."""
+    from hydra.errors import MissingConfigException
+
+    if isinstance(exc, MissingConfigException) and exc.options:
+        head = str(exc).strip().splitlines()[0]
+        return f"{head}; valid: {', '.join(sorted(exc.options))}"
+    cause = exc.__cause__ or exc.__context__
+    text = str(exc).strip() or type(exc).__name__
+    key = getattr(exc, "full_key", None) or getattr(cause, "full_key", None)
+    first = text.splitlines()[0].strip()
+    if key and key not in first:
+        first = f"{key}: {first}"
+    if cause is not None and str(cause).strip() and "full_key" not in first:
+        inner = str(cause).strip().splitlines()[0]
+        if inner not in first:
+            first = f"{first} ({inner})"
+    return " ".join(first.split())
+
+
+def fail(prog: str, exc: BaseException) -> None:
+    """Print the one line and leave with ``USAGE_EXIT``."""
+    print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
+    raise SystemExit(USAGE_EXIT)
+
+
+def _job_overrides(argv: list[str]) -> list[list[str]]:
+    """Every job's overrides: ``-m`` sweeps expanded, Hydra's own options left out."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = [a for a in argv if not a.startswith("-") and not a.startswith("hydra")]
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    if not any(o.is_sweep_override() for o in parsed):
+        return [overrides]
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def check_all(config_name: str, argv: list[str], check: Callable[[Any], None]) -> int:
+    """Compose and ``check`` every job of ``argv``; the number of jobs."""
+    from hydra import compose, initialize_config_dir
+
+    jobs = _job_overrides(argv)
+    with initialize_config_dir(config_dir=str(paths.CONF_DIR), version_base="1.3"):
+        for overrides in jobs:
+            check(compose(config_name=config_name, overrides=overrides))
+    return len(jobs)
+
+
+def run_app(
+    prog: str,
+    config_name: str,
+    task: Callable[[Any], Any],
+    check: Callable[[Any], None],
+    argv: list[str] | None,
+) -> int:
+    """``prog [overrides...]`` as a Hydra app: check every job, then run ``task`` on each."""
+    import hydra
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve"}
+    if not passthrough & set(argv):
+        try:
+            check_all(config_name, argv, check)
+        except user_errors() as exc:
+            fail(prog, exc)
+
+    def guarded(cfg) -> Any:
+        try:
+            return task(cfg)
+        except user_errors() as exc:
+            fail(prog, exc)
+
+    saved = sys.argv
+    sys.argv = [prog, *argv]
+    try:
+        hydra.main(version_base="1.3", config_path=str(paths.CONF_DIR), config_name=config_name)(
+            guarded
+        )()
+    finally:
+        sys.argv = saved
+    return 0
