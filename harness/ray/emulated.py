@@ -61,7 +61,11 @@ def _wait_for(proc: subprocess.Popen, log: Path, what: str, limit_s: float) -> N
 def start_ray_nodes(
     emu, log_dir: Path, cpus_per_node: int, object_store_mb: int, limit_s: float
 ) -> list[subprocess.Popen]:
-    """``ray start --block`` in every node's namespace, head first; return the processes."""
+    """``ray start --block`` in every node's namespace, head first; return the processes.
+
+    The head's temp dir is under ``log_dir``: Ray writes the head's address to
+    ``<temp dir>/ray_current_cluster``, and left in /tmp/ray a bare ``ray.init()`` elsewhere on
+    the machine would try to join this cluster after it is gone."""
     ray_bin = str(Path(sys.executable).with_name("ray"))
     head = f"{emu.node_ip(0)}:{RAY_PORT}"
     procs = []
@@ -72,6 +76,7 @@ def start_ray_nodes(
         argv += ["--resources", json.dumps({f"{NODE_RESOURCE}{node}": 1})]
         if node == 0:
             argv += ["--head", "--port", str(RAY_PORT), "--include-dashboard", "false"]
+            argv += ["--temp-dir", str(log_dir / "ray")]
         else:
             argv += ["--address", head]
         log = log_dir / f"ray-node{node}.log"

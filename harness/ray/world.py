@@ -221,7 +221,10 @@ class RayWorld:
         self._before = _descendants()
         if self.conf.address == "local":
             self._owns_cluster = True
+            # address="local" always starts a new cluster: a bare ray.init() would join any
+            # cluster whose address another run left in /tmp/ray/ray_current_cluster.
             ray.init(
+                address="local",
                 num_cpus=self.conf.num_cpus,
                 object_store_memory=self.conf.object_store_mb * 2**20,
                 include_dashboard=False,
