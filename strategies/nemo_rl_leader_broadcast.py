@@ -168,7 +168,9 @@ class NemoRlLeaderBroadcast(Strategy):
         except Exception as exc:  # the descriptor carries it, so every rank raises
             send_or_failure(Failure.of(g.rank, exc), g.replica_group, g.rank)
             raise
-        send_or_failure(prepared.descriptor, g.replica_group, g.rank)
+        failed = send_or_failure(prepared.descriptor, g.replica_group, g.rank)
+        if failed is not None:  # the descriptor would not pickle; every rank got why
+            raise failed[0]
         for t in prepared.tensors:
             dist.broadcast(t, src=g.leader, group=g.replica_group)
         return batch

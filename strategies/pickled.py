@@ -83,16 +83,19 @@ def _failed_while_pickling(exc: BaseException) -> bool:
     )
 
 
-def send_or_failure(obj, group, rank: int):
-    """``broadcast_obj`` from this hop's source; if pickling fails, the failure goes instead
-    (receivers raise it) and the error propagates here."""
+def send_or_failure(obj, group, rank: int) -> tuple[Exception, Failure] | None:
+    """``broadcast_obj`` from this hop's source. None once sent; if pickling ``obj`` fails, a
+    Failure goes in its place (receivers raise it) and (the error, that Failure) is returned,
+    so a rank that sends on later hops sends the Failure there too."""
     try:
-        return broadcast_obj(obj, group)
+        broadcast_obj(obj, group)
+        return None
     except Exception as exc:
         if not _failed_while_pickling(exc):
             raise
-        broadcast_obj(Failure.of(rank, exc), group)
-        raise
+        failure = Failure.of(rank, exc)
+        broadcast_obj(failure, group)
+        return exc, failure
 
 
 class Pickled(Strategy):
@@ -152,7 +155,9 @@ class Pickled(Strategy):
             state = self._state(batch)
         for hop in g.seed_hops():
             if g.rank == hop.ranks[0]:
-                send_or_failure(failure or self._outgoing(state, whole), hop.group, g.rank)
+                failed = send_or_failure(failure or self._outgoing(state, whole), hop.group, g.rank)
+                if failed is not None:
+                    error, failure = failed
                 continue
             received = broadcast_obj(None, hop.group)
             if isinstance(received, Failure):
