@@ -6,15 +6,16 @@ wrong with the numbers in the message.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any, get_type_hints
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 import strategies
+from harness.cluster.netns import EmulateConf
 from harness.run import payloads
-from strategies.core.layout import DEFAULT_ORDER, Layout, LayoutError
+from strategies.core.layout import Layout, LayoutError
 
 
 class ConfigError(ValueError):
@@ -29,18 +30,29 @@ class StrategyConf:
     """Keyword options of that strategy (its module docstring lists them)."""
 
 
-@dataclass
-class LayoutConf:
-    dp: int = 1
-    """Data-parallel replicas (each gets its own, differently seeded batch)."""
-    pp: int = 1
-    """Pipeline stages."""
-    tp: int = 1
-    """Tensor-parallel ranks per stage."""
-    cp: int = 1
-    """Context-parallel ranks per stage."""
-    order: str = DEFAULT_ORDER
-    """Megatron order string, fastest axis first (seed: tp-cp-ep-pp-dp)."""
+def _schema_of(runtime: type, name: str, doc: str) -> type:
+    """A structured-config dataclass with the init fields of ``runtime`` (names, types,
+    defaults), so the fields are written once, on the runtime type."""
+    hints = get_type_hints(runtime)
+    spec = [(f.name, hints[f.name], field(default=f.default)) for f in fields(runtime) if f.init]
+    schema = make_dataclass(name, spec)
+    schema.__doc__ = doc
+    schema.__module__ = __name__
+    return schema
+
+
+LayoutConf = _schema_of(
+    Layout,
+    "LayoutConf",
+    """The ``layout`` node: ``strategies.core.layout.Layout``'s own fields (dp, pp, tp, cp,
+    order; their meaning is documented there), made into a schema by ``_schema_of``.
+
+    Why not ``Layout`` itself as the schema: it is frozen, validates in ``__post_init__`` and
+    derives ``tokens``, which OmegaConf would expose as one more (missing) config value; and it
+    belongs to ``strategies``, which knows nothing of Hydra. Why not a second hand-written
+    list: a field added to ``Layout`` must appear here with its type and default, so it is read
+    from there. ``layout_of`` turns the node into the runtime ``Layout``.""",
+)
 
 
 @dataclass
@@ -76,28 +88,7 @@ class FaultConf:
 
 
 @dataclass
-class EmulateConf:
-    enabled: bool = False
-    """Run the job on an emulated multi-node cluster (``harness.cluster.launch``): each node a network
-    namespace, nodes joined by tc-shaped veth links. Needs root and iproute2; gloo on CPU."""
-    nodes: int = 2
-    """Emulated nodes; the world (dp·pp·tp·cp) is split into equal blocks of consecutive ranks,
-    rank r on node r // ranks_per_node (the layout's order puts TP, then CP, innermost)."""
-    rate_mbit: int = 1000
-    """Rate of every link, each direction, Mbit/s (tbf; accurate 250–2000 on 2 cores)."""
-    links: str = "node"
-    """node: one link per node, shared by its ranks | gpu: one link per rank ("rails")."""
-    ranks_per_node: int | None = None
-    """Ranks on each node; null: world size / nodes (must divide evenly)."""
-    bytes_calls: int = 2
-    """Untimed calls per strategy in the link-counting phase that gives
-    cross_node_bytes_per_call (0: skip the phase)."""
-    limit_s: float | None = None
-    """Wall-clock limit of the whole emulated launch; null: 2·timeout_s + 60 s."""
-
-
-@dataclass
-class BenchConfig:
+class BenchConf:
     strategy: StrategyConf = field(default_factory=StrategyConf)
     """The strategy under test."""
     layout: LayoutConf = field(default_factory=LayoutConf)
@@ -123,18 +114,13 @@ class BenchConfig:
 
 def register() -> None:
     cs = ConfigStore.instance()
-    cs.store(name="bench_schema", node=BenchConfig)
+    cs.store(name="bench_schema", node=BenchConf)
 
 
 def layout_of(cfg) -> Layout:
+    """The runtime ``Layout`` of ``cfg.layout``, checked by megatron-core's rules too."""
     try:
-        layout = Layout(
-            dp=cfg.layout.dp,
-            pp=cfg.layout.pp,
-            tp=cfg.layout.tp,
-            cp=cfg.layout.cp,
-            order=cfg.layout.order,
-        )
+        layout = Layout(**OmegaConf.to_container(cfg.layout, resolve=True))
         layout.megatron_kwargs()  # an order megatron-core cannot build fails here, not in ranks
         return layout
     except LayoutError as exc:
@@ -151,22 +137,30 @@ def validate(cfg, world_size: int | None = None) -> Layout:
             raise ConfigError(f"layout does not match the world: {exc}") from None
     known = strategies.names(include_floor=True)
     if cfg.strategy.name not in known:
-        raise ConfigError(f"unknown strategy {cfg.strategy.name!r}; valid names: {known}")
+        raise ConfigError(
+            f"strategy.name: unknown strategy {cfg.strategy.name!r}; valid names: {known}"
+        )
     for ref in cfg.references:
         if ref not in known:
-            raise ConfigError(f"unknown reference strategy {ref!r}; valid names: {known}")
+            raise ConfigError(
+                f"references: unknown reference strategy {ref!r}; valid names: {known}"
+            )
     if cfg.payload.name not in payloads.PAYLOADS:
         raise ConfigError(
-            f"unknown payload {cfg.payload.name!r}; valid names: {sorted(payloads.PAYLOADS)}"
+            f"payload.name: unknown payload {cfg.payload.name!r}; "
+            f"valid names: {sorted(payloads.PAYLOADS)}"
         )
     for key in ("batch_size", "seq_len"):
         value = cfg.payload[key]
         if value < 1:
             raise ConfigError(f"payload.{key} must be positive, got {value}")
-    if cfg.payload.seq_len % (2 * layout.cp):
+    step = 2 * layout.cp
+    if cfg.payload.seq_len % step:
+        below = cfg.payload.seq_len // step * step
         raise ConfigError(
-            f"payload.seq_len={cfg.payload.seq_len} is not divisible by 2·cp = {2 * layout.cp} "
-            "(Megatron splits the sequence into 2·cp zig-zag chunks)"
+            f"payload.seq_len={cfg.payload.seq_len} is not divisible by 2·cp = {step} "
+            f"(Megatron splits the sequence into 2·cp zig-zag chunks); valid: a multiple of "
+            f"{step}, e.g. {below or step} or {below + step}"
         )
     if cfg.iters < 1 or cfg.warmup < 0:
         raise ConfigError(
@@ -185,7 +179,7 @@ def validate(cfg, world_size: int | None = None) -> Layout:
 
         gpus = torch.cuda.device_count()
         if gpus == 0:
-            raise ConfigError("backend.device=cuda but this machine has no CUDA device")
+            raise ConfigError("backend.device=cuda but no CUDA device is visible")
         if cfg.backend.name == "nccl" and gpus < layout.world_size:
             raise ConfigError(
                 f"nccl needs one GPU per rank: world {layout.world_size} > {gpus} GPUs "

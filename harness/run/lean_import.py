@@ -11,11 +11,22 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import sys
 import types
+import warnings
+
+
+def quiet_megatron() -> None:
+    """Megatron's import-time UserWarnings and INFO lines say nothing about a broadcast: the
+    one place that silences them, called before megatron-core is imported."""
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron.*")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
 def parallel_state():
+    """megatron-core's ``parallel_state`` module, imported without the package ``__init__``."""
+    quiet_megatron()
     if "megatron.core" not in sys.modules:
         try:
             spec = importlib.util.find_spec("megatron.core")

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from harness import files, paths
+from strategies.core.layout import DEFAULT_ORDER
 
 REPO = paths.REPO
 
@@ -55,48 +56,81 @@ def environment() -> dict:
     }
 
 
-def build(cfg, layout, spec, summary: dict, layout_name: str, world_start_s: float) -> dict:
-    """One flat record for the strategy under test, with its references beside it."""
+def layout_name(layout) -> str:
+    """The shape's own name: the axes larger than 1 in the presets' spelling (``tp2pp2dp2``,
+    ``pp2``, ``tp2cp2``), then ``@order`` when the order is not megatron-core's default, so two
+    runs share a name exactly when they share a shape (``layout=tp2pp2 layout.tp=1`` is
+    ``pp2``; the seed's DP-slowest world is ``tp2pp2dp2@tp-cp-ep-pp-dp``)."""
+    name = "".join(
+        f"{axis}{getattr(layout, axis)}" for axis in NAME_AXES if getattr(layout, axis) > 1
+    )
+    order = "-".join(layout.tokens)
+    return (name or "tp1") + ("" if order == DEFAULT_ORDER else f"@{order}")
+
+
+NAME_AXES = ("tp", "pp", "cp", "dp")
+"""The order axes appear in a shape's name (the presets' order: tp2pp2, pp2cp2, tp2pp2dp2)."""
+
+
+def _job_fields(spec) -> dict:
+    """What the job was: the same fields whether it ran, was refused or failed."""
+    layout = spec.layout
+    return {
+        "strategy": spec.strategy,
+        "backend": spec.backend,
+        "device": spec.device,
+        "world_size": layout.world_size,
+        "layout": layout_name(layout),
+        **{axis: getattr(layout, axis) for axis in ("dp", "pp", "tp", "cp")},
+        "order": "-".join(layout.tokens),
+        "payload": spec.payload,
+        "batch_size": spec.batch_size,
+        "seq_len": spec.seq_len,
+        "iters": spec.iters,
+        "warmup": spec.warmup,
+    }
+
+
+def build(spec, summary: dict, world_start_s: float = 0.0) -> dict:
+    """One flat record: what the job was (from its JobSpec), then what was measured for the
+    strategy under test with its references beside it, or why it was refused."""
     if "unsupported" in summary:
-        return {
-            "strategy": spec.strategy,
-            "backend": cfg.backend.name,
-            "device": cfg.backend.device,
-            "world_size": layout.world_size,
-            "layout": layout_name,
-            **{k: getattr(layout, k) for k in ("dp", "pp", "tp", "cp")},
-            "order": "-".join(layout.tokens),
-            "payload": spec.payload,
-            "batch_size": spec.batch_size,
-            "seq_len": spec.seq_len,
+        measured = {
+            "status": "unsupported",
             "supported": False,
             "error": summary["unsupported"],
             "correct": None,
-            **environment(),
         }
+    else:
+        measured = {"status": "ok", **_measured(spec, summary), "world_start_s": world_start_s}
+    return {**_job_fields(spec), **measured, **environment()}
+
+
+def failed(spec, error: BaseException) -> dict:
+    """The record of a job that failed (a rank crashed, hung or ended with wrong data): its
+    first line as ``error`` (one table cell), the whole message as ``error_detail``."""
+    text = str(error).strip() or type(error).__name__
+    return {
+        **_job_fields(spec),
+        "status": "failed",
+        "supported": None,
+        "correct": None,
+        "error": text.splitlines()[0],
+        "error_detail": text,
+        **environment(),
+    }
+
+
+def _measured(spec, summary: dict) -> dict:
     mine = summary["strategies"][spec.strategy]
     floor = summary["strategies"].get("floor")
     base = summary["strategies"].get("pickled")
     payload_bytes = summary["payload_bytes"]
     p50_s = mine["p50_us"] / 1e6
     algbw = payload_bytes / p50_s / 1e9 if p50_s > 0 else 0.0
-    record = {
-        "strategy": spec.strategy,
-        "backend": cfg.backend.name,
-        "device": cfg.backend.device,
-        "world_size": layout.world_size,
-        "layout": layout_name,
-        "dp": layout.dp,
-        "pp": layout.pp,
-        "tp": layout.tp,
-        "cp": layout.cp,
-        "order": "-".join(layout.tokens),
-        "payload": spec.payload,
-        "batch_size": spec.batch_size,
-        "seq_len": spec.seq_len,
+    work, received = mine["work_leader"], mine["work_receiver_max"]
+    return {
         "payload_bytes": payload_bytes,
-        "iters": spec.iters,
-        "warmup": spec.warmup,
         **{k: mine[k] for k in ("p50_us", "p90_us", "p99_us", "min_us", "max_us", "mean_us")},
         "rank_skew_us": mine["rank_skew_us"],
         "algbw_gbps": algbw,
@@ -105,28 +139,26 @@ def build(cfg, layout, spec, summary: dict, layout_name: str, world_start_s: flo
         "baseline_p50_us": base["p50_us"] if base else None,
         "vs_floor": mine["p50_us"] / floor["p50_us"] if floor else None,
         "vs_baseline": mine["p50_us"] / base["p50_us"] if base else None,
-        "collectives_per_call": mine["collectives_per_call"],
-        "collectives_leader": mine["collectives_leader"],
-        "comm_bytes_leader": mine["comm_bytes_leader"],
-        "packed_bytes_leader": mine["work_leader"].get("packed_bytes", 0),
-        "pickled_bytes_leader": mine["work_leader"].get("pickled_bytes", 0),
-        "copied_bytes_leader": mine["work_leader"].get("copied_bytes", 0),
-        "pickled_bytes_receiver": mine["work_receiver_max"].get("unpickled_bytes", 0),
-        "copied_bytes_receiver": mine["work_receiver_max"].get("copied_bytes", 0),
-        "peak_rss_bytes": mine["peak_rss_bytes"],
-        "peak_rss_delta_bytes": mine["peak_rss_delta_bytes"],
-        "peak_cuda_bytes": mine["peak_cuda_bytes"],
+        **{k: mine[k] for k in ("collectives_per_call", "collectives_leader", "comm_bytes_leader")},
+        "packed_bytes_leader": work.get("packed_bytes", 0),
+        "pickled_bytes_leader": work.get("pickled_bytes", 0),
+        "copied_bytes_leader": work.get("copied_bytes", 0),
+        "pickled_bytes_receiver": received.get("unpickled_bytes", 0),
+        "copied_bytes_receiver": received.get("copied_bytes", 0),
+        **{k: mine[k] for k in ("peak_rss_bytes", "peak_rss_delta_bytes", "peak_cuda_bytes")},
+        **(
+            {"cross_node_bytes_per_call": mine["cross_node_bytes_per_call"]}
+            if "cross_node_bytes_per_call" in mine  # emulated-cluster workers
+            else {}
+        ),
         "correct": True,
         "supported": True,
-        "world_start_s": world_start_s,
         "references": {
             name: {k: v for k, v in s.items() if not isinstance(v, dict)}
             for name, s in summary["strategies"].items()
             if name != spec.strategy
         },
-        **environment(),
     }
-    return record
 
 
 def write_atomic(path: Path, record: dict) -> None:

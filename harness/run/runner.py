@@ -1,8 +1,9 @@
 """One job on one rank: build groups, make the payload, warm up, time interleaved calls,
 count collectives, measure peak memory and verify every rank bit for bit.
 
-``run_job_on_rank`` runs identically in a forked world (``harness.run.world``) and under torchrun;
-``summarize`` turns all ranks' results into one record (latency per iteration = max over ranks).
+``run_job_on_rank`` runs identically in a forked world (``harness.run.world``) and in a joined one
+(``harness.run.launch``): prepare, timed rounds, measurements, verification. ``summarize`` turns
+all ranks' results into one record's measured fields (latency per iteration = max over ranks).
 """
 
 from __future__ import annotations
@@ -44,7 +45,12 @@ class JobSpec:
     fault_kind: str = "crash"
     link_bytes_calls: int = 0
     """Emulated clusters only: untimed calls per strategy whose node-link bytes are counted
-    (``harness.cluster.launch``); 0 skips the phase."""
+    through the rank context's ``link_counter`` hook (``harness.cluster.launch``); 0, or a
+    context without the hook, skips the phase."""
+    backend: str = "gloo"
+    """Process-group backend the world runs (recorded)."""
+    device: str = "cpu"
+    """cpu | cuda: where the tensors live (recorded)."""
 
 
 def _fault(spec: JobSpec, rank: int, it: int) -> None:
@@ -95,11 +101,27 @@ def leader_batch(spec: JobSpec, groups, layout: Layout) -> strategies.DataProto 
     return dp
 
 
-def run_job_on_rank(ctx, spec: JobSpec) -> dict:
-    rank = ctx.rank
+@dataclass
+class Prepared:
+    """A rank's job after preparation: its groups, its entry batch and the built strategies."""
+
+    groups: object
+    full: strategies.DataProto
+    """The leader's whole batch; on other ranks the entry state (meta_info only)."""
+    order: list[str]
+    """The strategy under test first, then the references."""
+    built: dict
+
+    def call(self, name: str):
+        """One call of ``name`` from the entry state ROLL's dispatcher leaves."""
+        return self.built[name].get_data_input(self.full.entry_state(self.groups.is_leader))
+
+
+def prepare(ctx, spec: JobSpec) -> Prepared | dict:
+    """Groups, the payload on each replica leader, meta_info on every rank, every strategy
+    built; a refusal (raised on every rank before any collective) returns its record instead."""
     ctx.report("building groups")
     groups = ctx.groups_for(spec.layout)
-    device = groups.device
     ctx.report("generating the payload")
     full = leader_batch(spec, groups, spec.layout)
     # meta_info is already on every rank before get_data_input (ROLL's dispatcher put it there).
@@ -113,43 +135,56 @@ def run_job_on_rank(ctx, spec: JobSpec) -> dict:
         opts = spec.options if name == spec.strategy else {}
         try:
             built[name] = strategies.get(name, groups, **opts)
-        except strategies.Unsupported as exc:  # raised on every rank, before any collective
-            return {"rank": rank, "unsupported": f"{name}: {exc}", "is_leader": groups.is_leader}
+        except strategies.Unsupported as exc:
+            return {
+                "rank": ctx.rank,
+                "unsupported": f"{name}: {exc}",
+                "is_leader": groups.is_leader,
+            }
         built[name].prepare(full.entry_state(groups.is_leader))
+    return Prepared(groups, full, order, built)
 
-    def call(name: str):
-        entry = full.entry_state(groups.is_leader)
-        return built[name].get_data_input(entry)
 
+def timed_rounds(ctx, spec: JobSpec, job: Prepared) -> dict[str, list[float]]:
+    """Warm-up rounds, then timed rounds that interleave every strategy, a barrier before each
+    call and who goes first rotating; each rank times itself (seconds per call)."""
+    device = job.groups.device
     for it in range(spec.warmup):
-        for name in order:
+        for name in job.order:
             ctx.report(f"warm-up {it} of {name}")
             dist.barrier()
-            call(name)
+            job.call(name)
     _sync(device)
-    times = {name: [] for name in order}
+    times: dict[str, list[float]] = {name: [] for name in job.order}
     for it in range(spec.iters):
-        k = it % len(order)
-        for name in order[k:] + order[:k]:  # rotate who goes first: no strategy always leads
+        k = it % len(job.order)
+        for name in job.order[k:] + job.order[:k]:  # no strategy always leads
             ctx.report(f"timed iteration {it} of {name}")
             if name == spec.strategy:
-                _fault(spec, rank, it)
-            entry = full.entry_state(groups.is_leader)
+                _fault(spec, ctx.rank, it)
+            entry = job.full.entry_state(job.groups.is_leader)
             dist.barrier()
             t0 = time.perf_counter()
-            built[name].get_data_input(entry)
+            job.built[name].get_data_input(entry)
             _sync(device)
             times[name].append(time.perf_counter() - t0)
-    link_bytes = _link_bytes_phase(ctx, spec, order, call) if spec.link_bytes_calls > 0 else {}
-    # Untimed: one recorded call per strategy (collectives, local work), one for peak memory.
-    collectives, work, peak_rss, peak_rss_delta, peak_cuda = {}, {}, {}, {}, {}
-    for name in order:
+    return times
+
+
+def measurements(ctx, job: Prepared) -> dict[str, dict]:
+    """Untimed: one recorded call per strategy (collectives, local work), one for peak memory."""
+    device = job.groups.device
+    out: dict[str, dict] = {
+        k: {} for k in ("collectives", "work", "peak_rss_bytes", "peak_rss_delta_bytes")
+    }
+    out["peak_cuda_bytes"] = {}
+    for name in job.order:
         ctx.report(f"counting collectives of {name}")
         dist.barrier()
         with Recorder() as rec:
-            call(name)
-        collectives[name] = [(c.kind, c.ranks, c.root, c.nbytes) for c in rec.comms]
-        work[name] = dict(rec.work)
+            job.call(name)
+        out["collectives"][name] = [(c.kind, c.ranks, c.root, c.nbytes) for c in rec.comms]
+        out["work"][name] = dict(rec.work)
         ctx.report(f"measuring peak memory of {name}")
         dist.barrier()
         base = _rss_now()
@@ -157,51 +192,69 @@ def run_job_on_rank(ctx, spec: JobSpec) -> dict:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             cuda_base = torch.cuda.memory_allocated(device)
-        call(name)
+        job.call(name)
         _sync(device)
-        peak_rss[name] = _rss_peak()  # VmHWM since the reset: this call's high-water mark
-        peak_rss_delta[name] = max(0, peak_rss[name] - base)
-        peak_cuda[name] = (
+        peak = _rss_peak()  # VmHWM since the reset: this call's high-water mark
+        out["peak_rss_bytes"][name] = peak
+        out["peak_rss_delta_bytes"][name] = max(0, peak - base)
+        out["peak_cuda_bytes"][name] = (
             torch.cuda.max_memory_allocated(device) - cuda_base if device.type == "cuda" else 0
         )
+    return out
+
+
+def verification(ctx, job: Prepared) -> dict[str, list[str]]:
+    """A final call of every strategy, compared bit for bit with the leader's batch."""
+    groups = job.groups
     problems = {}
-    leader_digest = digest(full, True) if groups.is_leader else None
-    for name in order:
+    leader_digest = digest(job.full, True) if groups.is_leader else None
+    for name in job.order:
         ctx.report(f"verifying {name}")
         dist.barrier()
-        out = call(name)
-        problems[name] = _verify(name, built[name], out, leader_digest, groups, full)
+        out = job.call(name)
+        problems[name] = _verify(name, job.built[name], out, leader_digest, groups, job.full)
+    return problems
+
+
+def run_job_on_rank(ctx, spec: JobSpec) -> dict:
+    """The rank-side job: prepare, timed rounds, (link bytes,) measurements, verification."""
+    job = prepare(ctx, spec)
+    if isinstance(job, dict):
+        return job
+    times = timed_rounds(ctx, spec, job)
+    # A hook only contexts on an emulated cluster carry (other contexts may lack the field).
+    counter = getattr(ctx, "link_counter", None)
+    link_bytes = (
+        _link_bytes_phase(ctx, spec, job, counter)
+        if counter is not None and spec.link_bytes_calls > 0
+        else {}
+    )
     return {
-        "rank": rank,
-        "is_leader": groups.is_leader,
+        "rank": ctx.rank,
+        "is_leader": job.groups.is_leader,
         "times_s": times,
-        "collectives": collectives,
-        "work": work,
-        "peak_rss_bytes": peak_rss,
-        "peak_rss_delta_bytes": peak_rss_delta,
-        "peak_cuda_bytes": peak_cuda,
-        "problems": problems,
-        "payload_bytes": _payload_bytes(full) if groups.is_leader else None,
-        "device": str(device),
+        **measurements(ctx, job),
+        "problems": verification(ctx, job),
+        "payload_bytes": _payload_bytes(job.full) if job.groups.is_leader else None,
+        "device": str(job.groups.device),
         **({"link_bytes_per_call": link_bytes} if link_bytes else {}),
     }
 
 
-def _link_bytes_phase(ctx, spec: JobSpec, order: list[str], call) -> dict[str, float]:
+def _link_bytes_phase(ctx, spec: JobSpec, job: Prepared, counter) -> dict[str, float]:
     """Node-link bytes per call of each strategy, on an emulated cluster: rank 0 reads the links'
-    counters around ``link_bytes_calls`` back-to-back calls of one strategy. Barriers fence the
-    window so only that strategy's traffic (and one barrier's few hundred bytes) is counted."""
-    from harness.cluster.launch import link_counter
-
-    read = link_counter() if ctx.rank == 0 else None
+    counters (``counter``, the context's hook) around ``link_bytes_calls`` back-to-back calls of
+    one strategy. Barriers fence the window so only that strategy's traffic (and one barrier's
+    few hundred bytes) is counted."""
+    read = counter if ctx.rank == 0 else None
     out: dict[str, float] = {}
-    for name in order:
+    for name in job.order:
         ctx.report(f"counting link bytes of {name}")
         dist.barrier()
         before = read() if read is not None else 0
         dist.barrier()
         for _ in range(spec.link_bytes_calls):
-            call(name)
+            job.call(name)
         dist.barrier()
         if read is not None:
             out[name] = (read() - before) / spec.link_bytes_calls

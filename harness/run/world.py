@@ -1,8 +1,9 @@
 """Persistent multi-process worlds: start N real ranks once, then run many jobs on them.
 
-A gloo world of 8 costs ~10 s to start on two cores, so sweeps and tests reuse one world per
-(world size, backend). Ranks are forked from the driver after the heavy imports, report their
-progress, and are killed as a group when anything fails: no rank outlives its driver.
+Starting a gloo world of 8 costs seconds of imports and rendezvous, so sweeps and tests reuse
+one world per (world size, backend). Ranks are forked from the driver after the heavy imports,
+report their progress, and are killed as a group when anything fails: no rank outlives its
+driver.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import sys
 import threading
 import time
 import traceback
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -32,7 +32,6 @@ import torch.multiprocessing as tmp
 # survive fork), so the driver stays single-threaded; ranks run one thread each anyway.
 torch.set_num_threads(1)
 
-warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron.*")
 # Imported here, in the driver, so forked ranks inherit them instead of paying ~5 s each.
 from harness.run.lean_import import parallel_state  # noqa: E402
 
@@ -59,6 +58,9 @@ class RankContext:
     cache: dict = field(default_factory=dict)
     job: int = 0
     """The driver's number for the task being run; every message back carries it."""
+    link_counter: Callable[[], int] | None = None
+    """Bytes the emulated cluster's node links have sent so far (``harness.cluster.launch``),
+    or None outside one: the hook the rank-side job counts cross-node bytes with."""
 
     def report(self, phase: str) -> None:
         """Tell the driver what this rank is doing now (used to name a hung rank)."""

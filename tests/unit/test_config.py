@@ -78,8 +78,73 @@ def test_presets_compose():
     assert seed.groups("pp")[:2] == [[0, 2], [1, 3]]  # the seed document's PP groups
 
 
-def test_cli_bad_config_exits_nonzero_with_message(tmp_path):
-    res = harness("strategy.name=nope", f"hydra.run.dir={tmp_path}")
-    assert res.returncode != 0
-    assert "unknown strategy 'nope'" in res.stderr
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        # A value the job's validation refuses, with the arithmetic and what would be valid.
+        (
+            ["strategy=header", "layout=tp2cp2", "payload.seq_len=510"],
+            "payload.seq_len=510 is not divisible by 2·cp = 4",
+        ),
+        # Hydra's own missing-option error, with the options.
+        (["strategy=nope"], "Could not find 'strategy/nope'; valid: direct, flat"),
+        # A value of the wrong type, naming the field.
+        (["payload.batch_size=x"], "payload.batch_size=x"),
+        (["strategy.name=nope"], "unknown strategy 'nope'; valid names"),
+    ],
+)
+def test_cli_bad_config_is_one_line_and_exit_2(argv, says, tmp_path, capsys, monkeypatch):
+    """In process (the subprocess test below checks the real command once)."""
+    from harness.run import cli
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    assert cli.main([*argv, f"hydra.run.dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "result.json").exists()
+
+
+def test_sweep_is_validated_before_its_first_job(tmp_path, capsys, monkeypatch):
+    """The third combination is invalid: the sweep starts no job and writes nothing."""
+    from harness.run import cli
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    sweep = tmp_path / "sweep"
+    argv = ["-m", "layout=tp2cp2", "payload.seq_len=64,128,30", f"hydra.sweep.dir={sweep}"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "job 3 of 3 (layout=tp2cp2 payload.seq_len=30)" in err, err
+    assert "no job was started" in err and len(err.splitlines()) == 1
+    assert not sweep.exists()
+
+
+def test_named_sweeps_expand_every_selectable_strategy():
+    """conf/sweep/bench.yaml's glob picks up every strategy but the floor, with no list to
+    keep up to date; its product is what `make bench` runs, layouts outermost."""
+    import strategies
+    from harness.run.sweep import sweep_jobs
+
+    jobs = sweep_jobs(["sweep=bench"])
+    names = strategies.names()
+    assert len(jobs) == len(names) * 3 * 4
+    assert {j[1] for j in jobs} == {f"strategy={n}" for n in names}
+    assert [j[0] for j in jobs[:: len(jobs) // 3]] == [
+        "layout=tp2pp2", "layout=tp2cp2", "layout=tp2pp2dp2",
+    ]  # fmt: skip
+    assert len(sweep_jobs(["sweep=bench_quick"])) == len(names) * 2
+    bench = cfg_of("sweep=bench")
+    assert (bench.iters, bench.warmup, bench.payload.seq_len) == (8, 2, 512)
+
+
+def test_cli_exits_2_with_one_line_and_no_traceback(tmp_path):
+    res = harness(
+        "strategy=header", "layout=tp2cp2", "payload.seq_len=511", f"hydra.run.dir={tmp_path}"
+    )
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr and "Error executing job" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "payload.seq_len=511 is not divisible by 2·cp = 4" in lines[0]
+    assert "valid: a multiple of 4, e.g. 508 or 512" in lines[0]
     assert not (tmp_path / "result.json").exists()

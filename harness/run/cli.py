@@ -1,0 +1,164 @@
+"""``bcastbench``: one command, a subcommand per job to be done.
+
+    bcastbench run [Hydra overrides]       one job, or a sweep with -m (also `python -m harness`)
+    bcastbench bench [--quick]             the named bench sweep (conf/sweep/bench.yaml), then
+                                           the report
+    bcastbench predict|calibrate|extrapolate [overrides]   the cost model's Hydra apps
+    bcastbench report|collect|validate DIR                 read a run or sweep directory
+    bcastbench emulated-table [...]        the emulated-cluster table
+    bcastbench gpu-check                   the CUDA checks on a single-GPU machine
+
+Arguments that do not start with a subcommand's name go to ``run``, so ``bcastbench
+strategy=flat`` and ``python -m harness strategy=flat`` are the same job. Every subcommand
+module exposes ``main(argv) -> int``; this file only dispatches.
+
+A bad config, name or value prints one line naming the field and what is valid and exits 2
+(no traceback); a failed job exits 1 with its error; Ctrl-C prints where the records written so
+far are and exits 130.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import shutil
+import sys
+import tempfile
+
+from harness import paths
+
+USAGE_EXIT, FAILED_EXIT, INTERRUPTED_EXIT = 2, 1, 130
+PASSTHROUGH = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve"}
+"""Hydra's own options that show things instead of running jobs."""
+
+SUBCOMMANDS = {
+    "run": (None, "one job, or a sweep with -m (Hydra overrides; `run --help` shows the config)"),
+    "bench": ("harness.run.bench", "the bench sweep (conf/sweep/bench.yaml), then its report"),
+    "predict": ("harness.model.predict", "predict every strategy's time on a cluster"),
+    "calibrate": ("harness.model.calibrate", "fit the cost model to this cluster"),
+    "extrapolate": ("harness.model.extrapolate", "predicted latency from 8 to 16k GPUs"),
+    "report": ("harness.report.build", "DIR: report.md and figures of a run or sweep"),
+    "collect": ("harness.report.collect", "DIR: one CSV row per job of a run or sweep"),
+    "validate": ("harness.model.validate", "DIR: the cost model against a measured sweep"),
+    "emulated-table": ("harness.cluster.table", "the emulated-cluster comparison table"),
+    "gpu-check": ("harness.run.gpu_check", "the CUDA checks on a single-GPU machine"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, SUBCOMMANDS))
+    lines = [f"  {name:<{width}}  {what}" for name, (_, what) in SUBCOMMANDS.items()]
+    return (
+        "usage: bcastbench <subcommand> [args...]   (no subcommand: run)\n\n"
+        "subcommands:\n" + "\n".join(lines) + "\n\n`bcastbench <subcommand> --help` for each."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch ``argv`` (default: the command line) to a subcommand; its exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"], ["help"]):
+        print(usage())
+        return 0
+    if argv and argv[0] in SUBCOMMANDS:
+        name, argv = argv[0], argv[1:]
+    else:
+        name = "run"
+    module, _ = SUBCOMMANDS[name]
+    if module is None:
+        return run(argv)
+    sys.argv = [f"bcastbench {name}", *argv]
+    return int(importlib.import_module(module).main(argv) or 0)
+
+
+def _scratch_for_other_ranks(argv: list[str]) -> list[str]:
+    """Under torchrun every rank runs this command; only global rank 0 owns the output
+    directory, so the others get a scratch one (removed at exit) and no log file."""
+    from harness.run import launch
+
+    here = launch.current()
+    if here.kind != launch.JOINED or here.via != "torchrun" or here.writes_records:
+        return argv
+    scratch = tempfile.mkdtemp(prefix=f"bcastbench-rank{here.rank}-")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    return [*argv, f"hydra.run.dir={scratch}", "hydra.output_subdir=null", "hydra/job_logging=none"]
+
+
+def run(argv: list[str]) -> int:
+    """``bcastbench run``: the Hydra job app, with errors turned into one line and an exit
+    status (``HYDRA_FULL_ERROR`` makes Hydra hand its exceptions to us instead of printing
+    them with a stack)."""
+    from harness.run.lean_import import quiet_megatron
+
+    quiet_megatron()
+    import hydra
+
+    from harness.run import launch
+    from harness.run.config import register
+    from harness.run.progress import STATE
+
+    register()
+    if any("hydra/launcher=" in arg for arg in argv):
+        launch.prompt_slurm_failures()
+    sys.argv = ["bcastbench", *_scratch_for_other_ranks(argv)]
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    if {"-m", "--multirun"} & set(argv) and not PASSTHROUGH & set(argv):
+        from harness.run.config import ConfigError
+        from harness.run.sweep import check_sweep
+
+        try:
+            STATE.total = check_sweep([a for a in argv if not a.startswith("-")])
+        except ConfigError as exc:
+            return _exit_status(exc)
+
+    def task(cfg):
+        from harness.run import app
+        from harness.run.config import ConfigError
+
+        try:
+            return app.run(cfg)
+        except ConfigError as exc:
+            # Leaves through Hydra's job runner as SystemExit, which it does not report.
+            raise SystemExit(_exit_status(exc)) from None
+
+    decorated = hydra.main(
+        version_base="1.3", config_path=str(paths.CONF_DIR), config_name="config"
+    )
+    try:
+        decorated(task)()
+    except SystemExit as exc:  # --help, or a job's one-line config error
+        return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except KeyboardInterrupt:
+        print(
+            f"\nbcastbench: interrupted; records written so far: {STATE.records}", file=sys.stderr
+        )
+        return INTERRUPTED_EXIT
+    except BaseException as exc:  # noqa: BLE001 - sorted into user errors, failures and bugs
+        return _exit_status(exc)
+    if STATE.failed:
+        print(
+            f"bcastbench: {STATE.failed} of {STATE.done} jobs failed; their records say why "
+            f"(status, error): {STATE.records}",
+            file=sys.stderr,
+        )
+        return FAILED_EXIT
+    return 0
+
+
+def _exit_status(exc: BaseException) -> int:
+    """One line for a bad config (2), the error for a failed job (1); a bug keeps its stack."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from harness.model.command import one_line
+    from harness.run.app import JOB_FAILURES
+    from harness.run.config import ConfigError
+
+    if isinstance(exc, ConfigError | HydraException | OmegaConfBaseException):
+        print(f"bcastbench: error: {one_line(exc)}", file=sys.stderr)
+        return USAGE_EXIT
+    if isinstance(exc, JOB_FAILURES):
+        print(f"bcastbench: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return FAILED_EXIT
+    raise exc

@@ -1,0 +1,71 @@
+"""Every job of a sweep, composed and checked before the first one starts.
+
+Hydra composes a job's config only when the job starts, so a sweep whose 40th combination is
+invalid would run 39 jobs first. ``check_sweep`` expands the sweep the way Hydra's basic
+sweeper will (its ``params`` from ``conf/sweep/*`` and the command line's ``a=1,2`` lists,
+``glob(...)`` over config groups included), composes every combination and runs
+``harness.run.config.validate`` on each; the first bad one raises ``ConfigError`` naming the
+job, its overrides and what is wrong.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from harness import paths
+from harness.run.config import ConfigError, validate
+
+
+def describe(exc: BaseException) -> str:
+    """An error from composing or checking a config, as one line."""
+    from harness.model.command import one_line
+
+    return one_line(exc)
+
+
+def _jobs(loader, master, overrides: list[str]) -> list[list[str]]:
+    """Each job's overrides, in the order the basic sweeper launches them."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = [f"{k}={v}" for k, v in (master.hydra.sweeper.get("params") or {}).items()]
+    task = [o for o in overrides if not o.split("=", 1)[0].lstrip("~+").startswith("hydra")]
+    parsed = OverridesParser.create(config_loader=loader).parse_overrides(params + task)
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+@contextmanager
+def _expanded(overrides: list[str], config_name: str):
+    """(config loader, master config, every job's overrides) of a ``-m`` command line."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    try:
+        with initialize_config_dir(config_dir=str(paths.CONF_DIR), version_base="1.3"):
+            loader = GlobalHydra.instance().config_loader()
+            master = loader.load_configuration(config_name, overrides, RunMode.MULTIRUN)
+            yield loader, master, _jobs(loader, master, overrides)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(f"the sweep's config: {describe(exc)}") from None
+
+
+def sweep_jobs(overrides: list[str], config_name: str = "config") -> list[list[str]]:
+    """Every job's overrides, as the sweep will launch them (nothing composed per job)."""
+    with _expanded(overrides, config_name) as (_, _, jobs):
+        return jobs
+
+
+def check_sweep(overrides: list[str], config_name: str = "config") -> int:
+    """Compose and validate every job ``-m overrides`` makes; returns how many there are."""
+    with _expanded(overrides, config_name) as (loader, master, jobs):
+        for index, job in enumerate(jobs):
+            where = f"job {index + 1} of {len(jobs)} ({' '.join(job)})"
+            try:
+                validate(loader.load_sweep_config(master, job))
+            except (ConfigError, HydraException, OmegaConfBaseException) as exc:
+                raise ConfigError(f"{where}: {describe(exc)}; no job was started") from None
+    return len(jobs)
