@@ -15,8 +15,8 @@ import pickle
 import torch
 import torch.distributed as dist
 
-from strategies.core.codec import as_bytes, nbytes_of
-from strategies.core.contract import DataProto, Strategy
+from strategies.core.codec import as_bytes, message_parts, nbytes_of
+from strategies.core.contract import DataProto, Strategy, wants_non_tensor
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 
 
@@ -35,10 +35,8 @@ class Floor(Strategy):
         g = self.groups
         size = torch.zeros(1, dtype=torch.int64)
         if g.is_leader:
-            parts = [
-                as_bytes(t) for _, t in batch.batch.items(include_nested=True, leaves_only=True)
-            ]
-            if batch.broadcast_non_tensor:  # the same bytes: flagged non-tensor data travels too
+            parts = [as_bytes(t) for *_, t in message_parts(batch.batch)]
+            if wants_non_tensor(batch):  # the same bytes: flagged non-tensor data travels too
                 blob = pickle.dumps(batch.non_tensor_batch, protocol=pickle.HIGHEST_PROTOCOL)
                 parts.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
             self.sent = torch.cat([p.to(g.device) for p in parts]) if parts else torch.empty(0)
@@ -72,7 +70,7 @@ class Floor(Strategy):
 
 
 def tensor_bytes(batch: DataProto) -> int:
-    return sum(nbytes_of(t) for _, t in batch.batch.items(include_nested=True, leaves_only=True))
+    return sum(nbytes_of(t) for *_, t in message_parts(batch.batch))
 
 
 STRATEGY = Floor

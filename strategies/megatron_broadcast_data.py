@@ -26,6 +26,8 @@ Adapted to fit the ``get_data_input`` contract:
   inside that table (Megatron has no non-tensor data);
 - nested TensorDict keys travel as key tuples in the table and are rebuilt (the original takes
   flat string keys);
+- a jagged NestedTensor or a NonTensorData/NonTensorStack leaf has no place in that header:
+  the leader refuses it through the table, so every rank raises naming the key;
 - the original hard-codes CUDA and TP only; here the device is ``groups.device`` (gloo/CPU or
   NCCL/CUDA) and the call runs per hop. Stage-0 ranks forward the table, header and flat buffers
   they received unchanged on the PP hop (no second ``torch.cat``).
@@ -44,13 +46,16 @@ from strategies.core.contract import (
     ContractError,
     DataProto,
     Strategy,
+    _key_name,
     attempt,
     deliver,
     failure_text,
+    is_non_tensor_leaf,
     raise_failure,
     validate,
     wants_non_tensor,
 )
+from strategies.core.contract import leaves as all_leaves
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.trace import WORK
 
@@ -106,6 +111,14 @@ def build_message(batch: DataProto, rank: int, device: torch.device | None = Non
 
 def _build(batch: DataProto, rank: int, device: torch.device | None) -> _Message:
     validate(batch, rank, device)
+    for key, value in all_leaves(batch.batch):
+        if is_non_tensor_leaf(value) or value.is_nested:
+            what = type(value).__name__ if is_non_tensor_leaf(value) else "a jagged NestedTensor"
+            raise ContractError(
+                f"rank {rank}: batch[{_key_name(key)!r}] is {what}; megatron broadcast_data "
+                "carries dense tensors only (its header holds one dense shape per key); use "
+                "header, flat, direct, pp_first or scatter_allgather for such leaves"
+            )
     leaves = list(batch.batch.items(include_nested=True, leaves_only=True))
     for key, t in leaves:
         _check_leaf(key, t, rank)

@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 from tensordict import NonTensorData, TensorDict
 
+from strategies.core.codec import KIND_OBJECT, message_parts, nbytes_of
 from strategies.core.contract import (
     DataProto,
     Strategy,
@@ -72,6 +73,7 @@ from strategies.core.contract import (
     validate,
     wants_non_tensor,
 )
+from strategies.core.contract import leaves as all_leaves
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.trace import WORK
 from strategies.vllm_tensor_dict import leaf_nbytes
@@ -85,13 +87,12 @@ found by consolidating before the call) instead of a batch, so no receiver waits
 
 def _hide_complex128(td: TensorDict) -> TensorDict:
     """complex128 leaves as float64 pairs under COMPLEX_PREFIX (see the module docstring)."""
-    leaves = list(td.items(include_nested=True, leaves_only=True))
-    if not any(t.dtype == torch.complex128 for _, t in leaves):
+    leaves = all_leaves(td)
+    if not any(getattr(t, "dtype", None) == torch.complex128 for _, t in leaves):
         return td
     out = TensorDict({}, batch_size=td.batch_size, device=td.device)
     for key, t in leaves:
-        key = key if isinstance(key, tuple) else (key,)
-        if t.dtype == torch.complex128:
+        if getattr(t, "dtype", None) == torch.complex128:
             out.set((COMPLEX_PREFIX, *key), torch.view_as_real(t))
         else:
             out.set(key, t)
@@ -173,8 +174,7 @@ class TensorDictBroadcast(Strategy):
         if td.is_consolidated():
             return td
         WORK["packed_bytes"] += sum(
-            _padded(t.numel() * t.element_size())
-            for _, t in td.items(include_nested=True, leaves_only=True)
+            _padded(nbytes_of(t)) for key, kind, _, t in message_parts(td) if kind != KIND_OBJECT
         )
         return td.consolidate(metadata=True, device=self.groups.device)
 

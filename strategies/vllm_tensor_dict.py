@@ -21,6 +21,9 @@ Adapted to fit the ``get_data_input`` contract:
   its error, so every rank raises it instead of waiting for tensors;
 - ``non_tensor_batch``, when ``meta_info['_broadcast_non_tensor_batch']`` is set, travels inline
   in the metadata list as vLLM carries any non-tensor value;
+- a NonTensorData/NonTensorStack leaf rides inline in the metadata list (vLLM carries any
+  non-tensor value that way); a jagged NestedTensor has no dense TensorMeta, so the leader
+  refuses it and every rank raises naming the key;
 - receivers allocate CUDA tensors on their own ``groups.device`` (vLLM: its current device);
 - vLLM broadcasts the sender's tensors as they are, which a process group refuses for
   non-contiguous tensors; here those are made contiguous first (a copy of the view's own
@@ -40,11 +43,14 @@ from tensordict import TensorDict
 
 from strategies.core.codec import transportable
 from strategies.core.contract import (
+    ContractError,
     DataProto,
     Strategy,
+    _key_name,
     attempt,
     deliver,
     failure_text,
+    leaves,
     raise_failure,
     validate,
     wants_non_tensor,
@@ -115,8 +121,14 @@ def to_tensor_dict(batch: DataProto, rank: int = 0, device=None) -> dict:
     """Leader: the DataProto as the flat dict vLLM broadcasts (validated first)."""
     validate(batch, rank, device)
     out: dict = {BATCH_SIZE_KEY: list(batch.batch.batch_size)}
-    for key, t in batch.batch.items(include_nested=True, leaves_only=True):
-        out[key] = t
+    for key, value in leaves(batch.batch):
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            raise ContractError(
+                f"rank {rank}: batch[{_key_name(key)!r}] is a jagged NestedTensor; vLLM's "
+                "broadcast_tensor_dict describes each tensor by one dense shape and cannot "
+                "carry it; use header, flat, direct, pp_first or scatter_allgather"
+            )
+        out[_key_name(key)] = value  # a non-tensor leaf rides inline, as vLLM carries any value
     if wants_non_tensor(batch):
         out[NON_TENSOR_KEY] = batch.non_tensor_batch
     return out

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from strategies import NON_TENSOR_FLAG, DataProto
+from strategies.core.contract import is_non_tensor_leaf, leaves, wants_non_tensor
 
 DTYPE_NAMES = (
     "bool",
@@ -130,6 +131,43 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
 
 
+def same_data(a, b) -> bool:
+    """Equality of non-tensor data that may hold tensors (verl's ``indices``), bit for bit."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            type(a) is type(b)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(raw_bytes(a), raw_bytes(b))
+        )
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same_data, a, b))
+    return type(a) is type(b) and a == b
+
+
+def leaf_problems(a, b) -> list[str]:
+    """How leaf ``b`` differs from ``a`` when either is jagged or non-tensor: a jagged leaf
+    component by component (values, offsets, lengths, ragged dim), a non-tensor leaf by type,
+    batch size and data."""
+    if type(a) is not type(b):
+        return [f"is {type(b).__name__}, not {type(a).__name__}"]
+    if is_non_tensor_leaf(a):
+        same = a.batch_size == b.batch_size and same_data(a.tolist(), b.tolist())
+        return [] if same else [f"non-tensor data {b.tolist()!r} != {a.tolist()!r}"]
+    if not b.is_nested or b.layout != a.layout or b._ragged_idx != a._ragged_idx:
+        return [f"is not a jagged leaf like the leader's ({b.layout})"]
+    out = []
+    for name in ("values", "offsets", "lengths"):
+        x, y = getattr(a, name)(), getattr(b, name)()
+        if (x is None) != (y is None):
+            out.append(f"{name} present on one side only")
+        elif x is not None and (
+            x.dtype != y.dtype or x.shape != y.shape or not torch.equal(raw_bytes(x), raw_bytes(y))
+        ):
+            out.append(f"{name} differ")
+    return out
+
+
 def batch_problems(expected: DataProto, got: DataProto, is_leader: bool, where: str) -> list[str]:
     """Every way ``got`` (a rank's exit state) differs from the leader's batch ``expected``."""
     out = []
@@ -137,13 +175,15 @@ def batch_problems(expected: DataProto, got: DataProto, is_leader: bool, where: 
         return [f"{where}: batch is None"]
     if list(got.batch.batch_size) != list(expected.batch.batch_size):
         out.append(f"{where}: batch_size {list(got.batch.batch_size)}")
-    want = dict(expected.batch.items(include_nested=True, leaves_only=True))
-    have = dict(got.batch.items(include_nested=True, leaves_only=True))
+    want = dict(leaves(expected.batch))
+    have = dict(leaves(got.batch))
     if set(want) != set(have):
         out.append(f"{where}: keys {sorted(map(str, have))} != {sorted(map(str, want))}")
     for key in set(want) & set(have):
         a, b = want[key], have[key]
-        if a.dtype != b.dtype or a.shape != b.shape:
+        if is_non_tensor_leaf(a) or is_non_tensor_leaf(b) or a.is_nested or b.is_nested:
+            out += [f"{where}: {key!r} {p}" for p in leaf_problems(a, b)]
+        elif a.dtype != b.dtype or a.shape != b.shape:
             out.append(
                 f"{where}: {key!r} is {b.dtype}{list(b.shape)}, not {a.dtype}{list(a.shape)}"
             )
@@ -151,7 +191,7 @@ def batch_problems(expected: DataProto, got: DataProto, is_leader: bool, where: 
             out.append(f"{where}: {key!r} bytes differ")
     if got.meta_info != expected.meta_info:
         out.append(f"{where}: meta_info {got.meta_info} != {expected.meta_info}")
-    if expected.broadcast_non_tensor or is_leader:
+    if wants_non_tensor(expected) or is_leader:
         want_nt = expected.non_tensor_batch
     else:
         want_nt = {}  # not flagged: receivers keep what they had, i.e. nothing

@@ -4,6 +4,12 @@ A message is one uint8 buffer: a binary header (keys, dtypes, shapes, offsets; n
 tensor data) followed by every tensor's bytes at 64-byte-aligned offsets, all dtypes in one
 buffer. Receivers decode the header, refuse anything corrupt or oversized before allocating,
 and return zero-copy views into the buffer.
+
+A leaf travels as one or more parts (``message_parts``): a dense tensor as itself; a jagged
+NestedTensor (``layout=torch.jagged``) as its values, offsets and (when present) lengths, each
+an entry of its own kind, rebuilt as a jagged NestedTensor on arrival; a NonTensorData /
+NonTensorStack leaf as its pickle, an entry flagged KIND_OBJECT (like the non_tensor_batch
+blob), unpickled on arrival.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from strategies.core.contract import is_non_tensor_leaf, leaves
 from strategies.core.trace import WORK
 
 MAGIC = b"BCB1"
-VERSION = 1
+VERSION = 2  # 2: every entry carries its kind (dense, jagged part, pickled non-tensor leaf)
 ALIGN = 64
 DEFAULT_MAX_BYTES = 16 << 30  # receivers refuse headers that claim more than this
 MAX_NDIM = 32
@@ -45,6 +52,11 @@ DTYPES: tuple[torch.dtype, ...] = (
 )
 DTYPE_CODE = {dt: i for i, dt in enumerate(DTYPES)}
 ITEMSIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in DTYPES}
+
+KIND_DENSE, KIND_VALUES, KIND_OFFSETS, KIND_LENGTHS, KIND_OBJECT = range(5)
+"""What an entry holds: a dense leaf; the values, offsets or lengths of a jagged leaf (the
+values entry's ``aux`` is its ragged dim); or the pickle of a non-tensor leaf."""
+KIND_NAMES = ("dense", "values", "offsets", "lengths", "object")
 
 _PREFIX = struct.Struct("<4sHHIQQ")  # magic, version, flags, header_len, data_bytes, next_expect
 FLAG_NON_TENSOR = 1
@@ -78,6 +90,8 @@ class Entry:
     shape: tuple[int, ...]
     offset: int  # from the start of the data region
     nbytes: int
+    kind: int = KIND_DENSE
+    aux: int = 0  # the ragged dim of a jagged leaf's values entry
 
 
 @dataclass(frozen=True)
@@ -130,24 +144,55 @@ def transportable(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in _NATIVE else as_bytes(t)
 
 
+Part = tuple  # (key, kind, aux, tensor): one entry of the message
+
+
+def message_parts(batch: TensorDict, rank: int = 0) -> list[Part]:
+    """Every piece the message carries, in leaf order: ``(key, kind, aux, tensor)``. A
+    non-tensor leaf is pickled here (its bytes as a uint8 tensor)."""
+    out: list[Part] = []
+    for key, value in leaves(batch):
+        name = key if len(key) > 1 else key[0]
+        if is_non_tensor_leaf(value):
+            blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            WORK["pickled_bytes"] += len(blob)
+            out.append((key, KIND_OBJECT, 0, torch.frombuffer(bytearray(blob), dtype=torch.uint8)))
+        elif value.is_nested:
+            if value.layout != torch.jagged:
+                raise HeaderError(
+                    f"rank {rank}: batch[{name!r}] is a nested tensor with layout "
+                    f"{value.layout}; the header carries dense tensors and layout=torch.jagged"
+                )
+            # The offsets come last: the entry that tells a receiver the leaf is complete.
+            out.append((key, KIND_VALUES, value._ragged_idx, value.values()))
+            if value.lengths() is not None:
+                out.append((key, KIND_LENGTHS, 0, value.lengths()))
+            out.append((key, KIND_OFFSETS, 0, value.offsets()))
+        else:
+            out.append((key, KIND_DENSE, 0, value))
+    return out
+
+
 def layout_entries(
     batch: TensorDict,
     rank: int = 0,
     non_tensor_nbytes: int | None = None,
     direct: frozenset[int] = frozenset(),
+    parts: list[Part] | None = None,
 ) -> tuple[list[Entry], int, tuple[int, int] | None]:
-    """Offsets for every leaf and the optional non-tensor blob; returns (entries, data_bytes,
-    non_tensor span). Leaves whose index is in ``direct`` get offset DIRECT and no space."""
+    """Offsets for every part (``message_parts``) and the optional non-tensor blob; returns
+    (entries, data_bytes, non_tensor span). Parts whose index is in ``direct`` get offset
+    DIRECT and no space."""
     entries: list[Entry] = []
     offset = 0
-    for i, (key, t) in enumerate(batch.items(include_nested=True, leaves_only=True)):
-        key = key if isinstance(key, tuple) else (key,)
+    parts = message_parts(batch, rank) if parts is None else parts
+    for i, (key, kind, aux, t) in enumerate(parts):
         dtype_code(t.dtype, key if len(key) > 1 else key[0], rank)
         n = nbytes_of(t)
         if i in direct:
-            entries.append(Entry(key, t.dtype, tuple(t.shape), DIRECT, n))
+            entries.append(Entry(key, t.dtype, tuple(t.shape), DIRECT, n, kind, aux))
             continue
-        entries.append(Entry(key, t.dtype, tuple(t.shape), offset, n))
+        entries.append(Entry(key, t.dtype, tuple(t.shape), offset, n, kind, aux))
         offset = align(offset + n)
     span = None
     if non_tensor_nbytes is not None:
@@ -172,7 +217,7 @@ def encode_header(
         for part in e.key:
             raw = part.encode()
             body += struct.pack("<H", len(raw)) + raw
-        body += struct.pack("<BB", DTYPE_CODE[e.dtype], len(e.shape))
+        body += struct.pack("<BBBB", e.kind, e.aux, DTYPE_CODE[e.dtype], len(e.shape))
         body += struct.pack(f"<{len(e.shape)}Q", *e.shape)
         body += struct.pack("<Q", e.offset)
     if non_tensor is not None:
@@ -247,7 +292,9 @@ def decode_header(raw: bytes, max_bytes: int = DEFAULT_MAX_BYTES, rank: int = 0)
                 (raw_part,) = take(f"<{n}s")
                 parts.append(raw_part.decode())
             key = tuple(parts)
-            code, ndim = take("<BB")
+            kind, aux, code, ndim = take("<BBBB")
+            if kind >= len(KIND_NAMES):
+                raise HeaderError(f"rank {rank}: batch[{key!r}] has unknown entry kind {kind}")
             if code >= len(DTYPES):
                 raise HeaderError(f"rank {rank}: batch[{key!r}] has unknown dtype code {code}")
             if ndim > MAX_NDIM:
@@ -261,11 +308,7 @@ def decode_header(raw: bytes, max_bytes: int = DEFAULT_MAX_BYTES, rank: int = 0)
                     f"rank {rank}: batch[{key!r}] spans bytes {offset}..{offset + nbytes} of a "
                     f"{data_bytes}-byte data region"
                 )
-            if batch_size and (not shape or shape[0] != batch_size[0]):
-                raise HeaderError(
-                    f"rank {rank}: batch[{key!r}] has shape {list(shape)}; expected leading dim "
-                    f"B={batch_size[0]}"
-                )
+            _check_entry_shape(key, kind, shape, batch_size, rank)
             if offset == DIRECT:
                 direct_bytes += nbytes
                 if total + direct_bytes > max_bytes:
@@ -273,7 +316,7 @@ def decode_header(raw: bytes, max_bytes: int = DEFAULT_MAX_BYTES, rank: int = 0)
                         f"rank {rank}: the message ({total} bytes) and its separately sent "
                         f"leaves ({direct_bytes} bytes so far) exceed max_bytes={max_bytes}"
                     )
-            entries.append(Entry(key, dtype, tuple(shape), offset, nbytes))
+            entries.append(Entry(key, dtype, tuple(shape), offset, nbytes, kind, aux))
         non_tensor = None
         if flags & FLAG_NON_TENSOR:
             non_tensor = take("<QQ")
@@ -285,6 +328,20 @@ def decode_header(raw: bytes, max_bytes: int = DEFAULT_MAX_BYTES, rank: int = 0)
     return Header(
         tuple(batch_size), tuple(entries), data_bytes, header_len, next_expect, non_tensor
     )
+
+
+def _check_entry_shape(key, kind: int, shape, batch_size, rank: int) -> None:
+    """A dense leaf leads with B; a jagged leaf's offsets hold B+1 values, its lengths B."""
+    if not batch_size:
+        return
+    b = batch_size[0]
+    want = {KIND_DENSE: b, KIND_OFFSETS: b + 1, KIND_LENGTHS: b}.get(kind)
+    if want is not None and (not shape or shape[0] != want):
+        what = "leading dim" if kind == KIND_DENSE else f"{KIND_NAMES[kind]} of length"
+        raise HeaderError(
+            f"rank {rank}: batch[{key!r}] has shape {list(shape)}; expected {what} "
+            f"{'B' if want == b else 'B+1'}={want}"
+        )
 
 
 def pack(
@@ -319,24 +376,26 @@ def pack_deferred(
     rank: int = 0,
     cache: dict | None = None,
     direct: frozenset[int] = frozenset(),
+    parts: list[Part] | None = None,
 ):
     """Like ``pack``, but only the header is written; returns (buffer, header, fill) where
     ``fill(upto)`` copies every leaf that starts before byte ``upto``, so a sender can put the
     first part of a large message on the wire while it packs the rest. A new buffer gets 1/4
     spare capacity, so slowly growing batches do not reallocate every call. Leaves whose index
-    is in ``direct`` are described in the header but not packed (the caller sends them)."""
+    is in ``direct`` are described in the header but not packed (the caller sends them);
+    ``parts`` are the batch's ``message_parts`` when the caller has them already."""
     blob = None
     if non_tensor_batch is not None:
         blob = pickle.dumps(non_tensor_batch, protocol=pickle.HIGHEST_PROTOCOL)
-    leaves = list(batch.items(include_nested=True, leaves_only=True))
+    leaves = message_parts(batch, rank) if parts is None else parts
     signature = (
         tuple(batch.batch_size),
-        tuple((k, t.dtype, t.shape) for k, t in leaves),
+        tuple((k, kind, aux, t.dtype, t.shape) for k, kind, aux, t in leaves),
         direct,
     )
     cache = {} if cache is None else cache
     if cache.get("signature") != signature:
-        entries, tensor_end, _ = layout_entries(batch, rank, None, direct)
+        entries, tensor_end, _ = layout_entries(batch, rank, None, direct, leaves)
         cache.clear()
         cache.update(signature=signature, entries=entries, tensor_end=tensor_end)
     entries, tensor_end = cache["entries"], cache["tensor_end"]
@@ -375,7 +434,7 @@ def pack_deferred(
             end += 1
         if end > done:
             # One C++ call for these copies; non-contiguous sources copy only their elements.
-            torch._foreach_copy_(dst[done:end], [leaves[src_index[k]][1] for k in range(done, end)])
+            torch._foreach_copy_(dst[done:end], [leaves[src_index[k]][3] for k in range(done, end)])
             done = end
         if not blob_done and blob_start < upto:
             out[blob_start : blob_start + len(blob)].copy_(
@@ -398,6 +457,31 @@ def _leaf_device(batch: TensorDict) -> torch.device:
     return torch.device("cpu")
 
 
+def _assemble(entry: Entry, t: torch.Tensor, pending: dict):
+    """The leaf an entry completes, or None while a jagged leaf still waits for its offsets
+    (its last part); ``pending`` keeps its parts meanwhile."""
+    if entry.kind == KIND_DENSE:
+        return t
+    if entry.kind == KIND_OBJECT:
+        WORK["unpickled_bytes"] += entry.nbytes
+        return pickle.loads(t.cpu().numpy().tobytes())
+    pending[entry.kind] = t
+    if entry.kind == KIND_VALUES:
+        pending["ragged"] = entry.aux
+    if entry.kind != KIND_OFFSETS:
+        return None
+    return _jagged(pending)
+
+
+def _jagged(pending: dict) -> torch.Tensor:
+    return torch.nested.nested_tensor_from_jagged(
+        pending[KIND_VALUES],
+        pending[KIND_OFFSETS],
+        lengths=pending.get(KIND_LENGTHS),
+        jagged_dim=pending["ragged"],
+    )
+
+
 def unpack(
     buf: torch.Tensor,
     header: Header,
@@ -411,12 +495,18 @@ def unpack(
     received = iter(direct)
     nested: dict = {}
     flat = True
+    jagged: dict = {}  # key -> parts of a jagged leaf seen so far
     for e in header.entries:
         t = next(received) if e.offset == DIRECT else next(pieces).view(e.dtype).view(e.shape)
         node = nested
         for part in e.key[:-1]:
             node = node.setdefault(part, {})
             flat = False
+        if e.kind != KIND_DENSE:
+            flat = False
+            t = _assemble(e, t, jagged.setdefault(e.key, {}))
+            if t is None:
+                continue
         node[e.key[-1]] = t
     if flat and td_device is None:
         # The header was validated above: skip TensorDict's per-key checks (~5x faster).

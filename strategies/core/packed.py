@@ -10,9 +10,11 @@ import torch.distributed as dist
 from strategies.core.codec import (
     DEFAULT_MAX_BYTES,
     DIRECT,
+    KIND_DENSE,
     Header,
     HeaderError,
     encode_error,
+    message_parts,
     nbytes_of,
     pack_deferred,
     transportable,
@@ -118,17 +120,17 @@ class PackedStrategy(Strategy):
             self.finish_receiver(batch, buf, header, direct)
         return batch
 
-    def direct_leaves(self, batch: DataProto) -> frozenset[int]:
-        """Indices (in iteration order) of the leaves that travel on their own: contiguous,
-        on the groups' device, at least ``direct_min_bytes``. Sending them from the tensor
-        itself skips the pack copy, at one more collective each."""
+    def direct_leaves(self, parts: list) -> frozenset[int]:
+        """Indices (in ``codec.message_parts`` order) of the dense leaves that travel on their
+        own: contiguous, on the groups' device, at least ``direct_min_bytes``. Sending them
+        from the tensor itself skips the pack copy, at one more collective each."""
         if self.direct_min_bytes is None:
             return frozenset()
-        leaves = batch.batch.items(include_nested=True, leaves_only=True)
         return frozenset(
             i
-            for i, (_, t) in enumerate(leaves)
-            if nbytes_of(t) >= self.direct_min_bytes
+            for i, (_, kind, _, t) in enumerate(parts)
+            if kind == KIND_DENSE
+            and nbytes_of(t) >= self.direct_min_bytes
             and t.is_contiguous()
             and t.device == self.groups.device
         )
@@ -136,7 +138,8 @@ class PackedStrategy(Strategy):
     def _pack(self, batch: DataProto) -> tuple[torch.Tensor, Header, int]:
         validate(batch, self.groups.rank, self.groups.device)
         nt = batch.non_tensor_batch if wants_non_tensor(batch) else None
-        direct = self.direct_leaves(batch)
+        parts = message_parts(batch.batch, self.groups.rank)
+        direct = self.direct_leaves(parts)
         buf, header, self._fill = pack_deferred(
             batch.batch,
             nt,
@@ -145,9 +148,9 @@ class PackedStrategy(Strategy):
             rank=self.groups.rank,
             cache=self._pack_cache,
             direct=direct,
+            parts=parts,
         )
-        leaves = batch.batch.values(include_nested=True, leaves_only=True)
-        self._direct = [t for i, t in enumerate(leaves) if i in direct]
+        self._direct = [t for i, (*_, t) in enumerate(parts) if i in direct]
         self._pack_buf = buf
         alone = sum(nbytes_of(t) for t in self._direct)
         if alone and header.total_bytes + alone > self.wire.max_bytes:

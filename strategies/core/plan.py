@@ -117,13 +117,18 @@ def spec_of(dp) -> PayloadSpec:
     its 64-byte leaf padding folded in; pickle size measured)."""
     import pickle
 
-    from strategies.core.codec import encode_header, layout_entries, nbytes_of
+    from strategies.core.codec import encode_header, layout_entries, message_parts, nbytes_of
+    from strategies.core.contract import wants_non_tensor
 
-    leaves = list(dp.batch.items(include_nested=True, leaves_only=True))
+    # A jagged leaf counts as its parts and a non-tensor leaf as its pickle (codec's message).
+    leaves = [(key, t) for key, _, _, t in message_parts(dp.batch)]
     sizes = [nbytes_of(t) for _, t in leaves]
-    nt = dp.non_tensor_batch if dp.broadcast_non_tensor else None
+    flagged = wants_non_tensor(dp)
+    nt = dp.non_tensor_batch if flagged else None
     blob = pickle.dumps(nt, protocol=pickle.HIGHEST_PROTOCOL) if nt is not None else None
-    entries, data_bytes, span = layout_entries(dp.batch, 0, None if blob is None else len(blob))
+    entries, data_bytes, span = layout_entries(
+        dp.batch, 0, None if blob is None else len(blob), parts=[(k, 0, 0, t) for k, t in leaves]
+    )
     header_len = len(encode_header(tuple(dp.batch.batch_size), entries, data_bytes, span))
     nt_padded = -(-len(blob) // 64) * 64 if blob is not None else 0
     return PayloadSpec(
@@ -132,7 +137,7 @@ def spec_of(dp) -> PayloadSpec:
         header_bytes=header_len + data_bytes - sum(sizes) - nt_padded,
         pickle_bytes=len(pickle.dumps(dp.batch)),
         non_tensor_bytes=len(blob) if blob is not None else 0,
-        broadcast_non_tensor=dp.broadcast_non_tensor,
+        broadcast_non_tensor=flagged,
         pickle_exact=True,
         dtype_bytes=bytes_per_dtype([t.dtype for _, t in leaves], sizes),
         leaf_bytes=tuple(sizes),

@@ -264,8 +264,12 @@ def test_misaligned_offset():
 
 def test_unknown_dtype_code_and_too_many_dims():
     raw, _, _ = sample_header()
-    # Layout after the prefix: bdim(1) B(8) n_keys(4) n_parts(1) len(2) 'a'(1) code(1) ndim(1)
-    code_at = PREFIX_BYTES + 1 + 8 + 4 + 1 + 2 + 1
+    # After the prefix: bdim(1) B(8) n_keys(4) n_parts(1) len(2) 'a'(1) kind(1) aux(1) code(1)
+    # ndim(1)
+    kind_at = PREFIX_BYTES + 1 + 8 + 4 + 1 + 2 + 1
+    bad_kind = raw[:kind_at] + bytes([200]) + raw[kind_at + 1 :]
+    expect_error(bad_kind, "unknown entry kind 200")
+    code_at = kind_at + 2
     bad_code = raw[:code_at] + bytes([200]) + raw[code_at + 1 :]
     expect_error(bad_code, "unknown dtype code 200")
     bad_ndim = raw[: code_at + 1] + bytes([MAX_NDIM + 1]) + raw[code_at + 2 :]
