@@ -466,6 +466,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = _parser().parse_args(argv)
     layouts = [load_layout(n) for n in args.layout.split(",")]
     modes = tuple(args.modes.split(","))
+    DispatchSpec(layouts[0], modes).parsed_modes()  # a bad mode fails before Ray starts
     conf = RayConf(
         address=args.address,
         num_cpus=args.num_cpus,
@@ -481,9 +482,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for lay in (lay for lay in layouts if lay.world_size == size):
                 for b in (int(x) for x in args.batch_size.split(",")):
                     spec = DispatchSpec(
-                        lay, modes, args.payload, b, args.seq_len, iters=args.iters,
-                        warmup=args.warmup, link_bytes_calls=args.link_bytes_calls,
-                    )  # fmt: skip
+                        lay,
+                        modes,
+                        args.payload,
+                        b,
+                        args.seq_len,
+                        iters=args.iters,
+                        warmup=args.warmup,
+                        link_bytes_calls=args.link_bytes_calls,
+                    )
                     record = run_dispatch(world, spec)
                     record["world_start_s"] = world.start_s
                     records.append(record)

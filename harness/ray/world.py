@@ -161,8 +161,6 @@ class RayWorld:
     """``world_size`` ranks as Ray actors in one placement group, serving tasks until closed."""
 
     def __init__(self, world_size: int, conf: RayConf | None = None) -> None:
-        from harness.run.world import WorldError  # noqa: F401  (fail early if torch is absent)
-
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.conf = conf or RayConf()
@@ -270,7 +268,6 @@ class RayWorld:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self._pg, placement_group_bundle_index=r
                 ),
-                name=None,
             ).remote(r, self.world_size, self.conf.backend, self.conf.device)
             for r in range(self.world_size)
         ]
