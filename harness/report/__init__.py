@@ -1,12 +1,42 @@
-"""From records to readers: one table of every job (``collect``) and the report with its
-figures (``build``)."""
+"""From records to readers: one table of every job (``collect``), the report's tables, figures
+and text (``tables``, ``figures``, ``markdown``) and the command that writes them (``build``).
+
+``from harness import report; report.plot_latency(df)`` (the notebook's spelling) works for every
+public name of those modules, imported on first use so that a caller of ``collect`` alone does
+not import matplotlib.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_HOMES = {
+    "tables": (
+        "BASELINE", "FLOOR", "SETTING", "TIE_FRACTION", "clean_reason", "context_line",
+        "crossovers", "floor_table", "human_bytes", "layout_label", "layouts_of", "load",
+        "recommendation", "recommendation_ranges", "run_dates", "strategies_of",
+        "strategy_table", "unique_values",
+    ),
+    "figures": (
+        "FIGURES", "PLOTS", "plot_algbw", "plot_latency", "plot_overhead", "plot_speedup",
+        "save_figures",
+    ),
+    "markdown": (
+        "COST_COLUMNS", "caveat", "commands_markdown", "cost_markdown",
+        "recommendation_markdown", "results_markdown", "write_report",
+    ),
+    "build": ("main",),
+}  # fmt: skip
+_WHERE = {name: module for module, names in _HOMES.items() for name in names}
 
 
 def __getattr__(name: str):
-    # `from harness import report; report.plot_latency(df)` (the notebook's spelling) without
-    # importing matplotlib for callers that only need `collect`.
-    import importlib
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"harness.report.{_WHERE[name]}"), name)
+    if name in _HOMES or name == "collect":
+        return importlib.import_module(f"harness.report.{name}")
+    raise AttributeError(f"module 'harness.report' has no attribute {name!r}")
 
-    if name.startswith("__"):
-        raise AttributeError(name)
-    return getattr(importlib.import_module("harness.report.build"), name)
+
+def __dir__() -> list[str]:
+    return sorted([*_WHERE, *_HOMES, "collect"])

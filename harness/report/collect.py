@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.files import write_csv
+
 COLUMNS = [
     "strategy", "layout", "world_size", "dp", "pp", "tp", "cp", "payload", "batch_size",
     "payload_bytes", "p50_us", "p90_us", "floor_p50_us", "baseline_p50_us", "vs_floor",
@@ -50,16 +52,20 @@ def summary_table(df: pd.DataFrame) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m harness.report.collect", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("root", help="a run or sweep directory")
     ap.add_argument("--out", help="CSV path (default <root>/results.csv)")
     args = ap.parse_args(argv)
+    if not Path(args.root).is_dir():
+        ap.error(f"root: no directory {args.root}")
     df = load(args.root)
     if df.empty:
         print(f"no result.json under {args.root}", file=sys.stderr)
         return 1
     out = Path(args.out) if args.out else Path(args.root) / "results.csv"
-    df.to_csv(out, index=False)
+    write_csv(out, df)
     print(summary_table(df))
     print(f"\n{len(df)} records -> {out}")
     return 0

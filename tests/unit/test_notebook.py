@@ -1,5 +1,5 @@
 """The report and the analysis notebook on a small committed sweep (tests/fixtures/sweep):
-``harness.report.build.main`` writes report.md and every figure; the notebook runs headless."""
+``harness.report.main`` (``harness.report.build``) writes report.md and every figure; the notebook runs headless."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.report import build as report
+from harness import report
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "fixtures" / "sweep"
@@ -92,3 +92,60 @@ def test_notebook_runs_headless_and_draws_figures(monkeypatch):
     text = "".join(str(o.get("data", {}).get("text/markdown", "")) for o in outputs)
     assert "winner (lowest vs_floor)" in text
     assert not [o for o in outputs if o.get("output_type") == "error"]
+
+
+def test_runs_that_differ_in_any_setting_are_never_merged(sweep: Path):
+    """Issue 11 5b: two jobs of one strategy at one layout and payload size that differ in
+    backend, device, payload kind, order or world size are separate rows, not one median."""
+    import json
+
+    src = next(p for p in sweep.rglob("result.json") if json.loads(p.read_text())["supported"])
+    base = json.loads(src.read_text())
+    variants = {
+        "backend": dict(backend="nccl", device="cuda"),
+        "payload": dict(payload="pretrain"),
+        "order": dict(order="tp-cp-ep-pp-dp"),
+        "world": dict(world_size=base["world_size"] * 2, dp=base["dp"] * 2),
+    }
+    for i, (name, change) in enumerate(variants.items()):
+        rec = {**base, **change, "p50_us": base["p50_us"] * (10 + i)}
+        (sweep / f"variant_{name}").mkdir()
+        (sweep / f"variant_{name}" / "result.json").write_text(json.dumps(rec))
+    df = report.load(sweep)
+    table = report.strategy_table(df)
+    same = table[
+        (table.strategy == base["strategy"]) & (table.payload_bytes == base["payload_bytes"])
+    ]
+    rows = same[same.layout.str.match(rf"{base['layout']}( |$)")]
+    assert len(rows) == 1 + len(variants), rows[["layout", "p50_us"]]
+    assert sorted(rows.p50_us) == pytest.approx(
+        sorted([base["p50_us"]] + [base["p50_us"] * (10 + i) for i in range(len(variants))])
+    )
+    assert (rows.n_jobs == 1).all()
+    labels = " ".join(rows.layout)
+    for word in ("backend=nccl", "payload=pretrain", "order=tp-cp-ep-pp-dp"):
+        assert word in labels
+    # The report still builds, one panel and one results table per setting.
+    assert report.main([str(sweep)]) == 0
+    assert "backend=nccl" in (sweep / "report.md").read_text()
+
+
+def test_caveat_is_built_from_the_records():
+    df = report.load(FIXTURE)
+    text = report.caveat(df)
+    assert f"host {df.hostname.iloc[0]}" in text and "backend gloo" in text
+    assert "this machine" not in text and "2 cores" not in text
+    gpu = df.assign(device="cuda", backend="nccl", hostname="gpu-node", cpu_count=64)
+    text = report.caveat(gpu)
+    assert "host gpu-node (64 cores)" in text and "CPU process" not in text
+
+
+def test_split_modules_and_the_lazy_package_agree():
+    from harness.report import figures, markdown, tables
+
+    assert report.plot_latency is figures.plot_latency
+    assert report.write_report is markdown.write_report
+    assert report.strategy_table is tables.strategy_table
+    assert report.main.__module__ == "harness.report.build"
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        report.nope  # noqa: B018

@@ -1,0 +1,283 @@
+"""The report's figures: latency, speedup over ``pickled``, overhead over the floor and algbw,
+one panel per run setting. Each ``plot_*`` takes the table from ``tables.load`` and returns a
+matplotlib ``Figure``; ``notebooks/analysis.ipynb`` draws the same ones."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.colors import TwoSlopeNorm
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+from harness.files import write_figure
+from harness.report.tables import (
+    BASELINE,
+    context_line,
+    floor_table,
+    human_bytes,
+    layout_label,
+    layouts_of,
+    strategies_of,
+    strategy_table,
+)
+
+FIGURES = {
+    "latency": "latency_p50_vs_payload.png",
+    "speedup": "speedup_over_pickled.png",
+    "overhead": "overhead_over_floor.png",
+    "algbw": "algbw_vs_payload.png",
+}
+_MARKERS = "osD^v<>Ph*Xp"
+
+
+def _panel_title(df: pd.DataFrame, floors: pd.DataFrame, layout: str) -> str:
+    n = floors.loc[floors["layout"] == layout, "n_jobs"]
+    if n.empty:
+        return layout_label(df, layout)
+    jobs = f"{int(n.min())}" if n.min() == n.max() else f"{int(n.min())}-{int(n.max())}"
+    return f"{layout_label(df, layout)}\nfloor = median of {jobs} jobs' floors per size"
+
+
+def _styles(names: Iterable[str]) -> dict[str, dict]:
+    """One colour and marker per strategy, the same in every figure of a report."""
+    palette = matplotlib.colormaps["tab10"].colors
+    return {
+        name: {"color": palette[i % len(palette)], "marker": _MARKERS[i % len(_MARKERS)]}
+        for i, name in enumerate(sorted(names))
+    }
+
+
+def _bytes_axis(ax, sizes: Iterable[float]) -> None:
+    ax.set_xscale("log", base=2)
+    ticks = sorted(set(sizes))
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([human_bytes(s) for s in ticks], rotation=30, ha="right")
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("payload (bytes, log scale)")
+    if len(ticks) > 1:
+        ax.set_xlim(ticks[0] / 1.4, ticks[-1] * 1.4)
+
+
+def _log_y(ax, label: str) -> None:
+    ax.set_yscale("log")
+    low, high = ax.get_ylim()
+    # Short ranges get more labelled ticks, so every line sits near a number.
+    subs = (1.0, 2.0, 3.0, 5.0) if high / max(low, 1e-12) < 20 else (1.0, 2.0, 5.0)
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs, numticks=20))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_ylabel(label)
+    ax.grid(True, which="major", alpha=0.3)
+
+
+def _panels(df: pd.DataFrame, title: str, max_cols: int = 3) -> tuple[Figure, list]:
+    layouts = layouts_of(df)
+    ncols = min(max_cols, len(layouts))
+    nrows = math.ceil(len(layouts) / ncols)
+    # At least 11 inches wide: the two-line title and the shared legend must fit one panel.
+    width = max(11.0, 5.2 * ncols + 0.6)
+    fig = Figure(figsize=(width, 4.3 * nrows + 1.6), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax in axes[len(layouts) :]:
+        ax.set_visible(False)
+    fig.suptitle(f"{title}\n{context_line(df)}", fontsize=11)
+    return fig, list(zip(layouts, axes[: len(layouts)]))
+
+
+def _refused(table: pd.DataFrame) -> str:
+    """A title line naming the strategies that refuse this layout (drawn as no line at all)."""
+    refused = sorted(table.loc[~table["supported"], "strategy"].unique())
+    if not refused:
+        return ""
+    return "\nn/a (refuses this layout, see report.md): " + ", ".join(refused)
+
+
+def _legend(fig: Figure, axes_pairs) -> None:
+    handles, labels = {}, []
+    for _, ax in axes_pairs:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in handles:
+                handles[lab] = h
+                labels.append(lab)
+    fig.legend(
+        [handles[lab] for lab in labels],
+        labels,
+        loc="outside lower center",
+        ncols=min(5, len(labels)),
+        fontsize=8.5,
+        frameon=False,
+    )
+
+
+# -- figures --------------------------------------------------------------------------------
+def plot_latency(df: pd.DataFrame) -> Figure:
+    """(a) p50 latency with a p50..p90 band vs payload, log-log, one panel per layout; the
+    floor is its own black line (median of the floors measured by every job at that size)."""
+    table, floors = strategy_table(df), floor_table(df)
+    styles = _styles(strategies_of(df))
+    fig, pairs = _panels(df, "Latency per call (p50, band up to p90) vs payload size")
+    for layout, ax in pairs:
+        tab = table[(table["layout"] == layout) & table["supported"]]
+        for name in strategies_of(df):
+            rows = tab[tab["strategy"] == name].sort_values("payload_bytes")
+            if rows.empty:
+                continue
+            x, p50, p90 = rows["payload_bytes"], rows["p50_us"] / 1e3, rows["p90_us"] / 1e3
+            ax.plot(x, p50, label=name, lw=1.6, ms=5, **styles[name])
+            ax.fill_between(x, p50, p90, color=styles[name]["color"], alpha=0.12, lw=0)
+        _floor_line(ax, floors, layout, "floor_p50_us", scale=1e-3)
+        _bytes_axis(ax, table.loc[table["layout"] == layout, "payload_bytes"].dropna())
+        _log_y(ax, "latency per call (ms, log scale): line p50, band p50 to p90")
+        refused = _refused(table[table["layout"] == layout])
+        ax.set_title(_panel_title(df, floors, layout) + refused, fontsize=10)
+    _legend(fig, pairs)
+    return fig
+
+
+def plot_speedup(df: pd.DataFrame) -> Figure:
+    """(b) Speedup over ``pickled`` (1 / vs_baseline, same job) as a layouts × payload heatmap
+    per strategy; grey cells are layouts the strategy refuses (n/a)."""
+    table = strategy_table(df)
+    names = [n for n in strategies_of(df) if n != BASELINE]
+    layouts = layouts_of(df)
+    sizes = sorted(table["payload_bytes"].dropna().unique())
+    ncols = min(4, max(1, len(names)))
+    nrows = math.ceil(len(names) / ncols)
+    fig = Figure(
+        figsize=(
+            max(3.2, 1.05 * len(sizes) + 1.6) * ncols + 1.2,
+            (0.55 * len(layouts) + 1.5) * nrows + 1.4,
+        ),
+        layout="constrained",
+    )
+    fig.suptitle(
+        "Speedup over pickled (p50 of pickled / p50 of the strategy, both timed in the same job;"
+        " >1 = faster; pickled itself is 1× by definition)\n" + context_line(df),
+        fontsize=11,
+    )
+    if not sizes or not names:
+        fig.text(0.5, 0.5, "no supported records to compare", ha="center", va="center")
+        return fig
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    log2 = np.log2(table.loc[table["supported"], "speedup_over_pickled"].dropna())
+    span = max(1.0, float(np.abs(log2).max()) if len(log2) else 1.0)
+    norm = TwoSlopeNorm(vmin=-span, vcenter=0.0, vmax=span)
+    image = None
+    for ax, name in zip(axes, names):
+        grid, refused = _speedup_grid(table[table["strategy"] == name], layouts, sizes)
+        ax.set_facecolor("0.85")
+        image = ax.imshow(np.log2(grid), cmap="RdBu", norm=norm, aspect="auto")
+        _annotate_cells(ax, grid, refused, span)
+        ax.set_xticks(range(len(sizes)), [human_bytes(s) for s in sizes], rotation=30, ha="right")
+        ax.set_yticks(range(len(layouts)), layouts)
+        ax.set_xlabel("payload (bytes)")
+        ax.set_ylabel("layout")
+        ax.set_title(name, fontsize=10)
+    for ax in axes[len(names) :]:
+        ax.set_visible(False)
+    if image is not None:
+        ticks = [t for t in range(-math.ceil(span), math.ceil(span) + 1)]
+        bar = fig.colorbar(image, ax=list(axes[: len(names)]), shrink=0.8, ticks=ticks)
+        bar.ax.set_yticklabels([f"{2.0**t:g}×" for t in ticks])
+        bar.set_label("speedup over pickled (×, log scale; blue = faster, red = slower)")
+    return fig
+
+
+def _speedup_grid(tab: pd.DataFrame, layouts: list[str], sizes: list[float]):
+    """One strategy's speedups as a layouts × sizes grid (NaN: not run), and where it refuses."""
+    grid = np.full((len(layouts), len(sizes)), np.nan)
+    refused = np.zeros_like(grid, dtype=bool)
+    for row in tab.itertuples(index=False):
+        if row.layout not in layouts or row.payload_bytes not in sizes:
+            continue
+        i, j = layouts.index(row.layout), sizes.index(row.payload_bytes)
+        if row.supported:
+            grid[i, j] = row.speedup_over_pickled
+        else:
+            refused[i, j] = True
+    return grid, refused
+
+
+def _annotate_cells(ax, grid: np.ndarray, refused: np.ndarray, span: float) -> None:
+    """Each cell's speedup (or n/a, not run), white on the darkest colours."""
+    for i in range(grid.shape[0]):
+        for j in range(grid.shape[1]):
+            if refused[i, j]:
+                text, colour = "n/a", "0.25"
+            elif np.isnan(grid[i, j]):
+                text, colour = "not run", "0.4"
+            else:
+                text = f"{grid[i, j]:.2f}×"
+                colour = "white" if abs(math.log2(grid[i, j])) > 0.6 * span else "black"
+            ax.text(j, i, text, ha="center", va="center", fontsize=8.5, color=colour)
+
+
+def _floor_line(ax, floors: pd.DataFrame, layout: str, column: str, scale: float = 1.0) -> None:
+    """The floor as its own dashed line: ``column`` × ``scale`` against payload bytes."""
+    fl = floors[floors["layout"] == layout].sort_values("payload_bytes")
+    if not fl.empty:
+        label = "floor: one raw broadcast (median over every job's floor at that size)"
+        ax.plot(fl["payload_bytes"], fl[column] * scale, "k--", lw=2.4, label=label)
+
+
+def _strategy_lines(ax, tab: pd.DataFrame, names, styles, column: str) -> None:
+    """One line per strategy: ``column`` against payload bytes."""
+    for name in names:
+        rows = tab[tab["strategy"] == name].sort_values("payload_bytes")
+        if not rows.empty:
+            ax.plot(rows["payload_bytes"], rows[column], label=name, lw=1.6, ms=5, **styles[name])
+
+
+def plot_overhead(df: pd.DataFrame) -> Figure:
+    """(c) vs_floor = p50 / floor p50 (same job) per strategy and payload, one panel per layout."""
+    table = strategy_table(df)
+    styles = _styles(strategies_of(df))
+    fig, pairs = _panels(df, "Overhead over the floor: p50 / floor p50, both timed in the same job")
+    for layout, ax in pairs:
+        tab = table[(table["layout"] == layout) & table["supported"]]
+        _strategy_lines(ax, tab, strategies_of(df), styles, "vs_floor")
+        ax.axhline(1.0, color="k", ls="--", lw=2, label="floor = 1× (one raw broadcast)")
+        _bytes_axis(ax, table.loc[table["layout"] == layout, "payload_bytes"].dropna())
+        _log_y(ax, "vs_floor: p50 / floor p50 (×, log scale)")
+        refused = _refused(table[table["layout"] == layout])
+        ax.set_title(layout_label(df, layout) + refused, fontsize=10)
+    _legend(fig, pairs)
+    return fig
+
+
+def plot_algbw(df: pd.DataFrame) -> Figure:
+    """(d) algbw = payload bytes / p50 (nccl-tests convention, GB/s = 1e9 B/s) vs payload."""
+    table, floors = strategy_table(df), floor_table(df)
+    styles = _styles(strategies_of(df))
+    fig, pairs = _panels(df, "Algorithm bandwidth: payload bytes / p50 (nccl-tests algbw)")
+    for layout, ax in pairs:
+        tab = table[(table["layout"] == layout) & table["supported"]]
+        _strategy_lines(ax, tab, strategies_of(df), styles, "algbw_gbps")
+        _floor_line(ax, floors, layout, "floor_algbw_gbps")
+        _bytes_axis(ax, table.loc[table["layout"] == layout, "payload_bytes"].dropna())
+        _log_y(ax, "algbw (GB/s = 1e9 bytes/s, log scale)")
+        refused = _refused(table[table["layout"] == layout])
+        ax.set_title(_panel_title(df, floors, layout) + refused, fontsize=10)
+    _legend(fig, pairs)
+    return fig
+
+
+PLOTS = {
+    "latency": plot_latency,
+    "speedup": plot_speedup,
+    "overhead": plot_overhead,
+    "algbw": plot_algbw,
+}
+
+
+def save_figures(df: pd.DataFrame, out_dir: Path | str, dpi: int = 110) -> dict[str, Path]:
+    """Draw every figure and write it as PNG under ``out_dir`` (atomically); name -> path."""
+    out_dir = Path(out_dir)
+    return {name: write_figure(out_dir / FIGURES[name], plot(df), dpi=dpi)
+            for name, plot in PLOTS.items()}  # fmt: skip

@@ -1,0 +1,289 @@
+"""The report's text: ``report.md`` with its recommendation, per-setting results, the costs
+each strategy's records count, the commands that made the records and a caveat built from the
+records' own machine fields (``write_report``)."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pandas as pd
+
+from harness.files import write_atomic
+from harness.report.figures import save_figures
+from harness.report.tables import (
+    TIE_FRACTION,
+    clean_reason,
+    context_line,
+    crossovers,
+    floor_table,
+    human_bytes,
+    layout_label,
+    layouts_of,
+    load,
+    recommendation,
+    recommendation_ranges,
+    strategies_of,
+    strategy_table,
+    unique_values,
+)
+
+CORE_FIELDS = ("cpu_count", "cpus", "cores")
+"""Record fields that may say how many cores the machine had (the first present is used)."""
+
+
+def caveat(df: pd.DataFrame) -> str:
+    """Why to compare ratios: built from the records' hostname, backend, device (and core
+    count where the records carry one), not from where the report is read."""
+    where = f"host {unique_values(df, 'hostname')}"
+    cores = next((unique_values(df, c) for c in CORE_FIELDS if c in df.columns), None)
+    if cores and cores != "?":
+        where += f" ({cores} cores)"
+    devices = set(df["device"].dropna()) if "device" in df.columns else set()
+    cpu_only = devices == {"cpu"}
+    shared = (
+        ": every rank is a CPU process on that host, so a world of more ranks than cores "
+        "time-slices them and is CPU-bound"
+        if cpu_only
+        else ""
+    )
+    return (
+        "Every ratio (`vs_floor`, `vs_baseline`, speedup over `pickled`) is measured inside one "
+        "job: the strategy, the floor and `pickled` run interleaved in the same world, so "
+        "machine noise hits all three alike. Absolute times are noisier: these jobs ran on "
+        f"{where}, backend {unique_values(df, 'backend')}, device "
+        f"{unique_values(df, 'device')}{shared}. Compare ratios, not absolute times across "
+        "jobs or runs."
+    )
+
+
+def _md_table(header: list[str], rows: list[list[str]], align: str | None = None) -> str:
+    align = align or "l" + "r" * (len(header) - 1)
+    marks = ["---:" if a == "r" else ":---" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(marks) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _fmt_ratio(values: list[float]) -> str:
+    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not vals:
+        return "—"
+    lo, hi = min(vals), max(vals)
+    return f"{lo:.2f}×" if abs(hi - lo) < 0.005 else f"{lo:.2f}–{hi:.2f}×"
+
+
+def recommendation_markdown(df: pd.DataFrame) -> str:
+    rec = recommendation(df)
+    if rec.empty:
+        return "(no supported records: nothing to recommend)"
+    ranges = recommendation_ranges(rec)
+    rows = []
+    for r in ranges.to_dict("records"):
+        span = human_bytes(r["from_bytes"])
+        if r["to_bytes"] != r["from_bytes"]:
+            span += f" – {human_bytes(r['to_bytes'])}"
+        runners = sorted({x for x in r["runner_up"] if isinstance(x, str)})  # NaN: none
+        tie_sizes = [human_bytes(b) for b, t in zip(r["sizes"], r["ties"]) if t]
+        tie = f" (≈ runner-up at {', '.join(tie_sizes)})" if tie_sizes else ""
+        rows.append(
+            [
+                r["layout"],
+                span,
+                f"**{r['winner']}**{tie}",
+                _fmt_ratio(r["winner_vs_floor"]),
+                _fmt_ratio(r["winner_speedup_over_pickled"]),
+                ", ".join(runners) or "—",
+                _fmt_ratio(r["runner_up_vs_floor"]),
+            ]
+        )
+    table = _md_table(
+        [
+            "layout",
+            "payload range (measured sizes)",
+            "winner (lowest vs_floor)",
+            "winner vs_floor",
+            "winner speedup over pickled",
+            "runner-up",
+            "runner-up vs_floor",
+        ],
+        rows,
+        align="lllrrlr",
+    )
+    note = (
+        f"The winner at a size is the strategy with the lowest `vs_floor` (its p50 over the floor "
+        f"p50 of the same job). '≈ runner-up at …' marks sizes where the runner-up is within "
+        f"{TIE_FRACTION:.0%} of the winner, "
+        "inside the run-to-run noise of such jobs: either is a fine choice there, and a "
+        "crossover next to a tie is not a clear one."
+    )
+    return table + "\n\n" + note + "\n\n" + "\n".join(f"- {line}" for line in crossovers(rec))
+
+
+def results_markdown(df: pd.DataFrame) -> str:
+    """Per layout: every strategy at every size, as 'p50 / vs_floor / speedup over pickled'."""
+    table, floors = strategy_table(df), floor_table(df)
+    parts = []
+    for layout in layouts_of(df):
+        tab = table[table["layout"] == layout]
+        sizes = sorted(tab["payload_bytes"].dropna().unique())
+        rows, reasons = [], {}
+        for name in strategies_of(df):
+            cells = [name]
+            for size in sizes:
+                hit = tab[(tab["strategy"] == name) & (tab["payload_bytes"] == size)]
+                if hit.empty:
+                    cells.append("not run")
+                elif not hit.iloc[0]["supported"]:
+                    cells.append("n/a")
+                    reasons[name] = clean_reason(hit.iloc[0]["error"])
+                else:
+                    h = hit.iloc[0]
+                    cells.append(
+                        f"{h['p50_us'] / 1e3:.2f} ms · {h['vs_floor']:.2f}× · "
+                        f"{h['speedup_over_pickled']:.2f}×"
+                    )
+            rows.append(cells)
+        fl = floors[floors["layout"] == layout].set_index("payload_bytes")
+        rows.append(
+            ["*floor* (median over jobs)"]
+            + [
+                f"{fl.loc[s, 'floor_p50_us'] / 1e3:.2f} ms (n={int(fl.loc[s, 'n_jobs'])})"
+                if s in fl.index
+                else "—"
+                for s in sizes
+            ]
+        )
+        parts.append(f"### {layout_label(df, layout)}\n")
+        parts.append(_md_table(["strategy", *[human_bytes(s) for s in sizes]], rows))
+        for name, reason in reasons.items():
+            parts.append(f"\n- **{name}**: n/a here. {reason}")
+        parts.append("")
+    return "\n".join(parts)
+
+
+COST_COLUMNS = [
+    ("collectives_leader", "collectives on the leader", "count"),
+    ("comm_bytes_leader", "bytes the leader sends", "bytes"),
+    ("packed_bytes_leader", "bytes packed on the leader", "bytes"),
+    ("copied_bytes_leader", "bytes copied on the leader", "bytes"),
+    ("copied_bytes_receiver", "bytes copied on a receiver (max)", "bytes"),
+    ("pickled_bytes_leader", "bytes pickled on the leader", "bytes"),
+    ("pickled_bytes_receiver", "bytes unpickled on a receiver (max)", "bytes"),
+    ("peak_rss_bytes", "peak RSS of a rank (max; whole process)", "absolute"),
+    ("peak_rss_delta_bytes", "peak RSS growth during the call (max)", "bytes"),
+]
+
+
+def _cost_cell(value, kind: str, payload_bytes: float) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    if kind == "count":
+        return f"{int(value)}"
+    if kind == "absolute":
+        return human_bytes(value)
+    if value == 0:
+        return "0"
+    share = value / payload_bytes
+    return f"{human_bytes(value)} ({'<0.01' if share < 0.005 else f'{share:.2f}'}×)"
+
+
+def cost_markdown(df: pd.DataFrame) -> str:
+    """'Why each costs what it costs': per setting, at its largest payload, the collectives,
+    copies, pickling and memory each strategy's records count."""
+    ok = df[df["supported"]]
+    parts = []
+    for layout in layouts_of(df):
+        lay = ok[ok["layout"] == layout]
+        if lay.empty:
+            continue
+        size = lay["payload_bytes"].max()
+        at = lay[lay["payload_bytes"] == size].groupby("strategy").median(numeric_only=True)
+        counts_by_size = (
+            lay.groupby(["strategy", "payload_bytes"])["collectives_per_call"].median().unstack()
+        )
+        header = ["strategy", "collectives per call (max over ranks), at each size"]
+        header += [c[1] for c in COST_COLUMNS]
+        rows = []
+        for name in at.index:
+            by_size = "/".join(f"{int(v)}" for v in counts_by_size.loc[name].dropna())
+            rows.append(
+                [name, by_size]
+                + [_cost_cell(at.loc[name].get(col), kind, size) for col, _, kind in COST_COLUMNS]
+            )
+        floor_calls = lay.loc[lay["payload_bytes"] == size, "ref_floor_collectives_per_call"]
+        floor_row = [
+            "*floor* (reference)",
+            f"{int(floor_calls.median())}" if len(floor_calls) else "—",
+        ]
+        for col, _, kind in COST_COLUMNS:
+            ref = f"ref_floor_{col}"
+            value = lay.loc[lay["payload_bytes"] == size, ref].median() if ref in lay else None
+            floor_row.append(_cost_cell(value, kind, size))
+        rows.append(floor_row)
+        parts.append(
+            f"### {layout_label(df, layout)}, at {human_bytes(size)} ({int(size)} bytes)\n\n"
+            "Byte counts are also given as a multiple of the payload; the collectives column "
+            "lists the count at each measured size, smallest first. Peak RSS is the whole "
+            "rank process (torch and megatron-core included); its growth during one call is "
+            "what the strategy itself allocates.\n"
+        )
+        parts.append(_md_table(header, rows, align="l" + "r" * (len(header) - 1)))
+        parts.append("")
+    return "\n".join(parts)
+
+
+def commands_markdown(df: pd.DataFrame) -> str:
+    """The command(s) recorded in the records, runnable form first."""
+    commands = sorted({str(c) for c in df.get("command", pd.Series(dtype=str)).dropna()})
+    lines = []
+    for cmd in commands:
+        # Hydra records argv[0] as the module's file; the runnable form is `python -m harness`.
+        runnable = re.sub(r"^__main__\.py\b", "python -m harness", cmd)
+        lines.append(f"```\n{runnable}\n```")
+    return "\n".join(lines) if lines else "(the records name no command)"
+
+
+def write_report(root: Path | str, df: pd.DataFrame | None = None) -> Path:
+    """Write report.md and the PNG figures into ``root``; returns the report's path."""
+    root = Path(root)
+    df = load(root) if df is None else df
+    figures = save_figures(df, root)
+    n_refused = int((~df["supported"]).sum())
+    title_figs = "\n\n".join(f"![{name}]({path.name})" for name, path in figures.items())
+    text = f"""# bcastbench report: {root.name}
+
+{context_line(df)}. {len(df)} job record(s), {n_refused} of them unsupported (shown as n/a);
+layouts {", ".join(layouts_of(df))}; git {unique_values(df, "git_rev")}, torch {unique_values(df, "torch_version")}.
+
+## How this was produced
+
+{commands_markdown(df)}
+
+{caveat(df)} The floor is one raw broadcast of an already packed buffer of the payload's size; every
+job measures it, so each layout and size has several floor measurements: the figures and tables
+use their median and say over how many jobs.
+
+Regenerate this report with `python -m harness.report.build {root}`.
+
+## Recommendation
+
+{recommendation_markdown(df)}
+
+## Figures
+
+{title_figs}
+
+## Results per layout
+
+Each cell: p50 per call · `vs_floor` (p50 / floor p50, same job) · speedup over `pickled`
+(1 / `vs_baseline`, same job). n/a: the strategy refuses the layout (reason below the table).
+
+{results_markdown(df)}
+
+## Why each costs what it costs
+
+{cost_markdown(df)}
+"""
+    return write_atomic(root / "report.md", text)

@@ -1,0 +1,269 @@
+"""The report's tables: every record as one row (``load``), medians per run setting, strategy
+and payload size (``strategy_table``), the floor per setting and size, the recommendation, and
+the labels every figure and table shares.
+
+A *setting* is everything that makes two runs different besides the strategy and the payload
+size: layout shape and order, world size, backend, device, payload kind and sequence length
+(and the emulated cluster's links, when there is one). ``load`` writes it into the ``layout``
+column (the layout's name, plus whatever else varies among the records), so runs that differ in
+any of them are never merged into one median.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from harness.report import collect
+
+BASELINE = "pickled"
+"""Every job times this beside the strategy under test; speedups are over it."""
+FLOOR = "floor"
+TIE_FRACTION = 0.10
+"""Two strategies whose vs_floor differ by less than this are called a tie: a job's p50 on a
+shared CPU machine moves by about this much from one run to the next."""
+SETTING = (
+    "backend", "device", "world_size", "dp", "pp", "tp", "cp", "order", "payload", "seq_len",
+    "emulate_nodes", "emulate_links", "emulate_rate_mbit",
+)  # fmt: skip
+"""Record fields that make two runs of one strategy at one payload size different runs."""
+
+
+# -- the table ------------------------------------------------------------------------------
+def load(root: Path | str) -> pd.DataFrame:
+    """Every record under ``root`` (``collect.load``), with the columns the report needs and
+    ``layout`` naming the run setting (``_label_settings``)."""
+    df = collect.load(root)
+    if df.empty:
+        return df
+    if "supported" not in df.columns:
+        df["supported"] = True
+    df["supported"] = df["supported"].fillna(True).astype(bool)
+    if "error" not in df.columns:
+        df["error"] = None
+    # A refused job has no payload_bytes of its own; the same payload spec elsewhere has it.
+    key = ["payload", "batch_size", "seq_len"]
+    if "payload_bytes" not in df.columns:
+        df["payload_bytes"] = np.nan
+    known = df.dropna(subset=["payload_bytes"]).groupby(key)["payload_bytes"].max()
+    missing = df["payload_bytes"].isna()
+    if missing.any():
+        df.loc[missing, "payload_bytes"] = [
+            known.get(tuple(row), np.nan) for row in df.loc[missing, key].itertuples(index=False)
+        ]
+    for col in ("p50_us", "p90_us", "floor_p50_us", "vs_floor", "vs_baseline", "algbw_gbps"):
+        # Refused rows (and jobs run without a reference) leave gaps: make them NaN, not None.
+        df[col] = pd.to_numeric(df[col], errors="coerce") if col in df.columns else np.nan
+    df["speedup_over_pickled"] = 1.0 / df["vs_baseline"]
+    return _label_settings(df)
+
+
+def _label_settings(df: pd.DataFrame) -> pd.DataFrame:
+    """``layout`` := the layout's name plus every setting field that varies among the records
+    (the name alone stays when nothing else varies); the name itself goes to ``layout_name``."""
+    df["layout_name"] = df["layout"]
+    cols = [c for c in SETTING if c in df.columns]
+    varying = [c for c in cols if df[c].astype(str).nunique(dropna=False) > 1]
+    # A field that only follows the layout name (dp, pp, tp, cp, world size of presets) adds
+    # nothing: keep it out of the label unless it varies within one layout name.
+    varying = [
+        c for c in varying
+        if df.groupby("layout_name")[c].agg(lambda s: s.astype(str).nunique(dropna=False)).max() > 1
+    ]  # fmt: skip
+    if not varying:
+        return df
+
+    def label(row) -> str:
+        parts = [f"{c}={_plain(row[c])}" for c in varying if not _missing(row[c])]
+        return f"{row['layout_name']} ({', '.join(parts)})" if parts else row["layout_name"]
+
+    df["layout"] = df.apply(label, axis=1)
+    return df
+
+
+def _missing(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _plain(value) -> str:
+    # NaN in refused rows turns integer columns into floats: print 8, not 8.0.
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def layouts_of(df: pd.DataFrame) -> list[str]:
+    """Layouts in a stable order: smaller worlds first, then by name."""
+    return list(df.sort_values(["world_size", "layout"])["layout"].drop_duplicates())
+
+
+def strategies_of(df: pd.DataFrame) -> list[str]:
+    return sorted(df["strategy"].unique())
+
+
+def strategy_table(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per (setting, strategy, payload_bytes): medians over the jobs that measured it.
+    The setting is ``layout`` (see ``load``) and every ``SETTING`` field, so jobs that differ
+    in any of them are separate rows. Unsupported combinations keep a row with ``supported``
+    False and their ``error``."""
+    cols = ["p50_us", "p90_us", "vs_floor", "vs_baseline", "algbw_gbps", "speedup_over_pickled"]
+    key = ["layout", *[c for c in SETTING if c in df.columns], "strategy", "payload_bytes"]
+    ok = df[df["supported"]]
+    measured = ok.groupby(key, as_index=False, dropna=False).agg(
+        **{c: (c, "median") for c in cols if c in ok.columns}, n_jobs=("strategy", "size")
+    )
+    measured["supported"] = True
+    measured["error"] = None
+    refused = df[~df["supported"]].drop_duplicates(key)[[*key, "error"]].copy()
+    refused["supported"] = False
+    refused["n_jobs"] = 0
+    out = pd.concat([measured, refused], ignore_index=True)
+    return out.sort_values(["layout", "strategy", "payload_bytes"]).reset_index(drop=True)
+
+
+def floor_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The floor per (layout, payload_bytes): every job measures it, so take the median over
+    the jobs and keep how many there were (``n_jobs``)."""
+    ok = df[df["supported"] & df["floor_p50_us"].notna()]
+    agg = {"floor_p50_us": ("floor_p50_us", "median"), "n_jobs": ("floor_p50_us", "size")}
+    if "ref_floor_p90_us" in ok.columns:
+        agg["floor_p90_us"] = ("ref_floor_p90_us", "median")
+    out = ok.groupby(["layout", "payload_bytes"], as_index=False).agg(**agg)
+    out["floor_algbw_gbps"] = out["payload_bytes"] / (out["floor_p50_us"] / 1e6) / 1e9
+    return out
+
+
+# -- labels ---------------------------------------------------------------------------------
+def human_bytes(n: float) -> str:
+    """Binary units, as the sweep names its sizes (69 KiB, 2.9 MiB)."""
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "?"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            value = n / scale
+            return f"{value:.1f} {unit}" if value < 10 else f"{value:.0f} {unit}"
+    return f"{int(n)} B"
+
+
+def unique_values(df: pd.DataFrame, col: str) -> str:
+    """The distinct values of ``col``, comma-separated ('?' when none is recorded)."""
+    if col not in df.columns:
+        return "?"
+    values = sorted({_plain(v) for v in df[col].dropna()})
+    return ", ".join(values) if values else "?"
+
+
+def run_dates(df: pd.DataFrame) -> str:
+    if "timestamp" not in df.columns:
+        return "?"
+    days = sorted({str(t)[:10] for t in df["timestamp"].dropna()})
+    if not days:
+        return "?"
+    return days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}"
+
+
+def context_line(df: pd.DataFrame) -> str:
+    """Backend, device, machine and date: the line under every figure's title."""
+    payload = unique_values(df, "payload")
+    seq = unique_values(df, "seq_len")
+    iters = unique_values(df, "iters")
+    return (
+        f"backend {unique_values(df, 'backend')}, device {unique_values(df, 'device')}, "
+        f"machine {unique_values(df, 'hostname')}, {run_dates(df)}; "
+        f"payload {payload} (seq_len {seq}), {iters} timed iterations per job"
+    )
+
+
+def layout_label(df: pd.DataFrame, layout: str) -> str:
+    row = df[df["layout"] == layout].iloc[0]
+    dims = " × ".join(f"{a}{int(row[a])}" for a in ("dp", "pp", "tp", "cp") if int(row[a]) > 1)
+    return f"{layout}: {int(row['world_size'])} ranks ({dims or 'one rank'})"
+
+
+def clean_reason(error: str | None) -> str:
+    """A refusal without the repeated 'name: rank k: name:' prefix the runner adds."""
+    return re.sub(r"^(\w+: )?(rank \d+: )?(\w+: )?", "", str(error or "refused")).strip()
+
+
+# -- tables ---------------------------------------------------------------------------------
+def recommendation(df: pd.DataFrame) -> pd.DataFrame:
+    """Per layout and payload: the strategy with the lowest vs_floor (a same-job ratio, so jobs
+    measured at different moments compare fairly), the runner-up, and whether it is a tie."""
+    table = strategy_table(df)
+    rows = []
+    for layout in layouts_of(df):
+        tab = table[(table["layout"] == layout) & table["supported"]]
+        for size in sorted(tab["payload_bytes"].unique()):
+            ranked = tab[tab["payload_bytes"] == size].sort_values("vs_floor")
+            best = ranked.iloc[0]
+            second = ranked.iloc[1] if len(ranked) > 1 else None
+            tie = second is not None and second["vs_floor"] <= best["vs_floor"] * (1 + TIE_FRACTION)
+            rows.append(
+                {
+                    "layout": layout,
+                    "payload_bytes": int(size),
+                    "winner": best["strategy"],
+                    "winner_vs_floor": best["vs_floor"],
+                    "winner_speedup_over_pickled": best["speedup_over_pickled"],
+                    "runner_up": None if second is None else second["strategy"],
+                    "runner_up_vs_floor": np.nan if second is None else second["vs_floor"],
+                    "tie": bool(tie),
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def recommendation_ranges(rec: pd.DataFrame) -> pd.DataFrame:
+    """Consecutive payload sizes with the same winner merged into one range per layout."""
+    out = []
+    for layout, group in rec.groupby("layout", sort=False):
+        group = group.sort_values("payload_bytes")
+        start = 0
+        records = group.to_dict("records")
+        for i in range(1, len(records) + 1):
+            if i == len(records) or records[i]["winner"] != records[start]["winner"]:
+                span = records[start:i]
+                out.append(
+                    {
+                        "layout": layout,
+                        "from_bytes": span[0]["payload_bytes"],
+                        "to_bytes": span[-1]["payload_bytes"],
+                        "winner": span[0]["winner"],
+                        "winner_vs_floor": [r["winner_vs_floor"] for r in span],
+                        "winner_speedup_over_pickled": [
+                            r["winner_speedup_over_pickled"] for r in span
+                        ],
+                        "runner_up": [r["runner_up"] for r in span],
+                        "runner_up_vs_floor": [r["runner_up_vs_floor"] for r in span],
+                        "ties": [r["tie"] for r in span],
+                        "sizes": [r["payload_bytes"] for r in span],
+                    }
+                )
+                start = i
+    return pd.DataFrame(out)
+
+
+def crossovers(rec: pd.DataFrame) -> list[str]:
+    """Sentences naming where the winner changes, between which two measured sizes."""
+    lines = []
+    for layout, group in rec.groupby("layout", sort=False):
+        group = group.sort_values("payload_bytes").to_dict("records")
+        changes = [
+            f"{a['winner']} → {b['winner']} between {human_bytes(a['payload_bytes'])} and "
+            f"{human_bytes(b['payload_bytes'])}"
+            + (" (not clear: a tie within the margin on one side)" if a["tie"] or b["tie"] else "")
+            for a, b in zip(group, group[1:])
+            if a["winner"] != b["winner"]
+        ]
+        lines.append(
+            f"**{layout}**: "
+            + (
+                "; ".join(changes)
+                if changes
+                else f"no crossover: {group[0]['winner']} wins at every measured size"
+            )
+            + "."
+        )
+    return lines
