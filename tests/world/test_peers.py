@@ -200,7 +200,8 @@ def test_megatron_refuses_zero_size_dims_on_every_rank(world4, layout):
         assert "empty_cols" in msg and "zero-size dim" in msg, (rank, msg)
         assert "rank 0:" in msg  # the leader that found it
         if rank:
-            assert msg.startswith(f"rank {rank}: the replica leader refused")
+            prefix = f"rank {rank}: the replica leader (rank 0) failed to send its batch: "
+            assert msg.startswith(prefix + "ContractError: rank 0: "), msg
     assert world4.alive
 
 
