@@ -79,13 +79,6 @@ class ScatterAllgather(Strategy):
             buf, header = packed
             total = header.total_bytes
             c = chunk_bytes(total, n)
-            if buf.numel() < max(c * n, self.header_bytes):
-                grown = torch.empty(
-                    max(c * n, self.header_bytes) * 5 // 4, dtype=torch.uint8, device=dev
-                )
-                grown[:total].copy_(buf[:total])
-                buf = grown
-            self._pack_buf = buf
             dist.broadcast(buf[: self.header_bytes], src=g.leader, group=g.replica_group)
             if header.header_len > self.header_bytes:
                 dist.broadcast(
@@ -131,11 +124,20 @@ class ScatterAllgather(Strategy):
         return deliver(batch, td, non_tensor)
 
     def _pack(self, batch: DataProto):
-        """Leader: everything that can fail, before the first collective."""
+        """Leader: everything that can fail, before the first collective; the buffer holds
+        whole chunks."""
         g = self.groups
         validate(batch, g.rank, g.device)
         nt = batch.non_tensor_batch if wants_non_tensor(batch) else None
-        return pack(batch.batch, nt, out=self._pack_buf, rank=g.rank)
+        buf, header = pack(batch.batch, nt, out=self._pack_buf, rank=g.rank)
+        total = header.total_bytes
+        need = max(chunk_bytes(total, g.tp_cp_size) * g.tp_cp_size, self.header_bytes)
+        if buf.numel() < need:  # room for the last chunk's padding and the header broadcast
+            grown = torch.empty(need * 5 // 4, dtype=torch.uint8, device=g.device)
+            grown[:total].copy_(buf[:total])
+            buf = grown
+        self._pack_buf = buf
+        return buf, header
 
     def _refuse(self, exc: Exception) -> None:
         """Leader: send the failure where the header would go (every rank reads it), then
