@@ -134,7 +134,8 @@ def run_emulated(cfg, layout, overrides: list[str], out_dir: Path) -> dict:
     return record
 
 
-def _launch(emu, cfg, overrides, scratch: Path, out_dir: Path, limit_s: float) -> dict:
+def _start_agents(emu, overrides, scratch: Path, out_dir: Path) -> tuple[list, list[Path]]:
+    """One torchrun agent per node, inside its namespace; their processes and log files."""
     c = emu.cfg
     links = [
         [emu.netns(node), dev]
@@ -146,10 +147,7 @@ def _launch(emu, cfg, overrides, scratch: Path, out_dir: Path, limit_s: float) -
             }
         )
     ]
-    bytes_calls = int(cfg.emulate.bytes_calls)
     procs, logs = [], []
-    before = emu.link_bytes()
-    t0 = time.monotonic()
     for node in range(c.nodes):
         env = {"OMP_NUM_THREADS": "1", NODE_ENV: str(node), LINKS_ENV: json.dumps(links)}
         if c.links == "gpu":
@@ -167,11 +165,15 @@ def _launch(emu, cfg, overrides, scratch: Path, out_dir: Path, limit_s: float) -
             procs.append(
                 emu.popen(node, argv, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=_repo())
             )
-    deadline = t0 + limit_s
+    return procs, logs
+
+
+def _wait(procs: list, logs: list[Path], deadline: float, limit_s: float) -> None:
+    """Until every agent exits 0; a failed agent or the deadline raises ``WorldError``."""
     while True:
         codes = [p.poll() for p in procs]
         if all(code == 0 for code in codes):
-            break
+            return
         bad = [(k, code) for k, code in enumerate(codes) if code not in (None, 0)]
         if bad:
             k, code = bad[0]
@@ -186,6 +188,14 @@ def _launch(emu, cfg, overrides, scratch: Path, out_dir: Path, limit_s: float) -
                 f"node 0's log {logs[0]} ends:\n" + _tail(logs[0])
             )
         time.sleep(0.2)
+
+
+def _launch(emu, cfg, overrides, scratch: Path, out_dir: Path, limit_s: float) -> dict:
+    c = emu.cfg
+    before = emu.link_bytes()
+    t0 = time.monotonic()
+    procs, logs = _start_agents(emu, overrides, scratch, out_dir)
+    _wait(procs, logs, t0 + limit_s, limit_s)
     after = emu.link_bytes()
     per_link = {name: after[name] - before[name] for name in after}
     path = scratch / "result.json"
@@ -197,7 +207,7 @@ def _launch(emu, cfg, overrides, scratch: Path, out_dir: Path, limit_s: float) -
         emulate_links=c.links,
         emulate_rate_mbit=c.rate_mbit,
         emulate_ranks_per_node=c.ranks_per_node,
-        emulate_bytes_calls=bytes_calls,
+        emulate_bytes_calls=int(cfg.emulate.bytes_calls),
         emulate_job_bytes=sum(per_link.values()),
         emulate_link_bytes=per_link,
         emulate_wall_s=time.monotonic() - t0,

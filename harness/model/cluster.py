@@ -238,7 +238,7 @@ class ClusterConf:
         return self.intra_by_kind.get(kind, self.intra)
 
     def oversubscription(self, world_size: int) -> float:
-        """CPU time-slicing factor of a world of ``world_size`` ranks on this machine.
+        """CPU time-slicing factor of a world of ``world_size`` ranks on the cluster's host.
 
         On a CPU cluster (``cpu_cores`` > 0) every rank is a process on the same ``cpu_cores``
         cores. A busy rank gets a share min(1, cores / ranks) of a core, and the calibration

@@ -86,7 +86,6 @@ def scaled_spec(
     extrapolated from B=1 and B=b0 and marked inexact.
     """
     from harness.run import payloads
-    from strategies.core.codec import Entry, align, encode_header
     from strategies.core.plan import PayloadSpec, bytes_per_dtype, spec_of
 
     if batch_size < 1:
@@ -106,6 +105,25 @@ def scaled_spec(
     rows = [t.numel() * t.element_size() // b0 for _, t in leaves]
     sizes = tuple(r * batch_size for r in rows)
     non_tensor = affine(one.non_tensor_bytes, spec0.non_tensor_bytes)
+    header_len, offset, nt_padded = _scaled_header(big, leaves, sizes, batch_size, non_tensor)
+    return PayloadSpec(
+        tensor_bytes=sum(sizes),
+        n_tensors=len(sizes),
+        header_bytes=header_len + offset - sum(sizes) - nt_padded,
+        pickle_bytes=affine(one.pickle_bytes, spec0.pickle_bytes),
+        non_tensor_bytes=non_tensor if big.broadcast_non_tensor else 0,
+        broadcast_non_tensor=big.broadcast_non_tensor,
+        pickle_exact=False,
+        dtype_bytes=bytes_per_dtype([t.dtype for _, t in leaves], sizes),
+        leaf_bytes=sizes,
+    )
+
+
+def _scaled_header(big, leaves, sizes, batch_size: int, non_tensor: int):
+    """(header length, message bytes, padded non-tensor bytes) of the header ``codec.pack``
+    writes for ``leaves`` at ``batch_size`` rows, offsets and padding recomputed."""
+    from strategies.core.codec import Entry, align, encode_header
+
     entries, offset = [], 0
     for (key, t), n in zip(leaves, sizes):
         key = key if isinstance(key, tuple) else (key,)
@@ -118,18 +136,7 @@ def scaled_spec(
         nt_padded = align(non_tensor)
         offset += nt_padded
     batch_dims = (batch_size, *tuple(big.batch.batch_size)[1:])
-    header_len = len(encode_header(batch_dims, entries, offset, span))
-    return PayloadSpec(
-        tensor_bytes=sum(sizes),
-        n_tensors=len(sizes),
-        header_bytes=header_len + offset - sum(sizes) - nt_padded,
-        pickle_bytes=affine(one.pickle_bytes, spec0.pickle_bytes),
-        non_tensor_bytes=non_tensor if big.broadcast_non_tensor else 0,
-        broadcast_non_tensor=big.broadcast_non_tensor,
-        pickle_exact=False,
-        dtype_bytes=bytes_per_dtype([t.dtype for _, t in leaves], sizes),
-        leaf_bytes=sizes,
-    )
+    return len(encode_header(batch_dims, entries, offset, span)), offset, nt_padded
 
 
 # --------------------------------------------------------------------------------------------

@@ -173,3 +173,70 @@ def test_extrapolate_small(tmp_path):
     md = (tmp_path / "extrapolation.md").read_text()
     assert "PREDICTED" in md and "scatter_allgather" in md
     assert (tmp_path / "extrapolation.png").stat().st_size > 0
+
+
+# -- bad values: one line, exit 2 --------------------------------------------------------------
+@pytest.mark.parametrize(
+    "module,argv,message",
+    [
+        ("predict", ["layout.dp=0"], "layout.dp must be a positive integer"),
+        ("predict", ["cluster=nope"], "valid: emulated, emulated_rails, h200_ib, local"),
+        ("predict", ["-m", "layout.dp=1,0"], "layout.dp must be a positive integer"),
+        ("predict", ["cluster.intra.alpha_us=-1"], "intra.alpha_us must be finite and >= 0"),
+        ("predict", ["strategies=[bogus]"], "strategies: unknown ['bogus']"),
+        ("calibrate", ["world=1"], "world must be >= 2"),
+        ("calibrate", ["reps=x"], "reps=x"),
+        ("extrapolate", ["max_world=4"], "max_world must be >= 8"),
+        ("extrapolate", ["cluster.nics_per_node=0"], "nics_per_node must be a positive integer"),
+        ("extrapolate", ["payload.batch_size=0"], "payload.batch_size must be positive"),
+    ],
+)
+def test_bad_value_prints_one_line_and_exits_2(module, argv, message, capsys):
+    import importlib
+
+    main = importlib.import_module(f"harness.model.{module}").main
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert "Traceback" not in err
+
+
+def test_cluster_table_bad_value_exits_2(tmp_path, capsys):
+    from harness.cluster.table import main
+
+    for argv, message in (
+        (["--from", str(tmp_path)], "not a cluster table directory"),
+        (["--from", str(tmp_path), "--iters", "0"], "--iters must be >= 1"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and message in err[-1], err
+
+
+def test_model_modules_import_from_their_homes():
+    from harness.model import cluster, formulas, pricing
+
+    assert cluster.ClusterError is formulas.ClusterError
+    assert pricing.price.__module__ == "harness.model.pricing"
+    assert callable(formulas.coefficients) and callable(cluster.load_cluster)
+    for module in ("predict", "calibrate", "extrapolate", "validate"):
+        import importlib
+
+        assert callable(importlib.import_module(f"harness.model.{module}").main)
+
+
+def test_extrapolate_is_a_hydra_app(tmp_path):
+    from harness.model.extrapolate import main, pipeline_depths
+
+    assert pipeline_depths(8) == (1, 2, 4, 8) and pipeline_depths(6) == (1, 2, 4, 6)
+    argv = ["layout.tp=8", "layout.pp=2", "payload.batch_size=64", "payload.seq_len=1024",
+            "max_world=16", "quiet=true", f"hydra.run.dir={tmp_path}"]  # fmt: skip
+    assert main(argv) == 0
+    assert {p.name for p in tmp_path.iterdir()} >= {
+        "extrapolation.csv",
+        "extrapolation.md",
+        "extrapolation.png",
+    }
