@@ -49,7 +49,17 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from strategies.core.codec import transportable
-from strategies.core.contract import NON_TENSOR_FLAG, DataProto, Strategy
+from strategies.core.contract import (
+    Strategy,
+    attempt,
+    deliver,
+    failure_text,
+    is_non_tensor_leaf,
+    leaves,
+    raise_failure,
+    validate,
+    wants_non_tensor,
+)
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.trace import WORK
 from strategies.pickled import Failure, send_or_failure
@@ -89,23 +99,27 @@ def _sendable(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return transportable(t)
 
 
-def describe(batch, device: torch.device, rank: int) -> Prepared:
+def _name(key: tuple[str, ...]):
+    return key if len(key) > 1 else key[0]
+
+
+def describe(batch, device: torch.device, groups) -> Prepared:
     """Leader: NeMo-RL's descriptor for the batch, and the tensors to broadcast after it."""
-    DataProto.validate(batch, rank)
+    validate(batch, groups.rank, groups.device)
     descriptor: list = [(BATCH_SIZE_KEY, "raw", list(batch.batch.batch_size))]
     tensors: list[torch.Tensor] = []
-    for key, value in batch.batch.items(include_nested=True, leaves_only=True):
-        if not isinstance(value, torch.Tensor):
+    for key, value in leaves(batch.batch):
+        if is_non_tensor_leaf(value):
             descriptor.append((key, "raw", value))
             continue
         if value.layout != torch.strided or value.is_nested:
             raise Refused(
-                f"rank {rank}: batch[{key!r}] has layout {value.layout}; NeMo-RL's descriptor "
-                "records one dense shape per tensor, so only strided tensors can travel"
+                f"rank {groups.rank}: batch[{_name(key)!r}] has layout {value.layout}; NeMo-RL's "
+                "descriptor records one dense shape per tensor, so only strided tensors travel"
             )
         descriptor.append((key, "tensor", str(value.dtype), tuple(value.shape), str(value.device)))
         tensors.append(_sendable(value, device))
-    if batch.meta_info.get(NON_TENSOR_FLAG, False):
+    if wants_non_tensor(batch):
         descriptor.append((NON_TENSOR_KEY, "raw", batch.non_tensor_batch))
     return Prepared(descriptor, tensors)
 
@@ -157,20 +171,16 @@ class NemoRlLeaderBroadcast(Strategy):
             box = [None]
             dist.broadcast_object_list(box, src=g.leader, group=g.replica_group)
             if isinstance(box[0], Failure):
-                box[0].raise_on(g.rank)
+                raise_failure(g, box[0].text)
             entries = _receive(box[0], g.leader, g.replica_group, device, g.device)
-            batch.batch, non_tensor = _rebuild(entries)
-            if non_tensor is not None:
-                batch.non_tensor_batch = non_tensor
-            return batch
-        try:
-            prepared = describe(batch, device, g.rank)
-        except Exception as exc:  # the descriptor carries it, so every rank raises
-            send_or_failure(Failure.of(g.rank, exc), g.replica_group, g.rank)
-            raise
-        failed = send_or_failure(prepared.descriptor, g.replica_group, g.rank)
+            return deliver(batch, *_rebuild(entries))
+        prepared, error = attempt(describe, batch, device, g)
+        if error is not None:  # the descriptor carries it instead, so every rank raises
+            send_or_failure(Failure(failure_text(error)), g.replica_group)
+            raise_failure(g, failure_text(error), error)
+        failed = send_or_failure(prepared.descriptor, g.replica_group)
         if failed is not None:  # the descriptor would not pickle; every rank got why
-            raise failed[0]
+            raise_failure(g, failed[1].text, failed[0])
         for t in prepared.tensors:
             dist.broadcast(t, src=g.leader, group=g.replica_group)
         return batch

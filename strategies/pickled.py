@@ -23,48 +23,48 @@ non_tensor_batch and meta_info) gets the batch set on it and is returned.
 
 Added to the seed, so no rank waits forever: whatever the leader raises while preparing or
 pickling its batch (a broken contract, an object that is not a DataProto, an unpicklable value),
-it broadcasts a description of the error in the batch's place; every rank of the replica raises
-it (``LeaderFailed`` off the leader, naming the leader's rank and error), and the leader
-re-raises its own.
+it broadcasts the error's text in the batch's place (``strategies.core.contract.attempt``); every
+rank of the replica raises it (``LeaderFailed`` off the leader, naming the leader's rank and
+error), and the leader re-raises its own.
 
 Options: ``serialization`` = ``roll`` | ``dataclass`` (conf/strategy/pickled.yaml).
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 import traceback
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from strategies.core.contract import NON_TENSOR_FLAG, ContractError, DataProto, Strategy
+from strategies.core.contract import (
+    ContractError,
+    Strategy,
+    attempt,
+    deliver,
+    failure_text,
+    leaves,
+    raise_failure,
+    validate,
+    wants_non_tensor,
+)
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.roll_proto import RollDataProto
 
 SERIALIZATIONS = ("roll", "dataclass")
 
 
-class LeaderFailed(ContractError):
-    """Raised off the leader when the replica leader could not send its batch."""
-
-
 @dataclass(frozen=True)
 class Failure:
-    """What travels in a batch's place when the leader fails: picklable whatever it raised."""
+    """What travels in the batch's place when the leader fails: its error as ``Type: text``,
+    picklable whatever it raised."""
 
-    rank: int
-    error: str
-
-    @classmethod
-    def of(cls, rank: int, exc: BaseException) -> Failure:
-        return cls(rank, f"{type(exc).__name__}: {exc}")
-
-    def raise_on(self, rank: int) -> None:
-        raise LeaderFailed(
-            f"rank {rank}: the replica leader (rank {self.rank}) failed: {self.error}"
-        )
+    text: str
 
 
 def broadcast_obj(obj, group):
@@ -78,12 +78,11 @@ def broadcast_obj(obj, group):
 def _failed_while_pickling(exc: BaseException) -> bool:
     # broadcast_object_list pickles every object before its first collective; a failure there
     # leaves every receiver waiting in the sizes broadcast, where a second call still lands.
-    return any(
-        f.f_code.co_name == "_object_to_tensor" for f, _ in traceback.walk_tb(exc.__traceback__)
-    )
+    frames = traceback.walk_tb(exc.__traceback__)
+    return any(frame.f_code.co_name == "_object_to_tensor" for frame, _ in frames)
 
 
-def send_or_failure(obj, group, rank: int) -> tuple[Exception, Failure] | None:
+def send_or_failure(obj, group) -> tuple[Exception, Failure] | None:
     """``broadcast_obj`` from this hop's source. None once sent; if pickling ``obj`` fails, a
     Failure goes in its place (receivers raise it) and (the error, that Failure) is returned,
     so a rank that sends on later hops sends the Failure there too."""
@@ -93,9 +92,30 @@ def send_or_failure(obj, group, rank: int) -> tuple[Exception, Failure] | None:
     except Exception as exc:
         if not _failed_while_pickling(exc):
             raise
-        failure = Failure.of(rank, exc)
+        failure = Failure(failure_text(exc))
         broadcast_obj(failure, group)
         return exc, failure
+
+
+@cache
+def loads_back(dtype: torch.dtype, torch_save: bool) -> bool:
+    """Whether a tensor of ``dtype`` survives the pickling a hop uses: ``torch.save`` into a
+    buffer (ROLL's flag-true hop) or plain pickle (the others). Torch pickles a tensor by its
+    storage and its loader refuses some dtypes it saves without complaint (float8, uint16/32/64
+    under plain pickle), so the receivers would fail after the leader had sent: the leader
+    checks first."""
+    try:
+        t = torch.zeros(1, dtype=dtype)
+        if torch_save:
+            buffer = io.BytesIO()
+            torch.save(t, buffer)
+            buffer.seek(0)
+            torch.load(buffer, weights_only=False)
+        else:
+            pickle.loads(pickle.dumps(t))
+    except Exception:  # noqa: BLE001 -- any failure means receivers would fail too
+        return False
+    return True
 
 
 class Pickled(Strategy):
@@ -110,10 +130,24 @@ class Pickled(Strategy):
             )
         self.serialization = serialization
 
-    # -- what a rank sends and how it takes what it receives ----------------------------------
+    # -- what a rank holds, sends and takes in ------------------------------------------------
     def _state(self, batch) -> Any:
         """The object ROLL's code holds on this rank: a ROLL-shaped view of the caller's."""
         return RollDataProto.of(batch) if self.serialization == "roll" else batch
+
+    def _leader_state(self, batch, whole: bool) -> Any:
+        rank = self.groups.rank
+        validate(batch, rank, self.groups.device)
+        torch_save = self.serialization == "roll" and whole
+        for key, t in leaves(batch.batch):
+            if isinstance(t, torch.Tensor) and not loads_back(t.dtype, torch_save):
+                how = "torch.save / torch.load" if torch_save else "pickle"
+                raise ContractError(
+                    f"rank {rank}: batch[{key if len(key) > 1 else key[0]!r}] has dtype "
+                    f"{t.dtype}, which torch cannot load back through {how}; the receivers "
+                    "could not unpickle it"
+                )
+        return self._state(batch)
 
     def _outgoing(self, state, whole: bool):
         if self.serialization == "roll":
@@ -133,29 +167,18 @@ class Pickled(Strategy):
         if whole:
             state.non_tensor_batch = received.non_tensor_batch
 
-    def _prepare_leader(self, batch):
-        """(whole, state, failure) on the leader; a failure instead of raising."""
-        g = self.groups
-        try:
-            whole = bool(batch.meta_info.get(NON_TENSOR_FLAG, False))
-            DataProto.validate(batch, g.rank)
-            return whole, self._state(batch), None
-        except Exception as exc:  # shipped in the batch's place, so no receiver waits
-            return False, None, (exc, Failure.of(g.rank, exc))
-
     def get_data_input(self, batch):
         g = self.groups
+        whole = wants_non_tensor(batch)
         failure = error = None
-        if g.is_leader:
-            whole, state, failed = self._prepare_leader(batch)
-            if failed is not None:
-                error, failure = failed
+        if g.is_leader:  # whatever it raises travels in the batch's place
+            state, error = attempt(self._leader_state, batch, whole)
+            failure = Failure(failure_text(error)) if error is not None else None
         else:
-            whole = bool(batch.meta_info.get(NON_TENSOR_FLAG, False))
             state = self._state(batch)
         for hop in g.seed_hops():
             if g.rank == hop.ranks[0]:
-                failed = send_or_failure(failure or self._outgoing(state, whole), hop.group, g.rank)
+                failed = send_or_failure(failure or self._outgoing(state, whole), hop.group)
                 if failed is not None:
                     error, failure = failed
                 continue
@@ -164,14 +187,10 @@ class Pickled(Strategy):
                 failure = received
             else:
                 self._incoming(state, received, whole)
-        if error is not None:
-            raise error
         if failure is not None:
-            failure.raise_on(g.rank)
+            raise_failure(g, failure.text, error)
         if state is not batch and not g.is_leader:  # the caller's object gets what arrived
-            batch.batch = state.batch
-            if whole:
-                batch.non_tensor_batch = state.non_tensor_batch
+            deliver(batch, state.batch, state.non_tensor_batch if whole else None)
         return batch
 
     @classmethod
@@ -214,15 +233,11 @@ class Pickled(Strategy):
 
 def hop_pickle_bytes(batch, serialization: str = "roll") -> int:
     """Bytes one hop pickles for this leader's batch (what ``plan`` takes as ``pickle_bytes``)."""
-    whole = bool(batch.meta_info.get(NON_TENSOR_FLAG, False))
+    whole = wants_non_tensor(batch)
     if serialization == "roll":
         state = RollDataProto.of(batch)
         return len(pickle.dumps(state if whole else state.batch_proxy()))
     return len(pickle.dumps(batch if whole else batch.batch))
-
-
-def measure_pickle_bytes(obj) -> int:
-    return len(pickle.dumps(obj))
 
 
 STRATEGY = Pickled
