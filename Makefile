@@ -1,13 +1,14 @@
-# The two commands: `make bench` (set up, run the default sweep, write the report) and
-# `make test` (set up, lint, run every test). Both create .venv on a fresh machine.
+# The two commands: `make bench` (set up, run the bench sweep conf/sweep/bench.yaml, write the
+# report) and `make test` (set up, lint, run every test tier). Both create .venv on a fresh
+# machine. `make test-fast` is the edit-test loop: the unit tier and one small world test.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# The CPU build this machine's pip serves; GPU users: make TORCH_SPEC=torch bench
+# The CPU build of torch CI installs; GPU users: make TORCH_SPEC=torch bench
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: bench bench-gate test lint setup clean gpu-wheels gpu-check
+.PHONY: bench bench-gate test test-fast lint setup clean gpu-wheels gpu-check
 
 setup: $(STAMP)
 
@@ -29,13 +30,17 @@ test: lint
 	BCASTBENCH_BENCH=short $(BIN)/python -m pytest -q tests --benchmark-enable \
 		--benchmark-json results/ci/benchmarks.json
 
+# Unit tier (no process group) plus the one world test marked smoke.
+test-fast: lint
+	$(BIN)/python -m pytest -q tests/unit tests/world -m "unit or smoke"
+
 # Full-length benchmarks, saved for `python -m pytest_benchmark compare`.
 bench-gate: $(STAMP)
 	BCASTBENCH_BENCH=full $(BIN)/python -m pytest tests/benchmarks --benchmark-enable \
 		--benchmark-autosave
 
 bench: $(STAMP)
-	$(BIN)/python -m harness.run.bench
+	$(BIN)/bcastbench bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
@@ -52,4 +57,4 @@ gpu-wheels:
 
 # On a GPU machine: python3 (with its own torch) runs the CUDA checks; no .venv needed.
 gpu-check:
-	python3 -m harness.run.gpu_check
+	python3 -m harness gpu-check

@@ -1,9 +1,11 @@
 """``make gpu-check``: the CUDA paths on a single-GPU machine with no network, in one command.
 
-(a) every strategy end to end with NCCL on a world of 1 (CUDA payload, verification on the
-GPU); (b) a gloo world of 4 ranks sharing the GPU with CUDA tensors: pickled, header, flat, direct
-against the floor at ~64 KiB and ~64 MiB, where pickling CUDA tensors (device→host→device)
-shows. Records go under results/gpu/<timestamp>/; a table is printed. Without a GPU it says
+Two named sweeps (config, in ``conf/sweep/``): ``gpu_check_nccl``, every strategy end to end
+with NCCL on a world of 1 (CUDA payload, verification on the GPU); ``gpu_check_gloo_cuda``, a
+gloo world of 4 ranks sharing the GPU with CUDA tensors: pickled, header, flat, direct against
+the floor at two sizes, where pickling CUDA tensors (device→host→device) shows. They are two
+files because their products differ (backend, layout, strategies and sizes all change
+together). Records go under results/gpu/<timestamp>/; a table is printed. Without a GPU it says
 so and exits 0. Missing packages install offline from ./wheels (``make gpu-wheels``).
 """
 
@@ -16,10 +18,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness import paths  # noqa: I001
+from harness import paths
 
 REPO = paths.REPO
 NEEDED = ("hydra", "omegaconf", "megatron.core", "tensordict")
+SWEEPS = ("gpu_check_nccl", "gpu_check_gloo_cuda")
 
 
 def _missing() -> list[str]:
@@ -46,36 +49,24 @@ def _install_offline(env: dict) -> None:
     env["PYTHONPATH"] = f"{target}:{env.get('PYTHONPATH', '')}"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     try:
         import torch
     except ImportError:
         print("gpu-check: torch is not installed; nothing to check")
         return 0
     if not torch.cuda.is_available():
-        print("gpu-check: no CUDA device on this machine; skipping (exit 0)")
+        print("gpu-check: no CUDA device is visible; skipping (exit 0)")
         return 0
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     if _missing():
         _install_offline(env)
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out = REPO / "results" / "gpu" / stamp
-    py = [sys.executable, "-m", "harness", "-m"]
-    names = subprocess.check_output(
-        [sys.executable, "-c", "import strategies; print(','.join(strategies.names()))"],
-        cwd=REPO, env=env, text=True,
-    ).strip()  # fmt: skip
-    runs = [
-        # (a) NCCL, world of 1: the CUDA code path of every strategy runs and is verified.
-        [*py, f"strategy={names}", "backend=nccl", "layout.pp=1", "layout.tp=1",
-         "iters=5", "warmup=1", f"hydra.sweep.dir={out}/nccl_world1"],
-        # (b) gloo, 4 ranks sharing the GPU, CUDA tensors: ~64 KiB and ~64 MiB.
-        [*py, "strategy=pickled,header,flat,direct", "backend=gloo_cuda", "layout=tp2pp2",
-         "payload.seq_len=512", "payload.batch_size=3,2880", "iters=10", "warmup=2",
-         f"hydra.sweep.dir={out}/gloo_cuda_world4"],
-    ]  # fmt: skip
     rc = 0
-    for cmd in runs:
+    for sweep in SWEEPS:
+        cmd = [sys.executable, "-m", "harness", "run", "-m", f"sweep={sweep}", *(argv or []),
+               f"hydra.sweep.dir={out / sweep}"]  # fmt: skip
         print("gpu-check:", " ".join(cmd[1:]), flush=True)
         rc |= subprocess.call(cmd, cwd=REPO, env=env)
     print(f"gpu-check: records under {out}; exit {rc}")

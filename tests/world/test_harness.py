@@ -42,10 +42,15 @@ def harness(*args: str, timeout: float = 240, env=None) -> subprocess.CompletedP
     )
 
 
-def our_ranks() -> list[str]:
-    """Processes forked by a harness driver that are still alive (there must be none)."""
+def our_ranks(tmp_path: Path) -> list[str]:
+    """Processes of this test's harness commands still alive (there must be none): forked ranks
+    carry their driver's command line, which names the test's own directory."""
     out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "-m harness" in line and "pytest" not in line]
+    return [
+        line
+        for line in out.splitlines()
+        if "-m harness" in line and str(tmp_path) in line and "pytest" not in line
+    ]
 
 
 @pytest.mark.world
@@ -69,13 +74,24 @@ def test_multirun_records_progress_and_a_crash(tmp_path):
         "-m", "fault.rank=-1,2", "fault.at_iter=1", "timeout_s=30", *FAST,
         f"hydra.sweep.dir={tmp_path / 'crash'}",
     )  # fmt: skip
-    assert crash.returncode != 0
-    assert "rank 2 exited with code 17 while 'timed iteration 1 of header'" in crash.stderr
-    records = list((tmp_path / "crash").rglob("result.json"))
-    assert len(records) == 1 and json.loads(records[0].read_text())["correct"] is True
+    assert crash.returncode == 1
+    assert "rank 2 exited with code 17 while 'timed iteration 1 of header'" in crash.stdout
+    assert "1 of 2 jobs failed" in crash.stderr and "Traceback" not in crash.stderr
+    by_status = {
+        rec["status"]: rec
+        for rec in map(
+            json.loads, (p.read_text() for p in (tmp_path / "crash").rglob("result.json"))
+        )
+    }
+    assert sorted(by_status) == ["failed", "ok"] and by_status["ok"]["correct"] is True
+    assert by_status["failed"]["error"].startswith("rank 2 exited with code 17")
+    # The failed job is a row of the sweep's table too, with its status and error.
+    table = load(tmp_path / "crash")
+    assert sorted(table.status) == ["failed", "ok"]
+    assert (tmp_path / "crash" / "results.csv").read_text().count("rank 2 exited with code 17")
     assert not list((tmp_path / "crash").rglob(".result.*"))
     assert time.monotonic() - t0 < 240  # two CLI sweeps; generous for a shared 2-core machine
-    assert our_ranks() == []
+    assert our_ranks(tmp_path) == []
 
 
 @pytest.mark.world
@@ -86,11 +102,11 @@ def test_hang_fails_within_timeout_naming_the_rank(tmp_path):
         f"hydra.run.dir={tmp_path}",
     )  # fmt: skip
     elapsed = time.monotonic() - t0
-    assert res.returncode != 0
+    assert res.returncode == 1
     assert "rank 1 stopped responding for 6 s while 'timed iteration 0 of header'" in res.stderr
     assert "outside any collective" in res.stderr
     assert elapsed < 6 + 15 + 25  # + the CLI's own start-up (imports, world) on a busy machine
-    assert our_ranks() == []
+    assert our_ranks(tmp_path) == []
 
 
 @pytest.mark.world
@@ -104,6 +120,8 @@ def test_torchrun_joins_the_world(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     rec = json.loads((tmp_path / "result.json").read_text())
     assert rec["world_size"] == 4 and rec["correct"] is True and rec["tp"] == 2
+    # Only rank 0 owns the job's directory: one log, named after the job, not __main__.
+    assert sorted(p.name for p in tmp_path.glob("*.log")) == ["bcastbench.log"]
 
 
 @pytest.mark.world
@@ -121,9 +139,41 @@ def test_ctrl_c_leaves_no_rank_and_no_half_record(tmp_path):
         time.sleep(0.5)
     time.sleep(1.0)
     os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends to the foreground group
-    proc.wait(timeout=60)
+    out, _ = proc.communicate(timeout=60)
     time.sleep(1.0)
-    assert our_ranks() == []
+    assert our_ranks(tmp_path) == []
+    assert proc.returncode == 130
+    # One line says where the records are; no KeyboardInterrupt traceback.
+    assert f"bcastbench: interrupted; records written so far: {sweep}" in out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
     assert not list(sweep.rglob(".result.*"))
     for rec in sweep.rglob("result.json"):
         json.loads(rec.read_text())  # every record there is whole
+    assert (sweep / "results.csv").exists()  # the table of the jobs done before Ctrl-C
+
+
+@pytest.fixture
+def forked_worlds_closed():
+    """Close the worlds a test's in-process job forked (the session's worlds stay)."""
+    from harness.run import world
+
+    before = set(world._CACHE)
+    yield
+    for key in set(world._CACHE) - before:
+        world._CACHE.pop(key).close()
+
+
+@pytest.mark.smoke
+def test_one_job_in_process_records_its_shape(tmp_path, monkeypatch, forked_worlds_closed):
+    """The smoke test of `make test-fast`: one small job through `bcastbench run` (in process:
+    launcher, validation, a forked world, summary, record). ``layout=tp2pp2 layout.tp=1`` is
+    recorded as the shape it ran, pp2, not as the preset's name."""
+    from harness.run import cli
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    assert cli.main(["layout=tp2pp2", "layout.tp=1", *FAST, f"hydra.run.dir={tmp_path}"]) == 0
+    rec = json.loads((tmp_path / "result.json").read_text())
+    assert (rec["layout"], rec["world_size"], rec["tp"], rec["pp"]) == ("pp2", 2, 1, 2)
+    assert rec["status"] == "ok" and rec["correct"] is True and rec["vs_floor"] > 0
+    assert (tmp_path / "bcastbench.log").exists()
