@@ -25,7 +25,9 @@ Added to the seed, so no rank waits forever: whatever the leader raises while pr
 pickling its batch (a broken contract, an object that is not a DataProto, an unpicklable value),
 it broadcasts the error's text in the batch's place (``strategies.core.contract.attempt``); every
 rank of the replica raises it (``LeaderFailed`` off the leader, naming the leader's rank and
-error), and the leader re-raises its own.
+error), and the leader re-raises its own. The leader also refuses, on every rank, a leaf whose
+dtype its hop's pickling saves but cannot load back (``loads_back``: float8 and uint16/32/64
+under plain pickle), which the seed would have left to fail on the receivers.
 
 Options: ``serialization`` = ``roll`` | ``dataclass`` (conf/strategy/pickled.yaml).
 """
