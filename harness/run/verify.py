@@ -9,6 +9,7 @@ import torch
 
 from strategies import DataProto
 from strategies.core.codec import as_bytes
+from strategies.core.contract import is_non_tensor_leaf, leaves
 
 
 class VerificationError(AssertionError):
@@ -20,13 +21,35 @@ def tensor_digest(t: torch.Tensor) -> str:
     return hashlib.blake2b(raw.cpu().numpy().tobytes(), digest_size=16).hexdigest()
 
 
+def _data(x) -> str:
+    """A fingerprint of non-tensor data that may hold tensors (pickles of equal tensors can
+    differ), bit for bit."""
+    if isinstance(x, torch.Tensor):
+        return f"T{x.dtype}{list(x.shape)}{tensor_digest(x)}"
+    if isinstance(x, (list, tuple)):
+        return f"{type(x).__name__}[" + ",".join(_data(v) for v in x) + "]"
+    if x is None:
+        return "None"
+    return hashlib.blake2b(pickle.dumps(x), digest_size=16).hexdigest()
+
+
 def digest(dp: DataProto, with_non_tensor: bool) -> dict:
     """Per-key fingerprints: dtype, shape and a hash of the raw bytes."""
     out: dict = {"batch_size": None, "keys": {}, "non_tensor": None}
     if dp.batch is not None:
         out["batch_size"] = list(dp.batch.batch_size)
-        for key, t in dp.batch.items(include_nested=True, leaves_only=True):
-            out["keys"][key] = (str(t.dtype), list(t.shape), tensor_digest(t))
+        # Every leaf, non-tensor ones included (tensordict's own iteration skips them); a
+        # jagged leaf is fingerprinted component by component.
+        for key, value in leaves(dp.batch):
+            name = key[0] if len(key) == 1 else key
+            if is_non_tensor_leaf(value):
+                out["keys"][name] = ("non-tensor", list(value.batch_size), _data(value.tolist()))
+            elif value.is_nested:
+                parts = [value.values(), value.offsets(), value.lengths()]
+                shape = [list(p.shape) if p is not None else None for p in parts]
+                out["keys"][name] = (str(value.dtype), shape, _data(parts) + str(value._ragged_idx))
+            else:
+                out["keys"][name] = (str(value.dtype), list(value.shape), tensor_digest(value))
     if with_non_tensor:
         out["non_tensor"] = {
             k: hashlib.blake2b(pickle.dumps(v.tolist()), digest_size=16).hexdigest() + str(v.dtype)
