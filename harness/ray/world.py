@@ -40,6 +40,11 @@ def import_ray():
             f"Ray worlds need the optional ray package ({exc}); install it with "
             '`python -m pip install "ray==2.60.0"`'
         ) from None
+    if not hasattr(ray, "init"):  # a bare stand-in module (the verl interop tests register one)
+        raise RayUnavailable(
+            f"the ray module loaded here ({getattr(ray, '__file__', None) or 'no file'}) is "
+            'not Ray; install it with `python -m pip install "ray==2.60.0"`'
+        )
     return ray
 
 
@@ -137,7 +142,11 @@ class RankActor:
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        self.ctx = RankContext(self.rank, self.world_size, self.backend, dev)
+        from harness.cluster.launch import link_counter
+
+        # None off an emulated cluster; there, the rank-side job counts link bytes with it.
+        counter = link_counter()
+        self.ctx = RankContext(self.rank, self.world_size, self.backend, dev, link_counter=counter)
         return os.getpid()
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -205,6 +214,10 @@ class RayWorld:
         }
         if self.conf.socket_ifname:
             env["GLOO_SOCKET_IFNAME"] = self.conf.socket_ifname
+        from harness.cluster.launch import LINKS_ENV
+
+        if os.environ.get(LINKS_ENV):  # the emulated cluster's link counters, for the ranks
+            env[LINKS_ENV] = os.environ[LINKS_ENV]
         return env
 
     def _connect(self, ray) -> None:

@@ -39,8 +39,10 @@ def test_two_node_dispatch_crosses_once_per_node_with_all_ranks():
     if reason is not None:
         _skip(f"network namespaces unavailable: {reason}")
     try:
-        import ray  # noqa: F401
+        import ray
     except ImportError:
+        ray = None
+    if not hasattr(ray, "init"):  # absent, or the verl tests' bare stand-in
         _skip('ray is not installed (pip install "ray==2.60.0")')
     from harness.ray.emulated import run_emulated
 
