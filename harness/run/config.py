@@ -128,13 +128,35 @@ def layout_of(cfg) -> Layout:
 
 
 def validate(cfg, world_size: int | None = None) -> Layout:
-    """Check a whole job config; return its Layout. Raises ConfigError with the arithmetic."""
+    """Check a whole job config; return its Layout. Raises ConfigError, one line that names
+    the field, what is wrong with it (with the arithmetic) and what would be valid."""
     layout = layout_of(cfg)
     if world_size is not None:
         try:
             layout.check_world(world_size)
         except LayoutError as exc:
             raise ConfigError(f"layout does not match the world: {exc}") from None
+    _validate_names(cfg)
+    _validate_payload(cfg, layout)
+    _validate_backend(cfg, layout)
+    if cfg.emulate.enabled:
+        _validate_emulate(cfg, layout)
+    if cfg.iters < 1 or cfg.warmup < 0:
+        raise ConfigError(
+            f"iters must be >= 1 and warmup >= 0, got iters={cfg.iters}, warmup={cfg.warmup}"
+        )
+    if cfg.timeout_s <= 0:
+        raise ConfigError(f"timeout_s must be positive, got {cfg.timeout_s}")
+    if cfg.fault.kind not in ("crash", "hang"):
+        raise ConfigError(f"fault.kind must be crash or hang, got {cfg.fault.kind!r}")
+    if cfg.fault.rank >= layout.world_size:
+        raise ConfigError(
+            f"fault.rank={cfg.fault.rank} is outside the world of {layout.world_size}"
+        )
+    return layout
+
+
+def _validate_names(cfg) -> None:
     known = strategies.names(include_floor=True)
     if cfg.strategy.name not in known:
         raise ConfigError(
@@ -150,6 +172,9 @@ def validate(cfg, world_size: int | None = None) -> Layout:
             f"payload.name: unknown payload {cfg.payload.name!r}; "
             f"valid names: {sorted(payloads.PAYLOADS)}"
         )
+
+
+def _validate_payload(cfg, layout: Layout) -> None:
     for key in ("batch_size", "seq_len"):
         value = cfg.payload[key]
         if value < 1:
@@ -162,38 +187,27 @@ def validate(cfg, world_size: int | None = None) -> Layout:
             f"(Megatron splits the sequence into 2·cp zig-zag chunks); valid: a multiple of "
             f"{step}, e.g. {below or step} or {below + step}"
         )
-    if cfg.iters < 1 or cfg.warmup < 0:
-        raise ConfigError(
-            f"iters must be >= 1 and warmup >= 0, got iters={cfg.iters}, warmup={cfg.warmup}"
-        )
-    if cfg.timeout_s <= 0:
-        raise ConfigError(f"timeout_s must be positive, got {cfg.timeout_s}")
+
+
+def _validate_backend(cfg, layout: Layout) -> None:
     if cfg.backend.name not in ("gloo", "nccl"):
         raise ConfigError(f"backend.name must be gloo or nccl, got {cfg.backend.name!r}")
     if cfg.backend.device not in ("cpu", "cuda"):
         raise ConfigError(f"backend.device must be cpu or cuda, got {cfg.backend.device!r}")
     if cfg.backend.name == "nccl" and cfg.backend.device != "cuda":
         raise ConfigError("backend nccl carries CUDA tensors: set backend.device=cuda")
-    if cfg.backend.device == "cuda":
-        import torch
+    if cfg.backend.device != "cuda":
+        return
+    import torch
 
-        gpus = torch.cuda.device_count()
-        if gpus == 0:
-            raise ConfigError("backend.device=cuda but no CUDA device is visible")
-        if cfg.backend.name == "nccl" and gpus < layout.world_size:
-            raise ConfigError(
-                f"nccl needs one GPU per rank: world {layout.world_size} > {gpus} GPUs "
-                "(NCCL refuses two ranks on one GPU; use backend=gloo_cuda to share one)"
-            )
-    if "emulate" in cfg and cfg.emulate.enabled:
-        _validate_emulate(cfg, layout)
-    if cfg.fault.kind not in ("crash", "hang"):
-        raise ConfigError(f"fault.kind must be crash or hang, got {cfg.fault.kind!r}")
-    if cfg.fault.rank >= layout.world_size:
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        raise ConfigError("backend.device=cuda but no CUDA device is visible")
+    if cfg.backend.name == "nccl" and gpus < layout.world_size:
         raise ConfigError(
-            f"fault.rank={cfg.fault.rank} is outside the world of {layout.world_size}"
+            f"nccl needs one GPU per rank: world {layout.world_size} > {gpus} GPUs "
+            "(NCCL refuses two ranks on one GPU; use backend=gloo_cuda to share one)"
         )
-    return layout
 
 
 def _validate_emulate(cfg, layout: Layout) -> None:

@@ -181,6 +181,15 @@ def _worker(
     except Exception:
         conn.send((0, "error", 0, traceback.format_exc()))
         return
+    _serve(ctx, conn)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def _serve(ctx: RankContext, conn: Connection) -> None:
+    """Run the driver's tasks on this rank until it says stop (or its pipe closes)."""
     while True:
         try:
             msg = conn.recv()
@@ -205,10 +214,6 @@ def _worker(
             # world stays in step; anything else may have left collectives half done.
             kind = "refused" if isinstance(exc, Unsupported) else "error"
             ctx.send(kind, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
 
 
 def where(frame) -> str:
@@ -383,92 +388,117 @@ class World:
         return out
 
     def _collect(self, what: str, timeout_s: float) -> list[Any]:
-        results: dict[int, Any] = {}
-        errors: dict[int, str] = {}
-        refused: set[int] = set()
+        """Every rank's answer to the current job, in rank order; any rank's error, death or
+        silence tears the world down (see ``run``) and raises WorldError."""
+        answers = _Answers(self.world_size)
         self._last = {r: (0, what) for r in range(self.world_size)}
         conn_rank = {c: r for r, c in enumerate(self._conns)}
         sentinels = {p.sentinel: r for r, p in enumerate(self._ctx.processes)}
-        last_progress = time.monotonic()
-
-        def handle(rank: int, conn: Connection) -> bool:
-            nonlocal last_progress
-            try:
-                job, kind, step, payload = conn.recv()
-            except (EOFError, OSError):
-                return False
-            if job not in (self._job, -1):
-                # Cannot happen while worlds that fail are torn down; if it does, the ranks
-                # are out of step and nothing they say can be trusted.
-                self.close(kill=True)
-                raise WorldError(
-                    f"rank {rank} answered job {job} while job {self._job} ({what}) runs: "
-                    "the world is out of step"
-                )
-            last_progress = time.monotonic()
-            if kind == "phase":
-                self._last[rank] = (step, payload)
-            elif kind in ("error", "refused"):
-                errors[rank] = payload
-                if kind == "refused":
-                    refused.add(rank)
-            else:
-                results[rank] = payload
-            return True
-
-        while len(results) + len(errors) < self.world_size:
-            pending = [c for c, r in conn_rank.items() if r not in results and r not in errors]
-            ready = wait(pending + list(sentinels), timeout=1.0)
-            now = time.monotonic()
-            for obj in ready:
+        while not answers.complete:
+            pending = [c for c, r in conn_rank.items() if not answers.has(r)]
+            for obj in wait(pending + list(sentinels), timeout=1.0):
                 if obj in sentinels:
-                    rank = sentinels[obj]
-                    conn = self._conns[rank]
-                    while rank not in results and rank not in errors and conn.poll():
-                        if not handle(rank, conn):  # drain what it said before dying
-                            break
-                    if rank in results or rank in errors:
-                        continue
-                    self._ctx.processes[rank].join(2)  # reap it, so exitcode is known
-                    code = self._ctx.processes[rank].exitcode
-                    phase = self._last[rank][1]
-                    self.close(kill=True)
-                    raise WorldError(
-                        f"rank {rank} exited with code {code} while {phase!r} ({what}); "
-                        "the world was torn down"
-                    )
-                handle(conn_rank[obj], obj)
-            if errors and len(results) + len(errors) < self.world_size:
+                    self._check_exit(sentinels[obj], answers, what)
+                else:
+                    self._receive(conn_rank[obj], obj, answers, what)
+            silent_s = time.monotonic() - answers.last_progress
+            if answers.errors and not answers.complete:
                 # One rank failed; the others may now block in a collective forever.
-                if now - last_progress > min(5.0, timeout_s):
+                if silent_s > min(5.0, timeout_s):
                     break
-            elif now - last_progress > timeout_s:
-                stuck = [r for r in range(self.world_size) if r not in results]
-                places = self._where(stuck)
-                # The culprit is a rank NOT waiting in a collective (the others wait for it);
-                # failing that, the one that reported the least progress.
-                outside = [r for r in stuck if not places[r].startswith("in collective")]
-                culprit = outside[0] if outside else min(stuck, key=lambda r: self._last[r][0])
-                detail = "; ".join(f"rank {r}: {self._last[r][1]!r}, {places[r]}" for r in stuck)
-                self.close(kill=True)
-                raise WorldError(
-                    f"rank {culprit} stopped responding for {timeout_s:.0f} s while "
-                    f"{self._last[culprit][1]!r} ({what}), {places[culprit]}; "
-                    f"all unfinished ranks: {detail}; the world was torn down"
-                )
-        if errors:
-            rank = min(errors)
-            # Tear down even if every rank answered: a root's broadcast can complete while a
-            # failed receiver never took part, leaving the ranks' collective sequences out of
-            # step, and the next job would hang or read the wrong bytes. A fresh world is cheap.
-            if refused != set(range(self.world_size)):
-                self.close(kill=True)
-            first_line = errors[rank].strip().splitlines()[0]
+            elif silent_s > timeout_s:
+                self._raise_hung(answers, what, timeout_s)
+        if answers.errors:
+            self._raise_failed(answers, what)
+        return [answers.results[r] for r in range(self.world_size)]
+
+    def _receive(self, rank: int, conn: Connection, answers: _Answers, what: str) -> bool:
+        """Take one message from ``rank``; False when its pipe is closed."""
+        try:
+            job, kind, step, payload = conn.recv()
+        except (EOFError, OSError):
+            return False
+        if job not in (self._job, -1):
+            # Cannot happen while worlds that fail are torn down; if it does, the ranks
+            # are out of step and nothing they say can be trusted.
+            self.close(kill=True)
             raise WorldError(
-                f"rank {rank} failed in {what}: {first_line}\n--- traceback of rank {rank} ---\n"
-                f"{errors[rank]}"
+                f"rank {rank} answered job {job} while job {self._job} ({what}) runs: "
+                "the world is out of step"
             )
-        return [results[r] for r in range(self.world_size)]
+        answers.last_progress = time.monotonic()
+        if kind == "phase":
+            self._last[rank] = (step, payload)
+        elif kind in ("error", "refused"):
+            answers.errors[rank] = payload
+            if kind == "refused":
+                answers.refused.add(rank)
+        else:
+            answers.results[rank] = payload
+        return True
+
+    def _check_exit(self, rank: int, answers: _Answers, what: str) -> None:
+        """A rank's process ended: drain what it said before dying; without an answer, fail."""
+        conn = self._conns[rank]
+        while not answers.has(rank) and conn.poll():
+            if not self._receive(rank, conn, answers, what):
+                break
+        if answers.has(rank):
+            return
+        self._ctx.processes[rank].join(2)  # reap it, so exitcode is known
+        code = self._ctx.processes[rank].exitcode
+        phase = self._last[rank][1]
+        self.close(kill=True)
+        raise WorldError(
+            f"rank {rank} exited with code {code} while {phase!r} ({what}); the world was torn down"
+        )
+
+    def _raise_hung(self, answers: _Answers, what: str, timeout_s: float) -> None:
+        stuck = [r for r in range(self.world_size) if r not in answers.results]
+        places = self._where(stuck)
+        # The culprit is a rank NOT waiting in a collective (the others wait for it);
+        # failing that, the one that reported the least progress.
+        outside = [r for r in stuck if not places[r].startswith("in collective")]
+        culprit = outside[0] if outside else min(stuck, key=lambda r: self._last[r][0])
+        detail = "; ".join(f"rank {r}: {self._last[r][1]!r}, {places[r]}" for r in stuck)
+        self.close(kill=True)
+        raise WorldError(
+            f"rank {culprit} stopped responding for {timeout_s:.0f} s while "
+            f"{self._last[culprit][1]!r} ({what}), {places[culprit]}; "
+            f"all unfinished ranks: {detail}; the world was torn down"
+        )
+
+    def _raise_failed(self, answers: _Answers, what: str) -> None:
+        rank = min(answers.errors)
+        # Tear down even if every rank answered: a root's broadcast can complete while a
+        # failed receiver never took part, leaving the ranks' collective sequences out of
+        # step, and the next job would hang or read the wrong bytes. A fresh world is cheap.
+        if answers.refused != set(range(self.world_size)):
+            self.close(kill=True)
+        error = answers.errors[rank]
+        first_line = error.strip().splitlines()[0]
+        raise WorldError(
+            f"rank {rank} failed in {what}: {first_line}\n--- traceback of rank {rank} ---\n{error}"
+        )
+
+
+@dataclass
+class _Answers:
+    """What the ranks have said about the current job."""
+
+    world_size: int
+    results: dict[int, Any] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+    refused: set[int] = field(default_factory=set)
+    """Ranks whose error is a refusal raised before any collective (the world stays)."""
+    last_progress: float = field(default_factory=time.monotonic)
+
+    def has(self, rank: int) -> bool:
+        return rank in self.results or rank in self.errors
+
+    @property
+    def complete(self) -> bool:
+        return len(self.results) + len(self.errors) >= self.world_size
 
 
 _LIVE: set[World] = set()
