@@ -6,9 +6,10 @@
 The launchers (``harness.run.launch``): a forked local world, a world a launcher started this
 process in (torchrun, a submitit job, a plain ``srun`` step: every task runs this whole task
 with one shared output directory and only global rank 0 writes the record and the log), or an
-emulated multi-node cluster (``emulate.enabled=true``). A job that fails (a rank crashed, hung
-or ended with wrong data) leaves a record saying so; in a sweep the next job still runs and the
-failure is counted (``harness.run.progress``), in a single run the error ends the command.
+emulated multi-node cluster (``emulate.enabled=true``). A job of a sweep that fails (a rank
+crashed, hung or ended with wrong data) leaves a record saying so (``status: failed``, the
+error), the next job still runs and the failure is counted (``harness.run.progress``); a single
+run that fails ends the command with the error and leaves no record.
 """
 
 from __future__ import annotations
@@ -80,12 +81,10 @@ def run(cfg) -> dict | None:
         else:
             record = records.build(spec, summarize(spec, ran.results), ran.world_start_s)
     except JOB_FAILURES as exc:
-        if not launch.writes_records:
-            raise
+        if hydra_cfg.mode != RunMode.MULTIRUN or not launch.writes_records:
+            raise  # a single run: the command's error says what failed; no record
         record = records.failed(spec, exc)
         records.write_atomic(out_dir / "result.json", record)
-        if hydra_cfg.mode == RunMode.MULTIRUN:
-            return record  # counted by the sweep (harness.run.progress); the next job runs
-        raise
+        return record  # a row of the sweep's table, counted as failed; the next job runs
     records.write_atomic(out_dir / "result.json", record)
     return record

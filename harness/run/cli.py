@@ -112,16 +112,6 @@ def run(argv: list[str]) -> int:
         except ConfigError as exc:
             return _exit_status(exc)
 
-    def task(cfg):
-        from harness.run import app
-        from harness.run.config import ConfigError
-
-        try:
-            return app.run(cfg)
-        except ConfigError as exc:
-            # Leaves through Hydra's job runner as SystemExit, which it does not report.
-            raise SystemExit(_exit_status(exc)) from None
-
     decorated = hydra.main(
         version_base="1.3", config_path=str(paths.CONF_DIR), config_name="config"
     )
@@ -144,6 +134,18 @@ def run(argv: list[str]) -> int:
         )
         return FAILED_EXIT
     return 0
+
+
+def task(cfg):
+    """The Hydra task (module level, so a submitit launcher pickles it by reference)."""
+    from harness.run import app
+    from harness.run.config import ConfigError
+
+    try:
+        return app.run(cfg)
+    except ConfigError as exc:
+        # Leaves through Hydra's job runner as SystemExit, which it does not report.
+        raise SystemExit(_exit_status(exc)) from None
 
 
 def _exit_status(exc: BaseException) -> int:

@@ -211,26 +211,20 @@ def _validate_backend(cfg, layout: Layout) -> None:
 
 
 def _validate_emulate(cfg, layout: Layout) -> None:
-    e = cfg.emulate
-    if e.nodes < 1:
-        raise ConfigError(f"emulate.nodes must be >= 1, got {e.nodes}")
-    if e.links not in ("node", "gpu"):
-        raise ConfigError(f"emulate.links must be node or gpu, got {e.links!r}")
-    if e.rate_mbit <= 0:
-        raise ConfigError(f"emulate.rate_mbit must be positive, got {e.rate_mbit}")
-    if e.bytes_calls < 0:
-        raise ConfigError(f"emulate.bytes_calls must be >= 0, got {e.bytes_calls}")
-    if layout.world_size % e.nodes:
+    """What a harness job adds to ``EmulateConf.check`` (the cluster's own values)."""
+    conf = EmulateConf(**OmegaConf.to_container(cfg.emulate, resolve=True))
+    if conf.bytes_calls < 0:
+        raise ConfigError(f"emulate.bytes_calls must be >= 0, got {conf.bytes_calls}")
+    per_node = layout.world_size // conf.nodes if conf.nodes >= 1 else 0
+    if conf.ranks_per_node is not None and conf.ranks_per_node != per_node:
         raise ConfigError(
-            f"emulate.nodes={e.nodes} does not divide the world of {layout.world_size} "
-            f"({layout.describe()}): every node holds the same number of ranks"
+            f"emulate.ranks_per_node={conf.ranks_per_node} but world {layout.world_size} / "
+            f"nodes {conf.nodes} = {per_node}"
         )
-    per_node = layout.world_size // e.nodes
-    if e.ranks_per_node is not None and e.ranks_per_node != per_node:
-        raise ConfigError(
-            f"emulate.ranks_per_node={e.ranks_per_node} but world {layout.world_size} / "
-            f"nodes {e.nodes} = {per_node}"
-        )
+    try:
+        conf.for_world(layout.world_size).check()
+    except ValueError as exc:
+        raise ConfigError(f"{exc} ({layout.describe()}): every node holds as many ranks") from None
     if cfg.backend.name != "gloo" or cfg.backend.device != "cpu":
         raise ConfigError(
             "emulate.enabled needs backend=gloo on cpu: the emulated links carry TCP, "
