@@ -35,9 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     sweep_s = time.monotonic() - t0
     if not out.is_dir():  # refused before any job (the one-line error said why)
         return rc
-    from harness.report import build as report
+    from harness.run.progress import STATE
 
-    report.main([str(out)])
+    if STATE.done > STATE.failed:
+        from harness.report import build as report
+
+        report.main([str(out)])
+    else:
+        print(f"bcastbench bench: every job failed; no report (see {out / 'results.csv'})")
     done = "took" if rc == 0 else f"ended with exit {rc} (failed jobs are in the table) after"
     print(f"\nbcastbench bench: the sweep {done} {sweep_s:.0f} s; results in {out}", flush=True)
     return rc

@@ -1,7 +1,7 @@
 """Import megatron-core's ``parallel_state`` without running ``megatron/core/__init__.py``.
 
-That ``__init__`` pulls in the optimizer, FSDP and transformer stacks (≈3 s of CPU per
-process here), none of which a broadcast benchmark uses; every rank that torchrun, Slurm or
+That ``__init__`` pulls in the optimizer, FSDP and transformer stacks (seconds of CPU per
+process), none of which a broadcast benchmark uses; every rank that torchrun, Slurm or
 the emulated cluster spawns would pay it. The package is registered without executing its
 ``__init__`` only when nothing imported it yet, so a process that already uses Megatron (a
 user's training job) gets the real package; any failure falls back to the normal import.

@@ -1,7 +1,7 @@
 """How much of the machine other work takes while we measure, from /proc/stat.
 
-The 1-minute load average does not say that on every machine: on this project's VM it read 670
-while idle. Instead: the machine's busy CPU-seconds (user + nice + system) minus those of this
+The 1-minute load average does not say that on every machine: a VM can report a load in the
+hundreds while idle. Instead: the machine's busy CPU-seconds (user + nice + system) minus those of this
 process and of the children it has reaped, over the wall time between two snapshots, is how many
 cores other work used meanwhile. irq/softirq time (a shaped link's packets, charged to no task)
 and steal are left out.

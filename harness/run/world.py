@@ -32,7 +32,7 @@ import torch.multiprocessing as tmp
 # survive fork), so the driver stays single-threaded; ranks run one thread each anyway.
 torch.set_num_threads(1)
 
-# Imported here, in the driver, so forked ranks inherit them instead of paying ~5 s each.
+# Imported here, in the driver, so forked ranks inherit them instead of each importing them.
 from harness.run.lean_import import parallel_state  # noqa: E402
 
 ps = parallel_state()
@@ -158,7 +158,7 @@ def _worker(
         if c not in (conn, status_conns[local_rank]):
             c.close()
     _answer_status(status_conns[local_rank], threading.get_ident())
-    torch.set_num_threads(1)  # N ranks share 2 cores; more threads only oversubscribe
+    torch.set_num_threads(1)  # N ranks share the cores; more threads only oversubscribe
     os.environ.update(
         RANK=str(local_rank),
         LOCAL_RANK=str(local_rank),
