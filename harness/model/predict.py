@@ -225,12 +225,28 @@ def predict_all(layout, spec, cluster, names: list[str] | None = None) -> dict[s
     import strategies
 
     out: dict[str, Any] = {}
-    for name in [*(names or strategies.names()), "floor"]:
+    # auto is priced as what it picks (``auto_pick``), not as a plan of its own.
+    for name in [*(n for n in names or strategies.names() if n != "auto"), "floor"]:
+        if not strategies.has_plan(name):
+            # plan() is optional (a user's strategy may state none): measured, not predicted.
+            out[name] = "n/a: no plan() (it can be measured with bcastbench run, not predicted)"
+            continue
         try:
             out[name] = price_strategy(name, layout, spec, cluster)
         except strategies.Unsupported as exc:
             out[name] = f"n/a: {exc}"
     return out
+
+
+def auto_pick(preds: dict[str, Any]) -> str | None:
+    """What ``auto`` would pick from these predictions (``strategies.auto.pick``: the model's
+    fastest candidate, ties within ``TIE`` broken by its order), or None if none serves."""
+    from strategies.auto import CANDIDATES, pick
+
+    priced = {
+        n: p.total_s for n, p in preds.items() if n in CANDIDATES and isinstance(p, Prediction)
+    }
+    return pick(priced) if priced else None
 
 
 def explain(preds: dict[str, Any]) -> tuple[str | None, str]:
@@ -350,6 +366,7 @@ def run(cfg) -> dict[str, Any]:
     t_spec = time.perf_counter()
     preds = predict_all(layout, spec, cluster, list(cfg.strategies) or None)
     winner, why = explain(preds)
+    auto = auto_pick(preds)
     elapsed = time.perf_counter() - t0
     head = (
         f"PREDICTED on {cluster.name} ({cluster.gpus_per_node} GPUs/node, "
@@ -357,10 +374,11 @@ def run(cfg) -> dict[str, Any]:
         f"{p.name} B={p.batch_size} S={p.seq_len}: {spec.tensor_bytes / 2**20:.4g} MiB of tensors"
     )
     if cfg.quiet:
-        print(f"{head}\n  winner: {why}")
+        print(f"{head}\n  winner: {why}\n  auto would pick: {auto}")
     else:
         print(report(preds, head))
         print(f"winner: {why}")
+        print(f"auto would pick: {auto} (strategy=auto, cluster={cluster.name})")
         if winner is not None:
             print(preds[winner].summary())
     return dict(
@@ -373,6 +391,7 @@ def run(cfg) -> dict[str, Any]:
         spec=asdict(spec),
         winner=winner,
         why=why,
+        auto_choice=auto,
         strategies=to_json(preds),
         spec_s=t_spec - t0,
         elapsed_s=elapsed,
