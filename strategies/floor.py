@@ -1,11 +1,21 @@
 """``floor``: the measured limit, not a way to ship a batch.
 
-One raw broadcast of an already packed flat buffer of the batch's tensor bytes (plus the
-pickled non_tensor_batch when it is flagged to travel, so the byte count is the payload's) over
-the whole replica: no header, no packing, no unpacking (``../shared/brief/measurement.md``). Receivers
-allocate a fresh buffer per call, as any real receiver must. ``prepare`` (untimed) packs the
-leader's buffer and tells receivers its size. ``get_data_input`` leaves the DataProto as it
-was; the bytes it received stay in ``received`` for the harness to verify.
+The fastest raw way to move an already packed flat buffer of the batch's bytes (its tensor
+bytes, plus the pickled non_tensor_batch when it is flagged to travel) from the leader to every
+rank of its replica: no header, no packing, no unpacking (``../shared/brief/measurement.md``).
+One broadcast is not always that (gloo runs a group's broadcasts on two worker threads, so
+concurrent chunks overlap), so the floor is a family of raw methods, one per instance:
+
+- ``method: one`` — one broadcast over the replica (the single-broadcast floor);
+- ``method: chunks`` (``chunks: k``) — k concurrent async broadcasts of contiguous slices;
+- ``method: seed_hops`` — TP×CP on stage 0, then PP (the seed's hop order);
+- ``method: pp_first`` — the leader's PP group, then TP×CP on every stage.
+
+``variants(layout)`` lists the methods a layout allows; the harness measures each of them in
+the same interleaved rounds and reports the fastest as the floor, naming it (``floor_method``).
+Receivers allocate a fresh buffer per call, as any real receiver must. ``prepare`` (untimed)
+packs the leader's buffer and tells receivers its size. ``get_data_input`` leaves the DataProto
+as it was; the bytes it received stay in ``received`` for the harness to verify.
 """
 
 from __future__ import annotations
@@ -19,17 +29,42 @@ from strategies.core.codec import as_bytes, message_parts, nbytes_of
 from strategies.core.contract import DataProto, Strategy, wants_non_tensor
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 
+METHODS = ("one", "chunks", "seed_hops", "pp_first")
+CHUNKS = (2, 4)
+"""Chunk counts the harness measures (gloo runs two broadcasts of a group at once; four keeps
+both threads busy while each slice's reply is pending)."""
+CHUNK_ALIGN = 4096
+"""Slice boundaries fall on whole pages, so no two threads touch one page."""
+
 
 class Floor(Strategy):
     name = "floor"
     selectable = False
-    claims = "1 broadcast over the replica"
+    claims = "1 broadcast over the replica (method=one); see the module docstring for the others"
 
-    def __init__(self, groups) -> None:
+    def __init__(self, groups, method: str = "one", chunks: int = 4) -> None:
+        if method not in METHODS:
+            raise ValueError(f"floor: unknown method {method!r}; valid: {list(METHODS)}")
+        if chunks < 1:
+            raise ValueError(f"floor: chunks must be >= 1, got {chunks}")
         super().__init__(groups)
+        self.method = method
+        self.chunks = chunks if method == "chunks" else 1
         self.nbytes = 0
         self.sent: torch.Tensor | None = None
         self.received: torch.Tensor | None = None
+
+    @staticmethod
+    def variants(layout) -> dict[str, dict]:
+        """Label -> options of every raw method ``layout`` allows; ``floor`` is one broadcast.
+        Hop orders differ from one broadcast only when the replica has both PP and TP×CP."""
+        out: dict[str, dict] = {"floor": {}}
+        for k in CHUNKS:
+            out[f"floor:chunks{k}"] = {"method": "chunks", "chunks": k}
+        if layout.pp > 1 and layout.tp_cp > 1:
+            out["floor:seed_hops"] = {"method": "seed_hops"}
+            out["floor:pp_first"] = {"method": "pp_first"}
+        return out
 
     def prepare(self, batch: DataProto) -> None:
         g = self.groups
@@ -48,25 +83,65 @@ class Floor(Strategy):
         g = self.groups
         if g.replica_ranks == (g.rank,):
             return batch
-        if g.is_leader:
-            dist.broadcast(self.sent, src=g.leader, group=g.replica_group)
-            self.received = self.sent
-        else:
-            buf = torch.empty(self.nbytes, dtype=torch.uint8, device=g.device)
-            dist.broadcast(buf, src=g.leader, group=g.replica_group)
-            self.received = buf
+        buf = self.sent if g.is_leader else None
+        for group, ranks in self._hops():
+            if g.rank not in ranks:
+                continue
+            if buf is None:
+                buf = torch.empty(self.nbytes, dtype=torch.uint8, device=g.device)
+            _broadcast_chunks(buf, chunk_bounds(self.nbytes, self.chunks), group, ranks[0])
+        self.received = buf
         return batch
 
+    def _hops(self) -> list[tuple[object, tuple[int, ...]]]:
+        """(group, ranks) of each hop this rank takes part in, in order; source = ranks[0]."""
+        g = self.groups
+        if self.method == "seed_hops":
+            return [(hop.group, hop.ranks) for hop in g.seed_hops()]
+        if self.method == "pp_first":
+            hops = []
+            if g.pp_size > 1 and g.tp_cp_rank == 0:
+                hops.append((g.pp_group, g.pp_ranks))
+            if g.tp_cp_size > 1:
+                hops.append((g.tp_cp_group, g.tp_cp_ranks))
+            return hops
+        return [(g.replica_group, g.replica_ranks)]
+
     @classmethod
-    def plan(cls, layout, spec: PayloadSpec) -> Plan:
-        comms = []
+    def plan(cls, layout, spec: PayloadSpec, method: str = "one", chunks: int = 4) -> Plan:
         nbytes = spec.tensor_bytes + (spec.non_tensor_bytes if spec.broadcast_non_tensor else 0)
-        if layout.replica_size > 1:
-            comms = [
-                Comm("broadcast", tuple(r), r[0], nbytes, 0, "payload")
-                for r in layout.replica_groups()
-            ]
+        if method == "seed_hops":
+            hops = layout.seed_hop_groups()
+        elif method == "pp_first":
+            from strategies.pp_first import leader_pp_groups
+
+            hops = [leader_pp_groups(layout)] if layout.pp > 1 else []
+            hops += [layout.groups("tp-cp")] if layout.tp_cp > 1 else []
+        else:
+            hops = [layout.replica_groups()] if layout.replica_size > 1 else []
+        bounds = chunk_bounds(nbytes, chunks if method == "chunks" else 1)
+        comms = [
+            Comm("broadcast", tuple(r), r[0], b - a, step, "payload")
+            for step, groups in enumerate(hops)
+            for a, b in bounds
+            for r in groups
+        ]
         return Plan(cls.name, comms, leader=LocalWork(), receiver=LocalWork())
+
+
+def chunk_bounds(nbytes: int, chunks: int) -> list[tuple[int, int]]:
+    """Byte ranges of ``chunks`` page-aligned slices covering ``nbytes`` (fewer when small)."""
+    step = max(CHUNK_ALIGN, -(-nbytes // max(chunks, 1) // CHUNK_ALIGN) * CHUNK_ALIGN)
+    return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)] or [(0, 0)]
+
+
+def _broadcast_chunks(buf: torch.Tensor, bounds, group, src: int) -> None:
+    if len(bounds) == 1:
+        dist.broadcast(buf, src=src, group=group)
+        return
+    handles = [dist.broadcast(buf[a:b], src=src, group=group, async_op=True) for a, b in bounds]
+    for h in handles:
+        h.wait()
 
 
 def tensor_bytes(batch: DataProto) -> int:

@@ -64,6 +64,9 @@ class ScatterAllgather(Strategy):
         self.header_bytes = header_bytes
         self.max_bytes = max_bytes
         self._pack_buf: torch.Tensor | None = None
+        self.last_header = None
+        """The header of the last batch that arrived (on every rank alike; ``auto`` decides
+        from it)."""
 
     def get_data_input(self, batch: DataProto) -> DataProto:
         g = self.groups
@@ -118,6 +121,7 @@ class ScatterAllgather(Strategy):
                 buf[: c * n] if g.is_leader else torch.empty(c * n, dtype=torch.uint8, device=dev)
             )
             _all_gather_flat(full, mine, group=g.tp_cp_group)
+        self.last_header = header
         if g.is_leader:
             return batch
         td, non_tensor = unpack(full, header)

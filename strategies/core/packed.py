@@ -61,6 +61,9 @@ class PackedStrategy(Strategy):
         self._fill = None
         self._direct: list[torch.Tensor] = []  # leader: the leaves that travel on their own
         self._failure: Exception | None = None  # leader: what it shipped instead of a batch
+        self.last_header: Header | None = None
+        """The header of the last batch that arrived (on every rank alike; ``auto`` decides
+        from it)."""
 
     def pack(self, batch: DataProto) -> tuple[torch.Tensor, Header, int]:
         """Leader: pack into the reused buffer; returns (buffer, header, total bytes).
@@ -116,6 +119,7 @@ class PackedStrategy(Strategy):
         self.wire.finish(self.wire.next_expect(total) if g.is_leader else header.next_expect)
         if header.error is not None:
             raise_failure(g, header.error, self._failure if g.is_leader else None)
+        self.last_header = header
         if not g.is_leader:
             self.finish_receiver(batch, buf, header, direct)
         return batch

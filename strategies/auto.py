@@ -1,0 +1,175 @@
+"""``auto``: per call, the built-in strategy the calibrated cost model prices fastest.
+
+The recommendation table as code: for the layout, the payload's bytes and leaves and a cluster
+preset (``cluster``, default ``local``: the preset calibrated on the machine the harness runs
+on), every candidate's ``plan`` is priced by ``harness.model.pricing.price`` and the cheapest
+serves the call (``choose``). ``choice`` holds the strategy that serves the next call.
+
+Who decides, without an extra collective: every rank decides the same way from the same
+bytes. At the end of each call every rank of the replica holds the header the leader sent
+(keys, dtypes, shapes, the non-tensor blob's size: ``spec_of_header``), so each prices the same
+``PayloadSpec`` and picks the same strategy for the next call; pricing is pure arithmetic, so
+no rank can disagree. The first call, with no header yet, uses ``first`` (``flat``). A stream
+of same-shaped batches is therefore served by the best choice from its second call on; a
+batch whose shape changes is served once by the previous shape's choice (correct either way:
+every candidate ships any batch). The header-based candidates share one ``Wire``, so
+switching between them keeps the size every rank agreed to expect (no extra broadcast).
+
+Options: ``cluster`` (preset name or YAML path), ``first``, ``candidates`` (default: all of
+``CANDIDATES``). ``plan(layout, spec)`` is the chosen strategy's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from functools import cache
+
+import strategies
+from strategies.core.codec import align
+from strategies.core.contract import DataProto, Strategy, Unsupported
+from strategies.core.layout import Layout
+from strategies.core.packed import PackedStrategy
+from strategies.core.plan import PayloadSpec, Plan, bytes_per_dtype
+
+CANDIDATES = ("direct", "flat", "header", "pp_first", "scatter_allgather")
+"""The built-ins auto chooses among, in order of preference when the model cannot tell them
+apart: fewest bytes copied on the host first (``direct`` skips the pack copy of large leaves
+and equals ``flat`` without them), then fewest collectives."""
+TIE = 0.05
+"""Candidates priced within this fraction of the cheapest count as a tie (the model's error
+is larger than that); the first of them in ``CANDIDATES`` order wins."""
+
+
+class Auto(Strategy):
+    name = "auto"
+    claims = "the chosen strategy's collectives (priced per batch shape by the cost model)"
+
+    def __init__(
+        self,
+        groups,
+        cluster: str = "local",
+        first: str = "flat",
+        candidates: tuple[str, ...] | list[str] = CANDIDATES,
+    ) -> None:
+        super().__init__(groups)
+        unknown = sorted((set(candidates) | {first}) - set(CANDIDATES))
+        if unknown:
+            raise ValueError(f"auto: unknown candidates {unknown}; valid: {list(CANDIDATES)}")
+        self.cluster = cluster
+        self.layout = layout_of_groups(groups)
+        self.built: dict[str, Strategy] = {}
+        for name in candidates:
+            try:
+                self.built[name] = strategies.get(name, groups)
+            except Unsupported:  # raised on every rank alike: the rest still choose
+                continue
+        if not self.built:
+            raise Unsupported(f"auto: no candidate among {list(candidates)} serves this layout")
+        wires = [s.wire for s in self.built.values() if isinstance(s, PackedStrategy)]
+        for s in self.built.values():
+            if isinstance(s, PackedStrategy):
+                s.wire = wires[0]  # one agreed next size, whichever of them serves
+        self.choice = first if first in self.built else next(iter(self.built))
+
+    def get_data_input(self, batch: DataProto) -> DataProto:
+        serving = self.built[self.choice]
+        out = serving.get_data_input(batch)
+        header = getattr(serving, "last_header", None)
+        if header is not None:
+            self.choice = choose(
+                self.layout, spec_of_header(header), self.cluster, tuple(self.built)
+            )
+        return out
+
+    @classmethod
+    def plan(
+        cls, layout, spec: PayloadSpec, expect: int | None = None, cluster: str = "local"
+    ) -> Plan:
+        """The plan of the strategy ``choose`` picks (steady state; ``expect`` is passed to a
+        header-based choice)."""
+        import inspect
+
+        chosen = strategies.get_class(choose(layout, spec, cluster))
+        kwargs = {"expect": expect} if "expect" in inspect.signature(chosen.plan).parameters else {}
+        return chosen.plan(layout, spec, **kwargs)
+
+
+def choose(
+    layout, spec: PayloadSpec, cluster="local", candidates: tuple[str, ...] = CANDIDATES
+) -> str:
+    """The candidate whose plan the cost model prices fastest on ``cluster`` (a preset name,
+    a YAML path or a ``ClusterConf``; ties: the first
+    in ``CANDIDATES`` among those within ``TIE`` of the cheapest). Only what every rank knows exactly is priced: the pickle size of the
+    tensors (which no candidate sends) is left out."""
+    spec = replace(spec, pickle_bytes=spec.tensor_bytes, pickle_exact=False)
+    return _choose(layout, spec, cluster, tuple(candidates))
+
+
+@cache
+def _choose(layout, spec: PayloadSpec, cluster, candidates: tuple[str, ...]) -> str:
+    from harness.model.pricing import price
+
+    conf = _cluster(cluster) if isinstance(cluster, str) else cluster
+    priced: dict[str, float] = {}
+    for name in candidates:
+        try:
+            plan = strategies.get_class(name).plan(layout, spec)
+        except Unsupported:
+            continue
+        priced[name] = price(plan, conf, layout, check=False).total_s
+    if not priced:
+        raise Unsupported(f"auto: no candidate among {list(candidates)} serves {layout.describe()}")
+    return pick(priced)
+
+
+def pick(priced: dict[str, float]) -> str:
+    """The choice among priced candidates (name -> seconds): the first in ``CANDIDATES``
+    order among those within ``TIE`` of the cheapest."""
+    cheapest = min(priced.values())
+    return next(n for n in CANDIDATES if n in priced and priced[n] <= cheapest * (1 + TIE))
+
+
+@cache
+def _cluster(name: str):
+    from harness.model.cluster import load_cluster
+
+    return load_cluster(name)
+
+
+def spec_of_header(header) -> PayloadSpec:
+    """The ``PayloadSpec`` a decoded header describes (what ``plan.spec_of`` says of the
+    leader's batch, but from bytes every rank of the replica received alike)."""
+    sizes = [e.nbytes for e in header.entries]
+    nt = header.non_tensor[1] if header.non_tensor is not None else 0
+    padded = sum(align(n) for n in sizes)
+    return PayloadSpec(
+        tensor_bytes=sum(sizes),
+        n_tensors=len(sizes),
+        header_bytes=header.header_len + padded - sum(sizes),
+        pickle_bytes=sum(sizes),
+        non_tensor_bytes=nt,
+        broadcast_non_tensor=header.non_tensor is not None,
+        dtype_bytes=bytes_per_dtype([e.dtype for e in header.entries], sizes),
+        leaf_bytes=tuple(sizes),
+    )
+
+
+def layout_of_groups(groups) -> Layout:
+    """A ``Layout`` whose groups are these: TP×CP folded into one axis (every plan groups them
+    together), and the first order of TP×CP, DP and PP that reproduces this rank's TP×CP, PP
+    and replica groups (rank maths is regular, so the same order fits every rank)."""
+    sizes = dict(dp=groups.replicas, pp=len(groups.pp_ranks), tp=len(groups.tp_cp_ranks))
+    for perm in itertools.permutations(("tp-cp-ep", "dp", "pp")):
+        layout = Layout(cp=1, order="-".join(perm), **sizes)
+        rank = groups.rank
+        if (
+            tuple(layout.group_of("tp-cp", rank)) == tuple(groups.tp_cp_ranks)
+            and tuple(layout.group_of("pp", rank)) == tuple(groups.pp_ranks)
+            and set(layout.group_of("tp-cp-pp", rank)) == set(groups.replica_ranks)
+        ):
+            return layout
+    return Layout(cp=1, **sizes)
+
+
+STRATEGY = Auto

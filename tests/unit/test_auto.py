@@ -1,0 +1,50 @@
+"""Tier 1 (no process group): ``auto``'s decision — the header every rank decodes describes
+the leader's batch as ``spec_of`` does, ties go by preference, and on the emulated clusters it
+picks the strategies the committed emulated table measured fastest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from harness.run import payloads
+from strategies.auto import CANDIDATES, TIE, choose, pick, spec_of_header
+from strategies.core.codec import pack
+from strategies.core.layout import Layout
+from strategies.core.plan import spec_of
+
+TP2PP2 = Layout(tp=2, pp=2)
+
+
+@pytest.mark.parametrize("payload", ["rl_rollout", "multimodal"])
+@pytest.mark.parametrize("flag", [False, True])
+def test_spec_of_header_is_spec_of_the_batch(payload, flag):
+    dp = payloads.make(payload, 3, 64, seed=1, broadcast_non_tensor=flag)
+    _, header = pack(dp.batch, dp.non_tensor_batch if flag else None)
+    exact = spec_of(dp)
+    from_header = spec_of_header(header)
+    # Everything but the pickle size of the tensors, which no candidate sends.
+    assert from_header == replace(exact, pickle_bytes=from_header.pickle_bytes, pickle_exact=False)
+
+
+def test_ties_go_by_preference_and_a_clear_winner_wins():
+    assert pick({"flat": 1.0, "direct": 1.0 + TIE / 2}) == "direct"
+    assert pick({"flat": 1.0, "direct": 1.0 + 2 * TIE}) == "flat"
+    assert pick({"scatter_allgather": 1.0, "pp_first": 3.0}) == "scatter_allgather"
+    assert list(CANDIDATES)[:2] == ["direct", "flat"]
+
+
+def test_auto_picks_what_the_emulated_table_measured_fastest():
+    """results/reference_emulated: rl_rollout B=720 S=512 on tp2pp2 over two nodes; pp_first
+    wins with one link per node, scatter_allgather with one link per GPU."""
+    spec = spec_of(payloads.make("rl_rollout", 720, 512, seed=0))
+    assert choose(TP2PP2, spec, "emulated") == "pp_first"
+    assert choose(TP2PP2, spec, "emulated_rails") == "scatter_allgather"
+
+
+def test_auto_on_one_host_sends_one_hop():
+    for batch_size in (3, 128, 768):
+        spec = spec_of(payloads.make("rl_rollout", batch_size, 512, seed=0))
+        assert choose(TP2PP2, spec) in ("direct", "flat")
