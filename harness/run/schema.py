@@ -95,7 +95,9 @@ def extract(dp: DataProto) -> dict:
 
 def write(schema: dict, path: str | Path) -> Path:
     text = "# bcastbench batch schema: shapes and kinds only, no data (harness/run/schema.py)\n"
-    return write_atomic(path, text + yaml.safe_dump(schema, sort_keys=False, width=100, default_flow_style=None))
+    return write_atomic(
+        path, text + yaml.safe_dump(schema, sort_keys=False, width=100, default_flow_style=None)
+    )
 
 
 def read(path: str | Path) -> dict:
