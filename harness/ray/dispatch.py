@@ -459,6 +459,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _command(argv: list[str] | None) -> str:
+    """The command line that made a record, as one would type it again."""
+    import shlex
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    return " ".join(["python -m harness.ray.dispatch", *map(shlex.quote, args)])
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     from harness.files import write_json
     from harness.ray.world import RayConf, RayWorld
@@ -493,6 +502,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     )
                     record = run_dispatch(world, spec)
                     record["world_start_s"] = world.start_s
+                    record["command"] = _command(argv)
                     records.append(record)
                     print(format_table(record) + "\n", flush=True)
     if args.json:

@@ -10,14 +10,20 @@ Everything after ``--`` goes to ``python -m harness.ray.dispatch`` (the driver).
 ``bcb_node<k>``, so rank r's bundle lands on node r // ranks_per_node as torchrun's node ranks
 place it. Every Ray process lives in a namespace this run created; closing the emulation kills
 them by pid (``ip netns pids``) and deletes the namespaces: nothing else on the machine is
-touched. One link per node only: Ray's object manager talks over the node's one address, so
-per-rank rails would not carry its transfers.
+touched.
+
+``--links node`` gives each node one shaped link; ``--links gpu`` gives each rank its own
+(rails): gloo binds to the rank's rail (``GLOO_SOCKET_IFNAME=eth<local rank>``), while Ray's
+object manager talks over the node's one address, the first rail's. So with rails, Ray's object
+transfers all cross on rail 0 of each node, as they would on a real node whose Ray address is
+one NIC's; only the broadcasts spread over the rails.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import signal
 import subprocess
@@ -121,6 +127,7 @@ def run_emulated(
     object_store_mb: int = 512,
     link_bytes_calls: int = 3,
     limit_s: float = 600.0,
+    links: str = "node",
 ) -> list[dict]:
     """Run the dispatch driver with ``dispatch_args`` on a fresh emulated Ray cluster; return
     its records, each with the cluster's shape added."""
@@ -130,7 +137,7 @@ def run_emulated(
     if world_size % nodes:
         raise ValueError(f"{nodes} nodes do not divide the world of {world_size}")
     per_node = world_size // nodes
-    shape = {"nodes": nodes, "rate_mbit": rate_mbit, "links": "node", "ranks_per_node": per_node}
+    shape = {"nodes": nodes, "rate_mbit": rate_mbit, "links": links, "ranks_per_node": per_node}
     scratch = Path(tempfile.mkdtemp(prefix="bcastbench-ray-emulated-"))
     try:
         with Emulation(**shape) as emu:
@@ -144,7 +151,7 @@ def run_emulated(
     for record in records:
         record.update(
             emulate_nodes=nodes,
-            emulate_links="node",
+            emulate_links=links,
             emulate_rate_mbit=rate_mbit,
             emulate_ranks_per_node=per_node,
             emulate_bytes_calls=link_bytes_calls,
@@ -158,9 +165,12 @@ def _drive(emu, dispatch_args, scratch: Path, per_node: int, calls: int, limit_s
     out = scratch / "records.json"
     argv = [sys.executable, "-m", "harness.ray.dispatch", *dispatch_args]
     argv += ["--address", f"{emu.node_ip(0)}:{RAY_PORT}", "--placement", "PACK"]
-    argv += ["--ranks-per-node", str(per_node), "--socket-ifname", emu.rank_ifname(0)]
+    rails = emu.cfg.links == "gpu"
+    ifname = "eth{local_rank}" if rails else emu.rank_ifname(0)
+    argv += ["--ranks-per-node", str(per_node), "--socket-ifname", ifname]
     argv += ["--link-bytes-calls", str(calls), "--json", str(out)]
-    links = [[emu.netns(n), "eth0"] for n in range(emu.cfg.nodes)]
+    devs = [f"eth{k}" for k in range(per_node)] if rails else ["eth0"]
+    links = [[emu.netns(n), dev] for n in range(emu.cfg.nodes) for dev in devs]
     env = {**AUTH_ENV, LINKS_ENV: json.dumps(links), "OMP_NUM_THREADS": "1"}
     log = scratch / "driver.log"
     with open(log, "wb") as f:
@@ -190,13 +200,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--rate-mbit", type=int, default=1000)
     p.add_argument("--link-bytes-calls", type=int, default=3)
+    p.add_argument(
+        "--links",
+        default="node",
+        choices=["node", "gpu"],
+        help="one shaped link per node, or one per rank (rails; Ray uses rail 0)",
+    )
     p.add_argument("--json", default=None, help="write the records to this file")
     args = p.parse_args(ours)
     records = run_emulated(
-        dispatch_args, args.nodes, args.rate_mbit, link_bytes_calls=args.link_bytes_calls
+        dispatch_args,
+        args.nodes,
+        args.rate_mbit,
+        link_bytes_calls=args.link_bytes_calls,
+        links=args.links,
     )
+    each = "node" if args.links == "node" else "rank (rails)"
+    command = " ".join(["python -m harness.ray.emulated", *map(shlex.quote, argv)])
     for record in records:
-        print(f"emulated: {args.nodes} nodes, one {args.rate_mbit} Mbit/s link each")
+        record["command"] = command
+        print(f"emulated: {args.nodes} nodes, one {args.rate_mbit} Mbit/s link per {each}")
         print(format_table(record) + "\n")
     if args.json:
         write_json(args.json, records)

@@ -72,7 +72,9 @@ class RayConf:
     device: Literal["cpu", "cuda"] = "cpu"
     """Where the ranks' tensors live."""
     socket_ifname: str | None = None
-    """``GLOO_SOCKET_IFNAME`` for the actors (the emulated cluster's ``eth0``); None: gloo's
+    """``GLOO_SOCKET_IFNAME`` for the actors (the emulated cluster's ``eth0``); a
+    ``{local_rank}`` in it is filled per rank (``eth{local_rank}``: the emulated rails, one
+    link per rank, while Ray's own transfers keep the node's first address); None: gloo's
     default."""
     timeout_s: float = 120.0
     """No-answer limit for one task on the ranks; also gloo's own timeout (plus a margin)."""
@@ -121,8 +123,9 @@ class RankActor:
             s.bind((self.node_ip(), 0))
             return s.getsockname()[1]
 
-    def join(self, master_addr: str, port: int, timeout_s: float) -> int:
-        """Initialize torch.distributed (collective over all actors); return this pid."""
+    def join(self, master_addr: str, port: int, timeout_s: float, ifname: str | None = None) -> int:
+        """Initialize torch.distributed (collective over all actors); return this pid. ``ifname``:
+        this rank's own ``GLOO_SOCKET_IFNAME`` (its rail), over the actors' common one."""
         import torch.distributed as dist
 
         from harness.run.world import RankContext, _device_for
@@ -133,6 +136,8 @@ class RankActor:
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(port),
         )
+        if ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
         # Ray pins each GPU bundle's actor to one visible device, so any index maps to 0.
         dev = _device_for(self.backend, self.device, self.rank)
         dist.init_process_group(
@@ -212,7 +217,7 @@ class RayWorld:
             "PYTHONPATH": str(paths.REPO) + (os.pathsep + path if path else ""),
             "OMP_NUM_THREADS": "1",
         }
-        if self.conf.socket_ifname:
+        if self.conf.socket_ifname and "{" not in self.conf.socket_ifname:
             env["GLOO_SOCKET_IFNAME"] = self.conf.socket_ifname
         from harness.cluster.launch import LINKS_ENV
 
@@ -291,10 +296,20 @@ class RayWorld:
         addr = self._get(self.actors[0].node_ip.remote(), "asking rank 0 for its node address")
         port = self._get(self.actors[0].free_port.remote(), "asking rank 0 for a free port")
         # gloo's own timeout sits past ours, so the driver names a hung rank first.
-        refs = [a.join.remote(addr, port, c.timeout_s + 5) for a in self.actors]
+        refs = [
+            a.join.remote(addr, port, c.timeout_s + 5, self._ifname(r))
+            for r, a in enumerate(self.actors)
+        ]
         self.rank_pids = self.collect(
             refs, "joining the torch.distributed world", c.start_timeout_s
         )
+
+    def _ifname(self, rank: int) -> str | None:
+        """Rank ``rank``'s interface when ``socket_ifname`` names one per rank, else None."""
+        pattern = self.conf.socket_ifname
+        if not pattern or "{" not in pattern:
+            return None
+        return pattern.format(local_rank=rank % (self.conf.ranks_per_node or self.world_size))
 
     def _get(self, ref, what: str):
         return self.collect([ref], what, self.conf.start_timeout_s)[0]
