@@ -1,0 +1,427 @@
+"""The cost model's price of Ray dispatch: from "the driver holds the global batch" to "every
+rank holds its chunk", for ``all_ranks`` (one object per replica, every rank gets it) and
+``leader`` (the object to each replica's leader, then a broadcast strategy), without running.
+
+    python -m harness.model.ray_dispatch example [--cluster h200_ib]     # the 16,384-GPU answer
+    python -m harness.model.ray_dispatch validate results/reference_ray/emulated_node.json \
+        --cluster emulated                                                  # per-cell error
+
+One call is priced as the sum of its phases, as ``harness.ray.dispatch`` runs them:
+
+- **put**: the driver chunks and ``ray.put``\\s each of the dp chunks: dp·(α_put + n·β_put).
+- **call**: one task per actor, submitted by the driver: α_call + W·β_call.
+- **transfer**: an object crosses to each other node that needs it once, however many actors
+  there read it; every pull is served by the driver's node (the owner), over one link:
+  α_transfer + (bytes leaving the driver's node)·β_link.
+- **get**: each rank that receives the object deserializes it (same-node actors share the
+  object store, no copy of the bytes, but a DataProto is unpickled per actor): α_get + n·β_get,
+  slowed by max(1, getters/cores) where ranks share a host's cores; on a GPU cluster each
+  receiving rank then copies n bytes host→device.
+- **broadcast** (``leader`` only): the strategy's own price (``harness.model.predict``).
+
+The Ray terms (put, get, call) are fitted on a local Ray world by ``python -m
+harness.ray.calibrate`` into ``conf/ray/local.yaml`` (``RayCostConf``); links, host cores and
+device copies come from the cluster preset (``harness.model.cluster.ClusterConf``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from harness import paths
+from harness.model.cluster import GB, US, ClusterConf, ClusterError, check_number, load_cluster
+
+CONF_DIR = paths.CONF_DIR / "ray"
+PROG = "python -m harness.model.ray_dispatch"
+LEADER_STRATEGIES = ("header", "flat", "direct", "pp_first", "pickled", "scatter_allgather")
+"""Broadcast strategies the leader path is priced with (the header family and the seed)."""
+EXAMPLE_DPS = (1, 2, 4, 8, 16, 32, 64, 128)
+"""DP degrees scanned for the 16,384-GPU example (its replica shape kept): 16 → 2,048 nodes."""
+TIE = 0.05
+"""Relative difference below which the example calls the two modes even (a model's figures
+are not finer than that)."""
+EXAMPLE_BATCHES = (8, 64, 512, 4096)
+"""Rows per replica scanned for the example (seq 4096: ≈ 1.5 MB to ≈ 0.8 GB per chunk)."""
+
+
+@dataclass
+class RayCostConf:
+    """Schema of ``conf/ray/*.yaml``: Ray's own costs on the driver and in an actor, α in µs and
+    rates in GB/s (1e9 B/s) as in ``ClusterConf``. A rate of 0 means no per-byte cost."""
+
+    name: str = "unnamed"
+    """Preset name."""
+    put_call_us: float = 0.0
+    """Fixed cost of chunking one DataProto chunk and ``ray.put``-ting it, µs."""
+    put_gbytes_per_s: float = 0.0
+    """Per-byte rate of that chunk + put (a copy and a pickle of the TensorDict), GB/s."""
+    put_raw_call_us: float = 0.0
+    """Fixed cost of ``ray.put`` of the floor's flat uint8 array, µs."""
+    put_raw_gbytes_per_s: float = 0.0
+    """Per-byte rate of that put (one copy into the object store), GB/s."""
+    get_call_us: float = 0.0
+    """Fixed cost of one actor's ``ray.get`` of a DataProto on the object's node, µs."""
+    get_gbytes_per_s: float = 0.0
+    """Per-byte rate of that get (the unpickle rebuilds every tensor), GB/s."""
+    get_raw_call_us: float = 0.0
+    """Fixed cost of one actor's ``ray.get`` of a flat array on the object's node, µs."""
+    get_raw_gbytes_per_s: float = 0.0
+    """Per-byte rate of that get; 0 when the array is read from shared memory without a copy."""
+    call_us: float = 0.0
+    """Fixed cost of one round of actor tasks (submit, run, answer) on the driver, µs."""
+    call_per_actor_us: float = 0.0
+    """What each more actor adds to that round, µs."""
+    transfer_call_us: float = 0.0
+    """Fixed cost of pulling objects to other nodes (object-manager round trips), µs."""
+    transfer_gbytes_per_s: float = 0.0
+    """Rate of a cross-node object transfer, GB/s; 0 = the cluster's inter-node link."""
+    calibrated_ranks: int = 0
+    """Actors that ran ``get`` at once during calibration (the fit includes their sharing)."""
+    calibrated_cores: int = 0
+    """Cores of the calibration host; 0 = not calibrated on a shared host."""
+
+    def __post_init__(self) -> None:
+        where = f"ray costs {self.name!r}"
+        for f in fields(self):
+            if f.name != "name":
+                check_number(f"{where}: {f.name}", getattr(self, f.name), allow_zero=True)
+
+    # -- seconds --------------------------------------------------------------------------
+    @staticmethod
+    def _affine(call_us: float, gbytes_per_s: float, nbytes: float) -> float:
+        per_byte = 1.0 / (gbytes_per_s * GB) if gbytes_per_s > 0 else 0.0
+        return call_us * US + nbytes * per_byte
+
+    def put_s(self, nbytes: float, raw: bool) -> float:
+        if raw:
+            return self._affine(self.put_raw_call_us, self.put_raw_gbytes_per_s, nbytes)
+        return self._affine(self.put_call_us, self.put_gbytes_per_s, nbytes)
+
+    def get_s(self, nbytes: float, raw: bool) -> float:
+        """One get with a core to itself: the fit divided by the calibration's own sharing."""
+        if raw:
+            fit = self._affine(self.get_raw_call_us, self.get_raw_gbytes_per_s, nbytes)
+        else:
+            fit = self._affine(self.get_call_us, self.get_gbytes_per_s, nbytes)
+        return fit / _sharing(self.calibrated_ranks, self.calibrated_cores)
+
+    def calls_s(self, actors: int) -> float:
+        return (self.call_us + actors * self.call_per_actor_us) * US
+
+    def transfer_s(self, nbytes: float, cluster: ClusterConf) -> float:
+        if nbytes <= 0:
+            return 0.0
+        rate = self.transfer_gbytes_per_s or cluster.inter.bandwidth_gbytes_per_s
+        return self.transfer_call_us * US + nbytes / (rate * GB)
+
+
+def _sharing(concurrent: int, cores: int) -> float:
+    """How much slower each of ``concurrent`` busy processes runs on ``cores`` cores."""
+    return max(1.0, concurrent / cores) if cores > 0 else 1.0
+
+
+def load_ray_costs(name_or_path: str | Path = "local") -> RayCostConf:
+    """A preset by name (``conf/ray/<name>.yaml``) or a YAML path."""
+    import yaml
+
+    path = Path(name_or_path)
+    path = path if path.suffix in (".yaml", ".yml") else CONF_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
+        raise ClusterError(
+            f"no Ray cost file {path}; presets: {known} (write one: python -m harness.ray.calibrate)"
+        )
+    raw = yaml.safe_load(path.read_text()) or {}
+    known = {f.name for f in fields(RayCostConf)}
+    if set(raw) - known:
+        raise ClusterError(
+            f"{path}: unknown keys {sorted(set(raw) - known)}; valid: {sorted(known)}"
+        )
+    return RayCostConf(**raw)
+
+
+# -- pricing ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DispatchCost:
+    """One dispatch call, phase by phase (seconds), and the bytes it sends between nodes."""
+
+    mode: str
+    put_s: float
+    call_s: float
+    transfer_s: float
+    get_s: float
+    broadcast_s: float = 0.0
+    cross_node_bytes: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.put_s + self.call_s + self.transfer_s + self.get_s + self.broadcast_s
+
+
+def replica_nodes(layout, gpus_per_node: int) -> list[set[int]]:
+    """The nodes each DP replica's ranks live on (rank r on node r // gpus_per_node)."""
+    return [{r // gpus_per_node for r in group} for group in layout.replica_groups()]
+
+
+def _per_rank_get_s(ray: RayCostConf, cluster: ClusterConf, nbytes: float, raw: bool,
+                    getters_per_host: int, host_cores: int | None) -> float:  # fmt: skip
+    """One receiving rank's get (and host→device copy on a GPU cluster), slowed by the
+    ranks that get at the same time on its host's cores."""
+    cores = cluster.cpu_cores if host_cores is None else host_cores
+    seconds = ray.get_s(nbytes, raw) * _sharing(getters_per_host, cores)
+    if on_gpu(cluster):
+        seconds += nbytes / cluster.h2d_bytes_per_s
+    return seconds
+
+
+def on_gpu(cluster: ClusterConf) -> bool:
+    """Ranks hold their data on an accelerator (the preset prices on-device copies)."""
+    return cluster.cpu_cores == 0 and cluster.device_copy_gbytes_per_s > 0
+
+
+def price_all_ranks(layout, nbytes: float, cluster: ClusterConf, ray: RayCostConf,
+                    raw: bool = False, host_cores: int | None = None) -> DispatchCost:  # fmt: skip
+    """``all_ranks``: one put per replica; the driver's node (node 0) serves one copy to every
+    other node of each replica; every rank gets it. ``host_cores``: cores all ranks of the
+    machine share (an emulated cluster on one host); None takes the cluster's ``cpu_cores``."""
+    nodes = replica_nodes(layout, cluster.gpus_per_node)
+    far = sum(len(n - {0}) for n in nodes)
+    crossed = nbytes * far
+    # A node's ranks get at once; a far node's get after its pull, so one node's gets are on
+    # the critical path (on one shared host too: the near node's are done by then).
+    getters = min(cluster.gpus_per_node, layout.world_size)
+    get_s = _per_rank_get_s(ray, cluster, nbytes, raw, getters, host_cores)
+    return DispatchCost(
+        "all_ranks:raw" if raw else "all_ranks",
+        put_s=layout.dp * ray.put_s(nbytes, raw),
+        call_s=ray.calls_s(layout.world_size),
+        transfer_s=ray.transfer_s(crossed, cluster),
+        get_s=get_s,
+        cross_node_bytes=crossed,
+    )
+
+
+def price_leader(layout, nbytes: float, cluster: ClusterConf, ray: RayCostConf,
+                 strategy: str, broadcast_s: float, broadcast_cross_bytes: float = 0.0,
+                 host_cores: int | None = None) -> DispatchCost:  # fmt: skip
+    """``leader:<strategy>``: one put per replica, the object pulled to each leader's node
+    (served by the driver's node 0), one get per leader, then the strategy's broadcast
+    (``broadcast_s``, priced by the caller on the same cluster)."""
+    raw = strategy == "floor"
+    leaders = [group[0] for group in layout.replica_groups()]
+    crossed = nbytes * sum(r // cluster.gpus_per_node != 0 for r in leaders)
+    # Leaders on one host get at once; on one shared host (host_cores set) all of them do.
+    nodes_of = Counter(r // cluster.gpus_per_node for r in leaders)
+    leaders_per_host = layout.dp if host_cores is not None else max(nodes_of.values())
+    return DispatchCost(
+        f"leader:{strategy}",
+        put_s=layout.dp * ray.put_s(nbytes, raw),
+        call_s=ray.calls_s(layout.world_size),
+        transfer_s=ray.transfer_s(crossed, cluster),
+        get_s=_per_rank_get_s(ray, cluster, nbytes, raw, leaders_per_host, host_cores),
+        broadcast_s=broadcast_s,
+        cross_node_bytes=crossed + broadcast_cross_bytes,
+    )
+
+
+def price_mode(mode: str, layout, spec, cluster: ClusterConf, ray: RayCostConf,
+               host_cores: int | None = None) -> DispatchCost:  # fmt: skip
+    """Any dispatch mode of ``harness.ray.dispatch`` on ``layout`` with a chunk of ``spec``."""
+    from harness.cluster.table import predicted_cross_bytes
+    from harness.model.predict import price_strategy
+
+    nbytes = spec.tensor_bytes + spec.non_tensor_bytes
+    kind, _, rest = mode.partition(":")
+    if kind == "all_ranks":
+        return price_all_ranks(layout, nbytes, cluster, ray, rest == "raw", host_cores)
+    if kind != "leader" or not rest:
+        raise ValueError(f"dispatch mode {mode!r}: expected leader:<strategy> or all_ranks[:raw]")
+    pred = price_strategy(rest, layout, spec, cluster)
+    cross = 0.0
+    if layout.world_size <= 4096:  # the plan walk is O(ranks); the example asks for time only
+        import strategies
+
+        plan = strategies.get_class(rest).plan(layout, spec)
+        cross = float(predicted_cross_bytes(plan, cluster.gpus_per_node))
+    return price_leader(layout, nbytes, cluster, ray, rest, pred.total_s, cross, host_cores)
+
+
+# -- against measurements --------------------------------------------------------------------
+def _record_cluster(record: dict) -> ClusterConf:
+    """The preset a dispatch record ran on: the emulated cluster (links and ranks per node as
+    recorded) or the local world."""
+    if "emulate_nodes" not in record:
+        return load_cluster("local")
+    preset = "emulated" if record.get("emulate_links", "node") == "node" else "emulated_rails"
+    return replace(load_cluster(preset), gpus_per_node=int(record["emulate_ranks_per_node"]))
+
+
+def compare(records: list[dict], ray: RayCostConf) -> list[dict]:
+    """Measured p50 beside the model for every mode of every dispatch record, one row each.
+    The records ran on the calibration host, so its cores bound every rank's sharing."""
+    from harness.model.predict import layout_of  # noqa: F401  (megatron warnings quieted)
+    from harness.run import payloads
+    from strategies.core.layout import Layout
+    from strategies.core.plan import spec_of
+
+    rows = []
+    for rec in records:
+        layout = Layout(**{k: rec[k] for k in ("dp", "pp", "tp", "cp", "order")})
+        spec = spec_of(payloads.make(rec["payload"], rec["batch_size"], rec["seq_len"], 0, None))
+        cluster = _record_cluster(rec)
+        for mode, row in rec["modes"].items():
+            cost = price_mode(mode, layout, spec, cluster, ray, ray.calibrated_cores or None)
+            measured_s = row["p50_us"] / 1e6
+            rows.append({
+                "cluster": cluster.name,
+                "layout": rec["layout"].split(" ")[0],
+                "payload_bytes": rec["payload_bytes"],
+                "mode": mode,
+                "measured_ms": measured_s * 1e3,
+                "predicted_ms": cost.total_s * 1e3,
+                "error": cost.total_s / measured_s - 1,
+                "measured_cross_mb": (row.get("cross_node_bytes_per_call") or 0) / 1e6,
+                "predicted_cross_mb": cost.cross_node_bytes / 1e6,
+            })  # fmt: skip
+    return rows
+
+
+def format_compare(rows: list[dict]) -> str:
+    """The per-cell table and the median absolute error."""
+    import numpy as np
+
+    lines = [
+        f"{'cluster':<16}{'layout':<22}{'MiB':>7}  {'mode':<26}{'measured ms':>12}"
+        f"{'model ms':>10}{'error':>8}{'MB crossed':>12}{'model MB':>10}"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['cluster']:<16}{r['layout']:<22}{r['payload_bytes'] / 2**20:>7.2f}  "
+            f"{r['mode']:<26}{r['measured_ms']:>12.1f}{r['predicted_ms']:>10.1f}"
+            f"{r['error']:>+8.0%}{r['measured_cross_mb']:>12.2f}{r['predicted_cross_mb']:>10.2f}"
+        )
+    for cluster in sorted({r["cluster"] for r in rows}):
+        errors = [abs(r["error"]) for r in rows if r["cluster"] == cluster]
+        lines.append(f"{cluster}: median |error| over {len(errors)} cells: {np.median(errors):.1%}")
+    if rows:
+        median = float(np.median([abs(r["error"]) for r in rows]))
+        lines.append(f"all: median |error| over {len(rows)} cells: {median:.1%}")
+    return "\n".join(lines)
+
+
+# -- the 16,384-GPU question -----------------------------------------------------------------
+ASSUMPTIONS = (
+    "the driver's node serves every pull (the object's owner); no pull is served from "
+    "another node's copy, so all_ranks sends each chunk once per node of its replica "
+    "through the driver's one object-manager address",
+    "a cross-node object transfer runs at the cluster's inter-node link rate (one NIC), "
+    "with no per-transfer start-up beyond transfer_call_us",
+    "put, get and per-actor call costs are the local Ray calibration's (CPU host costs, "
+    "one core per rank); on GPUs each receiving rank adds a host-to-device copy of its chunk",
+    "every rank gets one task per call in both modes (the leader mode's non-leaders get "
+    "meta_info), so the call overhead is the same on both sides",
+    "leader + broadcast takes the best of the header family and pickled as priced by "
+    "harness.model.predict on the same cluster",
+)
+
+
+def example_scan(cluster: ClusterConf, ray: RayCostConf, seq_len: int = 4096,
+                 dps=EXAMPLE_DPS, batches=EXAMPLE_BATCHES) -> list[dict]:  # fmt: skip
+    """``all_ranks`` against the best leader + broadcast for the example's replica shape
+    (tp8·cp2·pp8 = 128 ranks) at each DP degree and rows per replica."""
+    from harness.model.predict import EXAMPLE, price_strategy, scaled_spec
+    from strategies.core.layout import Layout
+
+    shape = {k.split("=")[0].split(".")[1]: int(k.split("=")[1])
+             for k in EXAMPLE if k.startswith("layout.")}  # fmt: skip
+    out = []
+    for batch in batches:
+        spec = scaled_spec("rl_rollout", batch, seq_len)
+        nbytes = spec.tensor_bytes + spec.non_tensor_bytes
+        for dp in dps:
+            layout = Layout(**{**shape, "dp": dp})
+            leader = {}
+            for name in LEADER_STRATEGIES:
+                try:
+                    bcast_s = price_strategy(name, layout, spec, cluster).total_s
+                except Exception as exc:  # strategies.Unsupported: not a candidate here
+                    if type(exc).__name__ != "Unsupported":
+                        raise
+                    continue
+                leader[name] = price_leader(layout, nbytes, cluster, ray, name, bcast_s).total_s
+            best = min(leader, key=leader.get)
+            all_s = price_all_ranks(layout, nbytes, cluster, ray).total_s
+            out.append({
+                "dp": dp, "nodes": layout.world_size // cluster.gpus_per_node,
+                "gpus": layout.world_size, "batch_size": batch, "payload_bytes": nbytes,
+                "all_ranks_ms": all_s * 1e3, "leader": best, "leader_ms": leader[best] * 1e3,
+                "all_ranks_wins": all_s < (1 - TIE) * leader[best],
+                "tie": abs(all_s / leader[best] - 1) <= TIE,
+            })  # fmt: skip
+    return out
+
+
+def example_answer(rows: list[dict]) -> str:
+    """One sentence per payload: the node count from which all_ranks wins, or never."""
+    lines = []
+    for batch in sorted({r["batch_size"] for r in rows}):
+        cells = [r for r in rows if r["batch_size"] == batch]
+        wins = [r["nodes"] for r in cells if r["all_ranks_wins"]]
+        ties = [r["nodes"] for r in cells if r["tie"]]
+        size = f"{cells[0]['payload_bytes'] / 2**20:,.1f} MiB per replica (batch {batch})"
+        even = f" (within {TIE:.0%}, even, at {ties} nodes)" if ties else ""
+        if not wins:
+            lines.append(f"{size}: all_ranks never overtakes leader + broadcast{even}")
+        elif len(wins) == len(cells):
+            lines.append(f"{size}: all_ranks wins at every node count scanned")
+        else:
+            lines.append(f"{size}: all_ranks wins at {wins} nodes only")
+    return "\n".join(lines)
+
+
+def format_scan(rows: list[dict]) -> str:
+    head = (
+        f"{'nodes':>6}{'GPUs':>7}{'batch':>7}{'MiB':>10}{'all_ranks ms':>14}{'leader + best':>28}"
+    )
+    lines = [head]
+    for r in rows:
+        best = f"{r['leader']} {r['leader_ms']:.1f} ms"
+        mark = "  <- all_ranks" if r["all_ranks_wins"] else ("  (even)" if r["tie"] else "")
+        lines.append(
+            f"{r['nodes']:>6}{r['gpus']:>7}{r['batch_size']:>7}{r['payload_bytes'] / 2**20:>10.1f}"
+            f"{r['all_ranks_ms']:>14.1f}{best:>28}{mark}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import json
+
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--ray", default="local", help="conf/ray preset or YAML path")
+    sub = p.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("example", help="all_ranks vs leader + broadcast at 16,384 GPUs")
+    ex.add_argument("--cluster", default="h200_ib")
+    val = sub.add_parser("validate", help="measured dispatch records against the model")
+    val.add_argument("records", nargs="+", type=Path, help="JSON lists of dispatch records")
+    args = p.parse_args(argv)
+    try:
+        ray = load_ray_costs(args.ray)
+        if args.command == "example":
+            rows = example_scan(load_cluster(args.cluster), ray)
+            print(format_scan(rows) + "\n\n" + example_answer(rows) + "\n\nAssumptions:")
+            print("\n".join(f"- {a}" for a in ASSUMPTIONS))
+        else:
+            records = [rec for path in args.records for rec in json.loads(path.read_text())]
+            print(format_compare(compare(records, ray)))
+    except (ClusterError, ValueError, OSError) as exc:
+        print(f"{PROG}: {exc}")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,156 @@
+"""Calibrate the cost model's Ray terms on a local Ray world: the driver's put, each actor's
+get, and the per-actor call overhead, fitted as α + n·β; written to ``conf/ray/local.yaml``.
+
+    python -m harness.ray.calibrate [--ranks 4] [--reps 7] [--out conf/ray/local.yaml]
+
+What is timed is what a dispatch call pays (``harness.ray.dispatch``): chunking the global
+batch and ``ray.put`` of each chunk (a DataProto, or the floor's flat uint8 array), every rank's
+``ray.get`` of its replica's object (all ranks at once, as in ``all_ranks``: the slowest rank
+counts), and a round of no-op tasks to k actors (k = 1..ranks) for the call overhead. The
+pricing lives in ``harness.model.ray_dispatch``; this module only measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+
+from harness import paths
+
+SIZES = (4, 48, 192, 704)
+"""rl_rollout rows per chunk at seq_len 512: from tens of KiB to the 16 MiB the tables use."""
+SEQ_LEN = 512
+OUT = paths.CONF_DIR / "ray" / "local.yaml"
+
+
+def _noop(ctx) -> int:
+    return ctx.rank
+
+
+def _timed_get(ctx, boxed: list) -> float:
+    """Seconds this rank spends in ``ray.get`` of the ref it was handed inside a list (a bare
+    ref as an argument would be fetched by Ray before the task starts, outside the clock)."""
+    import ray
+
+    t0 = time.perf_counter()
+    ray.get(boxed[0])
+    return time.perf_counter() - t0
+
+
+def _median(fn, reps: int) -> float:
+    return float(np.median([fn() for _ in range(reps)]))
+
+
+def _put_s(obj_of, reps: int) -> float:
+    import ray
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        ray.put(obj_of())
+        return time.perf_counter() - t0
+
+    return _median(once, reps)
+
+
+def _get_s(world, obj, reps: int) -> float:
+    import ray
+
+    def once() -> float:
+        ref = ray.put(obj)
+        per_rank = world.collect(world.submit(_timed_get, [([ref],)] * world.world_size), "get")
+        return max(per_rank)
+
+    return _median(once, reps)
+
+
+def _call_s(world, k: int, reps: int) -> float:
+    import ray
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        ray.get([a.call.remote(_noop) for a in world.actors[:k]])
+        return time.perf_counter() - t0
+
+    return _median(once, reps)
+
+
+def _fit(x: list[float], y: list[float]) -> tuple[float, float]:
+    """Least-squares α, β of y = α + β·x, both clamped at 0 (a negative start-up is noise)."""
+    a = np.column_stack([np.ones(len(x)), np.asarray(x, dtype=float)])
+    alpha, beta = np.linalg.lstsq(a, np.asarray(y, dtype=float), rcond=None)[0]
+    return max(float(alpha), 0.0), max(float(beta), 0.0)
+
+
+def measure(world, reps: int) -> dict[str, list]:
+    """Every timing the fit needs: {term: [(bytes or actors, seconds), ...]}."""
+    from harness.ray.dispatch import chunk, flat_bytes
+    from harness.run import payloads
+
+    out: dict[str, list] = {k: [] for k in ("put", "put_raw", "get", "get_raw", "call")}
+    for rows in SIZES:
+        batch = payloads.make("rl_rollout", rows, SEQ_LEN, 0, None)
+        piece = chunk(batch, 1)[0]
+        flat = flat_bytes(piece)
+        n = int(flat.nbytes)
+        out["put"].append((n, _put_s(lambda b=batch: chunk(b, 1)[0], reps)))
+        out["put_raw"].append((n, _put_s(lambda f=flat: f, reps)))
+        out["get"].append((n, _get_s(world, piece, reps)))
+        out["get_raw"].append((n, _get_s(world, flat, reps)))
+    for k in range(1, world.world_size + 1):
+        out["call"].append((k, _call_s(world, k, reps)))
+    return out
+
+
+def fitted(points: dict[str, list]) -> dict[str, float]:
+    """The RayCostConf fields (µs, GB/s) from ``measure``'s points."""
+    conf: dict[str, float] = {}
+    for term in ("put", "put_raw", "get", "get_raw"):
+        alpha, beta = _fit(*zip(*points[term]))
+        conf[f"{term}_call_us"] = round(alpha * 1e6, 1)
+        conf[f"{term}_gbytes_per_s"] = round(1 / beta / 1e9, 3) if beta > 0 else 1000.0
+    alpha, beta = _fit(*zip(*points["call"]))
+    conf["call_us"] = round(alpha * 1e6, 1)
+    conf["call_per_actor_us"] = round(beta * 1e6, 1)
+    return conf
+
+
+def _yaml(conf: dict[str, float], points: dict[str, list], ranks: int, secs: float) -> str:
+    import socket
+
+    import yaml
+
+    lines = [
+        "# Written by `python -m harness.ray.calibrate`; do not edit by hand, run it again.",
+        f"# {time.strftime('%Y-%m-%dT%H:%M:%S')} on {socket.gethostname()}, local Ray world of "
+        f"{ranks} actors, {len(SIZES)} sizes ({secs:.0f} s). Values measured here.",
+        "# points (bytes or actors -> ms, median):",
+    ]
+    for term, pts in points.items():
+        lines.append(f"#   {term:<8} " + "  ".join(f"{x}:{y * 1e3:.2f}" for x, y in pts))
+    body = yaml.safe_dump({"name": "local", **conf, "calibrated_ranks": ranks}, sort_keys=False)
+    return "\n".join(lines) + "\n" + body
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    from harness.files import write_atomic
+    from harness.ray.world import RayConf, RayWorld
+
+    p = argparse.ArgumentParser(prog="python -m harness.ray.calibrate", description=__doc__)
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    with RayWorld(args.ranks, RayConf(num_cpus=2, object_store_mb=512)) as world:
+        points = measure(world, args.reps)
+    conf = fitted(points)
+    write_atomic(args.out, _yaml(conf, points, args.ranks, time.perf_counter() - t0))
+    print(f"wrote {args.out}: {conf}")
+    return conf
+
+
+if __name__ == "__main__":
+    main()
