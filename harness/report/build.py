@@ -28,8 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not Path(args.root).is_dir():
         ap.error(f"root: no directory {args.root}")
+    from harness.report.markdown import load_dispatch_records, write_ray_report
+
+    if load_dispatch_records(args.root):  # Ray dispatch records: their own report and figure
+        print(f"bcastbench Ray dispatch report: {write_ray_report(args.root)}")
     df = load(args.root)
     if df.empty:
+        if load_dispatch_records(args.root):
+            return 0
         print(f"no result.json under {args.root}", file=sys.stderr)
         return 1
     path = write_report(args.root, df)

@@ -281,3 +281,61 @@ def save_figures(df: pd.DataFrame, out_dir: Path | str, dpi: int = 110) -> dict[
     out_dir = Path(out_dir)
     return {name: write_figure(out_dir / FIGURES[name], plot(df), dpi=dpi)
             for name, plot in PLOTS.items()}  # fmt: skip
+
+
+# -- Ray dispatch (harness.ray.dispatch records) ---------------------------------------------
+RAY_FIGURE = "ray_dispatch_p50_vs_payload.png"
+
+
+def dispatch_frame(records: list[dict]) -> pd.DataFrame:
+    """One row per (dispatch record, mode): where it ran, payload, p50/p90, cross-node bytes."""
+    rows = []
+    for rec in records:
+        where = "local Ray"
+        if "emulate_nodes" in rec:
+            links = "node" if rec.get("emulate_links", "node") == "node" else "rank (rails)"
+            where = (f"{rec['emulate_nodes']} nodes, one {rec['emulate_rate_mbit']} Mbit/s "
+                     f"link per {links}")  # fmt: skip
+        for mode, row in rec["modes"].items():
+            rows.append({
+                "panel": f"{rec['layout'].split(' ')[0]}\n{where}", "mode": mode,
+                "payload_bytes": rec["payload_bytes"], "p50_ms": row["p50_us"] / 1e3,
+                "p90_ms": row["p90_us"] / 1e3,
+                "cross_mb": (row.get("cross_node_bytes_per_call") or float("nan")) / 1e6,
+            })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def plot_ray_dispatch(records: list[dict]) -> Figure:
+    """ "Ray to every rank vs leader + broadcast": p50 (p90 band) vs payload, one panel per
+    layout and cluster, one line per dispatch mode (floors dashed); cross-node MB per call
+    written beside each point where the links were counted."""
+    df = dispatch_frame(records)
+    panels = list(dict.fromkeys(df["panel"]))
+    ncols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig = Figure(figsize=(max(11.0, 5.2 * ncols + 0.6), 4.6 * nrows + 1.4), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax in axes[len(panels) :]:
+        ax.set_visible(False)
+    fig.suptitle("Ray to every rank vs leader + broadcast (dispatch+broadcast scope)", fontsize=11)
+    styles = _styles(df["mode"].unique())
+    for panel, ax in zip(panels, axes):
+        sub = df[df["panel"] == panel]
+        for mode, g in sub.groupby("mode", sort=True):
+            g = g.sort_values("payload_bytes")
+            raw = mode in ("leader:floor", "all_ranks:raw")
+            ax.plot(g["payload_bytes"], g["p50_ms"], label=mode, ls="--" if raw else "-",
+                    lw=2.2 if mode == "all_ranks" else 1.3, **styles[mode])  # fmt: skip
+            ax.fill_between(g["payload_bytes"], g["p50_ms"], g["p90_ms"], alpha=0.08,
+                            color=styles[mode]["color"])  # fmt: skip
+            last = g.tail(1)  # one label per line, at the largest payload: legible
+            for x, y, mb in zip(last["payload_bytes"], last["p50_ms"], last["cross_mb"]):
+                if not math.isnan(mb):
+                    ax.annotate(f"{mb:.1f} MB", (x, y), fontsize=6.5, xytext=(4, 0),
+                                textcoords="offset points", color=styles[mode]["color"])  # fmt: skip
+        _bytes_axis(ax, sub["payload_bytes"])
+        _log_y(ax, "p50 per call, ms (driver → every rank)")
+        ax.set_title(panel, fontsize=9)
+    _legend(fig, list(zip(panels, axes)))
+    return fig
