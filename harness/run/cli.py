@@ -148,6 +148,28 @@ def task(cfg):
         raise SystemExit(_exit_status(exc)) from None
 
 
+def _valid_keys(exc: BaseException) -> str:
+    """For an override of a key the schema lacks, the keys its node does have."""
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    from harness.run.config import BenchConf
+
+    missing = (ConfigKeyError, ConfigAttributeError)
+    cause = exc if isinstance(exc, missing) else exc.__cause__
+    key = getattr(cause, "full_key", None) if isinstance(cause, missing) else None
+    if not key:
+        return ""
+    parent = key.rpartition(".")[0]
+    root = OmegaConf.structured(BenchConf)
+    node = OmegaConf.select(root, parent) if parent else root
+    if not isinstance(node, DictConfig):
+        return ""
+    if not node:  # an open dict (strategy.options): any key, added with Hydra's +
+        return f"; {parent} has no keys yet: add one with +{key}=<value>"
+    return f"; valid keys: {', '.join(node)}"
+
+
 def _exit_status(exc: BaseException) -> int:
     """One line for a bad config (2), the error for a failed job (1); a bug keeps its stack."""
     from hydra.errors import HydraException
@@ -158,7 +180,7 @@ def _exit_status(exc: BaseException) -> int:
     from harness.run.config import ConfigError
 
     if isinstance(exc, ConfigError | HydraException | OmegaConfBaseException):
-        print(f"bcastbench: error: {one_line(exc)}", file=sys.stderr)
+        print(f"bcastbench: error: {one_line(exc)}{_valid_keys(exc)}", file=sys.stderr)
         return USAGE_EXIT
     if isinstance(exc, JOB_FAILURES):
         print(f"bcastbench: {type(exc).__name__}: {exc}", file=sys.stderr)

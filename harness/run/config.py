@@ -112,9 +112,18 @@ class BenchConf:
     ``cluster`` group: this one runs the job, that one predicts it."""
 
 
+def selectable_strategies() -> str:
+    """``${bcastbench.strategies:}`` in a sweep's params: every strategy a user can choose
+    (``strategies.names()``), so a named sweep covers a new strategy with no YAML to edit, and
+    never the floor (every job's reference) nor a config entry that is not a strategy."""
+    return ",".join(strategies.names())
+
+
 def register() -> None:
+    """The job schema in Hydra's ConfigStore, and the resolver named sweeps list strategies with."""
     cs = ConfigStore.instance()
     cs.store(name="bench_schema", node=BenchConf)
+    OmegaConf.register_new_resolver("bcastbench.strategies", selectable_strategies, replace=True)
 
 
 def layout_of(cfg) -> Layout:

@@ -16,7 +16,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from harness import paths
-from harness.run.config import ConfigError, validate
+from harness.run.config import ConfigError, register, validate
 
 
 def describe(exc: BaseException) -> str:
@@ -44,6 +44,7 @@ def _expanded(overrides: list[str], config_name: str):
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
+    register()
     try:
         with initialize_config_dir(config_dir=str(paths.CONF_DIR), version_base="1.3"):
             loader = GlobalHydra.instance().config_loader()

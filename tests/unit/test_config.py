@@ -87,10 +87,12 @@ def test_presets_compose():
             "payload.seq_len=510 is not divisible by 2·cp = 4",
         ),
         # Hydra's own missing-option error, with the options.
-        (["strategy=nope"], "Could not find 'strategy/nope'; valid: direct, flat"),
+        (["strategy=nope"], "Could not find 'strategy/nope'; valid: "),
         # A value of the wrong type, naming the field.
         (["payload.batch_size=x"], "payload.batch_size=x"),
         (["strategy.name=nope"], "unknown strategy 'nope'; valid names"),
+        # A key the schema lacks, with the keys its node has.
+        (["layout.tq=2"], "valid keys: dp, pp, tp, cp, order"),
     ],
 )
 def test_cli_bad_config_is_one_line_and_exit_2(argv, says, tmp_path, capsys, monkeypatch):
@@ -121,8 +123,8 @@ def test_sweep_is_validated_before_its_first_job(tmp_path, capsys, monkeypatch):
 
 
 def test_named_sweeps_expand_every_selectable_strategy():
-    """conf/sweep/bench.yaml's glob picks up every strategy but the floor, with no list to
-    keep up to date; its product is what `make bench` runs, layouts outermost."""
+    """conf/sweep/bench.yaml sweeps every selectable strategy (strategies.names()) with no list
+    to keep up to date; its product is what `make bench` runs, layouts outermost."""
     import strategies
     from harness.run.sweep import sweep_jobs
 
