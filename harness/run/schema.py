@@ -21,6 +21,7 @@ import yaml
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from harness.files import write_atomic
+from harness.paths import CONF_DIR
 from strategies import DataProto
 from strategies.core.contract import leaves
 
@@ -100,11 +101,23 @@ def write(schema: dict, path: str | Path) -> Path:
     )
 
 
+def resolve(path: str | Path) -> Path:
+    """A schema path as given, or a bare name of one shipped in ``conf/schemas/``."""
+    given = Path(path).expanduser()
+    shipped = CONF_DIR / "schemas" / f"{path}.yaml"
+    return (
+        shipped if not given.exists() and given.name == str(path) and shipped.is_file() else given
+    )
+
+
 def read(path: str | Path) -> dict:
     """A schema file, checked; SchemaError names what is missing."""
-    path = Path(path).expanduser()
+    path = resolve(path)
     if not path.is_file():
-        raise SchemaError(f"payload.path: no such schema file: {path}")
+        shipped = sorted(p.stem for p in (CONF_DIR / "schemas").glob("*.yaml"))
+        raise SchemaError(
+            f"payload.path: no such schema file: {path} (shipped schemas, by name: {shipped})"
+        )
     try:
         schema = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
