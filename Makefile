@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[dev]" "$(TORCH_SPEC)"
+	# verl's own DataProto and worker payload for the interop tests; its ray/transformers
+	# imports are never used on that path (tests/verl_support.py), so no deps.
+	$(BIN)/python -m pip install -q --no-deps "verl==0.9.1"
 	touch $(STAMP)
 
 lint: $(STAMP)
