@@ -404,14 +404,18 @@ def pack_deferred(
     if blob is not None:
         span = (tensor_end, len(blob))
         data_bytes = align(tensor_end + len(blob))
-    raw = encode_header(tuple(batch.batch_size), entries, data_bytes, span, next_expect)
+    raw_key = (data_bytes, span, next_expect)
+    if cache.get("raw_key") != raw_key:  # same structure and sizes: the same header bytes
+        raw = encode_header(tuple(batch.batch_size), entries, data_bytes, span, next_expect)
+        cache.update(raw_key=raw_key, raw=torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    raw = cache["raw"]
     header_len = len(raw)
     total = header_len + data_bytes
     device = batch.device if batch.device is not None else _leaf_device(batch)
     capacity = max(total, min_capacity)
     if out is None or out.numel() < capacity or out.device != device:
         out = torch.empty(capacity + capacity // 4, dtype=torch.uint8, device=device)
-    out[:header_len].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    out[:header_len].copy_(raw)
     views_key = (out.data_ptr(), header_len)
     if cache.get("views_key") != views_key:
         dst, src_index, starts = [], [], []

@@ -1,0 +1,59 @@
+"""The harness's world against a bare one: the same broadcast, side by side in one run.
+
+A bare gloo world (``bare_world.BareWorld``: spawned ranks, one ``init_process_group``, nothing
+else) and the session's harness world both stay up; each round times one broadcast of the
+same bytes in the bare world, then the harness's single-broadcast floor in a real job
+(``run_job_on_rank``, groups built through megatron-core). The gate is the median over rounds
+of harness p50 / bare p50: at most ``BOUNDS_BARE[mode]``. Full mode gates at 1.05; short mode
+(CI on a shared host) records the ratio and gates only a structural slowdown, since a few short
+rounds on two loaded cores swing by more than 5 %.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+from bare_world import BareWorld
+
+from harness.run.runner import JobSpec, run_job_on_rank, summarize
+from strategies.core.layout import Layout
+
+BOUNDS_BARE = {"full": 1.05, "short": 1.5}
+"""Largest allowed median of harness floor p50 / bare broadcast p50, per mode."""
+BATCH_SIZE = 128
+"""rl_rollout at seq_len 1024: ≈ 5.8 MiB, the size where the overhead was first reported."""
+
+
+@pytest.mark.world
+def test_harness_floor_is_as_fast_as_a_bare_world(bench_world, mode, record_property):
+    spec = JobSpec(
+        "floor",
+        Layout(pp=2, tp=2),
+        batch_size=BATCH_SIZE,
+        seq_len=1024,
+        iters=mode.iters,
+        warmup=mode.warmup,
+        references=("floor",),
+    )
+    rounds = []
+    with BareWorld(4) as bare:
+        for _ in range(mode.rounds):
+            summary = summarize(spec, bench_world.run(run_job_on_rank, spec, what="floor job"))
+            harness_us = summary["strategies"]["floor"]["p50_us"]
+            bare_us = bare.p50_us(summary["payload_bytes"], mode.iters, mode.warmup)
+            rounds.append({"harness_p50_us": harness_us, "bare_p50_us": bare_us})
+    ratio = statistics.median(r["harness_p50_us"] / r["bare_p50_us"] for r in rounds)
+    record_property("harness_vs_bare", ratio)
+    record_property("rounds", rounds)
+    per_round = "; ".join(
+        f"{r['harness_p50_us'] / 1e3:.2f} vs {r['bare_p50_us'] / 1e3:.2f} ms" for r in rounds
+    )
+    limit = BOUNDS_BARE[mode.name]
+    print(
+        f"harness floor / bare broadcast: median {ratio:.3f} over {len(rounds)} rounds [{per_round}]"
+    )
+    assert ratio <= limit, (
+        f"harness floor / bare broadcast median {ratio:.3f} > {limit} ({mode.name} mode): "
+        f"the harness world slows its own broadcasts [{per_round}]"
+    )
