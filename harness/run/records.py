@@ -123,7 +123,8 @@ def failed(spec, error: BaseException) -> dict:
 
 def _measured(spec, summary: dict) -> dict:
     mine = summary["strategies"][spec.strategy]
-    floor = summary["strategies"].get("floor")
+    floor_us = summary.get("floor_p50_us")
+    single_us = summary.get("floor_single_p50_us")
     base = summary["strategies"].get("pickled")
     payload_bytes = summary["payload_bytes"]
     p50_s = mine["p50_us"] / 1e6
@@ -135,9 +136,12 @@ def _measured(spec, summary: dict) -> dict:
         "rank_skew_us": mine["rank_skew_us"],
         "algbw_gbps": algbw,
         "busbw_gbps": algbw,  # broadcast: F = 1, all data must leave the root (nccl-tests)
-        "floor_p50_us": floor["p50_us"] if floor else None,
+        "floor_p50_us": floor_us,
+        "floor_method": summary.get("floor_method"),
+        "floor_single_p50_us": single_us,
         "baseline_p50_us": base["p50_us"] if base else None,
-        "vs_floor": mine["p50_us"] / floor["p50_us"] if floor else None,
+        "vs_floor": mine["p50_us"] / floor_us if floor_us else None,
+        "vs_floor_single": mine["p50_us"] / single_us if single_us else None,
         "vs_baseline": mine["p50_us"] / base["p50_us"] if base else None,
         **{k: mine[k] for k in ("collectives_per_call", "collectives_leader", "comm_bytes_leader")},
         "packed_bytes_leader": work.get("packed_bytes", 0),
@@ -151,6 +155,7 @@ def _measured(spec, summary: dict) -> dict:
             if "cross_node_bytes_per_call" in mine  # emulated-cluster workers
             else {}
         ),
+        **({"auto_choice": mine["choice"]} if "choice" in mine else {}),
         "correct": True,
         "supported": True,
         "references": {

@@ -129,12 +129,11 @@ def prepare(ctx, spec: JobSpec) -> Prepared | dict:
     dist.broadcast_object_list(meta, src=groups.leader, group=groups.cpu_replica_group)
     if full is None:
         full = strategies.DataProto(None, {}, meta[0])
-    order = [spec.strategy] + [r for r in spec.references if r != spec.strategy]
+    order, options = _order(spec)
     built = {}
     for name in order:
-        opts = spec.options if name == spec.strategy else {}
         try:
-            built[name] = strategies.get(name, groups, **opts)
+            built[name] = strategies.get(name.split(":")[0], groups, **options[name])
         except strategies.Unsupported as exc:
             return {
                 "rank": ctx.rank,
@@ -143,6 +142,21 @@ def prepare(ctx, spec: JobSpec) -> Prepared | dict:
             }
         built[name].prepare(full.entry_state(groups.is_leader))
     return Prepared(groups, full, order, built)
+
+
+def _order(spec: JobSpec) -> tuple[list[str], dict[str, dict]]:
+    """The strategy under test, then its references; a ``floor`` reference stands for every
+    raw method the layout allows (``Floor.variants``: ``floor`` is one broadcast, the others
+    are labelled ``floor:<method>``), all timed in the same rounds so the fastest is the floor."""
+    from strategies.floor import Floor
+
+    options = {spec.strategy: dict(spec.options)}
+    for name in spec.references:
+        if name == "floor" and spec.strategy != "floor":
+            options.update(Floor.variants(spec.layout))
+        elif name != spec.strategy:
+            options[name] = {}
+    return list(options), options
 
 
 def timed_rounds(ctx, spec: JobSpec, job: Prepared) -> dict[str, list[float]]:
@@ -235,6 +249,7 @@ def run_job_on_rank(ctx, spec: JobSpec) -> dict:
         "times_s": times,
         **measurements(ctx, job),
         "problems": verification(ctx, job),
+        "choices": {n: s.choice for n, s in job.built.items() if hasattr(s, "choice")},
         "payload_bytes": _payload_bytes(job.full) if job.groups.is_leader else None,
         "device": str(job.groups.device),
         **({"link_bytes_per_call": link_bytes} if link_bytes else {}),
@@ -279,11 +294,11 @@ def _rss_now() -> int:
 
 def _verify(name, strategy, out, leader_digest, groups, full) -> list[str]:
     """Compare this rank's result with the leader's; floor compares its raw buffer."""
-    if name == "floor":
+    if name.split(":")[0] == "floor":
         sent = [tensor_digest(strategy.sent) if groups.is_leader else None]
         dist.broadcast_object_list(sent, src=groups.leader, group=groups.cpu_replica_group)
         got = tensor_digest(strategy.received)
-        return [] if got == sent[0] else [f"floor: rank {groups.rank}: received bytes differ"]
+        return [] if got == sent[0] else [f"{name}: rank {groups.rank}: received bytes differ"]
     expected = [leader_digest]
     dist.broadcast_object_list(expected, src=groups.leader, group=groups.cpu_replica_group)
     expected = expected[0]
@@ -342,10 +357,27 @@ def summarize(spec: JobSpec, rank_results: list[dict]) -> dict:
         }
         if name in link_bytes:
             per_strategy[name]["cross_node_bytes_per_call"] = link_bytes[name]
+        if name in rank_results[0].get("choices", {}):
+            per_strategy[name]["choice"] = rank_results[0]["choices"][name]
     return {
         "payload_bytes": payload_bytes,
         "strategies": per_strategy,
+        **best_floor(per_strategy),
         "device": rank_results[0]["device"],
+    }
+
+
+def best_floor(per_strategy: dict[str, dict]) -> dict:
+    """The honest floor: the fastest raw method timed in the job (``floor_method``), beside
+    the single broadcast (``floor_single_p50_us``); empty when no floor was timed."""
+    floors = {n: s["p50_us"] for n, s in per_strategy.items() if n.split(":")[0] == "floor"}
+    if not floors:
+        return {}
+    method = min(floors, key=floors.get)
+    return {
+        "floor_p50_us": floors[method],
+        "floor_method": method.partition(":")[2] or "one",
+        "floor_single_p50_us": floors.get("floor"),
     }
 
 
