@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from harness.errors import program
 from harness.files import write_atomic
 from harness.model.cluster import CONF_DIR, GB, US, ClusterConf, LinkConf, load_cluster
 from harness.model.formulas import (
@@ -38,7 +39,8 @@ from harness.model.formulas import (
     coefficients,
 )
 
-PROG = "python -m harness.model.calibrate"
+MODULE = "harness.model.calibrate"
+"""Where this command lives; its printed name comes from ``harness.errors.program``."""
 
 KIB = 1024
 DEFAULT_SIZES = tuple(KIB * 4**i for i in range(8))  # 1 KiB .. 16 MiB
@@ -437,7 +439,7 @@ def _measure(world, group_sizes, sizes, reps: int, host_bytes: int):
 
 def _file_header(world_size: int, group_sizes, n_sizes: int, reps: int, report: str) -> str:
     return (
-        f"Written by `{PROG}`; do not edit by hand, run it again.\n"
+        f"Written by `{program(MODULE)}`; do not edit by hand, run it again.\n"
         f"{datetime.datetime.now().isoformat(timespec='seconds')} on "
         f"{platform.node()} ({os.cpu_count()} cores), gloo world of {world_size}, "
         f"groups {list(group_sizes)}, {n_sizes} sizes, median of {reps}.\n"
@@ -587,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     from harness.model.command import run_app
 
     register()
-    return run_app(PROG, "calibrate", task, check, argv)
+    return run_app(MODULE, "calibrate", task, check, argv)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from harness import paths
-
-USAGE_EXIT = 2
-"""Exit status for a bad command line or config value (argparse's)."""
+from harness.errors import program, usage_error
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -31,31 +29,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (HydraException, OmegaConfBaseException, ClusterError, ConfigError, LayoutError)
 
 
-def one_line(exc: BaseException) -> str:
-    """An error as one line: Hydra's 'could not find' lists the valid options; OmegaConf's
-    multi-line errors keep their key."""
-    from hydra.errors import MissingConfigException
-
-    if isinstance(exc, MissingConfigException) and exc.options:
-        head = str(exc).strip().splitlines()[0]
-        return f"{head}; valid: {', '.join(sorted(exc.options))}"
-    cause = exc.__cause__ or exc.__context__
-    text = str(exc).strip() or type(exc).__name__
-    key = getattr(exc, "full_key", None) or getattr(cause, "full_key", None)
-    first = text.splitlines()[0].strip()
-    if key and key not in first:
-        first = f"{key}: {first}"
-    if cause is not None and str(cause).strip() and "full_key" not in first:
-        inner = str(cause).strip().splitlines()[0]
-        if inner not in first:
-            first = f"{first} ({inner})"
-    return " ".join(first.split())
-
-
 def fail(prog: str, exc: BaseException) -> None:
-    """Print the one line and leave with ``USAGE_EXIT``."""
-    print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
-    raise SystemExit(USAGE_EXIT)
+    """Print the one line and leave with ``harness.errors.USAGE_EXIT``."""
+    raise SystemExit(usage_error(prog, exc))
 
 
 def _job_overrides(argv: list[str]) -> list[list[str]]:
@@ -82,15 +58,17 @@ def check_all(config_name: str, argv: list[str], check: Callable[[Any], None]) -
 
 
 def run_app(
-    prog: str,
+    module: str,
     config_name: str,
     task: Callable[[Any], Any],
     check: Callable[[Any], None],
     argv: list[str] | None,
 ) -> int:
-    """``prog [overrides...]`` as a Hydra app: check every job, then run ``task`` on each."""
+    """``<module> [overrides...]`` as a Hydra app: check every job, then run ``task`` on each;
+    messages name the program as it was called (``harness.errors.program``)."""
     import hydra
 
+    prog = program(module)
     argv = list(sys.argv[1:] if argv is None else argv)
     passthrough = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve"}
     if not passthrough & set(argv):

@@ -35,11 +35,13 @@ logging.getLogger("megatron").setLevel(logging.WARNING)
 import pandas as pd  # noqa: E402
 
 from harness import paths  # noqa: E402
+from harness.errors import program  # noqa: E402
 from harness.files import write_atomic, write_csv, write_figure  # noqa: E402
 from harness.model.cluster import ClusterConf, load_cluster  # noqa: E402
 from harness.run.config import LayoutConf, PayloadConf  # noqa: E402
 
-PROG = "python -m harness.model.extrapolate"
+MODULE = "harness.model.extrapolate"
+"""Where this command lives; its printed name comes from ``harness.errors.program``."""
 EMULATED_RECORDS = paths.REPO / "results" / "reference_emulated"
 """Where ``harness.cluster.table`` keeps its committed emulated-cluster records."""
 PLAIN = ("header", "flat", "pickled")  # the "plain broadcast" side of the SC'21 comparison
@@ -273,7 +275,7 @@ def _markdown(cluster: ClusterConf, title: str, sentences, sizes, spec_args, df)
             f"# PREDICTED broadcast latency vs world size — {cluster.name}",
             "",
             f"**PREDICTED by the α–β cost model (`harness/model/pricing.py`), not measured.** "
-            f"{title}. Generated {datetime.date.today().isoformat()} by `{PROG} "
+            f"{title}. Generated {datetime.date.today().isoformat()} by `{program(MODULE)} "
             f"cluster={cluster.name}`.",
             "",
             "## SC'21: does scatter_allgather overtake a plain broadcast?",
@@ -409,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     from harness.model.command import run_app
 
     register()
-    return run_app(PROG, "extrapolate", task, check, argv)
+    return run_app(MODULE, "extrapolate", task, check, argv)
 
 
 if __name__ == "__main__":

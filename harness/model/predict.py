@@ -32,7 +32,8 @@ from harness.model.pricing import Prediction  # noqa: E402
 from harness.run.config import LayoutConf, PayloadConf  # noqa: E402
 
 CONF = str(paths.CONF_DIR)
-PROG = "python -m harness.model.predict"
+MODULE = "harness.model.predict"
+"""Where this command lives; its printed name comes from ``harness.errors.program``."""
 EXAMPLE = (
     "cluster=h200_ib layout.dp=128 layout.pp=8 layout.tp=8 layout.cp=2 "
     "payload=rl_rollout payload.batch_size=512 payload.seq_len=4096"
@@ -416,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
 
     register()
     # Multirun jobs share one process: nothing to tear down between them.
-    return run_app(PROG, "predict", task, check, argv)
+    return run_app(MODULE, "predict", task, check, argv)
 
 
 register()

@@ -32,10 +32,12 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from harness import paths
+from harness.errors import program
 from harness.model.cluster import GB, US, ClusterConf, ClusterError, check_number, load_cluster
 
 CONF_DIR = paths.CONF_DIR / "ray"
-PROG = "python -m harness.model.ray_dispatch"
+MODULE = "harness.model.ray_dispatch"
+"""Where this command lives; its printed name comes from ``harness.errors.program``."""
 LEADER_STRATEGIES = ("header", "flat", "direct", "pp_first", "pickled", "scatter_allgather")
 """Broadcast strategies the leader path is priced with (the header family and the seed)."""
 EXAMPLE_DPS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -400,7 +402,7 @@ def format_scan(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     import json
 
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=program(MODULE), description=__doc__.split("\n\n")[0])
     p.add_argument("--ray", default="local", help="conf/ray preset or YAML path")
     sub = p.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("example", help="all_ranks vs leader + broadcast at 16,384 GPUs")
@@ -418,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             records = [rec for path in args.records for rec in json.loads(path.read_text())]
             print(format_compare(compare(records, ray)))
     except (ClusterError, ValueError, OSError) as exc:
-        print(f"{PROG}: {exc}")
+        print(f"{program(MODULE)}: {exc}")
         return 2
     return 0
 

@@ -444,7 +444,9 @@ def validate(sweep: Path | str, cluster: str = "local", quiet: bool = False) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.model.validate", description=__doc__)
+    from harness.errors import program
+
+    ap = argparse.ArgumentParser(prog=program("harness.model.validate"), description=__doc__)
     ap.add_argument("sweep", help="a sweep directory with result.json records")
     ap.add_argument("--cluster", default="local", help="cluster preset or YAML (default local)")
     args = ap.parse_args(argv)

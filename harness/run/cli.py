@@ -27,8 +27,9 @@ import sys
 import tempfile
 
 from harness import paths
+from harness.errors import usage_error
 
-USAGE_EXIT, FAILED_EXIT, INTERRUPTED_EXIT = 2, 1, 130
+FAILED_EXIT, INTERRUPTED_EXIT = 1, 130
 PASSTHROUGH = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve"}
 """Hydra's own options that show things instead of running jobs."""
 
@@ -175,13 +176,11 @@ def _exit_status(exc: BaseException) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from harness.model.command import one_line
     from harness.run.app import JOB_FAILURES
     from harness.run.config import ConfigError
 
     if isinstance(exc, ConfigError | HydraException | OmegaConfBaseException):
-        print(f"bcastbench: error: {one_line(exc)}{_valid_keys(exc)}", file=sys.stderr)
-        return USAGE_EXIT
+        return usage_error("bcastbench", exc, _valid_keys(exc))
     if isinstance(exc, JOB_FAILURES):
         print(f"bcastbench: {type(exc).__name__}: {exc}", file=sys.stderr)
         return FAILED_EXIT

@@ -21,7 +21,7 @@ from harness.run.config import ConfigError, register, validate
 
 def describe(exc: BaseException) -> str:
     """An error from composing or checking a config, as one line."""
-    from harness.model.command import one_line
+    from harness.errors import one_line
 
     return one_line(exc)
 
