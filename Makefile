@@ -23,8 +23,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check strategies harness tests
-	$(BIN)/ruff format --check strategies harness tests
+	$(BIN)/ruff check strategies harness tests examples
+	$(BIN)/ruff format --check strategies harness tests examples
 
 # The benchmark gate (tests/benchmarks, short mode) runs inside the suite and leaves its
 # pytest-benchmark JSON in results/ci/.

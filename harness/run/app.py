@@ -21,8 +21,8 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from harness.run import launch as launchers
-from harness.run import records
-from harness.run.config import validate
+from harness.run import payloads, records
+from harness.run.config import strategy_of, validate
 from harness.run.runner import JobSpec, summarize
 from harness.run.verify import VerificationError
 from harness.run.world import WorldError
@@ -34,9 +34,11 @@ JOB_FAILURES = (WorldError, VerificationError)
 def spec_of(cfg, layout) -> JobSpec:
     """Everything a rank needs, read from the validated config once."""
     return JobSpec(
-        strategy=cfg.strategy.name,
+        strategy=strategy_of(cfg),
         layout=layout,
         payload=cfg.payload.name,
+        payload_path=payloads.path_of(cfg.payload.name, cfg.payload.get("path")),
+        payload_trust=bool(cfg.payload.get("trust", False)),
         batch_size=int(cfg.payload.batch_size),
         seq_len=int(cfg.payload.seq_len),
         broadcast_non_tensor=cfg.payload.broadcast_non_tensor,

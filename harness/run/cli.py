@@ -39,6 +39,7 @@ SUBCOMMANDS = {
     "predict": ("harness.model.predict", "predict every strategy's time on a cluster"),
     "calibrate": ("harness.model.calibrate", "fit the cost model to this cluster"),
     "extrapolate": ("harness.model.extrapolate", "predicted latency from 8 to 16k GPUs"),
+    "schema": ("harness.run.schema", "FILE -o schema.yaml: a recorded batch's shape, no data"),
     "report": ("harness.report.build", "DIR: report.md and figures of a run or sweep"),
     "collect": ("harness.report.collect", "DIR: one CSV row per job of a run or sweep"),
     "validate": ("harness.model.validate", "DIR: the cost model against a measured sweep"),

@@ -27,7 +27,11 @@ class StrategyConf:
     name: str = MISSING
     """Strategy module name under ``strategies/`` (see ``strategies.names()``)."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Keyword options of that strategy (its module docstring lists them)."""
+    """Keyword options of that strategy (its module docstring lists them); checked against
+    its class's ``__init__`` signature before any rank starts."""
+    _target_: str | None = None
+    """``strategy=custom``: a Strategy class by import path (``my_pkg.mod.MyStrategy``,
+    Hydra's instantiate convention); it is what the job runs and records."""
 
 
 def _schema_of(runtime: type, name: str, doc: str) -> type:
@@ -67,6 +71,11 @@ class PayloadConf:
     """meta_info['_broadcast_non_tensor_batch']; null keeps the payload's default."""
     seed: int = 0
     """Replica r's leader generates its batch from seed + r."""
+    path: str | None = None
+    """payload=file: a recorded batch; payload=schema: a schema file, or the name of one in
+    conf/schemas/ (harness/run/recorded.py, harness/run/schema.py)."""
+    trust: bool = False
+    """payload=file: allow arbitrary unpickling (only for a file you trust)."""
 
 
 @dataclass
@@ -124,6 +133,18 @@ def register() -> None:
     cs = ConfigStore.instance()
     cs.store(name="bench_schema", node=BenchConf)
     OmegaConf.register_new_resolver("bcastbench.strategies", selectable_strategies, replace=True)
+    _register_installed_strategies(cs)
+
+
+def _register_installed_strategies(cs: ConfigStore) -> None:
+    """``strategy=<name>`` for every registered strategy without a YAML entry (those installed
+    through the ``bcastbench.strategies`` entry point): Hydra finds config-group options in the
+    ConfigStore as in ``conf/strategy/``."""
+    from harness.paths import CONF_DIR
+
+    for name in strategies.names(include_floor=True):
+        if not (CONF_DIR / "strategy" / f"{name}.yaml").exists():
+            cs.store(group="strategy", name=name, node=StrategyConf(name=name))
 
 
 def layout_of(cfg) -> Layout:
@@ -165,21 +186,44 @@ def validate(cfg, world_size: int | None = None) -> Layout:
     return layout
 
 
+def strategy_of(cfg) -> str:
+    """What the job runs: ``strategy._target_`` (strategy=custom) or ``strategy.name``."""
+    return cfg.strategy.get("_target_") or cfg.strategy.name
+
+
+def _validate_strategy(cfg, known: list[str]) -> None:
+    """The strategy exists (a name, or an importable ``_target_``) and takes these options.
+    Errors are raised outside the ``except`` so the one-line printer adds no context."""
+    strategy, problem = strategy_of(cfg), None
+    if cfg.strategy.get("_target_"):
+        try:
+            strategies.get_class(strategy)
+        except KeyError as exc:
+            problem = f"strategy._target_: {exc.args[0]}"
+    elif strategy not in known:
+        problem = f"strategy.name: unknown strategy {strategy!r}; valid names: {known}"
+    if problem is None:
+        try:
+            options = OmegaConf.to_container(cfg.strategy.options, resolve=True) or {}
+            strategies.check_options(strategy, options)
+        except TypeError as exc:
+            problem = f"strategy.options: {exc}"
+    if problem is not None:
+        raise ConfigError(problem)
+
+
 def _validate_names(cfg) -> None:
     known = strategies.names(include_floor=True)
-    if cfg.strategy.name not in known:
-        raise ConfigError(
-            f"strategy.name: unknown strategy {cfg.strategy.name!r}; valid names: {known}"
-        )
+    _validate_strategy(cfg, known)
     for ref in cfg.references:
         if ref not in known:
             raise ConfigError(
                 f"references: unknown reference strategy {ref!r}; valid names: {known}"
             )
-    if cfg.payload.name not in payloads.PAYLOADS:
+    if cfg.payload.name not in (*payloads.PAYLOADS, *payloads.RECORDED):
         raise ConfigError(
             f"payload.name: unknown payload {cfg.payload.name!r}; "
-            f"valid names: {sorted(payloads.PAYLOADS)}"
+            f"valid names: {sorted(payloads.PAYLOADS) + list(payloads.RECORDED)}"
         )
 
 
@@ -188,6 +232,8 @@ def _validate_payload(cfg, layout: Layout) -> None:
         value = cfg.payload[key]
         if value < 1:
             raise ConfigError(f"payload.{key} must be positive, got {value}")
+    if cfg.payload.name in payloads.RECORDED:
+        _validate_recorded(cfg.payload)
     step = 2 * layout.cp
     if cfg.payload.seq_len % step:
         below = cfg.payload.seq_len // step * step
@@ -196,6 +242,26 @@ def _validate_payload(cfg, layout: Layout) -> None:
             f"(Megatron splits the sequence into 2·cp zig-zag chunks); valid: a multiple of "
             f"{step}, e.g. {below or step} or {below + step}"
         )
+
+
+def _validate_recorded(payload) -> None:
+    """The file exists, loads safely (or is trusted) and has a leading batch dimension: read
+    once here, a row of it, so a bad file stops the job before any rank starts."""
+    from harness.run.recorded import PayloadFileError
+    from harness.run.schema import SchemaError
+
+    if not payload.get("path"):
+        raise ConfigError(f"payload.path: payload={payload.name} needs payload.path=<file>")
+    problem = None
+    try:
+        payloads.make(
+            payload.name, 1, int(payload.seq_len), int(payload.seed), None, payload.path,
+            bool(payload.trust),
+        )  # fmt: skip
+    except (PayloadFileError, SchemaError) as exc:
+        problem = str(exc)  # raised below, outside the except: one line, no context
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def _validate_backend(cfg, layout: Layout) -> None:

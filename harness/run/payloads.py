@@ -113,12 +113,45 @@ PAYLOADS: dict[str, Callable[..., DataProto]] = {
 }
 
 
+RECORDED = ("file", "schema")
+"""Payloads read from ``payload.path`` instead of generated: a recorded batch
+(``harness.run.recorded``) or a schema replayed with seeded data (``harness.run.schema``)."""
+
+
+def path_of(name: str, path: str | None) -> str | None:
+    """``payload.path`` as every rank can open it (absolute: a rank's working directory is
+    not always the user's; a schema's bare name resolved in conf/schemas/)."""
+    if name not in RECORDED or not path:
+        return None
+    from pathlib import Path
+
+    from harness.run import schema
+
+    resolved = schema.resolve(path) if name == "schema" else Path(path).expanduser()
+    return str(resolved.resolve())
+
+
 def make(
-    name: str, batch_size: int, seq_len: int, seed: int, broadcast_non_tensor: bool | None = None
+    name: str,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    broadcast_non_tensor: bool | None = None,
+    path: str | None = None,
+    trust: bool = False,
 ):
+    if name == "file":
+        from harness.run import recorded
+
+        return recorded.make(path, batch_size, trust, broadcast_non_tensor)
+    if name == "schema":
+        from harness.run import schema
+
+        return schema.make(path, batch_size, seed, broadcast_non_tensor)
     try:
         fn = PAYLOADS[name]
     except KeyError:
-        raise KeyError(f"unknown payload {name!r}; valid names: {sorted(PAYLOADS)}") from None
+        valid = sorted(PAYLOADS) + list(RECORDED)
+        raise KeyError(f"unknown payload {name!r}; valid names: {valid}") from None
     kwargs = {} if broadcast_non_tensor is None else {"broadcast_non_tensor": broadcast_non_tensor}
     return fn(batch_size, seq_len, seed, **kwargs)

@@ -72,6 +72,14 @@ NAME_AXES = ("tp", "pp", "cp", "dp")
 """The order axes appear in a shape's name (the presets' order: tp2pp2, pp2cp2, tp2pp2dp2)."""
 
 
+def _payload_label(spec) -> str:
+    """The payload's name; a recorded one (file, schema) adds its file's stem, so two
+    recordings in one sweep stay apart in tables and reports (``schema:rl_rollout``)."""
+    if not spec.payload_path:
+        return spec.payload
+    return f"{spec.payload}:{Path(spec.payload_path).stem}"
+
+
 def _job_fields(spec) -> dict:
     """What the job was: the same fields whether it ran, was refused or failed."""
     layout = spec.layout
@@ -83,7 +91,8 @@ def _job_fields(spec) -> dict:
         "layout": layout_name(layout),
         **{axis: getattr(layout, axis) for axis in ("dp", "pp", "tp", "cp")},
         "order": "-".join(layout.tokens),
-        "payload": spec.payload,
+        "payload": _payload_label(spec),
+        **({"payload_path": spec.payload_path} if spec.payload_path else {}),
         "batch_size": spec.batch_size,
         "seq_len": spec.seq_len,
         "iters": spec.iters,
@@ -149,6 +158,8 @@ def _measured(spec, summary: dict) -> dict:
         "copied_bytes_leader": work.get("copied_bytes", 0),
         "pickled_bytes_receiver": received.get("unpickled_bytes", 0),
         "copied_bytes_receiver": received.get("copied_bytes", 0),
+        # Present when a collective count could not be established (the counts are None).
+        **{k: mine[k] for k in ("collectives_unavailable",) if k in mine},
         **{k: mine[k] for k in ("peak_rss_bytes", "peak_rss_delta_bytes", "peak_cuda_bytes")},
         **(
             {"cross_node_bytes_per_call": mine["cross_node_bytes_per_call"]}

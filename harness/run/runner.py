@@ -32,6 +32,10 @@ class JobSpec:
     strategy: str
     layout: Layout
     payload: str = "rl_rollout"
+    payload_path: str | None = None
+    """payload=file | schema: the recording or schema every replica leader reads."""
+    payload_trust: bool = False
+    """payload=file: arbitrary unpickling allowed (payload.trust=true)."""
     batch_size: int = 8
     seq_len: int = 1024
     broadcast_non_tensor: bool | None = None
@@ -94,7 +98,13 @@ def leader_batch(spec: JobSpec, groups, layout: Layout) -> strategies.DataProto 
         return None
     replica = layout.coords(groups.rank)["dp"]
     dp = payloads.make(
-        spec.payload, spec.batch_size, spec.seq_len, spec.seed + replica, spec.broadcast_non_tensor
+        spec.payload,
+        spec.batch_size,
+        spec.seq_len,
+        spec.seed + replica,
+        spec.broadcast_non_tensor,
+        spec.payload_path,
+        spec.payload_trust,
     )
     if groups.device.type != "cpu":
         dp.batch = dp.batch.to(groups.device)
@@ -197,7 +207,12 @@ def measurements(ctx, job: Prepared) -> dict[str, dict]:
         dist.barrier()
         with Recorder() as rec:
             job.call(name)
-        out["collectives"][name] = [(c.kind, c.ranks, c.root, c.nbytes) for c in rec.comms]
+        # None: the recorder could not see every path to a collective (rec.unavailable says
+        # why), so no count is reported rather than a short one.
+        out["collectives"][name] = (
+            None if rec.unavailable else [(c.kind, c.ranks, c.root, c.nbytes) for c in rec.comms]
+        )
+        out.setdefault("collectives_unavailable", {})[name] = rec.unavailable
         out["work"][name] = dict(rec.work)
         ctx.report(f"measuring peak memory of {name}")
         dist.barrier()
@@ -344,9 +359,7 @@ def summarize(spec: JobSpec, rank_results: list[dict]) -> dict:
             "max_us": float(per_iter.max()) * 1e6,
             "mean_us": float(per_iter.mean()) * 1e6,
             "rank_skew_us": float(np.median(skew)) * 1e6,
-            "collectives_per_call": max(len(r["collectives"][name]) for r in rank_results),
-            "collectives_leader": len(leaders[0]["collectives"][name]),
-            "comm_bytes_leader": sum(c[3] for c in leaders[0]["collectives"][name]),
+            **_collective_counts(name, rank_results, leaders[0]),
             "peak_rss_bytes": max(r["peak_rss_bytes"][name] for r in rank_results),
             "peak_rss_delta_bytes": max(r["peak_rss_delta_bytes"][name] for r in rank_results),
             "peak_cuda_bytes": max(r["peak_cuda_bytes"][name] for r in rank_results),
@@ -378,6 +391,25 @@ def best_floor(per_strategy: dict[str, dict]) -> dict:
         "floor_p50_us": floors[method],
         "floor_method": method.partition(":")[2] or "one",
         "floor_single_p50_us": floors.get("floor"),
+    }
+
+
+def _collective_counts(name: str, rank_results: list[dict], leader: dict) -> dict:
+    """Collectives per call (max over ranks) and the leader's count and bytes; None with the
+    reason where a rank's count could not be established."""
+    why = next(
+        (r.get("collectives_unavailable", {}).get(name) for r in rank_results
+         if r["collectives"][name] is None),
+        None,
+    )  # fmt: skip
+    if any(r["collectives"][name] is None for r in rank_results):
+        return dict.fromkeys(
+            ("collectives_per_call", "collectives_leader", "comm_bytes_leader")
+        ) | {"collectives_unavailable": why or "not recorded"}
+    return {
+        "collectives_per_call": max(len(r["collectives"][name]) for r in rank_results),
+        "collectives_leader": len(leader["collectives"][name]),
+        "comm_bytes_leader": sum(c[3] for c in leader["collectives"][name]),
     }
 
 
