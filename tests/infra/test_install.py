@@ -1,0 +1,98 @@
+"""A real install, tier 3: the wheel ``pip wheel .`` builds (not an editable install) runs a
+job, writes its report and serves the pytest plugin from a directory that is not the checkout.
+
+The scratch venv reuses this environment's packages (torch, megatron-core, ...) through a
+``.pth`` line naming their site-packages; ``.pth`` files inside that directory are not read, so
+the checkout's editable install stays out of sight and only the wheel's copy is importable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+
+from harness.paths import REPO
+
+pytestmark = pytest.mark.slow
+
+GATE = """
+def test_gate(bcastbench_job):
+    summary = bcastbench_job(strategy="header", layout="tp2pp2", batch_size=2, seq_len=64)
+    assert summary["vs_floor"] > 0 and summary["vs_baseline"] > 0
+    assert summary["collectives_per_call"] >= 1
+"""
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """A scratch venv holding the wheel of this checkout; returns its bin directory."""
+    root = tmp_path_factory.mktemp("install")
+    wheels = root / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(wheels), str(REPO)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    env_dir = root / "venv"
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    python = env_dir / "bin" / "python"
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    Path(site, "reuse_test_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    (wheel,) = wheels.glob("bcastbench-*.whl")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+         str(wheel)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    return env_dir / "bin"
+
+
+def run_in(cwd: Path, *argv, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(
+        [str(a) for a in argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_wheel_ships_its_configuration(installed, tmp_path):
+    out = run_in(
+        tmp_path, installed / "python", "-c",
+        "import harness, harness.paths as p; print(harness.__file__); print(p.CONF_DIR)",
+    )  # fmt: skip
+    module, conf = out.stdout.split()
+    assert str(installed.parent) in module, "the checkout's copy was imported"
+    assert (
+        Path(conf, "config.yaml").is_file() and Path(conf, "schemas", "rl_rollout.yaml").is_file()
+    )
+
+
+def test_installed_run_report_and_plugin_work_from_any_directory(installed, tmp_path):
+    out = run_in(
+        tmp_path, installed / "bcastbench", "strategy=header", "layout=tp2pp2",
+        "payload.batch_size=2", "payload.seq_len=64", "iters=2", "warmup=1",
+        "hydra.run.dir=run",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert record["correct"] and record["strategy"] == "header"
+    out = run_in(tmp_path, installed / "bcastbench", "report", "run")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "run" / "report.md").is_file()
+    (tmp_path / "test_gate.py").write_text(GATE)
+    out = run_in(
+        tmp_path, installed / "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        "--bcastbench-mode=short", "test_gate.py",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
