@@ -27,6 +27,10 @@ NODE_RESOURCE = "bcb_node"
 for it so rank ``r`` lands on node ``r // ranks_per_node``, as torchrun's node ranks place it."""
 
 
+DISPATCH_MODES = ("none", "leader", "all_ranks")
+"""Values of ``RayConf.dispatch``."""
+
+
 class RayUnavailable(RuntimeError):
     """Ray is not installed here (``pip install "ray==2.60.0"``)."""
 
@@ -68,21 +72,28 @@ class RayConf:
     """When set, rank ``r`` is pinned to the node advertising ``bcb_node<r // ranks_per_node>``
     (the emulated cluster); None lets the placement group choose."""
     backend: Literal["gloo", "nccl"] = "gloo"
-    """torch.distributed backend inside the actors (nccl gives each rank a GPU bundle)."""
+    """torch.distributed backend inside the actors (nccl gives each rank a GPU bundle); a
+    ``bcastbench run world=ray`` job sets it from its ``backend`` group."""
     device: Literal["cpu", "cuda"] = "cpu"
-    """Where the ranks' tensors live."""
+    """Where the ranks' tensors live (a ``bcastbench run`` job: from ``backend.device``)."""
     socket_ifname: str | None = None
     """``GLOO_SOCKET_IFNAME`` for the actors (the emulated cluster's ``eth0``); a
     ``{local_rank}`` in it is filled per rank (``eth{local_rank}``: the emulated rails, one
     link per rank, while Ray's own transfers keep the node's first address); None: gloo's
     default."""
     timeout_s: float = 120.0
-    """No-answer limit for one task on the ranks; also gloo's own timeout (plus a margin)."""
+    """No-answer limit for one task on the ranks; also gloo's own timeout (plus a margin); a
+    ``bcastbench run`` job sets it from its ``timeout_s``."""
     start_timeout_s: float = 120.0
     """Limit for the placement group to be placed and every actor to join the world."""
-    dispatch: Literal["leader", "all_ranks"] = "leader"
-    """How a job's driver hands each replica its chunk: to the replica's leader, which then
-    broadcasts (ROLL), or one object per replica fetched by every rank (verl, NeMo-RL)."""
+    dispatch: Literal["none", "leader", "all_ranks"] = "none"
+    """What a ``bcastbench run world=ray`` job times. ``none``: the broadcast alone, the leader
+    already holding its batch (scope ``broadcast``, as on a forked world). ``leader``: the
+    driver's global batch chunked and put to each replica's leader through Ray, then the job's
+    strategy broadcasts it (ROLL). ``all_ranks``: one object per replica, fetched by every rank
+    (verl, NeMo-RL, OpenRLHF); the strategy plays no part. Both dispatch modes time from the
+    driver holding the batch to every rank holding its chunk (scope ``dispatch+broadcast``)
+    beside their raw floor (``harness.ray.dispatch``)."""
 
     def __post_init__(self) -> None:
         if self.placement not in ("STRICT_PACK", "PACK"):
@@ -98,8 +109,10 @@ class RayConf:
                 f"({self.actor_cpus}) > 0 and ray.object_store_mb ({self.object_store_mb}) >= 80 "
                 "(Ray's minimum object store is 75 MiB)"
             )
-        if self.dispatch not in ("leader", "all_ranks"):
-            raise ValueError(f"ray.dispatch must be leader or all_ranks, got {self.dispatch!r}")
+        if self.dispatch not in DISPATCH_MODES:
+            raise ValueError(
+                f"ray.dispatch must be one of {', '.join(DISPATCH_MODES)}, got {self.dispatch!r}"
+            )
 
 
 class RankActor:

@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never open a window
+    from harness.errors import program
     from harness.report.figures import FIGURES
     from harness.report.markdown import write_report
     from harness.report.tables import load
@@ -36,7 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     if df.empty:
         if load_dispatch_records(args.root):
             return 0
-        print(f"no result.json under {args.root}", file=sys.stderr)
+        failed = df.attrs.get("n_failed", 0)
+        why = (
+            f"all {failed} job(s) under {args.root} failed; their result.json say why "
+            "(status, error)"
+            if failed
+            else f"no result.json under {args.root}"
+        )
+        print(f"{program('harness.report.build')}: {why}", file=sys.stderr)
         return 1
     path = write_report(args.root, df)
     print(f"bcastbench report: {path} (figures beside it: {', '.join(FIGURES.values())})")

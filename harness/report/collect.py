@@ -15,9 +15,9 @@ import pandas as pd
 from harness.files import write_csv
 
 COLUMNS = [
-    "strategy", "layout", "world_size", "dp", "pp", "tp", "cp", "payload", "batch_size",
+    "status", "scope", "strategy", "mode", "layout", "world_size", "dp", "pp", "tp", "cp", "payload", "batch_size",
     "payload_bytes", "p50_us", "p90_us", "floor_p50_us", "baseline_p50_us", "vs_floor",
-    "vs_baseline", "algbw_gbps", "collectives_per_call", "peak_rss_bytes",
+    "vs_baseline", "algbw_gbps", "collectives_per_call", "peak_rss_bytes", "error",
 ]  # fmt: skip
 
 
@@ -38,7 +38,7 @@ def summary_table(df: pd.DataFrame) -> str:
     if df.empty:
         return "(no results)"
     cols = [c for c in COLUMNS if c in df.columns]
-    view = df[cols].sort_values(["layout", "batch_size", "strategy"])
+    view = df[cols].sort_values(["layout", "batch_size", "strategy"], na_position="last")
     fmt = {
         "p50_us": "{:.0f}".format,
         "p90_us": "{:.0f}".format,

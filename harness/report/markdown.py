@@ -254,7 +254,7 @@ def write_report(root: Path | str, df: pd.DataFrame | None = None) -> Path:
     title_figs = "\n\n".join(f"![{name}]({path.name})" for name, path in figures.items())
     text = f"""# bcastbench report: {root.name}
 
-{context_line(df)}. {len(df)} job record(s), {n_refused} of them unsupported (shown as n/a);
+{context_line(df)}. {len(df)} job record(s), {n_refused} of them unsupported (shown as n/a){_failed_note(df)};
 layouts {", ".join(layouts_of(df))}; git {unique_values(df, "git_rev")}, torch {unique_values(df, "torch_version")}.
 
 ## How this was produced
@@ -289,6 +289,12 @@ Each cell: p50 per call · `vs_floor` (p50 / floor p50, same job) · speedup ove
     return write_atomic(root / "report.md", text)
 
 
+def _failed_note(df: pd.DataFrame) -> str:
+    """How many failed jobs the tables leave out (their records keep status and error)."""
+    n = int(df.attrs.get("n_failed", 0))
+    return f"; {n} failed job(s) left out (their result.json says why)" if n else ""
+
+
 # -- Ray dispatch (harness.ray.dispatch records) ---------------------------------------------
 RAY_TIE = 0.10
 """Relative p50 difference below which the Ray section calls two modes even."""
@@ -296,17 +302,49 @@ RAY_TIE = 0.10
 
 def load_dispatch_records(root: Path | str) -> list[dict]:
     """Every dispatch record in the JSON lists directly under ``root`` (what ``python -m
-    harness.ray.dispatch --json`` and ``harness.ray.emulated --json`` write)."""
+    harness.ray.dispatch --json`` and ``harness.ray.emulated --json`` write), then those of a
+    ``bcastbench run world=ray ray.dispatch=...`` sweep's result.json files, merged into one
+    record per setting (``_merge_hydra_dispatch``)."""
     import json
 
     out = []
     for path in sorted(Path(root).glob("*.json")):
         data = json.loads(path.read_text())
         if isinstance(data, list):
-            out += [
-                r for r in data if isinstance(r, dict) and r.get("scope") == "dispatch+broadcast"
-            ]
-    return out
+            out += [r for r in data if isinstance(r, dict) and r.get("scope") == DISPATCH_SCOPE]
+    jobs = [json.loads(p.read_text()) for p in sorted(Path(root).rglob("result.json"))]
+    return out + _merge_hydra_dispatch(
+        [r for r in jobs if r.get("scope") == DISPATCH_SCOPE and r.get("status") == "ok"]
+    )
+
+
+DISPATCH_SCOPE = "dispatch+broadcast"
+_SAME_RUN = ("layout", "order", "world_size", "payload", "batch_size", "seq_len", "backend")
+
+
+def _merge_hydra_dispatch(jobs: list[dict]) -> list[dict]:
+    """One dispatch job times its mode and that mode's raw floor; a sweep's jobs of one setting
+    (layout, payload, size, backend, emulated links) become one record holding every mode, as
+    the dispatch CLI writes it. A floor several jobs measured keeps its median-p50 row."""
+    groups: dict[tuple, list[dict]] = {}
+    for job in jobs:
+        key = tuple(job.get(k) for k in _SAME_RUN) + tuple(
+            job.get(k) for k in sorted(job) if k.startswith("emulate_")
+        )
+        groups.setdefault(key, []).append(job)
+    merged = []
+    for group in groups.values():
+        rows: dict[str, list[dict]] = {}
+        for job in group:
+            for mode, row in job["modes"].items():
+                rows.setdefault(mode, []).append(row)
+        modes = {
+            m: sorted(r, key=lambda x: x["p50_us"])[(len(r) - 1) // 2] for m, r in rows.items()
+        }
+        first = group[0]
+        drop = ("modes", "mode", "dispatch", "strategy", "options", "status")
+        merged.append({**{k: v for k, v in first.items() if k not in drop}, "modes": modes})
+    return merged
 
 
 def _ray_winner(modes: dict[str, float]) -> str:

@@ -28,7 +28,7 @@ TIE_FRACTION = 0.10
 shared CPU machine moves by about this much from one run to the next."""
 SETTING = (
     "backend", "device", "world_size", "dp", "pp", "tp", "cp", "order", "payload", "seq_len",
-    "emulate_nodes", "emulate_links", "emulate_rate_mbit",
+    "emulate_nodes", "emulate_links", "emulate_rate_mbit", "world",
 )  # fmt: skip
 """Record fields that make two runs of one strategy at one payload size different runs."""
 
@@ -37,9 +37,10 @@ SETTING = (
 def load(root: Path | str) -> pd.DataFrame:
     """Every record under ``root`` (``collect.load``), with the columns the report needs and
     ``layout`` naming the run setting (``_label_settings``)."""
-    df = collect.load(root)
+    df = _broadcast_jobs_that_ran(collect.load(root))
     if df.empty:
         return df
+    df = _label_options(df)
     if "supported" not in df.columns:
         df["supported"] = True
     df["supported"] = df["supported"].fillna(True).astype(bool)
@@ -60,6 +61,41 @@ def load(root: Path | str) -> pd.DataFrame:
         df[col] = pd.to_numeric(df[col], errors="coerce") if col in df.columns else np.nan
     df["speedup_over_pickled"] = 1.0 / df["vs_baseline"]
     return _label_settings(df)
+
+
+def _broadcast_jobs_that_ran(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows this report is about: broadcast-scope jobs (Ray dispatch records have their
+    own report) that did not fail. How many failed goes to ``df.attrs["n_failed"]``."""
+    if df.empty:
+        df.attrs["n_failed"] = 0
+        return df
+    failed = df["status"] == "failed" if "status" in df.columns else pd.Series(False, df.index)
+    keep = ~failed
+    if "scope" in df.columns:
+        keep &= df["scope"].fillna("broadcast") == "broadcast"
+    out = df[keep].reset_index(drop=True)
+    out.attrs["n_failed"] = int(failed.sum())
+    return out
+
+
+def options_text(options) -> str:
+    """A strategy's options as one stable string (``serialization=dataclass``); '' for none."""
+    if not isinstance(options, dict) or not options:
+        return ""
+    return ",".join(f"{k}={options[k]}" for k in sorted(options))
+
+
+def _label_options(df: pd.DataFrame) -> pd.DataFrame:
+    """A strategy run with more than one set of options becomes one strategy per set
+    (``pickled [serialization=dataclass]``), so no table or figure merges them; the name
+    alone stays where a strategy ran with one set. ``strategy_name`` keeps the bare name."""
+    opts = df["options"] if "options" in df.columns else pd.Series([None] * len(df), df.index)
+    df["options"] = [options_text(o) for o in opts]
+    df["strategy_name"] = df["strategy"]
+    several = df.groupby("strategy")["options"].nunique()
+    split = df["strategy"].isin(several[several > 1].index) & (df["options"] != "")
+    df.loc[split, "strategy"] = df.loc[split, "strategy"] + " [" + df.loc[split, "options"] + "]"
+    return df
 
 
 def _label_settings(df: pd.DataFrame) -> pd.DataFrame:

@@ -6,7 +6,8 @@
 The launchers (``harness.run.launch``): a forked local world, a world a launcher started this
 process in (torchrun, a submitit job, a plain ``srun`` step: every task runs this whole task
 with one shared output directory and only global rank 0 writes the record and the log), or an
-emulated multi-node cluster (``emulate.enabled=true``). A job of a sweep that fails (a rank
+emulated multi-node cluster (``emulate.enabled=true``), or a world of Ray actors (``world=ray``,
+where ``ray.dispatch`` makes the job time dispatch from the driver too). A job of a sweep that fails (a rank
 crashed, hung or ended with wrong data) leaves a record saying so (``status: failed``, the
 error), the next job still runs and the failure is counted (``harness.run.progress``); a single
 run that fails ends the command with the error and leaves no record.
@@ -54,6 +55,8 @@ def spec_of(cfg, layout) -> JobSpec:
         link_bytes_calls=int(cfg.emulate.bytes_calls) if cfg.emulate.enabled else 0,
         backend=cfg.backend.name,
         device=cfg.backend.device,
+        world=str(cfg.world),
+        dispatch=str(cfg.ray.dispatch) if cfg.world == launchers.RAY else "none",
     )
 
 
@@ -63,6 +66,8 @@ def _launch(launch: launchers.Launch, cfg, spec: JobSpec, out_dir: Path):
     if launch.kind == launchers.EMULATED:
         overrides = list(HydraConfig.get().overrides.task)
         return launchers.run_emulated(cfg, spec, overrides, out_dir)
+    if spec.world == launchers.RAY:
+        return launchers.run_ray(cfg, spec)
     return launchers.run_forked(cfg, spec)
 
 

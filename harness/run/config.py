@@ -7,13 +7,14 @@ wrong with the numbers in the message.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, make_dataclass
-from typing import Any, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 import strategies
 from harness.cluster.netns import EmulateConf
+from harness.ray.world import RayConf
 from harness.run import payloads
 from strategies.core.layout import Layout, LayoutError
 
@@ -34,11 +35,23 @@ class StrategyConf:
     Hydra's instantiate convention); it is what the job runs and records."""
 
 
+def _node_type(hint):
+    """OmegaConf has no ``Literal``: a choice among strings is a ``str`` in the schema, and the
+    runtime type's own check (``__post_init__``, run by ``validate``) names the valid ones."""
+    if get_origin(hint) is Literal and all(isinstance(a, str) for a in get_args(hint)):
+        return str
+    return hint
+
+
 def _schema_of(runtime: type, name: str, doc: str) -> type:
     """A structured-config dataclass with the init fields of ``runtime`` (names, types,
     defaults), so the fields are written once, on the runtime type."""
     hints = get_type_hints(runtime)
-    spec = [(f.name, hints[f.name], field(default=f.default)) for f in fields(runtime) if f.init]
+    spec = [
+        (f.name, _node_type(hints[f.name]), field(default=f.default))
+        for f in fields(runtime)
+        if f.init
+    ]
     schema = make_dataclass(name, spec)
     schema.__doc__ = doc
     schema.__module__ = __name__
@@ -56,6 +69,14 @@ LayoutConf = _schema_of(
     belongs to ``strategies``, which knows nothing of Hydra. Why not a second hand-written
     list: a field added to ``Layout`` must appear here with its type and default, so it is read
     from there. ``layout_of`` turns the node into the runtime ``Layout``.""",
+)
+
+
+RayNode = _schema_of(
+    RayConf,
+    "RayNode",
+    """The ``ray`` node: ``harness.ray.world.RayConf``'s own fields (where the Ray cluster is,
+    how ranks are placed, ``dispatch``; each documented there), read when ``world=ray``.""",
 )
 
 
@@ -116,6 +137,13 @@ class BenchConf:
     """Measured in the same job for vs_floor and vs_baseline (pickled is the baseline)."""
     fault: FaultConf = field(default_factory=FaultConf)
     """Fault injection (tests)."""
+    world: str = "forked"
+    """Who runs the ranks when this process launches them: ``forked`` (local processes,
+    ``harness.run.world``) | ``ray`` (Ray actors in a placement group, ``harness.ray.world``;
+    needs the optional ``ray`` package). A world a launcher started (torchrun, Slurm) is
+    joined whatever this says, and must leave it ``forked``."""
+    ray: RayNode = field(default_factory=RayNode)
+    """The Ray world (``world=ray``): cluster address, placement, and ``ray.dispatch``."""
     emulate: EmulateConf = field(default_factory=EmulateConf)
     """Emulated multi-node cluster (off by default). Its own key, apart from the cost model's
     ``cluster`` group: this one runs the job, that one predicts it."""
@@ -171,6 +199,8 @@ def validate(cfg, world_size: int | None = None) -> Layout:
     _validate_backend(cfg, layout)
     if cfg.emulate.enabled:
         _validate_emulate(cfg, layout)
+    if cfg.world != "forked" or cfg.ray.dispatch != "none":
+        _validate_ray(cfg, joined=world_size is not None)
     if cfg.iters < 1 or cfg.warmup < 0:
         raise ConfigError(
             f"iters must be >= 1 and warmup >= 0, got iters={cfg.iters}, warmup={cfg.warmup}"
@@ -283,6 +313,59 @@ def _validate_backend(cfg, layout: Layout) -> None:
             f"nccl needs one GPU per rank: world {layout.world_size} > {gpus} GPUs "
             "(NCCL refuses two ranks on one GPU; use backend=gloo_cuda to share one)"
         )
+
+
+def ray_conf(cfg) -> RayConf:
+    """The runtime ``RayConf`` of ``cfg.ray``, with the job's backend, device and timeout."""
+    conf = OmegaConf.to_container(cfg.ray, resolve=True)
+    conf.update(backend=cfg.backend.name, device=cfg.backend.device, timeout_s=cfg.timeout_s)
+    return RayConf(**conf)
+
+
+def _validate_ray(cfg, joined: bool) -> None:
+    """``world=ray`` and ``ray.dispatch``: the values, where they can run, and Ray itself,
+    checked before any cluster starts."""
+    from harness.ray.world import RayUnavailable, import_ray
+
+    if cfg.world not in ("forked", "ray"):
+        raise ConfigError(f"world must be forked or ray, got {cfg.world!r}")
+    try:
+        ray_conf(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.world != "ray":
+        raise ConfigError(
+            f"ray.dispatch={cfg.ray.dispatch} needs world=ray (dispatch goes through Ray)"
+        )
+    if joined or cfg.emulate.enabled:
+        where = "emulate.enabled=true" if cfg.emulate.enabled else "a launched world (torchrun)"
+        raise ConfigError(
+            f"world=ray starts its own ranks as Ray actors; it cannot run under {where} "
+            "(Ray on the emulated cluster: python -m harness.ray.emulated)"
+        )
+    if cfg.ray.dispatch != "none":
+        _validate_dispatch(cfg)
+    try:
+        import_ray()
+    except RayUnavailable as exc:
+        raise ConfigError(f"world=ray: {exc}") from None
+
+
+def _validate_dispatch(cfg) -> None:
+    from harness.ray.dispatch import LEADER, Mode
+
+    if cfg.payload.name not in payloads.PAYLOADS:
+        raise ConfigError(
+            f"ray.dispatch={cfg.ray.dispatch}: the driver generates the global batch, so the "
+            f"payload must be one of {sorted(payloads.PAYLOADS)}, got {cfg.payload.name!r}"
+        )
+    if cfg.fault.rank >= 0:
+        raise ConfigError("fault injection runs on broadcast jobs only: set ray.dispatch=none")
+    if cfg.ray.dispatch == LEADER:
+        try:
+            Mode.parse(f"{LEADER}:{strategy_of(cfg)}")
+        except ValueError as exc:
+            raise ConfigError(f"ray.dispatch=leader, strategy: {exc}") from None
 
 
 def _validate_emulate(cfg, layout: Layout) -> None:

@@ -7,6 +7,9 @@ Three launchers, one question each answers: *where are the ranks?*
 * ``joined``: a launcher already started this process as one rank of a world (``torchrun``, a
   submitit job of several tasks, or a plain ``srun`` step of several tasks); every rank runs the
   job and global rank 0 gets every rank's result.
+* ``ray`` (``world=ray``): like ``forked``, but the ranks are Ray actors in a placement group
+  (``harness.ray.world``); with ``ray.dispatch`` set, the job times Ray dispatch plus the
+  broadcast instead (``harness.ray.dispatch``) and hands back a finished record.
 * ``emulated``: ``emulate.enabled=true`` and not already a rank: the driver builds an emulated
   multi-node cluster and runs the job there as a joined world one level down
   (``harness.cluster.launch``); its rank 0 summarizes, and the driver returns that record with
@@ -29,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-FORKED, JOINED, EMULATED = "forked", "joined", "emulated"
+FORKED, JOINED, EMULATED, RAY = "forked", "joined", "emulated", "ray"
 
 _SUBMITIT_TASKS = {"slurm": "SLURM_NTASKS", "local": "SUBMITIT_LOCAL_NTASKS"}
 _SUBMITIT_RANK = {"slurm": "SLURM_PROCID", "local": "SUBMITIT_LOCAL_GLOBALID"}
@@ -178,6 +181,65 @@ def run_forked(cfg, spec) -> Ran:
     start_s, world.start_s = world.start_s, 0.0  # paid once; later jobs on it started nothing
     what = f"job {spec.strategy} on {layout_name(spec.layout)}"
     return Ran(world.run(run_job_on_rank, spec, what=what), start_s)
+
+
+_RAY: dict = {}
+"""The Ray world of this process (one at most: a process holds one Ray session), kept across a
+sweep's jobs while its size and settings match, closed at exit."""
+
+
+def _ray_world(cfg, spec):
+    """Start (or reuse) the Ray world of the layout's size and ``cfg.ray``'s settings; a world
+    of another shape, or one a failed job tore down, is closed and replaced."""
+    import atexit
+
+    from harness.ray.world import RayWorld
+    from harness.run.config import ray_conf
+
+    conf = replace(ray_conf(cfg), dispatch="none")  # the mode may change; the world need not
+    key = (spec.layout.world_size, conf)
+    world = _RAY.get("world")
+    if world is not None and world.alive and _RAY.get("key") == key:
+        return world
+    close_ray()
+    world = _RAY["world"] = RayWorld(spec.layout.world_size, conf).start()
+    _RAY["key"] = key
+    atexit.register(close_ray)
+    return world
+
+
+def close_ray() -> None:
+    """Close this process's Ray world, if any: Ray shut down, every process it started gone."""
+    world = _RAY.pop("world", None)
+    _RAY.pop("key", None)
+    if world is not None:
+        world.close()
+
+
+def run_ray(cfg, spec) -> Ran:
+    """The job on a Ray world: the forked world's rank-side job, or (``ray.dispatch``) dispatch
+    from the driver's global batch through ``harness.ray.dispatch.run_dispatch``."""
+    from harness.run.records import build_dispatch, layout_name
+    from harness.run.runner import run_job_on_rank
+
+    world = _ray_world(cfg, spec)
+    start_s, world.start_s = world.start_s, 0.0  # paid once; later jobs on it started nothing
+    if spec.dispatch == "none":
+        what = f"job {spec.strategy} on {layout_name(spec.layout)}"
+        return Ran(world.run(run_job_on_rank, spec, what=what), start_s)
+    from harness.ray.dispatch import DispatchSpec, run_dispatch
+
+    mode = f"leader:{spec.strategy}" if spec.dispatch == "leader" else "all_ranks"
+    fields = ("payload", "batch_size", "seq_len", "broadcast_non_tensor", "seed", "iters")
+    dispatch = DispatchSpec(
+        spec.layout,
+        (mode,),
+        **{name: getattr(spec, name) for name in fields},
+        warmup=spec.warmup,
+        timeout_s=float(cfg.timeout_s),
+        options=dict(spec.options),
+    )
+    return Ran(record=build_dispatch(spec, run_dispatch(world, dispatch), start_s))
 
 
 def run_joined(cfg, spec, launch: Launch) -> Ran | None:

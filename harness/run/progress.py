@@ -46,16 +46,21 @@ def write_table(root: Path) -> Path | None:
 
 
 def _line(rec) -> str:
+    # A dispatch job is named by its mode (leader:<strategy>, all_ranks): it has no baseline.
+    who = (
+        f"{rec.get('mode') or rec['strategy']:<22} {rec['layout']:<10} "
+        if isinstance(rec, dict)
+        else ""
+    )
     if not isinstance(rec, dict) or rec.get("status") == "failed":
         error = rec.get("error") if isinstance(rec, dict) else rec
-        who = f"{rec['strategy']:<22} {rec['layout']:<10} " if isinstance(rec, dict) else ""
         return f"{who}FAILED: {str(error)[:160]}"
     if rec.get("supported") is False:
-        return f"{rec['strategy']:<22} {rec['layout']:<10} UNSUPPORTED: {rec['error'][:120]}"
+        return f"{who}UNSUPPORTED: {rec['error'][:120]}"
     return (
-        f"{rec['strategy']:<22} {rec['layout']:<10} {rec['payload_bytes'] / 1024:9.0f} KiB "
-        f"p50 {rec['p50_us'] / 1000:8.2f} ms  vs_floor {rec['vs_floor'] or 0:5.2f}  "
-        f"vs_baseline {rec['vs_baseline'] or 0:5.2f}"
+        f"{who}{rec['payload_bytes'] / 1024:9.0f} KiB "
+        f"p50 {rec['p50_us'] / 1000:8.2f} ms  vs_floor {rec['vs_floor'] or 0:5.2f}"
+        + (f"  vs_baseline {rec.get('vs_baseline') or 0:5.2f}" if "mode" not in rec else "")
     )
 
 

@@ -83,8 +83,13 @@ def _payload_label(spec) -> str:
 def _job_fields(spec) -> dict:
     """What the job was: the same fields whether it ran, was refused or failed."""
     layout = spec.layout
+    dispatch = getattr(spec, "dispatch", "none")
     return {
-        "strategy": spec.strategy,
+        "strategy": None if dispatch == "all_ranks" else spec.strategy,  # no strategy runs
+        "options": dict(spec.options),
+        "scope": SCOPE_BROADCAST if dispatch == "none" else SCOPE_DISPATCH,
+        **({"dispatch": dispatch} if dispatch != "none" else {}),
+        "world": getattr(spec, "world", "forked"),
         "backend": spec.backend,
         "device": spec.device,
         "world_size": layout.world_size,
@@ -97,6 +102,41 @@ def _job_fields(spec) -> dict:
         "seq_len": spec.seq_len,
         "iters": spec.iters,
         "warmup": spec.warmup,
+    }
+
+
+SCOPE_BROADCAST, SCOPE_DISPATCH = "broadcast", "dispatch+broadcast"
+"""What a job's clock covers: the broadcast from a leader that holds its batch, or everything
+from the driver holding the global batch to every rank holding its chunk (Ray dispatch)."""
+
+
+def build_dispatch(spec, timed: dict, world_start_s: float = 0.0) -> dict:
+    """The record of a dispatch job from ``harness.ray.dispatch.run_dispatch``'s record: the
+    job's mode flat (p50, its raw floor, vs_floor) and every mode measured in the job under
+    ``modes``, the shape the Ray report reads."""
+    from harness.ray.dispatch import FLOORS, LEADER
+
+    mode = f"{LEADER}:{spec.strategy}" if spec.dispatch == LEADER else "all_ranks"
+    job = _job_fields(spec)
+    if mode not in timed["modes"]:  # the leader's strategy refused the layout
+        why = timed["unsupported"].get(spec.strategy, "refused")
+        unsupported = {"status": "unsupported", "supported": False, "error": why}
+        return {**job, "mode": mode, **unsupported, "correct": None, **environment()}
+    mine, floor = timed["modes"][mode], timed["modes"][FLOORS[spec.dispatch]]
+    return {
+        **job,
+        "mode": mode,
+        "status": "ok",
+        "payload_bytes": timed["payload_bytes"],
+        **{k: mine[k] for k in ("p50_us", "p90_us", "p99_us", "min_us", "max_us", "mean_us")},
+        "floor_p50_us": floor["p50_us"],
+        "vs_floor": mine["vs_floor"],
+        "modes": timed["modes"],
+        "unsupported": timed["unsupported"],
+        "correct": True,
+        "supported": True,
+        "world_start_s": world_start_s,
+        **environment(),
     }
 
 

@@ -55,6 +55,10 @@ class JobSpec:
     """Process-group backend the world runs (recorded)."""
     device: str = "cpu"
     """cpu | cuda: where the tensors live (recorded)."""
+    world: str = "forked"
+    """forked | ray: who runs the ranks when the driver launches them (recorded)."""
+    dispatch: str = "none"
+    """Ray worlds: none (the broadcast alone) | leader | all_ranks (``RayConf.dispatch``)."""
 
 
 def _fault(spec: JobSpec, rank: int, it: int) -> None:

@@ -1,0 +1,120 @@
+"""Records keep their strategy's options and the report keys on them; failed jobs are left out
+of the report (and counted); a directory of failed jobs is one line and exit 1; Ray settings
+are checked before any Ray starts."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+
+from harness.report import collect, tables
+from harness.run import records
+from harness.run.runner import JobSpec
+from strategies.core.layout import Layout
+
+
+def _record(tmp, name, strategy="pickled", options=None, status="ok", p50=100.0, **extra):
+    spec = JobSpec(strategy, Layout(pp=2, tp=2), batch_size=8, seq_len=64, options=options or {})
+    rec = {**records._job_fields(spec), "status": status, "supported": status != "failed"}
+    if status == "ok":
+        rec.update(payload_bytes=4096, p50_us=p50, p90_us=p50, floor_p50_us=50.0,
+                   vs_floor=p50 / 50.0, vs_baseline=1.0, algbw_gbps=0.04)  # fmt: skip
+    else:
+        rec.update(error="rank 1 died")
+    rec.update(extra)
+    (tmp / name).mkdir()
+    (tmp / name / "result.json").write_text(json.dumps(rec))
+    return rec
+
+
+def test_records_carry_options_scope_and_world():
+    spec = JobSpec("pickled", Layout(pp=2, tp=2), options={"serialization": "dataclass"})
+    fields = records._job_fields(spec)
+    assert fields["options"] == {"serialization": "dataclass"}
+    assert fields["scope"] == "broadcast" and fields["world"] == "forked"
+    assert "dispatch" not in fields
+    ray_job = JobSpec("header", Layout(pp=2, tp=2), world="ray", dispatch="all_ranks")
+    fields = records._job_fields(ray_job)
+    assert fields["scope"] == "dispatch+broadcast" and fields["dispatch"] == "all_ranks"
+    assert fields["strategy"] is None  # all_ranks runs no broadcast strategy
+
+
+def test_runs_with_different_options_are_never_merged(tmp_path):
+    _record(tmp_path, "a", options={"serialization": "roll"}, p50=100.0)
+    _record(tmp_path, "b", options={"serialization": "dataclass"}, p50=300.0)
+    _record(tmp_path, "c", strategy="header", p50=40.0)
+    df = tables.load(tmp_path)
+    assert sorted(df["strategy"]) == [
+        "header",
+        "pickled [serialization=dataclass]",
+        "pickled [serialization=roll]",
+    ]
+    table = tables.strategy_table(df)
+    p50 = dict(zip(table["strategy"], table["p50_us"]))
+    assert p50["pickled [serialization=roll]"] == 100.0
+    assert p50["pickled [serialization=dataclass]"] == 300.0
+
+
+def test_failed_jobs_are_left_out_and_counted(tmp_path):
+    from harness.report.markdown import _failed_note
+
+    _record(tmp_path, "a", strategy="header")
+    _record(tmp_path, "b", strategy="flat", status="failed")
+    df = tables.load(tmp_path)
+    assert list(df["strategy"]) == ["header"]
+    assert df.attrs["n_failed"] == 1
+    assert "1 failed job(s) left out" in _failed_note(df)
+    assert {"status", "error"} <= set(collect.COLUMNS)
+    assert "failed" in collect.summary_table(collect.load(tmp_path))
+
+
+def test_report_of_only_failed_jobs_is_one_line_and_exit_1(tmp_path, capsys):
+    from harness.report.build import main
+
+    _record(tmp_path, "a", status="failed")
+    _record(tmp_path, "b", strategy="flat", status="failed")
+    assert main([str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert len(captured.err.strip().splitlines()) == 1, captured.err
+    assert "all 2 job(s)" in captured.err and "Traceback" not in captured.err
+
+
+def _compose(overrides):
+    from hydra import compose, initialize_config_dir
+
+    from harness import paths
+    from harness.run.config import register
+
+    register()
+    with initialize_config_dir(config_dir=str(paths.CONF_DIR), version_base="1.3"):
+        return compose("config", overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides,says",
+    [
+        (["world=threads"], "world must be forked or ray"),
+        (["ray.dispatch=leader"], "ray.dispatch=leader needs world=ray"),
+        (["world=ray", "ray.dispatch=everyone"], "ray.dispatch must be one of none, leader"),
+        (["world=ray", "ray.placement=SPREAD"], "ray.placement must be STRICT_PACK or PACK"),
+        (["ray_job=all_ranks", "fault.rank=1"], "fault injection runs on broadcast jobs only"),
+        (["ray_job=leader_header", "emulate.enabled=true"], "python -m harness.ray.emulated"),
+    ],
+)
+def test_ray_settings_are_checked_before_ray_starts(overrides, says):
+    from harness.run.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=says):
+        validate(_compose(overrides))
+
+
+def test_missing_ray_is_one_line_naming_the_install(monkeypatch, capsys, tmp_path):
+    from harness.run import cli
+
+    monkeypatch.setitem(sys.modules, "ray", types.ModuleType("ray"))  # not Ray: no init
+    assert cli.main(["world=ray", f"hydra.run.dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and 'pip install "ray==2.60.0"' in err, err
