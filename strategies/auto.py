@@ -71,15 +71,20 @@ class Auto(Strategy):
             if isinstance(s, PackedStrategy):
                 s.wire = wires[0]  # one agreed next size, whichever of them serves
         self.choice = first if first in self.built else next(iter(self.built))
+        self._last_key: tuple | None = None  # the last shape priced, and its choice
+        self._last_choice = self.choice
 
     def get_data_input(self, batch: DataProto) -> DataProto:
         serving = self.built[self.choice]
         out = serving.get_data_input(batch)
         header = getattr(serving, "last_header", None)
         if header is not None:
-            self.choice = choose(
-                self.layout, spec_of_header(header), self.cluster, tuple(self.built)
-            )
+            key = (header.entries, header.non_tensor, header.header_len)
+            if key != self._last_key:  # a new shape: price it (steady state skips this)
+                spec = spec_of_header(header)
+                self._last_key = key
+                self._last_choice = choose(self.layout, spec, self.cluster, tuple(self.built))
+            self.choice = self._last_choice
         return out
 
     @classmethod
