@@ -7,10 +7,11 @@ The launchers (``harness.run.launch``): a forked local world, a world a launcher
 process in (torchrun, a submitit job, a plain ``srun`` step: every task runs this whole task
 with one shared output directory and only global rank 0 writes the record and the log), or an
 emulated multi-node cluster (``emulate.enabled=true``), or a world of Ray actors (``world=ray``,
-where ``ray.dispatch`` makes the job time dispatch from the driver too). A job of a sweep that fails (a rank
-crashed, hung or ended with wrong data) leaves a record saying so (``status: failed``, the
-error), the next job still runs and the failure is counted (``harness.run.progress``); a single
-run that fails ends the command with the error and leaves no record.
+where ``ray.dispatch`` makes the job time dispatch from the driver too). A job of a sweep that
+fails (a rank crashed, hung or ended with wrong data) leaves a record saying so (``status:
+failed``, the error), the next job still runs and the failure is counted
+(``harness.run.progress``); a single run that fails ends the command with the error and leaves
+no record.
 """
 
 from __future__ import annotations

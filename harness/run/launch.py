@@ -188,21 +188,20 @@ _RAY: dict = {}
 sweep's jobs while its size and settings match, closed at exit."""
 
 
-def _ray_world(cfg, spec):
-    """Start (or reuse) the Ray world of the layout's size and ``cfg.ray``'s settings; a world
-    of another shape, or one a failed job tore down, is closed and replaced."""
+def ray_world(world_size: int, conf):
+    """Start (or reuse) this process's Ray world of ``world_size`` ranks and ``conf``
+    (``RayConf``; its ``dispatch`` is ignored: the world serves every mode); a world of another
+    shape, or one a failed job tore down, is closed and replaced."""
     import atexit
 
     from harness.ray.world import RayWorld
-    from harness.run.config import ray_conf
 
-    conf = replace(ray_conf(cfg), dispatch="none")  # the mode may change; the world need not
-    key = (spec.layout.world_size, conf)
+    key = (world_size, replace(conf, dispatch="none"))
     world = _RAY.get("world")
     if world is not None and world.alive and _RAY.get("key") == key:
         return world
     close_ray()
-    world = _RAY["world"] = RayWorld(spec.layout.world_size, conf).start()
+    world = _RAY["world"] = RayWorld(world_size, key[1]).start()
     _RAY["key"] = key
     atexit.register(close_ray)
     return world
@@ -219,10 +218,11 @@ def close_ray() -> None:
 def run_ray(cfg, spec) -> Ran:
     """The job on a Ray world: the forked world's rank-side job, or (``ray.dispatch``) dispatch
     from the driver's global batch through ``harness.ray.dispatch.run_dispatch``."""
+    from harness.run.config import ray_conf
     from harness.run.records import build_dispatch, layout_name
     from harness.run.runner import run_job_on_rank
 
-    world = _ray_world(cfg, spec)
+    world = ray_world(spec.layout.world_size, ray_conf(cfg))
     start_s, world.start_s = world.start_s, 0.0  # paid once; later jobs on it started nothing
     if spec.dispatch == "none":
         what = f"job {spec.strategy} on {layout_name(spec.layout)}"

@@ -3,7 +3,8 @@ rank-side job unchanged, both dispatch modes deliver every replica's chunk bit f
 crashing rank fails the job by name, and closing leaves no process Ray started behind.
 
 One private Ray cluster of 2 CPUs for the module (starting it and 4 actors that import torch
-and megatron-core is most of the time); skipped when ray is not installed.
+and megatron-core is most of the time), also serving the ``bcastbench run world=ray`` jobs
+(the run path's Ray world is this one); skipped when ray is not installed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ if not hasattr(ray, "init"):  # tests/verl_support.py registers a bare stand-in 
     )
 
 from harness.ray.dispatch import DispatchSpec, Mode, _Driver, _verify, run_dispatch  # noqa: E402
-from harness.ray.world import RayConf, RayWorld  # noqa: E402
+from harness.ray.world import RayConf  # noqa: E402
 from harness.run.runner import JobSpec, run_job_on_rank, summarize  # noqa: E402
 from harness.run.world import WorldError  # noqa: E402
 from strategies.core.layout import Layout  # noqa: E402
@@ -27,12 +28,19 @@ TP2PP2 = Layout(pp=2, tp=2)
 SMALL = {"batch_size": 4, "seq_len": 64}
 
 
+CONF = RayConf(num_cpus=2, object_store_mb=256)
+"""The module's Ray world; the Hydra jobs below ask for the same (ray.object_store_mb=256)."""
+
+
 @pytest.fixture(scope="module")
 def ray_world():
-    world = RayWorld(4, RayConf(num_cpus=2, object_store_mb=256)).start()
+    from harness.run import launch
+
+    world = launch.ray_world(4, CONF)  # the run path's world: its jobs reuse this one
     try:
         yield world
     finally:
+        launch.close_ray()
         world.close(kill=True)
 
 
@@ -90,6 +98,46 @@ def test_forked_worlds_rank_job_runs_unchanged(ray_world):
     summary = summarize(spec, ray_world.run(run_job_on_rank, spec))
     assert set(summary["strategies"]) == {"header", "floor"}
     assert summary["strategies"]["header"]["collectives_leader"] >= 1
+
+
+def test_bcastbench_run_world_ray_broadcast_and_dispatch(ray_world, tmp_path):
+    """One Hydra sweep, in process: the broadcast alone and one dispatch job of each mode on
+    the module's Ray world (reused, not restarted), each verified and recorded with its scope."""
+    import json
+
+    from harness.run import cli, launch
+
+    status = cli.main(
+        ["-m", "ray_job=broadcast,leader_header,all_ranks", "payload.batch_size=4",
+         "payload.seq_len=64", "iters=2", "warmup=1", "references=[floor]",
+         "ray.object_store_mb=256", f"hydra.sweep.dir={tmp_path}"]
+    )  # fmt: skip
+    assert status == 0
+    assert launch._RAY["world"] is ray_world, "the sweep must reuse the running Ray world"
+    recs = [json.loads(p.read_text()) for p in sorted(tmp_path.rglob("result.json"))]
+    by_scope = {(r["scope"], r.get("dispatch")): r for r in recs}
+    assert set(by_scope) == {
+        ("broadcast", None),
+        ("dispatch+broadcast", "leader"),
+        ("dispatch+broadcast", "all_ranks"),
+    }
+    for rec in recs:
+        assert rec["status"] == "ok" and rec["correct"] is True and rec["world"] == "ray", rec
+        assert rec["p50_us"] > 0
+    # The world's start is charged to the first job that ran on it, never again.
+    assert [r["world_start_s"] for r in recs][1:] == [0.0, 0.0]
+    assert by_scope[("broadcast", None)]["strategy"] == "header"
+    leader = by_scope[("dispatch+broadcast", "leader")]
+    assert leader["mode"] == "leader:header" and set(leader["modes"]) == {
+        "leader:header",
+        "leader:floor",
+    }
+    every = by_scope[("dispatch+broadcast", "all_ranks")]
+    assert every["mode"] == "all_ranks" and set(every["modes"]) == {"all_ranks", "all_ranks:raw"}
+    from harness.report.markdown import load_dispatch_records
+
+    (merged,) = load_dispatch_records(tmp_path)  # one setting: the report's single record
+    assert set(merged["modes"]) == {"leader:header", "leader:floor", "all_ranks", "all_ranks:raw"}
 
 
 def test_crashing_rank_fails_by_name_and_close_leaves_nothing(ray_world):
