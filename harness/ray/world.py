@@ -28,6 +28,8 @@ for it so rank ``r`` lands on node ``r // ranks_per_node``, as torchrun's node r
 
 
 DISPATCH_MODES = ("none", "leader", "all_ranks")
+DEATH_GRACE_S = 3.0
+"""How long, after a rank fails, the world waits for its peers to fail too before naming one."""
 """Values of ``RayConf.dispatch``."""
 
 
@@ -254,6 +256,9 @@ class RayWorld:
             # cluster whose address another run left in /tmp/ray/ray_current_cluster.
             ray.init(
                 address="local",
+                # A private cluster on this machine talks over loopback only, never through
+                # the host's outward-facing interface.
+                _node_ip_address="127.0.0.1",
                 num_cpus=self.conf.num_cpus,
                 object_store_memory=self.conf.object_store_mb * 2**20,
                 include_dashboard=False,
@@ -428,10 +433,29 @@ class RayWorld:
             try:
                 results[rank_of[ref]] = ray.get(ref)
             except Exception as exc:
+                rank, exc = self._root_failure(rank_of[ref], exc, pending, rank_of)
                 self.close(kill=True)
                 detail = str(exc).strip()
                 raise WorldError(
-                    f"rank {rank_of[ref]} failed in {what}: {type(exc).__name__}; the Ray world "
+                    f"rank {rank} failed in {what}: {type(exc).__name__}; the Ray world "
                     f"was torn down\n{detail}"
                 ) from None
         return [results[r] for r in range(len(refs))]
+
+    def _root_failure(self, rank: int, exc: Exception, pending: list, rank_of: dict):
+        """The failure to name. When one rank dies, its peers fail too (their collectives lose
+        a connection), and whichever answers first is not the cause: wait briefly for the others
+        and prefer a rank whose actor died over one that raised."""
+        ray = self._ray
+        died = ray.exceptions.RayActorError
+        if isinstance(exc, died) or not pending:
+            return rank, exc
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=DEATH_GRACE_S)
+        for ref in sorted(ready, key=rank_of.get):
+            try:
+                ray.get(ref)
+            except died as other:
+                return rank_of[ref], other
+            except Exception:
+                continue
+        return rank, exc

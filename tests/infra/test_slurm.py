@@ -74,7 +74,7 @@ def test_slurm_sweep_one_rank_per_task_and_crash(slurm, tmp_path):
     for job_dir in (p.parent for p in records):
         assert sorted(p.name for p in job_dir.iterdir()) == [
             ".hydra",
-            "__main__.log",
+            "bcastbench.log",
             "result.json",
         ]
     # Each job ran as 4 Slurm tasks (one rank each), not as a world forked by one task: one

@@ -154,7 +154,8 @@ def tensordict_library_job(ctx, ranks: list[int], src: int) -> tuple[str, str] |
 def test_runner_job_bit_exact(world4, name, layout):
     spec = JobSpec(strategy=name, layout=layout, batch_size=4, seq_len=64, iters=2, warmup=1)
     record = summarize(spec, world4.run(run_job_on_rank, spec))
-    assert set(record["strategies"]) == {name, "floor", "pickled"}
+    # A floor reference is timed as every raw method the layout allows (floor, floor:<method>).
+    assert {n.split(":")[0] for n in record["strategies"]} == {name, "floor", "pickled"}
     assert record["strategies"][name]["p50_us"] > 0
 
 
