@@ -69,8 +69,13 @@ class Progress(Callback):
         self.t0 = time.monotonic()
         self.sweeping = False
 
-    def on_run_start(self, config, **kwargs) -> None:
-        STATE.records = Path(str(config.hydra.run.dir))
+    def on_job_start(self, config, **kwargs) -> None:
+        # A single run's directory interpolates hydra:runtime, which resolves only once the
+        # job has started (on_run_start would warn on every run); a sweep's is known earlier.
+        if not self.sweeping:
+            from hydra.core.hydra_config import HydraConfig
+
+            STATE.records = Path(HydraConfig.get().runtime.output_dir)
 
     def on_multirun_start(self, config, **kwargs) -> None:
         self.t0 = time.monotonic()
