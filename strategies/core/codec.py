@@ -388,17 +388,8 @@ def pack_deferred(
     if non_tensor_batch is not None:
         blob = pickle.dumps(non_tensor_batch, protocol=pickle.HIGHEST_PROTOCOL)
     leaves = message_parts(batch, rank) if parts is None else parts
-    signature = (
-        tuple(batch.batch_size),
-        tuple((k, kind, aux, t.dtype, t.shape) for k, kind, aux, t in leaves),
-        direct,
-    )
     cache = {} if cache is None else cache
-    if cache.get("signature") != signature:
-        entries, tensor_end, _ = layout_entries(batch, rank, None, direct, leaves)
-        cache.clear()
-        cache.update(signature=signature, entries=entries, tensor_end=tensor_end)
-    entries, tensor_end = cache["entries"], cache["tensor_end"]
+    entries, tensor_end = _cached_layout(cache, batch, leaves, direct, rank)
     span = None
     data_bytes = tensor_end
     if blob is not None:
@@ -416,6 +407,36 @@ def pack_deferred(
     if out is None or out.numel() < capacity or out.device != device:
         out = torch.empty(capacity + capacity // 4, dtype=torch.uint8, device=device)
     out[:header_len].copy_(raw)
+    dst, src_index, starts = _cached_views(cache, out, entries, header_len)
+    sources = [leaves[i][3] for i in src_index]
+    blob_at = header_len + span[0] if blob is not None else total
+    fill = _filler(out, dst, sources, starts, blob, blob_at)
+    header = Header(
+        tuple(batch.batch_size), tuple(entries), data_bytes, header_len, next_expect, span
+    )
+    WORK["packed_bytes"] += total
+    if blob is not None:
+        WORK["pickled_bytes"] += len(blob)
+    return out, header, fill
+
+
+def _cached_layout(cache: dict, batch: TensorDict, leaves, direct, rank: int):
+    """(entries, end of the tensor region): laid out again only when the structure changes."""
+    signature = (
+        tuple(batch.batch_size),
+        tuple((k, kind, aux, t.dtype, t.shape) for k, kind, aux, t in leaves),
+        direct,
+    )
+    if cache.get("signature") != signature:
+        entries, tensor_end, _ = layout_entries(batch, rank, None, direct, leaves)
+        cache.clear()
+        cache.update(signature=signature, entries=entries, tensor_end=tensor_end)
+    return cache["entries"], cache["tensor_end"]
+
+
+def _cached_views(cache: dict, out: torch.Tensor, entries, header_len: int):
+    """Destination views of every packed entry in ``out`` (made again only for a new buffer
+    or header length), the entries' indices and their start bytes."""
     views_key = (out.data_ptr(), header_len)
     if cache.get("views_key") != views_key:
         dst, src_index, starts = [], [], []
@@ -426,8 +447,12 @@ def pack_deferred(
                 src_index.append(i)
                 starts.append(start)
         cache.update(views_key=views_key, dst=dst, src_index=src_index, starts=starts)
-    dst, src_index, starts = cache["dst"], cache["src_index"], cache["starts"]
-    blob_start = header_len + span[0] if blob is not None else total
+    return cache["dst"], cache["src_index"], cache["starts"]
+
+
+def _filler(out: torch.Tensor, dst, sources, starts, blob: bytes | None, blob_at: int):
+    """``fill(upto)``: copy every leaf (and the blob) that starts before byte ``upto`` and is
+    not copied yet."""
     done = 0
     blob_done = blob is None
 
@@ -438,21 +463,15 @@ def pack_deferred(
             end += 1
         if end > done:
             # One C++ call for these copies; non-contiguous sources copy only their elements.
-            torch._foreach_copy_(dst[done:end], [leaves[src_index[k]][3] for k in range(done, end)])
+            torch._foreach_copy_(dst[done:end], sources[done:end])
             done = end
-        if not blob_done and blob_start < upto:
-            out[blob_start : blob_start + len(blob)].copy_(
+        if not blob_done and blob_at < upto:
+            out[blob_at : blob_at + len(blob)].copy_(
                 torch.frombuffer(bytearray(blob), dtype=torch.uint8)
             )
             blob_done = True
 
-    header = Header(
-        tuple(batch.batch_size), tuple(entries), data_bytes, header_len, next_expect, span
-    )
-    WORK["packed_bytes"] += total
-    if blob is not None:
-        WORK["pickled_bytes"] += len(blob)
-    return out, header, fill
+    return fill
 
 
 def _leaf_device(batch: TensorDict) -> torch.device:
