@@ -60,26 +60,7 @@ def test_bench_gate(benchmark, bench_world, mode, strategy: str, size: str):
         summary = summarize(spec, bench_world.run(run_job_on_rank, spec, what=f"{strategy} job"))
         mine = summary["strategies"][strategy]
         clock.now_s += mine["p50_us"] / 1e6
-        # The honest floor: the fastest raw method of the job (runner.best_floor).
-        single_us = summary["strategies"]["floor"]["p50_us"]
-        floor_us = summary.get("floor_p50_us", single_us)
-        rounds.append(
-            {
-                "payload_bytes": summary["payload_bytes"],
-                "p50_us": mine["p50_us"],
-                "p90_us": mine["p90_us"],
-                "floor_p50_us": floor_us,
-                "floor_method": summary.get("floor_method", "one"),
-                "floor_single_p50_us": single_us,
-                "baseline_p50_us": summary["strategies"]["pickled"]["p50_us"],
-                "vs_floor": mine["p50_us"] / floor_us,
-                "vs_floor_single": mine["p50_us"] / single_us,
-                "vs_baseline": mine["p50_us"] / summary["strategies"]["pickled"]["p50_us"],
-                "collectives_per_call": mine["collectives_per_call"],
-                "auto_choice": mine.get("choice"),
-                "job_wall_s": time.perf_counter() - t0,
-            }
-        )
+        rounds.append(round_record(summary, strategy, time.perf_counter() - t0))
         return summary
 
     if hasattr(benchmark, "_timer"):
@@ -113,23 +94,55 @@ def test_bench_gate(benchmark, bench_world, mode, strategy: str, size: str):
         }
     )
 
-    per_round = "; ".join(
-        f"round {i}: p50 {r['p50_us'] / 1e3:.2f} ms, floor {r['floor_p50_us'] / 1e3:.2f} ms "
-        f"({r['floor_method']}), "
-        f"pickled {r['baseline_p50_us'] / 1e3:.2f} ms"
-        for i, r in enumerate(rounds)
+    problems = gate_problems(median, BOUNDS[(strategy, size)])
+    assert not problems, (
+        f"{strategy} at {size} on {layout_name}: " + "; ".join(problems) + f" [{per_round(rounds)}]"
     )
+
+
+def round_record(summary: dict, strategy: str, job_wall_s: float) -> dict:
+    """One round's figures: the strategy beside the honest floor (the fastest raw method of the
+    job, ``runner.best_floor``), the single broadcast and pickled, all from the same job."""
+    mine = summary["strategies"][strategy]
+    single_us = summary["strategies"]["floor"]["p50_us"]
+    floor_us = summary.get("floor_p50_us", single_us)
+    base_us = summary["strategies"]["pickled"]["p50_us"]
+    return {
+        "payload_bytes": summary["payload_bytes"],
+        "p50_us": mine["p50_us"],
+        "p90_us": mine["p90_us"],
+        "floor_p50_us": floor_us,
+        "floor_method": summary.get("floor_method", "one"),
+        "floor_single_p50_us": single_us,
+        "baseline_p50_us": base_us,
+        "vs_floor": mine["p50_us"] / floor_us,
+        "vs_floor_single": mine["p50_us"] / single_us,
+        "vs_baseline": mine["p50_us"] / base_us,
+        "collectives_per_call": mine["collectives_per_call"],
+        "auto_choice": mine.get("choice"),
+        "job_wall_s": job_wall_s,
+    }
+
+
+def gate_problems(median: dict, bounds: dict) -> list[str]:
+    """What the medians break: the floor's lower limit and each bound."""
     problems = []
     if median["vs_floor"] < MIN_VS_FLOOR:
         problems.append(
             f"median vs_floor {median['vs_floor']:.2f} < {MIN_VS_FLOOR} (faster than every raw "
             "method of the floor: the floor is not the limit, or the strategy skipped work)"
         )
-    for measure, limit in BOUNDS[(strategy, size)].items():
+    for measure, limit in bounds.items():
         if median[measure] > limit:
             problems.append(f"median {measure} {median[measure]:.2f} > bound {limit}")
-    assert not problems, (
-        f"{strategy} at {size} on {layout_name}: " + "; ".join(problems) + f" [{per_round}]"
+    return problems
+
+
+def per_round(rounds: list[dict]) -> str:
+    return "; ".join(
+        f"round {i}: p50 {r['p50_us'] / 1e3:.2f} ms, floor {r['floor_p50_us'] / 1e3:.2f} ms "
+        f"({r['floor_method']}), pickled {r['baseline_p50_us'] / 1e3:.2f} ms"
+        for i, r in enumerate(rounds)
     )
 
 
