@@ -37,6 +37,7 @@ def _rank(rank: int, world: int, port: int, conn) -> None:
         world_size=world,
         timeout=datetime.timedelta(seconds=120),
     )
+    conn.send("ready")
     while (request := conn.recv()) is not None:
         nbytes, iters, warmup = request
         sent = torch.arange(nbytes, dtype=torch.int64).to(torch.uint8) if rank == 0 else None
@@ -66,6 +67,11 @@ class BareWorld:
         ]
         for p in self.procs:
             p.start()
+        # Spawned ranks import torch for seconds: wait, so nothing timed meanwhile pays for it.
+        for r, c in enumerate(self.conns):
+            if not c.poll(300) or c.recv() != "ready":
+                self.close()
+                raise TimeoutError(f"bare world: rank {r} did not start within 300 s")
 
     def p50_us(self, nbytes: int, iters: int = 20, warmup: int = 3) -> float:
         """p50 (µs, max over ranks per iteration) of one broadcast of ``nbytes``."""
