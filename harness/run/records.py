@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import subprocess
 import sys
@@ -50,6 +51,8 @@ def environment() -> dict:
         "megatron_core_version": _version("megatron-core"),
         "tensordict_version": _version("tensordict"),
         "hostname": socket.gethostname(),
+        # The report's caveat reads the machine from the records, not from where it runs.
+        "cpu_count": os.cpu_count(),
         "git_rev": git_rev(),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
