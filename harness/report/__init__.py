@@ -12,10 +12,11 @@ import importlib
 
 _HOMES = {
     "tables": (
-        "BASELINE", "FLOOR", "SETTING", "TIE_FRACTION", "clean_reason", "context_line",
-        "crossovers", "floor_table", "human_bytes", "layout_label", "layouts_of", "load",
+        "BASELINE", "FLOOR", "SETTING", "SINGLE", "TIE_FRACTION", "clean_reason",
+        "context_line", "crossovers", "floor_method_text", "floor_reference", "floor_table",
+        "human_bytes", "layout_label", "layouts_of", "load",
         "recommendation", "recommendation_ranges", "run_dates", "strategies_of",
-        "strategy_table", "unique_values",
+        "strategy_table", "unique_values", "winning_floor",
     ),
     "figures": (
         "FIGURES", "PLOTS", "plot_algbw", "plot_latency", "plot_overhead", "plot_speedup",

@@ -23,6 +23,8 @@ from harness.report import collect
 BASELINE = "pickled"
 """Every job times this beside the strategy under test; speedups are over it."""
 FLOOR = "floor"
+SINGLE = "one"
+"""The floor method that is one raw broadcast (the only floor older records timed)."""
 TIE_FRACTION = 0.10
 """Two strategies whose vs_floor differ by less than this are called a tie: a job's p50 on a
 shared CPU machine moves by about this much from one run to the next."""
@@ -60,7 +62,40 @@ def load(root: Path | str) -> pd.DataFrame:
         # Refused rows (and jobs run without a reference) leave gaps: make them NaN, not None.
         df[col] = pd.to_numeric(df[col], errors="coerce") if col in df.columns else np.nan
     df["speedup_over_pickled"] = 1.0 / df["vs_baseline"]
-    return _label_settings(df)
+    return _label_settings(_honest_floor(df))
+
+
+def floor_reference(method: str) -> str:
+    """The reference name a floor method's figures are recorded under (``floor`` for the
+    single broadcast, ``floor:<method>`` for the others)."""
+    return FLOOR if method in (None, "", SINGLE) else f"{FLOOR}:{method}"
+
+
+def winning_floor(df: pd.DataFrame, field: str) -> pd.Series:
+    """Per row, ``field`` of the floor method that won in that job (``ref_<name>_<field>``);
+    NaN where the job recorded no such reference."""
+    out = pd.Series(np.nan, index=df.index, dtype=float)
+    for method, rows in df.groupby("floor_method").groups.items():
+        col = f"ref_{floor_reference(method)}_{field}"
+        if col in df.columns:
+            out.loc[rows] = pd.to_numeric(df.loc[rows, col], errors="coerce")
+    return out
+
+
+def _honest_floor(df: pd.DataFrame) -> pd.DataFrame:
+    """Every row gets ``floor_method`` and ``floor_single_p50_us``. Records written before the
+    floor became a family timed the single broadcast only: their floor *is* that broadcast."""
+    if "floor_method" not in df.columns:
+        df["floor_method"] = None
+    timed = df["floor_p50_us"].notna()
+    df.loc[timed & df["floor_method"].isna(), "floor_method"] = SINGLE
+    single = pd.Series(np.nan, index=df.index, dtype=float)
+    for col in ("floor_single_p50_us", f"ref_{FLOOR}_p50_us", "floor_p50_us"):
+        if col in df.columns:
+            single = single.fillna(pd.to_numeric(df[col], errors="coerce"))
+    df["floor_single_p50_us"] = single.where(timed)
+    df["vs_floor_single"] = df["p50_us"] / df["floor_single_p50_us"]
+    return df
 
 
 def _broadcast_jobs_that_ran(df: pd.DataFrame) -> pd.DataFrame:
@@ -144,7 +179,10 @@ def strategy_table(df: pd.DataFrame) -> pd.DataFrame:
     The setting is ``layout`` (see ``load``) and every ``SETTING`` field, so jobs that differ
     in any of them are separate rows. Unsupported combinations keep a row with ``supported``
     False and their ``error``."""
-    cols = ["p50_us", "p90_us", "vs_floor", "vs_baseline", "algbw_gbps", "speedup_over_pickled"]
+    cols = [
+        "p50_us", "p90_us", "vs_floor", "vs_floor_single", "vs_baseline", "algbw_gbps",
+        "speedup_over_pickled",
+    ]  # fmt: skip
     key = ["layout", *[c for c in SETTING if c in df.columns], "strategy", "payload_bytes"]
     ok = df[df["supported"]]
     measured = ok.groupby(key, as_index=False, dropna=False).agg(
@@ -160,15 +198,34 @@ def strategy_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def floor_table(df: pd.DataFrame) -> pd.DataFrame:
-    """The floor per (layout, payload_bytes): every job measures it, so take the median over
-    the jobs and keep how many there were (``n_jobs``)."""
-    ok = df[df["supported"] & df["floor_p50_us"].notna()]
-    agg = {"floor_p50_us": ("floor_p50_us", "median"), "n_jobs": ("floor_p50_us", "size")}
-    if "ref_floor_p90_us" in ok.columns:
-        agg["floor_p90_us"] = ("ref_floor_p90_us", "median")
-    out = ok.groupby(["layout", "payload_bytes"], as_index=False).agg(**agg)
+    """The honest floor per (layout, payload_bytes): every job times it (the fastest raw method
+    of that job), so take the median over the jobs and keep how many there were (``n_jobs``),
+    the method that won most often (``floor_method``, in ``method_jobs`` of them) and the
+    single broadcast beside it (``floor_single_p50_us``)."""
+    ok = df[df["supported"] & df["floor_p50_us"].notna()].copy()
+    ok["winner_p90_us"] = winning_floor(ok, "p90_us")
+    out = ok.groupby(["layout", "payload_bytes"], as_index=False).agg(
+        floor_p50_us=("floor_p50_us", "median"),
+        n_jobs=("floor_p50_us", "size"),
+        floor_p90_us=("winner_p90_us", "median"),
+        floor_single_p50_us=("floor_single_p50_us", "median"),
+        floor_method=("floor_method", _most_often),
+        method_jobs=("floor_method", lambda s: int(s.value_counts().iloc[0])),
+    )
     out["floor_algbw_gbps"] = out["payload_bytes"] / (out["floor_p50_us"] / 1e6) / 1e9
     return out
+
+
+def _most_often(values: pd.Series) -> str:
+    """The value seen most often (the first in sorted order on a tie, so reports are stable)."""
+    counts = values.value_counts()
+    return sorted(counts[counts == counts.iloc[0]].index)[0]
+
+
+def floor_method_text(row) -> str:
+    """'chunks2' when every job's floor was that method, 'chunks2 in 3 of 4 jobs' otherwise."""
+    method, won, jobs = row["floor_method"], int(row["method_jobs"]), int(row["n_jobs"])
+    return method if won == jobs else f"{method} in {won} of {jobs} jobs"
 
 
 # -- labels ---------------------------------------------------------------------------------
