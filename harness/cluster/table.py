@@ -5,8 +5,9 @@
 
 Two jobs run on the emulated 2-node cluster (harness.cluster.launch; tp=2 inside a node, pp=2 across
 1 Gbit/s links, rl_rollout 720 × 512 ≈ 16 MiB): one with one link per node, one with one link
-per rank ("rails"). Each job times all five strategies interleaved (pickled is the job's
-strategy, the other four its references, so every strategy sees the same machine noise), and
+per rank ("rails"). Each job times all six strategies interleaved (``auto``, told the link
+layout's cost model preset, is the job's strategy and the other five its references, so every
+strategy sees the same machine noise; its row names the strategy it chose), and
 its counting phase gives the bytes one call sent across nodes. Beside each measurement the cost
 model's price of the strategy's plan on ``conf/cluster/emulated.yaml`` / ``emulated_rails.yaml``
 and the predicted / measured ratio; a strategy is "link-bound" when the model puts more than
@@ -26,7 +27,10 @@ from harness import paths  # noqa: I001
 from harness.files import write_atomic, write_json
 from harness.run.machine import other_cores, snapshot
 
-STRATEGIES = ("pickled", "header", "flat", "pp_first", "scatter_allgather")
+STRATEGIES = ("pickled", "header", "flat", "pp_first", "scatter_allgather", "auto")
+"""What each job times; ``auto`` is the job's strategy (it alone takes an option: the cost
+model preset of the link layout, so it chooses as a user of that cluster would)."""
+AUTO = "auto"
 LINKS = {"node": "emulated", "gpu": "emulated_rails"}
 """Emulated link layout → the cost model preset that describes it."""
 LINK_TITLES = {"node": "one link per node", "gpu": "one link per GPU (rails)"}
@@ -39,8 +43,9 @@ REPO = paths.REPO
 def run_jobs(out: Path, iters: int, warmup: int, batch_size: int, seq_len: int) -> None:
     """One harness job per link layout, each on its own emulated cluster."""
     for links in LINKS:
-        argv = [sys.executable, "-m", "harness", "strategy=pickled", "layout=tp2pp2"]
-        argv += [f"references=[{','.join(s for s in STRATEGIES if s != 'pickled')}]"]
+        argv = [sys.executable, "-m", "harness", f"strategy={AUTO}", "layout=tp2pp2"]
+        argv += [f"+strategy.options.cluster={LINKS[links]}"]
+        argv += [f"references=[{','.join(s for s in STRATEGIES if s != AUTO)}]"]
         argv += ["payload=rl_rollout", f"payload.batch_size={batch_size}"]
         argv += [f"payload.seq_len={seq_len}", f"iters={iters}", f"warmup={warmup}"]
         argv += ["emulate.enabled=true", "emulate.nodes=2", "emulate.rate_mbit=1000"]
@@ -60,6 +65,7 @@ def measured(record: dict) -> dict[str, dict]:
         record["strategy"]: {
             "p50_us": record["p50_us"],
             "cross_node_bytes_per_call": record.get("cross_node_bytes_per_call"),
+            "choice": record.get("auto_choice"),
         }
     }
     for name, ref in (record.get("references") or {}).items():
@@ -109,7 +115,9 @@ def predictions(batch_size: int, seq_len: int, seed: int = 0) -> dict[str, dict[
         cluster = load_cluster(preset)
         out[links] = {}
         for name in STRATEGIES:
-            plan = strategies.get_class(name).plan(layout, spec)
+            # auto prices its candidates on the preset it is told, as its job is run.
+            extra = {"cluster": preset} if name == AUTO else {}
+            plan = strategies.get_class(name).plan(layout, spec, **extra)
             pred = price(plan, cluster, layout)
             inter_beta = sum(s.critical.beta_s for s in pred.steps if s.critical.link == "inter")
             out[links][name] = {
@@ -197,7 +205,8 @@ def _section(root: Path, links: str, rec: dict, preds: dict[str, dict]) -> tuple
         "|---|---:|---:|---:|:-:|---:|---:|---|",
     ]
     ratios_bound = []
-    for name in sorted(STRATEGIES, key=lambda n: meas[n]["p50_us"]):
+    names = [n for n in STRATEGIES if n in meas]  # records from before auto lack it
+    for name in sorted(names, key=lambda n: meas[n]["p50_us"]):
         m, p = meas[name], preds[name]
         ms = m["p50_us"] / 1e3
         ratio = p["total_s"] * 1e3 / ms
@@ -205,13 +214,14 @@ def _section(root: Path, links: str, rec: dict, preds: dict[str, dict]) -> tuple
             ratios_bound.append((name, ratio))
         crossed = m["cross_node_bytes_per_call"]
         crossed_txt = f"{crossed / s:.3f}" if crossed is not None else "–"
+        label = f"{name} → {m['choice']}" if m.get("choice") else name
         lines.append(
-            f"| {name} | {ms:.1f} | {p['total_s'] * 1e3:.1f} | {ratio:.3f} | "
+            f"| {label} | {ms:.1f} | {p['total_s'] * 1e3:.1f} | {ratio:.3f} | "
             f"{'yes' if p['link_bound'] else 'no'} | {crossed_txt} | "
             f"{p['cross_bytes'] * WIRE / s:.3f} | {p['dominant']} |"
         )
     agree, bad = ranking_agrees(
-        {n: meas[n]["p50_us"] for n in STRATEGIES}, {n: preds[n]["total_s"] for n in STRATEGIES}
+        {n: meas[n]["p50_us"] for n in names}, {n: preds[n]["total_s"] for n in names}
     )
     within = [n for n, r in ratios_bound if abs(r - 1) <= 0.10]
     lines += [
@@ -233,7 +243,7 @@ def table(root: Path) -> str:
         "# Emulated 2-node cluster: 1 Gbit/s links, tp=2 in a node, pp=2 across",
         "",
         "Measured: `python -m harness.cluster.table` (harness.cluster.launch, gloo on CPU, p50 of",
-        "the slowest rank per iteration, all five strategies interleaved in one job per link",
+        "the slowest rank per iteration, every strategy interleaved in one job per link",
         "layout). Predicted: each strategy's plan priced by harness.model.pricing on",
         "conf/cluster/emulated.yaml (one link per node) and emulated_rails.yaml (one per rank).",
         "Bytes are wire bytes per call that crossed nodes (S = payload; predicted = plan's",
