@@ -261,65 +261,33 @@ def decode_header(raw: bytes, max_bytes: int = DEFAULT_MAX_BYTES, rank: int = 0)
     _, _, flags, header_len, data_bytes, next_expect = _PREFIX.unpack_from(raw)
     if len(raw) < header_len:
         raise HeaderError(f"rank {rank}: header truncated ({len(raw)} < {header_len} bytes)")
-    pos = _PREFIX.size
     if flags & FLAG_ERROR:
+        pos = _PREFIX.size
         (n,) = struct.unpack_from("<I", raw, pos)
         message = raw[pos + 4 : pos + 4 + n].decode(errors="replace")
         return Header((), (), 0, header_len, 0, None, error=message)
-
-    def take(fmt: str):
-        nonlocal pos
-        size = struct.calcsize(fmt)
-        if pos + size > header_len:
-            raise HeaderError(f"rank {rank}: corrupt header (field runs past {header_len} bytes)")
-        out = struct.unpack_from(fmt, raw, pos)
-        pos += size
-        return out
-
+    read = _HeaderReader(raw, header_len, rank)
     try:
-        (bdim,) = take("<B")
-        batch_size = take(f"<{bdim}Q")
-        (n_keys,) = take("<I")
+        (bdim,) = read.take("<B")
+        batch_size = read.take(f"<{bdim}Q")
+        (n_keys,) = read.take("<I")
         if n_keys > MAX_KEYS:
             raise HeaderError(f"rank {rank}: corrupt header ({n_keys} keys > {MAX_KEYS})")
         entries = []
         direct_bytes = 0  # leaves that follow the message in broadcasts of their own
         for _ in range(n_keys):
-            (n_parts,) = take("<B")
-            parts = []
-            for _ in range(n_parts):
-                (n,) = take("<H")
-                (raw_part,) = take(f"<{n}s")
-                parts.append(raw_part.decode())
-            key = tuple(parts)
-            kind, aux, code, ndim = take("<BBBB")
-            if kind >= len(KIND_NAMES):
-                raise HeaderError(f"rank {rank}: batch[{key!r}] has unknown entry kind {kind}")
-            if code >= len(DTYPES):
-                raise HeaderError(f"rank {rank}: batch[{key!r}] has unknown dtype code {code}")
-            if ndim > MAX_NDIM:
-                raise HeaderError(f"rank {rank}: batch[{key!r}] claims {ndim} dims > {MAX_NDIM}")
-            shape = take(f"<{ndim}Q")
-            (offset,) = take("<Q")
-            dtype = DTYPES[code]
-            nbytes = math.prod(shape) * ITEMSIZE[dtype]
-            if offset != DIRECT and (offset % ALIGN or offset + nbytes > data_bytes):
-                raise HeaderError(
-                    f"rank {rank}: batch[{key!r}] spans bytes {offset}..{offset + nbytes} of a "
-                    f"{data_bytes}-byte data region"
-                )
-            _check_entry_shape(key, kind, shape, batch_size, rank)
-            if offset == DIRECT:
-                direct_bytes += nbytes
+            entry = _read_entry(read, batch_size, data_bytes)
+            if entry.offset == DIRECT:
+                direct_bytes += entry.nbytes
                 if total + direct_bytes > max_bytes:
                     raise HeaderError(
                         f"rank {rank}: the message ({total} bytes) and its separately sent "
                         f"leaves ({direct_bytes} bytes so far) exceed max_bytes={max_bytes}"
                     )
-            entries.append(Entry(key, dtype, tuple(shape), offset, nbytes, kind, aux))
+            entries.append(entry)
         non_tensor = None
         if flags & FLAG_NON_TENSOR:
-            non_tensor = take("<QQ")
+            non_tensor = read.take("<QQ")
             if non_tensor[0] + non_tensor[1] > data_bytes:
                 raise HeaderError(f"rank {rank}: non-tensor blob runs past the data region")
     except (struct.error, UnicodeDecodeError) as exc:
@@ -328,6 +296,54 @@ def decode_header(raw: bytes, max_bytes: int = DEFAULT_MAX_BYTES, rank: int = 0)
     return Header(
         tuple(batch_size), tuple(entries), data_bytes, header_len, next_expect, non_tensor
     )
+
+
+class _HeaderReader:
+    """Reads a header's fields in order, never past its declared length."""
+
+    def __init__(self, raw: bytes, header_len: int, rank: int) -> None:
+        self.raw, self.header_len, self.rank = raw, header_len, rank
+        self.pos = _PREFIX.size
+
+    def take(self, fmt: str) -> tuple:
+        size = struct.calcsize(fmt)
+        if self.pos + size > self.header_len:
+            raise HeaderError(
+                f"rank {self.rank}: corrupt header (field runs past {self.header_len} bytes)"
+            )
+        out = struct.unpack_from(fmt, self.raw, self.pos)
+        self.pos += size
+        return out
+
+
+def _read_entry(read: _HeaderReader, batch_size, data_bytes: int) -> Entry:
+    """One leaf's entry: its key parts, kind, dtype, shape and offset, each checked."""
+    rank = read.rank
+    (n_parts,) = read.take("<B")
+    parts = []
+    for _ in range(n_parts):
+        (n,) = read.take("<H")
+        (raw_part,) = read.take(f"<{n}s")
+        parts.append(raw_part.decode())
+    key = tuple(parts)
+    kind, aux, code, ndim = read.take("<BBBB")
+    if kind >= len(KIND_NAMES):
+        raise HeaderError(f"rank {rank}: batch[{key!r}] has unknown entry kind {kind}")
+    if code >= len(DTYPES):
+        raise HeaderError(f"rank {rank}: batch[{key!r}] has unknown dtype code {code}")
+    if ndim > MAX_NDIM:
+        raise HeaderError(f"rank {rank}: batch[{key!r}] claims {ndim} dims > {MAX_NDIM}")
+    shape = read.take(f"<{ndim}Q")
+    (offset,) = read.take("<Q")
+    dtype = DTYPES[code]
+    nbytes = math.prod(shape) * ITEMSIZE[dtype]
+    if offset != DIRECT and (offset % ALIGN or offset + nbytes > data_bytes):
+        raise HeaderError(
+            f"rank {rank}: batch[{key!r}] spans bytes {offset}..{offset + nbytes} of a "
+            f"{data_bytes}-byte data region"
+        )
+    _check_entry_shape(key, kind, shape, batch_size, rank)
+    return Entry(key, dtype, tuple(shape), offset, nbytes, kind, aux)
 
 
 def _check_entry_shape(key, kind: int, shape, batch_size, rank: int) -> None:
