@@ -11,8 +11,8 @@ from __future__ import annotations
 from strategies.core.codec import align
 from strategies.core.contract import DataProto
 from strategies.core.packed import PackedStrategy
-from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
-from strategies.header import _steady_expect, _wire_comms
+from strategies.core.plan import Comm, PayloadSpec, Plan
+from strategies.header import _steady_expect, hop_comms, relay_work
 
 
 class Flat(PackedStrategy):
@@ -39,21 +39,14 @@ class Flat(PackedStrategy):
         direct = [n for n in leaves if direct_min_bytes is not None and n >= direct_min_bytes]
         total = spec.message_bytes - sum(align(n) for n in direct)
         first = expect if expect is not None else _steady_expect(total)
-        comms: list[Comm] = []
-        if layout.replica_size > 1:
-            groups = layout.replica_groups()
-            step = _wire_comms(comms, groups, total, first, 0)
-            for n in direct:
-                for ranks in groups:
-                    comms.append(Comm("broadcast", tuple(ranks), ranks[0], n, step, "leaf"))
-                step += 1
-        nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
-        return Plan(
-            cls.name,
-            comms,
-            leader=LocalWork(packed_bytes=total),
-            receiver=LocalWork(pickled_bytes=nt, copied_bytes=first if total > first else 0),
-        )
+        groups = layout.replica_groups() if layout.replica_size > 1 else []
+        comms, step = hop_comms([groups] if groups else [], total, first)
+        for n in direct if groups else ():
+            for ranks in groups:
+                comms.append(Comm("broadcast", tuple(ranks), ranks[0], n, step, "leaf"))
+            step += 1
+        work = relay_work(spec, total, first, receiver_copies=True, forwarder=False)
+        return Plan(cls.name, comms, **work)
 
 
 STRATEGY = Flat

@@ -31,22 +31,9 @@ class HeaderStrategy(PackedStrategy):
         plan a call that follows a different announced size."""
         total = spec.message_bytes
         first = expect if expect is not None else _steady_expect(total)
-        comms: list[Comm] = []
-        step = 0
-        for groups in layout.seed_hop_groups():
-            step = _wire_comms(comms, groups, total, first, step)
-        return Plan(
-            cls.name,
-            comms,
-            leader=LocalWork(packed_bytes=total),
-            receiver=LocalWork(
-                pickled_bytes=spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
-            ),
-            forwarder=LocalWork(
-                pickled_bytes=spec.non_tensor_bytes if spec.broadcast_non_tensor else 0,
-                copied_bytes=first if total > first else 0,
-            ),
-        )
+        comms, _ = hop_comms(layout.seed_hop_groups(), total, first)
+        work = relay_work(spec, total, first, receiver_copies=False, forwarder=True)
+        return Plan(cls.name, comms, **work)
 
 
 def _steady_expect(total: int) -> int:
@@ -68,6 +55,32 @@ def _wire_comms(comms: list[Comm], groups, total: int, first: int, step: int) ->
             comms.append(Comm("broadcast", tuple(ranks), ranks[0], total - first, step, "payload"))
         step += 1
     return step
+
+
+def hop_comms(hops, total: int, first: int, step: int = 0) -> tuple[list[Comm], int]:
+    """Every hop's wire broadcasts in order (``hops``: one list of groups per hop); returns
+    them and the next free step."""
+    comms: list[Comm] = []
+    for groups in hops:
+        step = _wire_comms(comms, groups, total, first, step)
+    return comms, step
+
+
+def relay_work(
+    spec: PayloadSpec, total: int, first: int, *, receiver_copies: bool, forwarder: bool
+) -> dict[str, LocalWork]:
+    """The local work of a relayed message: the leader packs it; a receiver (and a forwarder,
+    when the plan has one) unpickles the flagged non-tensor blob and, when ``receiver_copies``,
+    copies the message into a larger buffer when it outgrew the announced size."""
+    nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
+    copied = first if total > first else 0
+    work = {
+        "leader": LocalWork(packed_bytes=total),
+        "receiver": LocalWork(pickled_bytes=nt, copied_bytes=copied if receiver_copies else 0),
+    }
+    if forwarder:
+        work["forwarder"] = LocalWork(pickled_bytes=nt, copied_bytes=copied)
+    return work
 
 
 STRATEGY = HeaderStrategy

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from strategies.core.contract import DataProto
 from strategies.core.packed import PackedStrategy
-from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
-from strategies.header import _steady_expect, _wire_comms
+from strategies.core.plan import PayloadSpec, Plan
+from strategies.header import _steady_expect, hop_comms, relay_work
 
 
 def leader_pp_groups(layout) -> list[list[int]]:
@@ -48,21 +48,15 @@ class PpFirst(PackedStrategy):
         plan a call that follows a different announced size."""
         total = spec.message_bytes
         first = expect if expect is not None else _steady_expect(total)
-        comms: list[Comm] = []
-        step = 0
+        hops = []
         if layout.replica_size > 1:
             if layout.pp > 1:
-                step = _wire_comms(comms, leader_pp_groups(layout), total, first, step)
+                hops.append(leader_pp_groups(layout))
             if layout.tp_cp > 1:
-                step = _wire_comms(comms, layout.groups("tp-cp"), total, first, step)
-        nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
-        return Plan(
-            cls.name,
-            comms,
-            leader=LocalWork(packed_bytes=total),
-            receiver=LocalWork(pickled_bytes=nt, copied_bytes=first if total > first else 0),
-            forwarder=LocalWork(pickled_bytes=nt, copied_bytes=first if total > first else 0),
-        )
+                hops.append(layout.groups("tp-cp"))
+        comms, _ = hop_comms(hops, total, first)
+        work = relay_work(spec, total, first, receiver_copies=True, forwarder=True)
+        return Plan(cls.name, comms, **work)
 
 
 STRATEGY = PpFirst
