@@ -28,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.errors import program
 from harness.files import write_atomic
 from harness.model.cluster import CONF_DIR, GB, US, ClusterConf, LinkConf, load_cluster
 from harness.model.formulas import (
@@ -439,7 +438,8 @@ def _measure(world, group_sizes, sizes, reps: int, host_bytes: int):
 
 def _file_header(world_size: int, group_sizes, n_sizes: int, reps: int, report: str) -> str:
     return (
-        f"Written by `{program(MODULE)}`; do not edit by hand, run it again.\n"
+        "Written by `bcastbench calibrate` (python -m harness.model.calibrate); do not edit by "
+        "hand, run it again.\n"
         f"{datetime.datetime.now().isoformat(timespec='seconds')} on "
         f"{platform.node()} ({os.cpu_count()} cores), gloo world of {world_size}, "
         f"groups {list(group_sizes)}, {n_sizes} sizes, median of {reps}.\n"

@@ -68,10 +68,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         name = "run"
     module, _ = SUBCOMMANDS[name]
-    if module is None:
-        return run(argv)
-    sys.argv = [f"bcastbench {name}", *argv]
-    return int(importlib.import_module(module).main(argv) or 0)
+    # Hydra apps read sys.argv, and the commands name themselves from it; a caller that
+    # dispatches in process (a test, a notebook) gets its own argv back afterwards.
+    saved = sys.argv
+    try:
+        if module is None:
+            return run(argv)
+        sys.argv = [f"bcastbench {name}", *argv]
+        return int(importlib.import_module(module).main(argv) or 0)
+    finally:
+        sys.argv = saved
 
 
 def _scratch_for_other_ranks(argv: list[str]) -> list[str]:

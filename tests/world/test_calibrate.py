@@ -27,7 +27,7 @@ def test_calibrate_short_world_of_two(tmp_path: Path):
         "scatter",
         "all_gather",
     }
-    assert "harness.model.calibrate" in out.read_text().splitlines()[0]
+    assert "bcastbench calibrate" in out.read_text().splitlines()[0]
     # The calibration world is recorded as fields (the oversubscription factor's reference),
     # and the per-call host costs were measured in it.
     import os
