@@ -227,7 +227,9 @@ def plot(v: pd.DataFrame, path: Path, ctx: dict, cluster: str, m: dict) -> None:
     import numpy as np
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 6), sharex=True, sharey=True)
-    markers = dict(zip(sorted(v.strategy.unique()), "osD^v<>ph*"))
+    # Cycle the markers: a sweep may hold more strategies than there are distinct shapes.
+    shapes = "osD^v<>ph*Xd"
+    markers = {s: shapes[i % len(shapes)] for i, s in enumerate(sorted(v.strategy.unique()))}
     lo = min(v.measured_p50_us.min(), v.predicted_us.min(), v.measured_floor_p50_us.min()) / 2e3
     lo = min(lo, v.predicted_no_oversub_us.min() / 2e3)
     hi = max(v.measured_p50_us.max(), v.predicted_us.max()) * 2e-3
