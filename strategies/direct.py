@@ -18,7 +18,6 @@ collectives. Options: ``direct_min_bytes`` (1 MiB), plus those of
 
 from __future__ import annotations
 
-from strategies.core.plan import PayloadSpec, Plan
 from strategies.flat import Flat
 
 DIRECT_MIN_BYTES = 1 << 20
@@ -30,23 +29,13 @@ class Direct(Flat):
         "1 broadcast over the replica for the message (2 when it outgrows the announced size) "
         "+ 1 per contiguous leaf of >= direct_min_bytes"
     )
+    direct_min_bytes = DIRECT_MIN_BYTES  # what plan() prices when no threshold is passed
 
     def __init__(self, groups, direct_min_bytes: int = DIRECT_MIN_BYTES, **options) -> None:
         if direct_min_bytes < 1:
             raise ValueError(f"direct_min_bytes must be >= 1, got {direct_min_bytes}")
         super().__init__(groups, **options)
         self.direct_min_bytes = direct_min_bytes
-
-    @classmethod
-    def plan(
-        cls,
-        layout,
-        spec: PayloadSpec,
-        expect: int | None = None,
-        direct_min_bytes: int | None = DIRECT_MIN_BYTES,
-    ) -> Plan:
-        """``flat``'s plan with this strategy's threshold (contiguous leaves assumed)."""
-        return super().plan(layout, spec, expect, direct_min_bytes)
 
 
 STRATEGY = Direct

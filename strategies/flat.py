@@ -14,6 +14,9 @@ from strategies.core.packed import PackedStrategy
 from strategies.core.plan import Comm, PayloadSpec, Plan
 from strategies.header import _steady_expect, hop_comms, relay_work
 
+OWN_THRESHOLD = object()
+"""``plan``'s default for ``direct_min_bytes``: the class's own (direct's subclass sets one)."""
+
 
 class Flat(PackedStrategy):
     name = "flat"
@@ -29,10 +32,13 @@ class Flat(PackedStrategy):
         layout,
         spec: PayloadSpec,
         expect: int | None = None,
-        direct_min_bytes: int | None = None,
+        direct_min_bytes: int | None | object = OWN_THRESHOLD,
     ) -> Plan:
         """``direct_min_bytes`` (strategies/direct.py): leaves of at least that many bytes leave
-        the message and follow it in a broadcast each; contiguous leaves assumed."""
+        the message and follow it in a broadcast each (default: the class's own threshold, None
+        for flat); contiguous leaves assumed."""
+        if direct_min_bytes is OWN_THRESHOLD:
+            direct_min_bytes = cls.direct_min_bytes
         leaves = spec.leaf_bytes
         if leaves is None:  # only the total is known: equal leaves
             leaves = (spec.tensor_bytes // max(spec.n_tensors, 1),) * spec.n_tensors
