@@ -3,35 +3,12 @@ with the arithmetic, and the CLI says so and exits."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from cli_support import cfg_of, harness
 
-from harness.run.config import ConfigError, register, validate
-
-REPO = Path(__file__).resolve().parents[2]
-CONF = str(REPO / "conf")
-
-
-def cfg_of(*overrides: str):
-    register()
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
-
-
-def harness(*args: str, timeout: float = 240, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "harness", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
+from harness.run.config import ConfigError, validate
 
 
 @pytest.mark.parametrize(

@@ -15,31 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from cli_support import REPO, harness
 
 from harness.report.collect import load
-from harness.run.config import register
 
-REPO = Path(__file__).resolve().parents[2]
-CONF = str(REPO / "conf")
 FAST = ["iters=2", "warmup=1", "payload.batch_size=2", "payload.seq_len=64"]
-
-
-def cfg_of(*overrides: str):
-    register()
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
-
-
-def harness(*args: str, timeout: float = 240, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "harness", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def our_ranks(tmp_path: Path) -> list[str]:
