@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import pickle
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +60,7 @@ values entry's ``aux`` is its ragged dim); or the pickle of a non-tensor leaf.""
 KIND_NAMES = ("dense", "values", "offsets", "lengths", "object")
 
 _PREFIX = struct.Struct("<4sHHIQQ")  # magic, version, flags, header_len, data_bytes, next_expect
+NEXT_EXPECT_OFFSET = 20  # byte offset of next_expect in the prefix
 FLAG_NON_TENSOR = 1
 FLAG_ERROR = 2  # the leader refused its batch; the header carries why, so no receiver waits
 
@@ -387,62 +389,89 @@ def pack_deferred(
     batch: TensorDict,
     non_tensor_batch: dict[str, np.ndarray] | None,
     out: torch.Tensor | None = None,
-    next_expect: int = 0,
+    next_expect: int | Callable[[int], int] = 0,
     min_capacity: int = 0,
     rank: int = 0,
     cache: dict | None = None,
     direct: frozenset[int] = frozenset(),
     parts: list[Part] | None = None,
+    shape: tuple | None = None,
 ):
     """Like ``pack``, but only the header is written; returns (buffer, header, fill) where
     ``fill(upto)`` copies every leaf that starts before byte ``upto``, so a sender can put the
     first part of a large message on the wire while it packs the rest. A new buffer gets 1/4
     spare capacity, so slowly growing batches do not reallocate every call. Leaves whose index
     is in ``direct`` are described in the header but not packed (the caller sends them);
-    ``parts`` are the batch's ``message_parts`` when the caller has them already."""
+    ``parts`` are the batch's ``message_parts`` (and ``shape`` its ``structure``) when the
+    caller has them already. ``next_expect`` may be a function of the message's total bytes
+    (the wire's guess for the next call), so the cached header carries it.
+
+    With a ``cache``, a buffer whose header bytes are already these is not written again:
+    only the caller writes into the buffers it hands back in."""
     blob = None
     if non_tensor_batch is not None:
         blob = pickle.dumps(non_tensor_batch, protocol=pickle.HIGHEST_PROTOCOL)
     leaves = message_parts(batch, rank) if parts is None else parts
     cache = {} if cache is None else cache
-    entries, tensor_end = _cached_layout(cache, batch, leaves, direct, rank)
+    entries, tensor_end = _cached_layout(cache, batch, leaves, direct, rank, shape)
     span = None
     data_bytes = tensor_end
     if blob is not None:
         span = (tensor_end, len(blob))
         data_bytes = align(tensor_end + len(blob))
-    raw_key = (data_bytes, span, next_expect)
-    if cache.get("raw_key") != raw_key:  # same structure and sizes: the same header bytes
-        raw = encode_header(tuple(batch.batch_size), entries, data_bytes, span, next_expect)
-        cache.update(raw_key=raw_key, raw=torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-    raw = cache["raw"]
-    header_len = len(raw)
+    raw, header_len, nxt = _cached_header(cache, batch, entries, data_bytes, span, next_expect)
     total = header_len + data_bytes
-    device = batch.device if batch.device is not None else _leaf_device(batch)
+    device = batch.device if batch.device is not None else _leaf_device(leaves)
     capacity = max(total, min_capacity)
     if out is None or out.numel() < capacity or out.device != device:
         out = torch.empty(capacity + capacity // 4, dtype=torch.uint8, device=device)
-    out[:header_len].copy_(raw)
+    if cache.get("header_in") is not out:  # a buffer that holds these header bytes keeps them
+        out[:header_len].copy_(raw)
+        cache["header_in"] = out
     dst, src_index, starts = _cached_views(cache, out, entries, header_len)
     sources = [leaves[i][3] for i in src_index]
     blob_at = header_len + span[0] if blob is not None else total
     fill = _filler(out, dst, sources, starts, blob, blob_at)
-    header = Header(
-        tuple(batch.batch_size), tuple(entries), data_bytes, header_len, next_expect, span
-    )
+    header = Header(tuple(batch.batch_size), tuple(entries), data_bytes, header_len, nxt, span)
     WORK["packed_bytes"] += total
     if blob is not None:
         WORK["pickled_bytes"] += len(blob)
     return out, header, fill
 
 
-def _cached_layout(cache: dict, batch: TensorDict, leaves, direct, rank: int):
-    """(entries, end of the tensor region): laid out again only when the structure changes."""
-    signature = (
+def structure(batch: TensorDict, parts: list[Part]) -> tuple:
+    """What fixes a message's layout: the batch's type and size, and each part's key, kind,
+    dtype, shape and device. Equal structures pack into equal headers."""
+    return (
+        type(batch),
         tuple(batch.batch_size),
-        tuple((k, kind, aux, t.dtype, t.shape) for k, kind, aux, t in leaves),
-        direct,
+        tuple((k, kind, aux, t.dtype, t.shape, t.device) for k, kind, aux, t in parts),
     )
+
+
+def _cached_header(cache: dict, batch, entries, data_bytes: int, span, next_expect):
+    """(raw header bytes as a uint8 tensor, its length, the next_expect it carries), encoded
+    again only when the sizes change; ``next_expect`` may be a function of the message's
+    total bytes. A new next_expect patches the cached bytes and marks every buffer stale."""
+    raw_key = (data_bytes, span)
+    if cache.get("raw_key") != raw_key:  # same structure and sizes: the same header bytes
+        raw = encode_header(tuple(batch.batch_size), entries, data_bytes, span, 0)
+        raw = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        cache.update(raw_key=raw_key, raw=raw, stamped=0, header_in=None)
+    raw = cache["raw"]
+    nxt = next_expect(len(raw) + data_bytes) if callable(next_expect) else next_expect
+    if cache["stamped"] != nxt:
+        raw[NEXT_EXPECT_OFFSET : NEXT_EXPECT_OFFSET + 8] = torch.frombuffer(
+            bytearray(struct.pack("<Q", nxt)), dtype=torch.uint8
+        )
+        cache.update(stamped=nxt, header_in=None)
+    return raw, len(raw), nxt
+
+
+def _cached_layout(cache: dict, batch: TensorDict, leaves, direct, rank: int, shape=None):
+    """(entries, end of the tensor region): laid out again only when the structure changes
+    (``shape``: the batch's ``structure``, when the caller has it already)."""
+    signature = (structure(batch, leaves) if shape is None else shape, direct)
     if cache.get("signature") != signature:
         entries, tensor_end, _ = layout_entries(batch, rank, None, direct, leaves)
         cache.clear()
@@ -482,16 +511,19 @@ def _filler(out: torch.Tensor, dst, sources, starts, blob: bytes | None, blob_at
             torch._foreach_copy_(dst[done:end], sources[done:end])
             done = end
         if not blob_done and blob_at < upto:
-            out[blob_at : blob_at + len(blob)].copy_(
-                torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-            )
+            if out.device.type == "cpu":  # straight from the bytes: no tensor made of them
+                out.numpy()[blob_at : blob_at + len(blob)] = np.frombuffer(blob, np.uint8)
+            else:
+                out[blob_at : blob_at + len(blob)].copy_(
+                    torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+                )
             blob_done = True
 
     return fill
 
 
-def _leaf_device(batch: TensorDict) -> torch.device:
-    for _, t in batch.items(include_nested=True, leaves_only=True):
+def _leaf_device(parts: list[Part]) -> torch.device:
+    for *_, t in parts:
         return t.device
     return torch.device("cpu")
 
@@ -530,13 +562,14 @@ def unpack(
     """Zero-copy views of every tensor in ``buf``; the non-tensor blob is unpickled. Entries
     at offset DIRECT take the tensors in ``direct``, in order."""
     data = buf[header.header_len : header.total_bytes]
-    pieces = iter(data.split_with_sizes(_split_sizes(header))[1::2])  # one call, not one per key
+    views = _views(data, header)
     received = iter(direct)
     nested: dict = {}
     flat = True
     jagged: dict = {}  # key -> parts of a jagged leaf seen so far
-    for e in header.entries:
-        t = next(received) if e.offset == DIRECT else next(pieces).view(e.dtype).view(e.shape)
+    for e, t in zip(header.entries, views):
+        if t is None:
+            t = next(received)
         node = nested
         for part in e.key[:-1]:
             node = node.setdefault(part, {})
@@ -555,41 +588,68 @@ def unpack(
     non_tensor = None
     if header.non_tensor is not None:
         off, n = header.non_tensor
-        non_tensor = pickle.loads(data[off : off + n].cpu().numpy().tobytes())
+        blob = data[off : off + n]
+        raw = blob.numpy() if blob.device.type == "cpu" else blob.cpu().numpy()
+        non_tensor = pickle.loads(raw)  # any bytes-like object: no copy into bytes first
         WORK["unpickled_bytes"] += n
     return td, non_tensor
 
 
-def _split_sizes(header: Header) -> list[int]:
-    """Alternating (gap, tensor) sizes covering the data region, cached on the header."""
-    cached = _SPLITS.get(id(header))
+def _views(data: torch.Tensor, header: Header) -> list[torch.Tensor | None]:
+    """Every packed entry as a view of ``data`` (None for entries sent on their own): one
+    typed view of the region per dtype, then one ``as_strided`` per entry. Offsets are
+    64-byte aligned and the region's length too, so every dtype divides both."""
+    typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
+    out: list[torch.Tensor | None] = []
+    for dtype, shape, strides, offset in _view_plan(header):
+        if dtype is None:
+            out.append(None)
+            continue
+        base = typed.get(dtype)
+        if base is None:
+            view = data.view(dtype)
+            base = typed[dtype] = (view, view.storage_offset())
+        out.append(base[0].as_strided(shape, strides, base[1] + offset))
+    return out
+
+
+def _view_plan(header: Header) -> list[tuple]:
+    """Per entry: (dtype, shape, contiguous strides, offset in elements), or Nones for an
+    entry sent on its own; cached for the header that is live (one at a time in steady
+    state, where ``read_header`` hands back the same Header object every call)."""
+    cached = _PLANS.get(id(header))
     if cached is not None and cached[0] is header:
         return cached[1]
-    sizes, pos = [], 0
+    plan = []
     for e in header.entries:
         if e.offset == DIRECT:
+            plan.append((None, None, None, None))
             continue
-        sizes += [e.offset - pos, e.nbytes]
-        pos = e.offset + e.nbytes
-    sizes.append(header.data_bytes - pos)
-    _SPLITS.clear()  # one live header at a time is the steady state
-    _SPLITS[id(header)] = (header, sizes)
-    return sizes
+        strides, step = [], 1
+        for d in reversed(e.shape):
+            strides.append(step)
+            step *= max(d, 1)
+        plan.append(
+            (e.dtype, tuple(e.shape), tuple(reversed(strides)), e.offset // ITEMSIZE[e.dtype])
+        )
+    _PLANS.clear()
+    _PLANS[id(header)] = (header, plan)
+    return plan
 
 
-_SPLITS: dict = {}
+_PLANS: dict = {}
 
 
 def read_header(buf: torch.Tensor, max_bytes: int, rank: int, cache: dict | None = None) -> Header:
     """Decode the header at the front of a (possibly CUDA) buffer."""
-    prefix = buf[: _PREFIX.size].cpu().numpy().tobytes()
+    prefix = host_bytes(buf, _PREFIX.size)
     peek_total(prefix, max_bytes, rank)
     header_len = _PREFIX.unpack_from(prefix)[3]
     if header_len > buf.numel():
         raise HeaderError(
             f"rank {rank}: header of {header_len} bytes does not fit the {buf.numel()}-byte message"
         )
-    raw = buf[:header_len].cpu().numpy().tobytes()
+    raw = host_bytes(buf, header_len)
     if cache is not None:
         # Steady state: the same structure every call, so the same header bytes.
         hit = cache.get(raw)
@@ -599,6 +659,13 @@ def read_header(buf: torch.Tensor, max_bytes: int, rank: int, cache: dict | None
         cache[raw] = decode_header(raw, max_bytes, rank)
         return cache[raw]
     return decode_header(raw, max_bytes, rank)
+
+
+def host_bytes(buf: torch.Tensor, n: int) -> bytes:
+    """The first ``n`` bytes of a uint8 buffer as ``bytes`` (a CPU buffer is read in place)."""
+    if buf.device.type == "cpu":
+        return buf.numpy()[:n].tobytes()
+    return buf[:n].cpu().numpy().tobytes()
 
 
 PREFIX_BYTES = _PREFIX.size

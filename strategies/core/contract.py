@@ -130,6 +130,12 @@ def validate(batch, rank: int | None = None, device: torch.device | None = None)
     b = int(td.batch_size[0])
     for key, value in leaves(td):
         _check_leaf(_key_name(key), value, b, rank, device)
+    check_non_tensor(batch, b, rank)
+    return b
+
+
+def check_non_tensor(batch, b: int, rank: int) -> None:
+    """``non_tensor_batch`` is a dict of numpy arrays of length B (ContractError otherwise)."""
     non_tensor = batch.non_tensor_batch
     if not isinstance(non_tensor, dict):
         raise ContractError(
@@ -147,7 +153,6 @@ def validate(batch, rank: int | None = None, device: torch.device | None = None)
                 f"rank {rank}: non_tensor_batch[{key!r}] has length "
                 f"{arr.shape[0] if arr.ndim else 'scalar'}; expected B={b}"
             )
-    return b
 
 
 def _check_leaf(key, value, b: int, rank: int, device: torch.device | None) -> None:

@@ -17,13 +17,16 @@ from strategies.core.codec import (
     message_parts,
     nbytes_of,
     pack_deferred,
+    structure,
     transportable,
     unpack,
 )
 from strategies.core.contract import (
+    PROTO_ATTRS,
     DataProto,
     Strategy,
     attempt,
+    check_non_tensor,
     deliver,
     failure_text,
     raise_failure,
@@ -61,6 +64,7 @@ class PackedStrategy(Strategy):
         self._fill = None
         self._direct: list[torch.Tensor] = []  # leader: the leaves that travel on their own
         self._failure: Exception | None = None  # leader: what it shipped instead of a batch
+        self._valid: tuple | None = None  # leader: the structure of the last valid batch
         self.last_header: Header | None = None
         """The header of the last batch that arrived (on every rank alike; ``auto`` decides
         from it)."""
@@ -139,20 +143,41 @@ class PackedStrategy(Strategy):
             and t.device == self.groups.device
         )
 
+    def checked_parts(self, batch: DataProto) -> tuple[list, tuple]:
+        """The batch's ``message_parts`` and ``structure``, validated (``contract.validate``)
+        whenever the structure differs from the last valid one. A structure that passed
+        once passes again (its keys, dtypes, shapes and devices are what validate checks), so
+        a stream of same-shaped batches skips the per-leaf checks; non-tensor arrays are
+        checked every call."""
+        g = self.groups
+        try:
+            parts = message_parts(batch.batch, g.rank)
+            shape = structure(batch.batch, parts)
+        except Exception:
+            validate(batch, g.rank, g.device)  # what breaks the contract says so plainly
+            raise
+        if shape != self._valid or not all(hasattr(batch, a) for a in PROTO_ATTRS):
+            validate(batch, g.rank, g.device)
+            self._valid = shape
+        else:
+            check_non_tensor(batch, shape[1][0], g.rank)
+        return parts, shape
+
     def _pack(self, batch: DataProto) -> tuple[torch.Tensor, Header, int]:
-        validate(batch, self.groups.rank, self.groups.device)
+        parts, shape = self.checked_parts(batch)
         nt = batch.non_tensor_batch if wants_non_tensor(batch) else None
-        parts = message_parts(batch.batch, self.groups.rank)
         direct = self.direct_leaves(parts)
         buf, header, self._fill = pack_deferred(
             batch.batch,
             nt,
             out=self._pack_buf,
+            next_expect=self.wire.next_expect,  # the header carries it: no stamp per call
             min_capacity=self.wire.expect,
             rank=self.groups.rank,
             cache=self._pack_cache,
             direct=direct,
             parts=parts,
+            shape=shape,
         )
         self._direct = [t for i, (*_, t) in enumerate(parts) if i in direct]
         self._pack_buf = buf
@@ -167,7 +192,6 @@ class PackedStrategy(Strategy):
                 f"leaves sent on their own ({alone} bytes) exceed max_bytes={self.wire.max_bytes}"
                 "; raise max_bytes on every rank or send a smaller batch"
             )
-        self.wire.stamp(buf, header.total_bytes)
         return buf, header, header.total_bytes
 
     def take_fill(self):

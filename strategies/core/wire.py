@@ -14,9 +14,16 @@ import struct
 import torch
 import torch.distributed as dist
 
-from strategies.core.codec import DEFAULT_MAX_BYTES, PREFIX_BYTES, Header, peek_total, read_header
+from strategies.core.codec import (
+    DEFAULT_MAX_BYTES,
+    NEXT_EXPECT_OFFSET,
+    PREFIX_BYTES,
+    Header,
+    host_bytes,
+    peek_total,
+    read_header,
+)
 
-NEXT_EXPECT_OFFSET = 20  # byte offset of next_expect in the header prefix (see codec._PREFIX)
 PAGE = 4096
 # A first message this large goes out in SEGMENTS async broadcasts, so the leader packs
 # segment i+1 while segment i is on the wire; below it, one broadcast costs less.
@@ -105,7 +112,7 @@ class Wire:
             ]
             for h in handles:
                 h.wait()
-        total = peek_total(buf[:PREFIX_BYTES].cpu().numpy().tobytes(), self.max_bytes, self.rank)
+        total = peek_total(host_bytes(buf, PREFIX_BYTES), self.max_bytes, self.rank)
         if total > first:
             full = torch.empty(total, dtype=torch.uint8, device=self.device)
             full[:first].copy_(buf)
