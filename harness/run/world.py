@@ -45,6 +45,50 @@ class WorldError(RuntimeError):
     """A rank failed, crashed or stopped responding; the message names the rank and phase."""
 
 
+PHASE_BYTES = 240
+"""Room for one rank's phase on a ``PhaseBoard`` (UTF-8; longer phases are cut)."""
+
+
+class PhaseBoard:
+    """What each rank of a forked world is doing, in memory shared with the driver.
+
+    A rank reports its phase before every timed call. As a message on its pipe that woke the
+    driver four times per call of a 4-rank world, on the cores the ranks were timing
+    broadcasts on; here it is a memory write, and the driver reads the board only when it
+    looks for progress (once a second), a crashed rank's phase or a hung one's. Each slot is
+    a seqlock: its counter is odd while the rank writes, so the driver never reads a torn
+    phase.
+    """
+
+    def __init__(self, mp, world_size: int) -> None:
+        self.seq = mp.RawArray(ctypes.c_uint64, 2 * world_size)  # per rank: job, counter
+        self.text = mp.RawArray(ctypes.c_char, PHASE_BYTES * world_size)
+
+    def write(self, rank: int, job: int, step: int, phase: str) -> None:
+        at = rank * PHASE_BYTES
+        raw = phase.encode(errors="replace")[:PHASE_BYTES]
+        self.seq[2 * rank + 1] = 2 * step - 1  # odd: being written
+        self.seq[2 * rank] = job
+        self.text[at : at + PHASE_BYTES] = raw.ljust(PHASE_BYTES, b"\0")
+        self.seq[2 * rank + 1] = 2 * step
+
+    def read(self, rank: int) -> tuple[int, int, str]:
+        """(job, step, phase) of ``rank``'s last report; (−1, 0, "") before its first."""
+        at = rank * PHASE_BYTES
+        for _ in range(1000):
+            count = self.seq[2 * rank + 1]
+            if count % 2:
+                continue
+            job, raw = self.seq[2 * rank], self.text[at : at + PHASE_BYTES]
+            if self.seq[2 * rank + 1] == count:
+                break
+        else:
+            return -1, 0, ""
+        if count == 0:
+            return -1, 0, ""
+        return job, count // 2, raw.rstrip(b"\0").decode(errors="replace")
+
+
 @dataclass
 class RankContext:
     """What a task running on a rank gets: who it is, and how to report progress."""
@@ -61,11 +105,17 @@ class RankContext:
     link_counter: Callable[[], int] | None = None
     """Bytes the emulated cluster's node links have sent so far (``harness.cluster.launch``),
     or None outside one: the hook the rank-side job counts cross-node bytes with."""
+    board: PhaseBoard | None = None
+    """Where a forked world's rank posts its phase (shared memory the driver reads), or None:
+    phases then travel as messages."""
 
     def report(self, phase: str) -> None:
         """Tell the driver what this rank is doing now (used to name a hung rank)."""
         self.step += 1
-        self.send("phase", phase)
+        if self.board is not None:
+            self.board.write(self.rank, self.job, self.step, phase)
+        else:
+            self.send("phase", phase)
 
     def send(self, kind: str, payload: Any) -> None:
         if self.conn is not None:
@@ -168,6 +218,7 @@ def _worker(
     timeout_s: float,
     conns: list[Connection],
     status_conns: list[Connection],
+    board: PhaseBoard | None = None,
 ) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver owns Ctrl-C and kills us
@@ -194,7 +245,7 @@ def _worker(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        ctx = RankContext(local_rank, world_size, backend, dev, conn)
+        ctx = RankContext(local_rank, world_size, backend, dev, conn, board=board)
         ctx.send("ready", None)
     except Exception:
         conn.send((0, "error", 0, traceback.format_exc()))
@@ -296,6 +347,7 @@ class World:
         self._ctx = None
         self._conns: list[Connection] = []
         self._last: dict[int, tuple[int, str]] = {}
+        self._board: PhaseBoard | None = None
         self._job = 0
         self.start_s = 0.0
 
@@ -310,6 +362,7 @@ class World:
         self._status = [a for a, _ in status]
         children = [b for _, b in pairs]
         status_children = [b for _, b in status]
+        self._board = PhaseBoard(mp, self.world_size)
         # Gloo's own timeout sits past ours, so the driver names the hung rank first.
         self._ctx = tmp.start_processes(
             _worker,
@@ -321,6 +374,7 @@ class World:
                 self.timeout_s + 5,
                 children,
                 status_children,
+                self._board,
             ),
             nprocs=self.world_size,
             join=False,
@@ -419,6 +473,7 @@ class World:
                     self._check_exit(sentinels[obj], answers, what)
                 else:
                     self._receive(conn_rank[obj], obj, answers, what)
+            self._read_board(answers)
             silent_s = time.monotonic() - answers.last_progress
             if answers.errors and not answers.complete:
                 # One rank failed; the others may now block in a collective forever.
@@ -429,6 +484,16 @@ class World:
         if answers.errors:
             self._raise_failed(answers, what)
         return [answers.results[r] for r in range(self.world_size)]
+
+    def _read_board(self, answers: _Answers) -> None:
+        """Take the phases ranks posted on the board for this job: a new one is progress."""
+        if self._board is None:
+            return
+        for rank in range(self.world_size):
+            job, step, phase = self._board.read(rank)
+            if job == self._job and step > self._last[rank][0]:
+                self._last[rank] = (step, phase)
+                answers.last_progress = time.monotonic()
 
     def _receive(self, rank: int, conn: Connection, answers: _Answers, what: str) -> bool:
         """Take one message from ``rank``; False when its pipe is closed."""
@@ -463,6 +528,7 @@ class World:
                 break
         if answers.has(rank):
             return
+        self._read_board(answers)  # its last phase
         self._ctx.processes[rank].join(2)  # reap it, so exitcode is known
         code = self._ctx.processes[rank].exitcode
         phase = self._last[rank][1]
@@ -472,6 +538,7 @@ class World:
         )
 
     def _raise_hung(self, answers: _Answers, what: str, timeout_s: float) -> None:
+        self._read_board(answers)
         stuck = [r for r in range(self.world_size) if r not in answers.results]
         places = self._where(stuck)
         # The culprit is a rank NOT waiting in a collective (the others wait for it);
