@@ -1,7 +1,7 @@
 """``floor``: the measured limit, not a way to ship a batch.
 
 The fastest raw way to move an already packed flat buffer of the batch's bytes (its tensor
-bytes, plus the pickled non_tensor_batch when it is flagged to travel) from the leader to every
+bytes, plus the encoded non_tensor_batch when it is flagged to travel) from the leader to every
 rank of its replica: no header, no packing, no unpacking (``../shared/brief/measurement.md``).
 One broadcast is not always that (gloo runs a group's broadcasts on two worker threads, so
 concurrent chunks overlap), so the floor is a family of raw methods, one per instance:
@@ -20,12 +20,10 @@ as it was; the bytes it received stay in ``received`` for the harness to verify.
 
 from __future__ import annotations
 
-import pickle
-
 import torch
 import torch.distributed as dist
 
-from strategies.core.codec import as_bytes, message_parts, nbytes_of
+from strategies.core.codec import as_bytes, encode_non_tensor, message_parts, nbytes_of
 from strategies.core.contract import DataProto, Strategy, wants_non_tensor
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 
@@ -72,7 +70,7 @@ class Floor(Strategy):
         if g.is_leader:
             parts = [as_bytes(t) for *_, t in message_parts(batch.batch)]
             if wants_non_tensor(batch):  # the same bytes: flagged non-tensor data travels too
-                blob = pickle.dumps(batch.non_tensor_batch, protocol=pickle.HIGHEST_PROTOCOL)
+                blob = encode_non_tensor(batch.non_tensor_batch)
                 parts.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
             self.sent = torch.cat([p.to(g.device) for p in parts]) if parts else torch.empty(0)
             size[0] = self.sent.numel()

@@ -22,7 +22,6 @@ time; each rank's result is checked bit for bit (``harness.run.verify``) after t
 from __future__ import annotations
 
 import argparse
-import pickle
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -135,13 +134,13 @@ def chunk(batch: DataProto, dp: int) -> list[DataProto]:
 
 
 def flat_bytes(chunk_: DataProto) -> np.ndarray:
-    """The floor's bytes of one chunk: tensor bytes, plus the pickled non_tensor_batch when it
+    """The floor's bytes of one chunk: tensor bytes, plus the encoded non_tensor_batch when it
     is flagged to travel (what ``strategies.floor`` broadcasts)."""
-    from strategies.core.codec import as_bytes
+    from strategies.core.codec import as_bytes, encode_non_tensor
 
     parts = [as_bytes(t) for _, t in chunk_.batch.items(include_nested=True, leaves_only=True)]
     if chunk_.broadcast_non_tensor:
-        blob = pickle.dumps(chunk_.non_tensor_batch, protocol=pickle.HIGHEST_PROTOCOL)
+        blob = encode_non_tensor(chunk_.non_tensor_batch)
         parts.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
     return torch.cat(parts).numpy()
 

@@ -9,7 +9,6 @@ all ranks' results into one record's measured fields (latency per iteration = ma
 from __future__ import annotations
 
 import os
-import pickle
 import time
 from dataclasses import dataclass, field
 
@@ -20,7 +19,7 @@ import torch.distributed as dist
 import strategies
 from harness.run import payloads
 from harness.run.verify import VerificationError, compare, digest, tensor_digest
-from strategies.core.codec import nbytes_of
+from strategies.core.codec import encode_non_tensor, nbytes_of
 from strategies.core.layout import Layout
 from strategies.core.trace import Recorder
 
@@ -296,10 +295,10 @@ def _link_bytes_phase(ctx, spec: JobSpec, job: Prepared, counter) -> dict[str, f
 
 
 def _payload_bytes(full) -> int:
-    """What the floor sends: tensor bytes, plus the pickled non_tensor_batch when flagged."""
+    """What the floor sends: tensor bytes, plus the encoded non_tensor_batch when flagged."""
     n = sum(nbytes_of(t) for _, t in full.batch.items(include_nested=True, leaves_only=True))
     if full.broadcast_non_tensor:
-        n += len(pickle.dumps(full.non_tensor_batch, protocol=pickle.HIGHEST_PROTOCOL))
+        n += len(encode_non_tensor(full.non_tensor_batch))
     return n
 
 

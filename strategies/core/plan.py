@@ -117,7 +117,13 @@ def spec_of(dp) -> PayloadSpec:
     its 64-byte leaf padding folded in; pickle size measured)."""
     import pickle
 
-    from strategies.core.codec import encode_header, layout_entries, message_parts, nbytes_of
+    from strategies.core.codec import (
+        encode_header,
+        encode_non_tensor,
+        layout_entries,
+        message_parts,
+        nbytes_of,
+    )
     from strategies.core.contract import wants_non_tensor
 
     # A jagged leaf counts as its parts and a non-tensor leaf as its pickle (codec's message).
@@ -125,7 +131,7 @@ def spec_of(dp) -> PayloadSpec:
     sizes = [nbytes_of(t) for _, t in leaves]
     flagged = wants_non_tensor(dp)
     nt = dp.non_tensor_batch if flagged else None
-    blob = pickle.dumps(nt, protocol=pickle.HIGHEST_PROTOCOL) if nt is not None else None
+    blob = encode_non_tensor(nt) if nt is not None else None
     entries, data_bytes, span = layout_entries(
         dp.batch, 0, None if blob is None else len(blob), parts=[(k, 0, 0, t) for k, t in leaves]
     )

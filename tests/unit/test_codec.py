@@ -7,6 +7,7 @@ from __future__ import annotations
 import pickle
 import struct
 
+import numpy as np
 import pytest
 import torch
 from batchgen import (
@@ -99,7 +100,7 @@ def test_pack_unpack_round_trip_bit_exact(spec: BatchSpec, b: int):
     for _, t in leaves(dp.batch):
         expected_data = align(expected_data + t.numel() * t.element_size())
     if nt is not None:
-        expected_data = align(expected_data + len(pickle.dumps(nt, pickle.HIGHEST_PROTOCOL)))
+        expected_data = align(expected_data + len(codec.encode_non_tensor(nt)))
     assert header.data_bytes == expected_data
     assert buf.dtype == torch.uint8 and buf.numel() >= total
     assert read_header(buf[:total], codec.DEFAULT_MAX_BYTES, 3) == header
@@ -381,3 +382,29 @@ def test_direct_leaves_count_against_max_bytes():
     raw = bytes(buf[: header.header_len].numpy())
     expect_error(raw, "separately sent leaves", max_bytes=header.total_bytes + 1000)
     assert decode_header(raw, max_bytes=header.total_bytes + 4 * 1024 * 4).entries
+
+
+def test_non_tensor_blob_round_trips_object_arrays_exactly():
+    ragged = np.empty(3, dtype=object)
+    ragged[:] = [[1, 2], [3, 4], [5, 6]]  # list elements of equal length: np.array would stack
+    mixed = np.empty(4, dtype=object)
+    mixed[:] = [{"pixel": np.arange(3)}, None, "π ∑ 为什么", (1, "a")]
+    grid = np.empty((2, 2), dtype=object)  # 2-D object arrays keep their own pickle
+    grid[:] = [["a", "b"], ["c", "d"]]
+    nt = {
+        "uid": np.array(["a", "b", "c"], dtype=object),
+        "ragged": ragged,
+        "mixed": mixed,
+        "grid": grid,
+        "score": np.arange(6, dtype=np.float16).reshape(3, 2),
+        "strided": np.array(list("abcdef"), dtype=object)[::2],
+    }
+    got = codec.decode_non_tensor(memoryview(codec.encode_non_tensor(nt)))
+    assert list(got) == list(nt)
+    for k, a in nt.items():
+        assert type(got[k]) is np.ndarray and got[k].dtype == a.dtype and got[k].shape == a.shape
+    assert got["ragged"][1] == [3, 4] and got["mixed"][2] == "π ∑ 为什么"
+    assert np.array_equal(got["mixed"][0]["pixel"], np.arange(3))
+    assert got["mixed"][1] is None and got["mixed"][3] == (1, "a")
+    assert got["grid"].tolist() == grid.tolist() and got["strided"].tolist() == ["a", "c", "e"]
+    assert np.array_equal(got["score"], nt["score"])
