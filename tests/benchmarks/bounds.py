@@ -27,10 +27,13 @@ BOUNDS: dict[tuple[str, str], dict[str, float]] = {
     # header 8MiB 1.23-1.61 (single jobs 1.10-1.86), flat 8MiB 1.26-1.47 (1.07-2.09),
     # header 69KiB 1.24-2.21 (0.81-2.73), flat 69KiB 1.25-2.12 (0.87-2.47); vs_baseline of
     # header and flat 0.18-0.37 (single jobs 0.14-0.43). 1.5x the floor at 8 MiB would flake.
-    ("header", "69KiB"): {"vs_floor": 4.0, "vs_baseline": 0.7, "collectives_per_call": 2},
+    # At 69 KiB the compact non-tensor blob and the leaner call path brought the header
+    # family's same-job medians to 1.5-1.8x the honest floor (3 runs each, tp2pp2 and
+    # tp2pp2dp2): 3.0 leaves a loaded CI runner a third of headroom over the worst median seen.
+    ("header", "69KiB"): {"vs_floor": 3.0, "vs_baseline": 0.7, "collectives_per_call": 2},
     # 8 MiB is past PIPELINE_MIN_BYTES: each hop is SEGMENTS pipelined broadcasts.
     ("header", "8MiB"): {"vs_floor": 2.0, "vs_baseline": 0.7, "collectives_per_call": 2 * SEGMENTS},
-    ("flat", "69KiB"): {"vs_floor": 4.0, "vs_baseline": 0.7, "collectives_per_call": 1},
+    ("flat", "69KiB"): {"vs_floor": 3.0, "vs_baseline": 0.7, "collectives_per_call": 1},
     ("flat", "8MiB"): {"vs_floor": 2.0, "vs_baseline": 0.7, "collectives_per_call": SEGMENTS},
     # direct: the 1.4 MiB int64 leaves (input_ids, attention_mask, position_ids) go alone,
     # the rest (3.6 MiB) is one message below PIPELINE_MIN_BYTES: 1 + 3 broadcasts.
@@ -46,7 +49,7 @@ BOUNDS: dict[tuple[str, str], dict[str, float]] = {
     ("scatter_allgather", "8MiB"): {"vs_floor": 4.0, "vs_baseline": 1.0, "collectives_per_call": 4},
     # auto serves the call with the built-in the cost model picks (direct at both sizes on
     # one host: at 69 KiB it is flat's one broadcast, at 8 MiB flat's message + 3 leaves).
-    ("auto", "69KiB"): {"vs_floor": 4.0, "vs_baseline": 0.7, "collectives_per_call": 1},
+    ("auto", "69KiB"): {"vs_floor": 3.0, "vs_baseline": 0.7, "collectives_per_call": 1},
     ("auto", "8MiB"): {"vs_floor": 2.0, "vs_baseline": 0.7, "collectives_per_call": 4},
     # pickled is the baseline (vs_baseline = 1 by definition): bound how far above the floor.
     # vs_floor medians 4.50-8.41 (69KiB; single jobs up to 10.9), 3.44-4.69 (8MiB; up to 5.2).
