@@ -47,8 +47,9 @@ BOUNDS: dict[tuple[str, str], dict[str, float]] = {
         "collectives_per_call": 4,
     },
     ("scatter_allgather", "8MiB"): {"vs_floor": 4.0, "vs_baseline": 1.0, "collectives_per_call": 4},
-    # auto serves the call with the built-in the cost model picks (direct at both sizes on
-    # one host: at 69 KiB it is flat's one broadcast, at 8 MiB flat's message + 3 leaves).
+    # auto serves the call with the built-in the cost model picks on one host: flat at both
+    # sizes (one broadcast at 69 KiB, 2 segments at 8 MiB); bounds are the larger
+    # of the candidates' own, so a re-calibration that moves the pick does not fail the gate.
     ("auto", "69KiB"): {"vs_floor": 3.0, "vs_baseline": 0.7, "collectives_per_call": 1},
     ("auto", "8MiB"): {"vs_floor": 2.0, "vs_baseline": 0.7, "collectives_per_call": 4},
     # pickled is the baseline (vs_baseline = 1 by definition): bound how far above the floor.
@@ -61,7 +62,9 @@ BOUNDS: dict[tuple[str, str], dict[str, float]] = {
 AUTO_FIXED = ("direct", "flat", "header", "pp_first")
 """The fixed strategies ``auto`` is timed against in the same job (``test_auto_vs_best_fixed``)."""
 
-AUTO_VS_BEST = {"full": 1.05, "short": 1.3}
-"""Largest allowed median over rounds of auto p50 / the best fixed strategy's p50 in the same
-job. Full mode holds auto to 5 %; short mode's few iterations on shared cores swing more than
-that between two identical strategies, so it catches only a wrong pick."""
+AUTO_VS_BEST = {"full": 1.05, "short": 1.5}
+"""Largest allowed auto p50 / the best fixed strategy's p50, each the median over the rounds of
+jobs that time them all together. Full mode holds auto to 5 %; short mode's few iterations on
+shared cores swing more than that between two identical strategies (auto served by direct
+measured 0.77-1.51x direct in the same 16-iteration job), so it catches only a wrong pick:
+scatter_allgather, the slowest candidate on one host, is 1.8-3.2x the best there."""

@@ -149,8 +149,11 @@ def per_round(rounds: list[dict]) -> str:
 @pytest.mark.world
 @pytest.mark.parametrize("size", sorted(SIZES))
 def test_auto_vs_best_fixed(bench_world, mode, size: str, record_property):
-    """auto and the fixed strategies it picks among, interleaved in one job: auto's p50 over
-    the best fixed one's, median over rounds, within ``AUTO_VS_BEST``."""
+    """auto and the fixed strategies it picks among, interleaved in one job per round: each
+    strategy's p50 is taken as its median over rounds first, then auto's over the best fixed
+    one's must stay within ``AUTO_VS_BEST``. (The minimum of four noisy p50s in one round is
+    biased low, so a per-round ratio sat above 1 even when auto served the call with the
+    fastest strategy.)"""
     spec = JobSpec(
         "auto",
         LAYOUT[1],
@@ -164,18 +167,16 @@ def test_auto_vs_best_fixed(bench_world, mode, size: str, record_property):
     rounds = []
     for _ in range(mode.rounds):
         s = summarize(spec, bench_world.run(run_job_on_rank, spec, what="auto job"))["strategies"]
-        best = min(AUTO_FIXED, key=lambda n: s[n]["p50_us"])
-        rounds.append(
-            {
-                "best": best,
-                "choice": s["auto"].get("choice"),
-                "ratio": s["auto"]["p50_us"] / s[best]["p50_us"],
-            }
-        )
-    ratio = statistics.median(r["ratio"] for r in rounds)
+        p50 = {n: s[n]["p50_us"] for n in ("auto", *AUTO_FIXED)}
+        rounds.append({"choice": s["auto"].get("choice"), "p50_us": p50})
+    median = {n: statistics.median(r["p50_us"][n] for r in rounds) for n in ("auto", *AUTO_FIXED)}
+    best = min(AUTO_FIXED, key=median.get)
+    ratio = median["auto"] / median[best]
     record_property("auto_vs_best", ratio)
     record_property("rounds", rounds)
     limit = AUTO_VS_BEST[mode.name]
     assert ratio <= limit, (
-        f"auto at {size}: median {ratio:.3f} of the best fixed > {limit}: {rounds}"
+        f"auto at {size}: {ratio:.3f}x the best fixed ({best}; p50 medians over rounds, µs: "
+        f"{ {n: round(v) for n, v in median.items()} }) > {limit}; choices "
+        f"{[r['choice'] for r in rounds]}"
     )

@@ -30,10 +30,10 @@ def test_spec_of_header_is_spec_of_the_batch(payload, flag):
 
 
 def test_ties_go_by_preference_and_a_clear_winner_wins():
-    assert pick({"flat": 1.0, "direct": 1.0 + TIE / 2}) == "direct"
-    assert pick({"flat": 1.0, "direct": 1.0 + 2 * TIE}) == "flat"
+    assert pick({"direct": 1.0, "flat": 1.0 + TIE / 2}) == "flat"
+    assert pick({"direct": 1.0, "flat": 1.0 + 2 * TIE}) == "direct"
     assert pick({"scatter_allgather": 1.0, "pp_first": 3.0}) == "scatter_allgather"
-    assert list(CANDIDATES)[:2] == ["direct", "flat"]
+    assert list(CANDIDATES)[:2] == ["flat", "direct"]
 
 
 def test_auto_picks_what_the_emulated_table_measured_fastest():
