@@ -28,9 +28,13 @@ for it so rank ``r`` lands on node ``r // ranks_per_node``, as torchrun's node r
 
 
 DISPATCH_MODES = ("none", "leader", "all_ranks")
+"""Values of ``RayConf.dispatch``."""
 DEATH_GRACE_S = 3.0
 """How long, after a rank fails, the world waits for its peers to fail too before naming one."""
-"""Values of ``RayConf.dispatch``."""
+
+
+LOOPBACK = "127.0.0.2"
+"""The address a private local Ray cluster advertises and connects on (see ``RayWorld``)."""
 
 
 class RayUnavailable(RuntimeError):
@@ -257,8 +261,10 @@ class RayWorld:
             ray.init(
                 address="local",
                 # A private cluster on this machine talks over loopback only, never through
-                # the host's outward-facing interface.
-                _node_ip_address="127.0.0.1",
+                # the host's outward-facing interface. Not 127.0.0.1: Ray rewrites that one
+                # (and "localhost") to the primary interface's address; the rest of 127/8 is
+                # loopback too and Ray keeps it.
+                _node_ip_address=LOOPBACK,
                 num_cpus=self.conf.num_cpus,
                 object_store_memory=self.conf.object_store_mb * 2**20,
                 include_dashboard=False,

@@ -44,6 +44,14 @@ def ray_world():
         world.close(kill=True)
 
 
+def test_a_private_cluster_talks_over_loopback_only(ray_world):
+    import ipaddress
+
+    addresses = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+    assert addresses and all(ipaddress.ip_address(a).is_loopback for a in addresses), addresses
+    assert ipaddress.ip_address(ray.util.get_node_ip_address()).is_loopback
+
+
 def test_modes_parse_and_floors_join():
     spec = DispatchSpec(TP2PP2, ("leader:header", "all_ranks"))
     assert [m.name for m in spec.parsed_modes()] == [
