@@ -45,9 +45,11 @@ from strategies.core.codec import transportable
 from strategies.core.contract import (
     ContractError,
     DataProto,
+    ShippedFailure,
     Strategy,
     _key_name,
     attempt,
+    broadcast_objects,
     deliver,
     failure_text,
     is_non_tensor_leaf,
@@ -155,8 +157,10 @@ def broadcast_message(
 ) -> _Message:
     """One hop: every rank of ``group`` ends with the message of ``src`` (a global rank)."""
     box = [msg.table if msg is not None else None]
-    dist.broadcast_object_list(box, src=src, group=cpu_group)
+    unpicklable = broadcast_objects(box, src, cpu_group)
     table = box[0]
+    if isinstance(table, ShippedFailure):  # the source could not pickle its table
+        return _Message({"error": table.text}, None, [], failure=unpicklable)
     if table["error"] is not None:  # raised after the last hop, so no rank is left waiting
         return _Message(table, None, [])
     if msg is not None:
@@ -230,6 +234,7 @@ class MegatronBroadcastData(Strategy):
         failure = msg.failure if msg is not None else None
         for hop in g.seed_hops():
             msg = broadcast_message(msg, hop.ranks[0], hop.group, hop.cpu_group, g.device)
+            failure = failure or msg.failure
         if msg.table["error"] is not None:
             raise_failure(g, msg.table["error"], failure)
         if not g.is_leader:

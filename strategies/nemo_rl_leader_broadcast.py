@@ -50,6 +50,7 @@ from tensordict import TensorDict
 
 from strategies.core.codec import transportable
 from strategies.core.contract import (
+    ShippedFailure,
     Strategy,
     attempt,
     deliver,
@@ -62,7 +63,7 @@ from strategies.core.contract import (
 )
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.trace import WORK
-from strategies.pickled import Failure, send_or_failure
+from strategies.pickled import send_or_failure
 from strategies.vllm_tensor_dict import leaf_nbytes
 
 BATCH_SIZE_KEY = "__batch_size__"
@@ -170,13 +171,13 @@ class NemoRlLeaderBroadcast(Strategy):
         if not g.is_leader:
             box = [None]
             dist.broadcast_object_list(box, src=g.leader, group=g.replica_group)
-            if isinstance(box[0], Failure):
+            if isinstance(box[0], ShippedFailure):
                 raise_failure(g, box[0].text)
             entries = _receive(box[0], g.leader, g.replica_group, device, g.device)
             return deliver(batch, *_rebuild(entries))
         prepared, error = attempt(describe, batch, device, g)
         if error is not None:  # the descriptor carries it instead, so every rank raises
-            send_or_failure(Failure(failure_text(error)), g.replica_group)
+            send_or_failure(ShippedFailure(failure_text(error)), g.replica_group)
             raise_failure(g, failure_text(error), error)
         failed = send_or_failure(prepared.descriptor, g.replica_group)
         if failed is not None:  # the descriptor would not pickle; every rank got why

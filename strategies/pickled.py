@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import traceback
-from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -46,8 +44,10 @@ import torch.distributed as dist
 
 from strategies.core.contract import (
     ContractError,
+    ShippedFailure,
     Strategy,
     attempt,
+    broadcast_objects,
     deliver,
     failure_text,
     leaves,
@@ -61,14 +61,6 @@ from strategies.core.roll_proto import RollDataProto
 SERIALIZATIONS = ("roll", "dataclass")
 
 
-@dataclass(frozen=True)
-class Failure:
-    """What travels in the batch's place when the leader fails: its error as ``Type: text``,
-    picklable whatever it raised."""
-
-    text: str
-
-
 def broadcast_obj(obj, group):
     """The seed's helper: group rank 0 holds the object, everyone returns it."""
     obj_list = [obj if dist.get_rank(group) == 0 else None]
@@ -77,26 +69,13 @@ def broadcast_obj(obj, group):
     return obj_list[0]
 
 
-def _failed_while_pickling(exc: BaseException) -> bool:
-    # broadcast_object_list pickles every object before its first collective; a failure there
-    # leaves every receiver waiting in the sizes broadcast, where a second call still lands.
-    frames = traceback.walk_tb(exc.__traceback__)
-    return any(frame.f_code.co_name == "_object_to_tensor" for frame, _ in frames)
-
-
-def send_or_failure(obj, group) -> tuple[Exception, Failure] | None:
+def send_or_failure(obj, group) -> tuple[Exception, ShippedFailure] | None:
     """``broadcast_obj`` from this hop's source. None once sent; if pickling ``obj`` fails, a
-    Failure goes in its place (receivers raise it) and (the error, that Failure) is returned,
-    so a rank that sends on later hops sends the Failure there too."""
-    try:
-        broadcast_obj(obj, group)
-        return None
-    except Exception as exc:
-        if not _failed_while_pickling(exc):
-            raise
-        failure = Failure(failure_text(exc))
-        broadcast_obj(failure, group)
-        return exc, failure
+    ShippedFailure goes in its place (receivers raise it) and (the error, that failure) is
+    returned, so a rank that sends on later hops sends the failure there too."""
+    box = [obj]
+    exc = broadcast_objects(box, dist.get_process_group_ranks(group)[0], group)
+    return None if exc is None else (exc, box[0])
 
 
 @cache
@@ -175,7 +154,7 @@ class Pickled(Strategy):
         failure = error = None
         if g.is_leader:  # whatever it raises travels in the batch's place
             state, error = attempt(self._leader_state, batch, whole)
-            failure = Failure(failure_text(error)) if error is not None else None
+            failure = ShippedFailure(failure_text(error)) if error is not None else None
         else:
             state = self._state(batch)
         for hop in g.seed_hops():
@@ -185,7 +164,7 @@ class Pickled(Strategy):
                     error, failure = failed
                 continue
             received = broadcast_obj(None, hop.group)
-            if isinstance(received, Failure):
+            if isinstance(received, ShippedFailure):
                 failure = received
             else:
                 self._incoming(state, received, whole)

@@ -58,15 +58,16 @@ Per call (DP = 1): 2 (pickled metadata) + 1 storage broadcast, + 2 when non-tens
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from tensordict import NonTensorData, TensorDict
 
 from strategies.core.codec import KIND_OBJECT, message_parts, nbytes_of
 from strategies.core.contract import (
     DataProto,
+    ShippedFailure,
     Strategy,
     Unsupported,
     attempt,
+    broadcast_objects,
     deliver,
     failure_text,
     raise_failure,
@@ -160,7 +161,9 @@ class TensorDictBroadcast(Strategy):
         non_tensor = None
         if wants_non_tensor(batch):
             box = [batch.non_tensor_batch if g.is_leader else None]
-            dist.broadcast_object_list(box, src=g.leader, group=g.cpu_replica_group)
+            unpicklable = broadcast_objects(box, g.leader, g.cpu_replica_group)
+            if isinstance(box[0], ShippedFailure):
+                raise_failure(g, box[0].text, unpicklable)
             non_tensor = box[0]
         if not g.is_leader:
             deliver(batch, _restore_complex128(out), non_tensor)

@@ -45,9 +45,11 @@ from strategies.core.codec import transportable
 from strategies.core.contract import (
     ContractError,
     DataProto,
+    ShippedFailure,
     Strategy,
     _key_name,
     attempt,
+    broadcast_objects,
     deliver,
     failure_text,
     leaves,
@@ -74,9 +76,16 @@ class TensorMeta:
 
 
 def broadcast_tensor_dict(
-    tensor_dict: dict | None, src: int, group, cpu_group, device: torch.device
+    tensor_dict: dict | None,
+    src: int,
+    group,
+    cpu_group,
+    device: torch.device,
+    failures: list | None = None,
 ) -> dict:
-    """vLLM's algorithm on one group; ``src`` is a global rank. Returns the dict on every rank."""
+    """vLLM's algorithm on one group; ``src`` is a global rank. Returns the dict on every rank.
+    Metadata the source cannot pickle travels as ``{ERROR_KEY: why}`` instead (every rank
+    returns that), and the source appends its exception to ``failures``."""
     if dist.get_rank() == src:
         metadata, tensors = [], []
         for key, value in tensor_dict.items():
@@ -85,7 +94,12 @@ def broadcast_tensor_dict(
                 tensors.append(value)
             else:
                 metadata.append((key, value))
-        dist.broadcast_object_list([metadata], src=src, group=cpu_group)
+        box = [metadata]
+        unpicklable = broadcast_objects(box, src, cpu_group)
+        if unpicklable is not None:
+            if failures is not None:
+                failures.append(unpicklable)
+            return {ERROR_KEY: box[0].text}
         handles = []
         for t in tensors:
             if t.numel() == 0:
@@ -99,7 +113,9 @@ def broadcast_tensor_dict(
             h.wait()
         return tensor_dict
     box = [None]
-    dist.broadcast_object_list(box, src=src, group=cpu_group)
+    broadcast_objects(box, src, cpu_group)
+    if isinstance(box[0], ShippedFailure):
+        return {ERROR_KEY: box[0].text}
     out, handles = {}, []
     for key, value in box[0]:
         if not isinstance(value, TensorMeta):
@@ -178,10 +194,11 @@ class VllmTensorDict(Strategy):
             d, exc = attempt(to_tensor_dict, batch, g.rank, g.device)
             if exc is not None:  # the failure travels as the metadata list, so no rank waits
                 d = {ERROR_KEY: failure_text(exc)}
+        failures: list = []
         for hop in g.seed_hops():
-            d = broadcast_tensor_dict(d, hop.ranks[0], hop.group, hop.cpu_group, g.device)
+            d = broadcast_tensor_dict(d, hop.ranks[0], hop.group, hop.cpu_group, g.device, failures)
         if ERROR_KEY in d:
-            raise_failure(g, d[ERROR_KEY], exc)
+            raise_failure(g, d[ERROR_KEY], exc or next(iter(failures), None))
         if not g.is_leader:
             td, non_tensor = from_tensor_dict(d)
             deliver(batch, td, non_tensor)

@@ -5,6 +5,7 @@ Strategy base class every module under ``strategies/`` implements.
 from __future__ import annotations
 
 import copy
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
@@ -196,6 +197,37 @@ def attempt(work, *args, **kwargs) -> tuple[Any, Exception | None]:
         return work(*args, **kwargs), None
     except Exception as exc:  # noqa: BLE001 -- any type: it travels to the receivers
         return None, exc
+
+
+@dataclass(frozen=True)
+class ShippedFailure:
+    """What a ``broadcast_object_list`` carries in place of objects its source could not
+    pickle: the source's error as ``Type: text``, picklable whatever it raised."""
+
+    text: str
+
+
+def failed_while_pickling(exc: BaseException) -> bool:
+    # broadcast_object_list pickles every object before its first collective; a failure there
+    # leaves every receiver waiting in the sizes broadcast, where a second call still lands.
+    frames = traceback.walk_tb(exc.__traceback__)
+    return any(frame.f_code.co_name == "_object_to_tensor" for frame, _ in frames)
+
+
+def broadcast_objects(box: list, src: int, group) -> Exception | None:
+    """``dist.broadcast_object_list(box, src, group)`` that cannot strand the receivers: if the
+    source fails to pickle an object (a lambda in a non-tensor array, any foreign type), it
+    sends a ``ShippedFailure`` in every slot instead and returns its exception; receivers find
+    the ShippedFailure in ``box``. Any other error propagates as before."""
+    try:
+        dist.broadcast_object_list(box, src=src, group=group)
+        return None
+    except Exception as exc:
+        if not failed_while_pickling(exc):
+            raise
+        box[:] = [ShippedFailure(failure_text(exc))] * len(box)
+        dist.broadcast_object_list(box, src=src, group=group)
+        return exc
 
 
 def raise_failure(groups, text: str, exc: BaseException | None = None):

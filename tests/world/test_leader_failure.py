@@ -163,3 +163,71 @@ def test_a_failing_replica_leaves_the_other_replica_exact(world8, name):
             assert outcome == "raised" and "got NoneType" in detail, (rank, detail)
         else:
             assert (outcome, detail) == ("exact", "True"), (rank, detail)
+
+
+def _unpicklable_texts(b: int = 3) -> np.ndarray:
+    texts = np.empty(b, dtype=object)
+    texts[:] = [lambda: None] * b  # a lambda cannot be pickled
+    return texts
+
+
+AFTER_GOOD = {
+    # A leader path that skips work once a batch structure passed (the header family validates
+    # a structure once) must still fail on every rank when the next object breaks the contract.
+    "foreign_same_batch_non_tensor_list": (
+        lambda: ForeignProto(good_td(), ["a", "b", "c"], {"step": 1}),
+        "non_tensor_batch is list",
+    ),
+    "same_batch_non_tensor_wrong_length": (
+        lambda: strategies.DataProto(good_td(), {"uid": np.array(["a"], dtype=object)}, {}),
+        "non_tensor_batch['uid'] has length 1; expected B=3",
+    ),
+    "same_batch_unpicklable_non_tensor": (
+        lambda: strategies.DataProto(
+            good_td(), {"fn": _unpicklable_texts()}, {strategies.NON_TENSOR_FLAG: True}
+        ),
+        None,
+    ),
+}
+
+
+def after_good_job(ctx, name: str, layout: Layout, case: str):
+    """A good call, then the case's object on the leader, on the same strategy instance."""
+    groups = ctx.groups_for(layout)
+    strategy = strategies.get(name, groups)
+    good = strategies.DataProto(good_td(), {}, {"step": 1})
+    strategy.get_data_input(good if groups.is_leader else strategies.DataProto(None, {}, {}))
+    make, _ = AFTER_GOOD[case]
+    entry = make() if groups.is_leader else strategies.DataProto(None, {}, {})
+    entry.meta_info = dict(make().meta_info)  # meta_info is on every rank before the call
+    ctx.report(f"{name} after a good call: {case}")
+    try:
+        out = strategy.get_data_input(entry)
+    except Exception as exc:  # noqa: BLE001 -- the test looks at what every rank raised
+        return "raised", f"{type(exc).__name__}: {exc}"
+    return "exact", str(torch.equal(out.batch["x"], good_td()["x"]))
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("case", sorted(AFTER_GOOD))
+@pytest.mark.parametrize("name", strategies.names())
+def test_a_failure_after_a_good_call_reaches_every_rank(world4, name, case):
+    layout = LAYOUTS["tp2pp2"]
+    world4.run(failure_job, name, layout, "leading_dims_disagree")  # groups built, warmed up
+    t0 = time.monotonic()
+    results = world4.run(after_good_job, name, layout, case, timeout_s=FAIL_WITHIN_S)
+    assert time.monotonic() - t0 < FAIL_WITHIN_S, f"{name} {case}: took too long"
+    outcomes = {outcome for outcome, _ in results}
+    assert len(outcomes) == 1, f"{name} {case}: ranks disagree: {results}"
+    if outcomes == {"exact"}:
+        assert AFTER_GOOD[case][1] is None, f"{name} {case}: carried what it should refuse"
+        assert {detail for _, detail in results} == {"True"}, results
+        return
+    leader = layout.leaders()[0]
+    leader_error = results[leader][1]
+    must_name = AFTER_GOOD[case][1]
+    assert must_name is None or must_name in leader_error, f"{name} {case}: {leader_error}"
+    for rank, (_, message) in enumerate(results):
+        if rank != leader:
+            assert message.startswith(f"LeaderFailed: rank {rank}: "), message
+            assert leader_error in message, f"{name} {case} rank {rank}: {message}"
