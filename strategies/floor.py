@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from strategies.core.codec import as_bytes, encode_non_tensor, message_parts, nbytes_of
+from strategies.core.codec import as_bytes, encode_non_tensor, message_parts
 from strategies.core.contract import DataProto, Strategy, wants_non_tensor
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 
@@ -68,10 +68,7 @@ class Floor(Strategy):
         g = self.groups
         size = torch.zeros(1, dtype=torch.int64)
         if g.is_leader:
-            parts = [as_bytes(t) for *_, t in message_parts(batch.batch)]
-            if wants_non_tensor(batch):  # the same bytes: flagged non-tensor data travels too
-                blob = encode_non_tensor(batch.non_tensor_batch)
-                parts.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+            parts = raw_parts(batch)
             self.sent = torch.cat([p.to(g.device) for p in parts]) if parts else torch.empty(0)
             size[0] = self.sent.numel()
         dist.broadcast(size, src=g.leader, group=g.cpu_replica_group)
@@ -142,8 +139,16 @@ def _broadcast_chunks(buf: torch.Tensor, bounds, group, src: int) -> None:
         h.wait()
 
 
-def tensor_bytes(batch: DataProto) -> int:
-    return sum(nbytes_of(t) for *_, t in message_parts(batch.batch))
+def raw_parts(batch: DataProto) -> list[torch.Tensor]:
+    """The floor's bytes of a batch, as uint8 tensors in order: each message part's own
+    elements (a jagged leaf as its parts, a non-tensor leaf as its pickle), then the encoded
+    non_tensor_batch when it is flagged to travel. Every path that sizes or sends the floor
+    (its receivers' buffer, the Ray floor's flat array, records' payload_bytes) uses this."""
+    parts = [as_bytes(t) for *_, t in message_parts(batch.batch)]
+    if wants_non_tensor(batch):
+        blob = encode_non_tensor(batch.non_tensor_batch)
+        parts.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+    return parts
 
 
 STRATEGY = Floor

@@ -134,15 +134,12 @@ def chunk(batch: DataProto, dp: int) -> list[DataProto]:
 
 
 def flat_bytes(chunk_: DataProto) -> np.ndarray:
-    """The floor's bytes of one chunk: tensor bytes, plus the encoded non_tensor_batch when it
-    is flagged to travel (what ``strategies.floor`` broadcasts)."""
-    from strategies.core.codec import as_bytes, encode_non_tensor
+    """The floor's bytes of one chunk as one array (``strategies.floor.raw_parts``: exactly
+    what the floor's receivers are sized for)."""
+    from strategies.floor import raw_parts
 
-    parts = [as_bytes(t) for _, t in chunk_.batch.items(include_nested=True, leaves_only=True)]
-    if chunk_.broadcast_non_tensor:
-        blob = encode_non_tensor(chunk_.non_tensor_batch)
-        parts.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-    return torch.cat(parts).numpy()
+    parts = raw_parts(chunk_)
+    return torch.cat(parts).numpy() if parts else np.empty(0, dtype=np.uint8)
 
 
 @dataclass

@@ -19,7 +19,6 @@ import torch.distributed as dist
 import strategies
 from harness.run import payloads
 from harness.run.verify import VerificationError, compare, digest, tensor_digest
-from strategies.core.codec import encode_non_tensor, nbytes_of
 from strategies.core.layout import Layout
 from strategies.core.trace import Recorder
 
@@ -295,11 +294,10 @@ def _link_bytes_phase(ctx, spec: JobSpec, job: Prepared, counter) -> dict[str, f
 
 
 def _payload_bytes(full) -> int:
-    """What the floor sends: tensor bytes, plus the encoded non_tensor_batch when flagged."""
-    n = sum(nbytes_of(t) for _, t in full.batch.items(include_nested=True, leaves_only=True))
-    if full.broadcast_non_tensor:
-        n += len(encode_non_tensor(full.non_tensor_batch))
-    return n
+    """What the floor sends (``strategies.floor.raw_parts``)."""
+    from strategies.floor import raw_parts
+
+    return sum(p.numel() for p in raw_parts(full))
 
 
 def _rss_now() -> int:
