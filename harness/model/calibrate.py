@@ -118,7 +118,9 @@ def _time_collectives(ctx, group_sizes, sizes, reps):
     keys = list(buffers)
     # Iteration-outer loop interleaves shapes, so slow drift of a shared machine hits all alike;
     # the order is shuffled each iteration (same seed on every rank) because the first call
-    # after a group switch or a long idle wait runs slow; iteration 0 is the warm-up.
+    # after a group switch or a long idle wait runs slow; iteration 0 is the warm-up. Each call
+    # starts as the harness's timed calls do (runner.start_line): a world barrier, then one
+    # over the group it times.
     for it in range(reps + 1):
         ctx.report(f"calibrate: iteration {it}")
         random.Random(it).shuffle(keys)
@@ -127,6 +129,8 @@ def _time_collectives(ctx, group_sizes, sizes, reps):
             dist.barrier()
             if ctx.rank >= p:
                 continue
+            if groups[p] is not None:
+                dist.barrier(group=groups[p])
             t0 = time.perf_counter()
             call(kind, p, size)
             dt = time.perf_counter() - t0
