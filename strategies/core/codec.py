@@ -154,6 +154,12 @@ Part = tuple  # (key, kind, aux, tensor): one entry of the message
 def message_parts(batch: TensorDict, rank: int = 0) -> list[Part]:
     """Every piece the message carries, in leaf order: ``(key, kind, aux, tensor)``. A
     non-tensor leaf is pickled here (its bytes as a uint8 tensor)."""
+    flat = _flat_dense_parts(batch)
+    return flat if flat is not None else _walk_parts(batch, rank)
+
+
+def _walk_parts(batch: TensorDict, rank: int) -> list[Part]:
+    """``message_parts`` by tensordict's own walk over every leaf (any batch)."""
     out: list[Part] = []
     for key, value in leaves(batch):
         name = key if len(key) > 1 else key[0]
@@ -174,6 +180,27 @@ def message_parts(batch: TensorDict, rank: int = 0) -> list[Part]:
             out.append((key, KIND_OFFSETS, 0, value.offsets()))
         else:
             out.append((key, KIND_DENSE, 0, value))
+    return out
+
+
+def _flat_dense_parts(batch) -> list[Part] | None:
+    """``message_parts`` of a TensorDict whose every entry is a plain dense tensor at the top
+    level (an RL batch as verl and ROLL build it), read from its key->tensor dict; None for
+    anything else (nested TensorDicts, jagged or strided nested tensors, non-tensor leaves,
+    tensor subclasses, other TensorDict types), which takes the general walk. The result is
+    the general walk's, at a fifth of its cost: tensordict's generic iteration ran ~7 us per
+    call for 11 leaves, and every us of Python on a rank costs 3-4 us of wall time when the
+    ranks share cores."""
+    if type(batch) is not TensorDict:
+        return None
+    entries = getattr(batch, "_tensordict", None)
+    if type(entries) is not dict:
+        return None
+    out: list[Part] = []
+    for key, value in entries.items():
+        if type(value) is not torch.Tensor or value.is_nested or type(key) is not str:
+            return None
+        out.append(((key,), KIND_DENSE, 0, value))
     return out
 
 

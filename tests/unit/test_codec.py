@@ -88,6 +88,49 @@ def test_header_round_trip(spec: BatchSpec, b: int, next_expect: int):
 
 @FAST
 @given(spec=batch_specs(big=False), b=st.integers(0, 5))
+def test_flat_fast_path_is_the_general_walk(spec: BatchSpec, b: int):
+    """message_parts' shortcut for flat dense batches returns exactly what tensordict's walk
+    returns (same keys, kinds and tensor objects, in order), and steps aside for the rest."""
+    td = build_batch(spec, b, seed=b + 7).batch
+    walked = codec._walk_parts(td, 0)
+    fast = codec._flat_dense_parts(td)
+    flat_dense = all(len(k) == 1 and kind == codec.KIND_DENSE for k, kind, _, _ in walked)
+    if fast is None:
+        assert not flat_dense or any(type(t) is not torch.Tensor for *_, t in walked)
+        return
+    assert flat_dense
+    assert [(k, kind, aux) for k, kind, aux, _ in fast] == [
+        (k, kind, aux) for k, kind, aux, _ in walked
+    ]
+    assert all(a is w for (*_, a), (*_, w) in zip(fast, walked))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param(lambda: TensorDict({"y": torch.ones(2, 3)}, batch_size=[2]), id="nested-td"),
+        pytest.param(
+            lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged),
+            id="jagged",
+        ),
+        pytest.param(
+            lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), id="strided-nested"
+        ),
+        pytest.param(lambda: torch.nn.Parameter(torch.ones(2, 3)), id="tensor-subclass"),
+    ],
+)
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_flat_fast_path_steps_aside(value):
+    td = TensorDict({"x": torch.zeros(2, 4)}, batch_size=[2])
+    td["z"] = value()
+    assert codec._flat_dense_parts(td) is None
+    td_obj = TensorDict({"x": torch.zeros(2, 4)}, batch_size=[2])
+    td_obj.set_non_tensor("note", "text")
+    assert codec._flat_dense_parts(td_obj) is None
+
+
+@FAST
+@given(spec=batch_specs(big=False), b=st.integers(0, 5))
 def test_pack_unpack_round_trip_bit_exact(spec: BatchSpec, b: int):
     dp = build_batch(spec, b, seed=b + 1)
     nt = dp.non_tensor_batch if spec.broadcast_non_tensor else None
