@@ -81,9 +81,26 @@ def exact_job(ctx, name, layout, flag, options, kind="ours", calls=2):
                 "spec": spec_of(expected),
                 "hop_bytes": hop_pickle_bytes(expected, options.get("serialization", "roll")),
                 "leaf_bytes": tuple(nbytes_of(t) for _, t in leaves),
+                "storages": storage_count(expected.batch),
             }
         )
     return {"rank": ctx.rank, "problems": problems, "calls": traces, "types": sorted(types)}
+
+
+def storage_count(td: TensorDict) -> int:
+    """Distinct storages a pickle of ``td`` carries (a jagged leaf holds several)."""
+    ptrs = set()
+    for _, t in td.items(include_nested=True, leaves_only=True):
+        parts = [t.values(), t.offsets(), t.lengths()] if t.is_nested else [t]
+        ptrs.update(p.untyped_storage().data_ptr() for p in parts if p is not None)
+    return len(ptrs)
+
+
+ADDRESS_DIGITS_SLACK = 2
+"""Bytes a pickle's size may differ per storage between two equal batches: plain pickle of a
+CPU tensor embeds ``torch.save``'s legacy storage key, the storage's address in decimal,
+twice; a heap address has 14 digits, an mmap'd one 15 (measured: the same batch pickled to
+85534 bytes on one rank and 85536 on its equal copy)."""
 
 
 def plan_of(name: str, layout: Layout, options: dict, call: dict):
@@ -114,8 +131,15 @@ def test_exact_on_every_rank_with_the_collectives_planned(request, layout, name,
             n = expected_counts(name, layout, r["rank"], len(call["leaf_bytes"]))
             assert len(got) == n, r["rank"]
             assert [c[:3] for c in got] == [(c.kind, c.ranks, c.root) for c in plan], r["rank"]
-            exact = [(c.nbytes, c.what) for c in plan if c.exact]
-            assert [(g[3], c.what) for g, c in zip(got, plan) if c.exact] == exact, r["rank"]
+            # Exact sizes, except a pickle's by its storages' address digits.
+            slack = ADDRESS_DIGITS_SLACK * call["storages"]
+            for g, c in zip(got, plan):
+                if not c.exact:
+                    continue
+                if c.what == "pickle":
+                    assert abs(g[3] - c.nbytes) <= slack, (r["rank"], g, c)
+                else:
+                    assert g[3] == c.nbytes, (r["rank"], g, c)
 
 
 def test_the_roll_pickle_is_the_whole_dataproto_when_flagged_and_the_proxy_otherwise():
