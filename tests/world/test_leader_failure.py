@@ -110,23 +110,36 @@ def failure_job(ctx, name: str, layout: Layout, case: str):
 @pytest.mark.parametrize("name", strategies.names())
 def test_every_rank_raises_the_leaders_error_or_ends_exact(world4, name, case):
     layout = LAYOUTS["tp2pp2"]
-    world4.run(failure_job, name, layout, "leading_dims_disagree")  # groups built, warmed up
+    results, outcome = run_within_limit(world4, failure_job, name, layout, case)
+    _, must_name = CASES[case]
+    if outcome == "exact":
+        assert must_name is None, f"{name} {case}: carried what the leader should refuse"
+        assert [p for _, problems in results for p in problems] == []
+        return
+    check_leader_error_everywhere(results, layout, name, case, must_name)
+
+
+def run_within_limit(world, job, name: str, layout: Layout, case: str):
+    """Warm the strategy's groups, then run ``job`` for ``case`` on every rank: it must end
+    within FAIL_WITHIN_S with one outcome on every rank; returns (results, outcome)."""
+    world.run(failure_job, name, layout, "leading_dims_disagree")  # groups built, warmed up
     t0 = time.monotonic()
-    results = world4.run(failure_job, name, layout, case, timeout_s=FAIL_WITHIN_S)
+    results = world.run(job, name, layout, case, timeout_s=FAIL_WITHIN_S)
     elapsed = time.monotonic() - t0
     assert elapsed < FAIL_WITHIN_S, f"{name} {case}: took {elapsed:.1f} s"
     outcomes = {outcome for outcome, _ in results}
     assert len(outcomes) == 1, f"{name} {case}: ranks disagree: {results}"
-    _, must_name = CASES[case]
-    if outcomes == {"exact"}:
-        assert must_name is None, f"{name} {case}: carried what the leader should refuse"
-        assert [p for _, problems in results for p in problems] == []
-        return
+    return results, outcomes.pop()
+
+
+def check_leader_error_everywhere(results, layout: Layout, name: str, case: str, must_name):
+    """The leader's error names ``must_name`` (when given); every receiver raised LeaderFailed
+    naming itself and the leader, carrying the leader's error as it was."""
     leader = layout.leaders()[0]
     leader_error = results[leader][1]
     assert must_name is None or must_name in leader_error, f"{name} {case}: {leader_error}"
     for rank, (_, message) in enumerate(results):
-        if rank != leader:  # a receiver names the leader and carries its error as it was
+        if rank != leader:
             assert message.startswith(f"LeaderFailed: rank {rank}: "), message
             assert f"replica leader (rank {leader})" in message, message
             assert leader_error in message, f"{name} {case} rank {rank}: {message}"
@@ -213,21 +226,10 @@ def after_good_job(ctx, name: str, layout: Layout, case: str):
 @pytest.mark.parametrize("name", strategies.names())
 def test_a_failure_after_a_good_call_reaches_every_rank(world4, name, case):
     layout = LAYOUTS["tp2pp2"]
-    world4.run(failure_job, name, layout, "leading_dims_disagree")  # groups built, warmed up
-    t0 = time.monotonic()
-    results = world4.run(after_good_job, name, layout, case, timeout_s=FAIL_WITHIN_S)
-    assert time.monotonic() - t0 < FAIL_WITHIN_S, f"{name} {case}: took too long"
-    outcomes = {outcome for outcome, _ in results}
-    assert len(outcomes) == 1, f"{name} {case}: ranks disagree: {results}"
-    if outcomes == {"exact"}:
-        assert AFTER_GOOD[case][1] is None, f"{name} {case}: carried what it should refuse"
+    results, outcome = run_within_limit(world4, after_good_job, name, layout, case)
+    _, must_name = AFTER_GOOD[case]
+    if outcome == "exact":
+        assert must_name is None, f"{name} {case}: carried what it should refuse"
         assert {detail for _, detail in results} == {"True"}, results
         return
-    leader = layout.leaders()[0]
-    leader_error = results[leader][1]
-    must_name = AFTER_GOOD[case][1]
-    assert must_name is None or must_name in leader_error, f"{name} {case}: {leader_error}"
-    for rank, (_, message) in enumerate(results):
-        if rank != leader:
-            assert message.startswith(f"LeaderFailed: rank {rank}: "), message
-            assert leader_error in message, f"{name} {case} rank {rank}: {message}"
+    check_leader_error_everywhere(results, layout, name, case, must_name)
