@@ -515,11 +515,15 @@ def _cached_header(cache: dict, batch, entries, data_bytes: int, span, next_expe
     raw = cache["raw"]
     nxt = next_expect(len(raw) + data_bytes) if callable(next_expect) else next_expect
     if cache["stamped"] != nxt:
-        raw[NEXT_EXPECT_OFFSET : NEXT_EXPECT_OFFSET + 8] = torch.frombuffer(
-            bytearray(struct.pack("<Q", nxt)), dtype=torch.uint8
-        )
+        stamp_next_expect(raw, nxt)
         cache.update(stamped=nxt, header_in=None)
     return raw, len(raw), nxt
+
+
+def stamp_next_expect(buf: torch.Tensor, value: int) -> None:
+    """Write ``value`` into the next_expect field of the header at the front of ``buf``."""
+    raw = torch.frombuffer(bytearray(struct.pack("<Q", value)), dtype=torch.uint8)
+    buf[NEXT_EXPECT_OFFSET : NEXT_EXPECT_OFFSET + 8].copy_(raw)
 
 
 def _cached_layout(cache: dict, batch: TensorDict, leaves, direct, rank: int, shape=None):
@@ -694,10 +698,18 @@ def _view_plan(header: Header) -> list[tuple]:
 _PLANS: dict = {}
 
 
-def read_header(buf: torch.Tensor, max_bytes: int, rank: int, cache: dict | None = None) -> Header:
-    """Decode the header at the front of a (possibly CUDA) buffer."""
-    prefix = host_bytes(buf, _PREFIX.size)
-    peek_total(prefix, max_bytes, rank)
+def read_header(
+    buf: torch.Tensor,
+    max_bytes: int,
+    rank: int,
+    cache: dict | None = None,
+    prefix: bytes | None = None,
+) -> Header:
+    """Decode the header at the front of a (possibly CUDA) buffer; ``prefix``: its first
+    PREFIX_BYTES, when the caller has read them and checked them with ``peek_total``."""
+    if prefix is None:
+        prefix = host_bytes(buf, _PREFIX.size)
+        peek_total(prefix, max_bytes, rank)
     header_len = _PREFIX.unpack_from(prefix)[3]
     if header_len > buf.numel():
         raise HeaderError(

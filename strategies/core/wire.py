@@ -9,19 +9,17 @@ broadcast, and the header of every call tells all ranks the size to expect next 
 
 from __future__ import annotations
 
-import struct
-
 import torch
 import torch.distributed as dist
 
 from strategies.core.codec import (
     DEFAULT_MAX_BYTES,
-    NEXT_EXPECT_OFFSET,
     PREFIX_BYTES,
     Header,
     host_bytes,
     peek_total,
     read_header,
+    stamp_next_expect,
 )
 
 PAGE = 4096
@@ -76,10 +74,7 @@ class Wire:
 
     def stamp(self, buf: torch.Tensor, total: int) -> None:
         """Write next_expect into a packed buffer's header (leader, before sending)."""
-        raw = struct.pack("<Q", self.next_expect(total))
-        buf[NEXT_EXPECT_OFFSET : NEXT_EXPECT_OFFSET + 8].copy_(
-            torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        )
+        stamp_next_expect(buf, self.next_expect(total))
 
     def send(self, buf: torch.Tensor, total: int, group, src: int, fill=None) -> None:
         """Source side; ``buf`` holds (or, with ``fill``, will hold) the message in [:total]
@@ -115,13 +110,14 @@ class Wire:
             ]
             for h in handles:
                 h.wait()
-        total = peek_total(host_bytes(buf, PREFIX_BYTES), self.max_bytes, self.rank)
+        prefix = host_bytes(buf, PREFIX_BYTES)
+        total = peek_total(prefix, self.max_bytes, self.rank)
         if total > first:
             full = torch.empty(total, dtype=torch.uint8, device=self.device)
             full[:first].copy_(buf)
             dist.broadcast(full[first:total], src=src, group=group)
             buf = full
-        return buf, read_header(buf, self.max_bytes, self.rank, self._headers)
+        return buf, read_header(buf, self.max_bytes, self.rank, self._headers, prefix)
 
     def finish(self, next_expect: int) -> None:
         """Every rank of the replica adopts the size the leader announced, at the end of a call."""
