@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -39,9 +41,21 @@ from harness.run.world import WorldError
 
 RAY_PORT = 6379  # a fresh namespace has every port free
 READY_LINE = "Ray runtime started"
-AUTH_ENV = {"RAY_AUTH_MODE": "token"}
-"""Every node and the driver must share one auth mode: a head in token mode refuses a worker
-in disabled mode. Token mode reads the token file under the (shared) home directory."""
+TOKEN_FILE = "auth_token"
+
+
+def cluster_auth(scratch: Path) -> dict[str, str]:
+    """The environment every node and the driver of one cluster share: token mode (a head in
+    token mode refuses a worker in disabled mode) with a token of this cluster's own, in its
+    scratch directory. Ray would otherwise read ``~/.ray/auth_token``, which a machine where Ray
+    never ran does not have (the head exits with AuthenticationError), and which would tie
+    this private cluster to whatever token the user keeps for theirs."""
+    token = scratch / TOKEN_FILE
+    if not token.exists():
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
 
 
 def _tail(path: Path, n: int = 3000) -> str:
@@ -87,7 +101,9 @@ def start_ray_nodes(
             argv += ["--address", head]
         log = log_dir / f"ray-node{node}.log"
         with open(log, "wb") as f:
-            proc = emu.popen(node, argv, env=AUTH_ENV, stdout=f, stderr=subprocess.STDOUT)
+            proc = emu.popen(
+                node, argv, env=cluster_auth(log_dir), stdout=f, stderr=subprocess.STDOUT
+            )
         procs.append(proc)
         _wait_for(proc, log, f"Ray node {node} ({emu.netns(node)})", limit_s)
     return procs
@@ -171,7 +187,7 @@ def _drive(emu, dispatch_args, scratch: Path, per_node: int, calls: int, limit_s
     argv += ["--link-bytes-calls", str(calls), "--json", str(out)]
     devs = [f"eth{k}" for k in range(per_node)] if rails else ["eth0"]
     links = [[emu.netns(n), dev] for n in range(emu.cfg.nodes) for dev in devs]
-    env = {**AUTH_ENV, LINKS_ENV: json.dumps(links), "OMP_NUM_THREADS": "1"}
+    env = {**cluster_auth(scratch), LINKS_ENV: json.dumps(links), "OMP_NUM_THREADS": "1"}
     log = scratch / "driver.log"
     with open(log, "wb") as f:
         proc = emu.popen(0, argv, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=str(paths.REPO))
