@@ -16,6 +16,8 @@ no record.
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -25,12 +27,42 @@ from omegaconf import OmegaConf
 from harness.run import launch as launchers
 from harness.run import payloads, records
 from harness.run.config import strategy_of, validate
+from harness.run.progress import job_line
 from harness.run.runner import JobSpec, summarize
 from harness.run.verify import VerificationError
 from harness.run.world import WorldError
 
 JOB_FAILURES = (WorldError, VerificationError)
 """What a job that ran but did not succeed raises (as opposed to a bad config or a bug)."""
+
+log = logging.getLogger("bcastbench")
+"""Hydra points it at the terminal and at the job's ``bcastbench.log`` (conf/config.yaml)."""
+
+
+_WARNED: set[int] = set()
+
+
+def _warn_oversubscribed(layout) -> None:
+    """Once per world size: more than two ranks per CPU time the CPUs' sharing as much as the
+    transport (at up to two, ranks mostly wait on each other's messages in turn)."""
+    cpus = os.cpu_count() or 1
+    if layout.world_size <= 2 * cpus or layout.world_size in _WARNED:
+        return
+    _WARNED.add(layout.world_size)
+    log.warning(
+        f"bcastbench: warning: {layout.describe()} starts {layout.world_size} ranks on "
+        f"{cpus} CPUs ({layout.world_size / cpus:.0f} ranks per CPU): the figures measure CPU "
+        "contention as much as the transport; compare strategies within one job only"
+    )
+
+
+def _to_job_log(line: str) -> None:
+    """A sweep job's line into its own ``bcastbench.log`` only: the sweep already prints one
+    line per job on the terminal (``harness.run.progress``)."""
+    entry = log.makeRecord(log.name, logging.INFO, __file__, 0, line, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(entry)
 
 
 def spec_of(cfg, layout) -> JobSpec:
@@ -79,6 +111,8 @@ def run(cfg) -> dict | None:
     launch = launchers.current(emulate=bool(cfg.emulate.enabled))
     launchers.quiet_other_ranks(launch)
     layout = validate(cfg, launch.world_size)
+    if launch.kind != launchers.JOINED:
+        _warn_oversubscribed(layout)
     spec = spec_of(cfg, layout)
     try:
         ran = _launch(launch, cfg, spec, out_dir)
@@ -91,8 +125,14 @@ def run(cfg) -> dict | None:
     except JOB_FAILURES as exc:
         if hydra_cfg.mode != RunMode.MULTIRUN or not launch.writes_records:
             raise  # a single run: the command's error says what failed; no record
-        record = records.failed(spec, exc)
+        record = records.complete(records.failed(spec, exc))
         records.write_atomic(out_dir / "result.json", record)
+        _to_job_log(job_line(record))
         return record  # a row of the sweep's table, counted as failed; the next job runs
-    records.write_atomic(out_dir / "result.json", record)
+    record = records.complete(record)
+    path = records.write_atomic(out_dir / "result.json", record)
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        _to_job_log(job_line(record))
+    else:
+        log.info(f"{job_line(record)}\nrecord: {path}")
     return record

@@ -156,11 +156,25 @@ def selectable_strategies() -> str:
     return ",".join(strategies.names())
 
 
+def shape_name(layout_node) -> str:
+    """``${bcastbench.layout:${layout}}`` in run folder names: the shape that runs
+    (``layout=tp2pp2 layout.tp=8 layout.pp=8`` is ``tp8pp8``, not the preset's name). A layout
+    that is not valid yet names itself ``invalid-layout``; ``validate`` says why before
+    anything is written there."""
+    from harness.run.records import layout_name
+
+    try:
+        return layout_name(Layout(**OmegaConf.to_container(layout_node, resolve=True)))
+    except (LayoutError, TypeError, ValueError):
+        return "invalid-layout"
+
+
 def register() -> None:
     """The job schema in Hydra's ConfigStore, and the resolver named sweeps list strategies with."""
     cs = ConfigStore.instance()
     cs.store(name="bench_schema", node=BenchConf)
     OmegaConf.register_new_resolver("bcastbench.strategies", selectable_strategies, replace=True)
+    OmegaConf.register_new_resolver("bcastbench.layout", shape_name, replace=True)
     _register_installed_strategies(cs)
 
 

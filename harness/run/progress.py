@@ -10,7 +10,6 @@ failed, and where the records are.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,23 +44,35 @@ def write_table(root: Path) -> Path | None:
     return files.write_csv(root / "results.csv", df)
 
 
-def _line(rec) -> str:
+def _size(payload_bytes) -> str:
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if payload_bytes >= scale:
+            return f"{payload_bytes / scale:.1f} {unit}"
+    return f"{payload_bytes} B"
+
+
+def job_line(rec) -> str:
+    """One job in one line: what ran (strategy, layout, payload size) and how it did (p50,
+    ``vs_floor``, the speedup over ``pickled`` measured in the same job), or why it did not."""
+    if not isinstance(rec, dict):
+        return f"FAILED: {str(rec)[:160]}"
     # A dispatch job is named by its mode (leader:<strategy>, all_ranks): it has no baseline.
-    who = (
-        f"{rec.get('mode') or rec['strategy']:<22} {rec['layout']:<10} "
-        if isinstance(rec, dict)
-        else ""
-    )
-    if not isinstance(rec, dict) or rec.get("status") == "failed":
-        error = rec.get("error") if isinstance(rec, dict) else rec
-        return f"{who}FAILED: {str(error)[:160]}"
+    who = f"{rec.get('mode') or rec.get('strategy')} {rec.get('layout')}"
+    if rec.get("status") == "failed":
+        return f"{who}  FAILED: {str(rec.get('error'))[:160]}"
     if rec.get("supported") is False:
-        return f"{who}UNSUPPORTED: {rec['error'][:120]}"
-    return (
-        f"{who}{rec['payload_bytes'] / 1024:9.0f} KiB "
-        f"p50 {rec['p50_us'] / 1000:8.2f} ms  vs_floor {rec['vs_floor'] or 0:5.2f}"
-        + (f"  vs_baseline {rec.get('vs_baseline') or 0:5.2f}" if "mode" not in rec else "")
-    )
+        return f"{who}  UNSUPPORTED: {str(rec.get('error'))[:120]}"
+    what = f"{rec.get('payload')} b{rec.get('batch_size')} {_size(rec['payload_bytes'])}"
+    line = f"{who}  {what}  p50 {rec['p50_us'] / 1000:.2f} ms"
+    if rec.get("vs_floor"):
+        line += f"  vs_floor {rec['vs_floor']:.2f}"
+        if rec.get("floor_method"):
+            line += f" ({rec['floor_method']})"
+    if rec.get("vs_baseline") and not rec.get("mode") and rec.get("strategy") != "pickled":
+        line += f"  {1 / rec['vs_baseline']:.1f}x faster than pickled"
+    if rec.get("auto_choice"):
+        line += f"  (auto chose {rec['auto_choice']})"
+    return line
 
 
 class Progress(Callback):
@@ -82,7 +93,9 @@ class Progress(Callback):
         self.sweeping = True
         STATE.records = Path(str(config.hydra.sweep.dir))
         jobs = f"{STATE.total} jobs, every config valid" if STATE.total else "jobs"
-        print(f"bcastbench: sweep of {jobs} -> {STATE.records}", flush=True)
+        line = f"bcastbench: sweep of {jobs} -> {STATE.records}"
+        print(line, flush=True)
+        _append_log(STATE.records, line)
 
     def on_job_end(self, config, job_return, **kwargs) -> None:
         if not self.sweeping:
@@ -95,11 +108,11 @@ class Progress(Callback):
         status = getattr(job_return.status, "name", str(job_return.status))
         if status != "COMPLETED" or not isinstance(rec, dict) or rec.get("status") == "failed":
             STATE.failed += 1
-        print(
-            f"[{STATE.done}/{total or '?'}] {elapsed:6.0f}s elapsed, ETA {eta:5.0f}s  {_line(rec)}",
-            flush=True,
-        )
+        line = f"[{STATE.done}/{total or '?'}] {elapsed:6.0f}s elapsed, ETA {eta:5.0f}s  "
+        line += job_line(rec)
+        print(line, flush=True)
         if STATE.records is not None:
+            _append_log(STATE.records, line)
             write_table(STATE.records)
 
     def on_multirun_end(self, config, **kwargs) -> None:
@@ -109,15 +122,31 @@ class Progress(Callback):
         df = load(root)
         if not df.empty:
             files.write_csv(root / "results.csv", df)
-        print(
+        lines = [
             f"\nbcastbench: {STATE.done} jobs, {STATE.failed} failed, "
             f"{time.monotonic() - self.t0:.0f} s",
-            file=sys.stdout,
-        )
-        print(summary_table(df))
+            summary_table(df),
+        ]
         if "status" in df.columns:
             for _, row in df[df["status"] == "failed"].iterrows():
-                print(
+                lines.append(
                     f"FAILED  {row['strategy']} {row['layout']} b{row['batch_size']}: {row['error']}"
                 )
-        print(f"records: {root}  table: {root / 'results.csv'}", flush=True)
+        lines.append(f"records: {root}  table: {root / 'results.csv'}")
+        print("\n".join(lines), flush=True)
+        _append_log(root, "\n".join(lines))
+
+
+SWEEP_LOG = "bcastbench.log"
+"""A sweep directory's log: every line the sweep printed (each job's own log is in its folder)."""
+
+
+def _append_log(root: Path, text: str) -> None:
+    # Appended line by line, not rewritten: a log is read while it grows, and a crash keeps
+    # every line written before it.
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / SWEEP_LOG, "a") as f:
+            f.write(text.rstrip("\n") + "\n")
+    except OSError:
+        pass  # the terminal still has the line; a log that cannot be written is no failure

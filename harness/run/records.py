@@ -1,4 +1,7 @@
-"""The result record of one job: field names are part of the interface (see README)."""
+"""The result record of one job: one shape for every job (ok, unsupported or failed; broadcast
+or dispatch; forked, joined, Ray or emulated). ``FIELDS`` names and documents every field once;
+``complete`` gives a record every one of them, null where it does not apply, in that order.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +19,99 @@ from harness import files, paths
 from strategies.core.layout import DEFAULT_ORDER
 
 REPO = paths.REPO
+
+FIELDS: dict[str, str] = {
+    # what the job was
+    "strategy": "the strategy under test (a name, or a class's import path); null for all_ranks",
+    "options": "its keyword options",
+    "scope": "what the clock covers: broadcast | dispatch+broadcast",
+    "dispatch": "Ray dispatch: leader | all_ranks; null for a broadcast job",
+    "mode": "a dispatch job's mode (leader:<strategy>, all_ranks); null for a broadcast job",
+    "world": "who ran the ranks: forked | ray (a joined or emulated world records forked)",
+    "backend": "gloo | nccl",
+    "device": "cpu | cuda",
+    "world_size": "ranks in the world",
+    "layout": "the shape that ran (tp2pp2dp2; @<order> when not megatron-core's default)",
+    "dp": "data-parallel size",
+    "pp": "pipeline-parallel size",
+    "tp": "tensor-parallel size",
+    "cp": "context-parallel size",
+    "order": "megatron-core's rank order (tp-cp-ep-dp-pp)",
+    "payload": "the payload generator; payload:<stem> for a recorded file or schema",
+    "payload_path": "the recorded file or schema read; null for a generated payload",
+    "batch_size": "rows on each replica leader",
+    "seq_len": "tokens per row: the configured one for a generated payload, the recording's "
+    "widest second dimension for a recorded one (null when it has none)",
+    "iters": "timed rounds",
+    "warmup": "untimed rounds before them",
+    # the outcome
+    "status": "ok | unsupported | failed",
+    "supported": "whether the strategy accepted the layout and batch (null when failed)",
+    "correct": "every rank's batch checked bit for bit (null when not run to the end)",
+    "error": "why it was refused or failed, one line; null when ok",
+    "error_detail": "the whole message of a failure; null otherwise",
+    # what was measured (null unless ok)
+    "payload_bytes": "bytes the floor sends: tensor bytes plus encoded non_tensor_batch",
+    "p50_us": "median per-call latency (max over ranks), microseconds",
+    "p90_us": "90th percentile, microseconds",
+    "p99_us": "99th percentile, microseconds",
+    "min_us": "fastest call, microseconds",
+    "max_us": "slowest call, microseconds",
+    "mean_us": "mean call, microseconds",
+    "rank_skew_us": "median over calls of the spread of one call's time across ranks, microseconds",
+    "algbw_gbps": "payload_bytes / p50 / 1e9 (nccl-tests)",
+    "busbw_gbps": "algbw_gbps × 1 for a broadcast (nccl-tests)",
+    "floor_p50_us": "the fastest raw method timed in the job, microseconds",
+    "floor_method": "which raw method that was: one | chunks2 | chunks4 | seed_hops | pp_first",
+    "floor_single_p50_us": "one raw broadcast over the replica, microseconds",
+    "baseline_p50_us": "pickled (the seed's baseline) in the same job, microseconds",
+    "vs_floor": "p50 / floor_p50_us (lower is better; 1 is the floor)",
+    "vs_floor_single": "p50 / floor_single_p50_us",
+    "vs_baseline": "p50 / baseline_p50_us (lower is better; 1/vs_baseline is the speedup)",
+    "auto_choice": "the strategy auto served the job with; null for any other strategy",
+    "collectives_per_call": "collectives one call makes on its busiest rank",
+    "collectives_leader": "collectives the replica leader makes per call",
+    "collectives_unavailable": "why the collectives could not be counted; null when counted",
+    "comm_bytes_leader": "bytes the leader hands to collectives per call",
+    "packed_bytes_leader": "bytes the leader packs per call",
+    "pickled_bytes_leader": "bytes the leader pickles per call",
+    "copied_bytes_leader": "bytes the leader copies per call",
+    "pickled_bytes_receiver": "bytes the busiest receiver unpickles per call",
+    "copied_bytes_receiver": "bytes the busiest receiver copies per call",
+    "peak_rss_bytes": "highest resident set over ranks during one call",
+    "peak_rss_delta_bytes": "what that call added to the resident set",
+    "peak_cuda_bytes": "torch.cuda.max_memory_allocated over ranks (null on CPU)",
+    "cross_node_bytes_per_call": "emulated cluster: bytes the node links carried per call",
+    "modes": "dispatch: every mode timed in the job, with its p50 and raw floor",
+    "unsupported": "dispatch: the modes a strategy refused, with why",
+    "references": "every other strategy timed in the same job, with its own figures",
+    "world_start_s": "seconds the world took to start (outside every timing)",
+    # the emulated cluster's shape (null elsewhere)
+    "emulate_nodes": "emulated nodes",
+    "emulate_links": "node (one shaped link per node) | gpu (one per rank, rails)",
+    "emulate_rate_mbit": "each link's rate, Mbit/s",
+    "emulate_ranks_per_node": "ranks on each emulated node",
+    "emulate_bytes_calls": "calls the link counters were read over",
+    "emulate_job_bytes": "bytes all links carried during the job",
+    "emulate_link_bytes": "the same per link",
+    "emulate_wall_s": "seconds the emulated job took, cluster set-up included",
+    # where and how it ran
+    "torch_version": "torch",
+    "megatron_core_version": "megatron-core",
+    "tensordict_version": "tensordict",
+    "hostname": "the machine that wrote the record",
+    "cpu_count": "its CPUs",
+    "git_rev": "the checkout's commit (-dirty with uncommitted changes)",
+    "timestamp": "when the record was written, UTC",
+    "command": "the command line that made it",
+}
+"""Every field of a record, in order, with what it holds (the README lists the same names)."""
+
+
+def complete(record: dict) -> dict:
+    """``record`` with every field of ``FIELDS`` (null where absent), in their order; a field
+    outside the list is kept after them."""
+    return {**{k: record.get(k) for k in FIELDS}, **record}
 
 
 def _version(dist_name: str) -> str:
@@ -220,6 +316,7 @@ def _measured(spec, summary: dict) -> dict:
     }
 
 
-def write_atomic(path: Path, record: dict) -> None:
-    """A record as JSON, never half-written, readable by others (``harness.files``)."""
-    files.write_json(path, record)
+def write_atomic(path: Path, record: dict) -> Path:
+    """A record as JSON with every field (``complete``), never half-written, readable by others
+    (``harness.files``)."""
+    return files.write_json(path, complete(record))
