@@ -352,6 +352,14 @@ def check(cfg) -> None:
         raise ConfigError(f"strategies: unknown {unknown}; valid: {strategies.names()}")
 
 
+def _nodes(cluster, world_size: int) -> str:
+    """How the cluster places this world, in words."""
+    if cluster.gpus_per_node >= world_size:
+        return f"all {world_size} ranks on one node"
+    nodes = -(-world_size // cluster.gpus_per_node)
+    return f"{nodes} nodes of {cluster.gpus_per_node} GPUs, {cluster.nics_per_node} NICs/node"
+
+
 def run(cfg) -> dict[str, Any]:
     """One prediction job: build the spec, price every strategy, print, return the record."""
     from omegaconf import OmegaConf
@@ -370,8 +378,8 @@ def run(cfg) -> dict[str, Any]:
     auto = auto_pick(preds)
     elapsed = time.perf_counter() - t0
     head = (
-        f"PREDICTED on {cluster.name} ({cluster.gpus_per_node} GPUs/node, "
-        f"{cluster.nics_per_node} NICs/node): {layout.describe()}, world {layout.world_size}; "
+        f"PREDICTED on {cluster.name} ({_nodes(cluster, layout.world_size)}): "
+        f"{layout.describe()}, world {layout.world_size}; "
         f"{p.name} B={p.batch_size} S={p.seq_len}: {spec.tensor_bytes / 2**20:.4g} MiB of tensors"
     )
     if cfg.quiet:

@@ -17,11 +17,24 @@ import types
 import warnings
 
 
+class _DropFxTracingNotice(logging.Filter):
+    """torch's multi-line notice that ``is_fx_tracing`` covers torch.export too, which every
+    rank prints the first time a jagged (nested) tensor is touched: it addresses people who
+    trace models, not a broadcast."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("is_fx_tracing will return true")
+
+
 def quiet_megatron() -> None:
-    """Megatron's import-time UserWarnings and INFO lines say nothing about a broadcast: the
-    one place that silences them, called before megatron-core is imported."""
+    """Megatron's import-time UserWarnings and INFO lines, and torch's fx-tracing notice, say
+    nothing about a broadcast: the one place that silences them, called before megatron-core
+    is imported (every rank does, through ``parallel_state``)."""
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron.*")
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    fx = logging.getLogger("torch.fx._symbolic_trace")
+    if not any(isinstance(f, _DropFxTracingNotice) for f in fx.filters):
+        fx.addFilter(_DropFxTracingNotice())
 
 
 def parallel_state():
