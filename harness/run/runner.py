@@ -81,6 +81,23 @@ def _rss_peak_reset() -> bool:
         return False
 
 
+def _release_free_heap() -> bool:
+    """Hand the heap's free pages back to the kernel (glibc ``malloc_trim``), so that what the
+    next call allocates has to fault in fresh pages and shows up in VmHWM. Without it the
+    earlier rounds' freed buffers stay resident, the call reuses them and its high-water growth
+    reads 0 whatever it allocates. False where there is no glibc to ask."""
+    import ctypes
+    import gc
+
+    gc.collect()  # objects in reference cycles hold memory until the collector runs
+    try:
+        # The process's own symbols: glibc's malloc_trim where the C library is glibc.
+        ctypes.CDLL(None).malloc_trim(0)  # 0: keep no padding at the top of the heap
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
 def _rss_peak() -> int:
     try:
         with open("/proc/self/status") as f:
@@ -234,8 +251,9 @@ def measurements(ctx, job: Prepared) -> dict[str, dict]:
         out["work"][name] = dict(rec.work)
         ctx.report(f"measuring peak memory of {name}")
         dist.barrier()
+        released = _release_free_heap()
         base = _rss_now()
-        _rss_peak_reset()
+        honest = _rss_peak_reset() and released
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             cuda_base = torch.cuda.memory_allocated(device)
@@ -243,7 +261,9 @@ def measurements(ctx, job: Prepared) -> dict[str, dict]:
         _sync(device)
         peak = _rss_peak()  # VmHWM since the reset: this call's high-water mark
         out["peak_rss_bytes"][name] = peak
-        out["peak_rss_delta_bytes"][name] = max(0, peak - base)
+        # None where VmHWM could not be reset or the free heap not released: the growth would
+        # then be the process's lifetime peak or the reused pages' 0, neither this call's.
+        out["peak_rss_delta_bytes"][name] = max(0, peak - base) if honest else None
         out["peak_cuda_bytes"][name] = (
             torch.cuda.max_memory_allocated(device) - cuda_base if device.type == "cuda" else 0
         )
@@ -378,7 +398,14 @@ def summarize(spec: JobSpec, rank_results: list[dict]) -> dict:
             "rank_skew_us": float(np.median(skew)) * 1e6,
             **_collective_counts(name, rank_results, leaders[0]),
             "peak_rss_bytes": max(r["peak_rss_bytes"][name] for r in rank_results),
-            "peak_rss_delta_bytes": max(r["peak_rss_delta_bytes"][name] for r in rank_results),
+            "peak_rss_delta_bytes": _max_or_none(
+                r["peak_rss_delta_bytes"][name] for r in rank_results
+            ),
+            # Says a reader that this growth was measured on fresh pages (records before the
+            # free heap was released read 0 whenever a call reused freed pages).
+            "peak_rss_heap_released": all(
+                r["peak_rss_delta_bytes"][name] is not None for r in rank_results
+            ),
             "peak_cuda_bytes": max(r["peak_cuda_bytes"][name] for r in rank_results),
             "work_leader": leaders[0]["work"][name],
             "work_receiver_max": _max_work(
@@ -436,3 +463,9 @@ def _max_work(works) -> dict:
         for k, v in w.items():
             out[k] = max(out.get(k, 0), v)
     return out
+
+
+def _max_or_none(values) -> int | None:
+    """The max over ranks of a peak-memory figure; None when any rank could not measure it."""
+    values = list(values)
+    return None if any(v is None for v in values) else max(values)
