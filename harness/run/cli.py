@@ -25,6 +25,7 @@ import os
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 
 from harness import paths
 from harness.errors import usage_error
@@ -152,8 +153,39 @@ def task(cfg):
     try:
         return app.run(cfg)
     except ConfigError as exc:
+        _remove_unused_run_dir()
         # Leaves through Hydra's job runner as SystemExit, which it does not report.
         raise SystemExit(_exit_status(exc)) from None
+
+
+HYDRA_LEFTOVERS = {".hydra", "bcastbench.log"}
+"""What Hydra puts in a run folder before the task starts."""
+
+
+def _remove_unused_run_dir() -> None:
+    """A single run refused by validation leaves no folder behind: Hydra made the run folder
+    (its .hydra/ and an empty log) before the task started. Removed only when it holds
+    nothing else and the log is empty, so a folder the user named and filled stays."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        return
+    out = Path(hydra_cfg.runtime.output_dir)
+    try:
+        entries = {p.name for p in out.iterdir()}
+        log = out / "bcastbench.log"
+        if not entries <= HYDRA_LEFTOVERS or (log.exists() and log.stat().st_size > 0):
+            return
+        shutil.rmtree(out / ".hydra", ignore_errors=True)
+        log.unlink(missing_ok=True)
+        out.rmdir()
+        for parent in (out.parent, out.parent.parent):  # results/runs, results, if we made them
+            if parent.name in ("runs", "results") and not any(parent.iterdir()):
+                parent.rmdir()
+    except OSError:
+        pass  # a folder that cannot be tidied is left as it is
 
 
 def _valid_keys(exc: BaseException) -> str:

@@ -244,8 +244,16 @@ def _validate_strategy(cfg, known: list[str]) -> None:
             strategies.get_class(strategy)
         except KeyError as exc:
             problem = f"strategy._target_: {exc.args[0]}"
+    elif strategy == "custom":
+        problem = (
+            "strategy=custom needs strategy._target_=<package.module.Class>, the import path "
+            "of a strategies.Strategy subclass (e.g. strategy._target_=my_pkg.mod.MyStrategy)"
+        )
     elif strategy not in known:
-        problem = f"strategy.name: unknown strategy {strategy!r}; valid names: {known}"
+        problem = (
+            f"strategy.name: unknown strategy {strategy!r}; valid names: {strategies.names()}, "
+            "or strategy=custom strategy._target_=<package.module.Class>"
+        )
     if problem is None:
         try:
             options = OmegaConf.to_container(cfg.strategy.options, resolve=True) or {}

@@ -20,6 +20,8 @@ from harness.run.config import ConfigError, validate
         ),  # passes layout, fails nothing? see below
         (["payload.seq_len=30", "layout=tp2cp2"], "not divisible by 2·cp = 4"),
         (["strategy.name=nope"], "unknown strategy 'nope'; valid names"),
+        # strategy=custom says what it needs, not that 'custom' is unknown.
+        (["strategy=custom"], "strategy=custom needs strategy._target_=<package.module.Class>"),
         (["payload.name=nope"], "unknown payload 'nope'"),
         (["payload.batch_size=0"], "payload.batch_size must be positive"),
         (["layout.pp=0"], "layout.pp must be a positive integer"),
@@ -68,6 +70,8 @@ def test_presets_compose():
         # A value of the wrong type, naming the field.
         (["payload.batch_size=x"], "payload.batch_size=x"),
         (["strategy.name=nope"], "unknown strategy 'nope'; valid names"),
+        # strategy=custom says what it needs, not that 'custom' is unknown.
+        (["strategy=custom"], "strategy=custom needs strategy._target_=<package.module.Class>"),
         # A key the schema lacks, with the keys its node has.
         (["layout.tq=2"], "valid keys: dp, pp, tp, cp, order"),
     ],
@@ -78,10 +82,12 @@ def test_cli_bad_config_is_one_line_and_exit_2(argv, says, tmp_path, capsys, mon
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
-    assert cli.main([*argv, f"hydra.run.dir={tmp_path}"]) == 2
+    run_dir = tmp_path / "run"
+    assert cli.main([*argv, f"hydra.run.dir={run_dir}"]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1, err
-    assert not (tmp_path / "result.json").exists()
+    assert "floor" not in err.partition("valid names")[2].partition("]")[0]
+    assert not run_dir.exists(), "a refused run left its folder behind"
 
 
 def test_sweep_is_validated_before_its_first_job(tmp_path, capsys, monkeypatch):
