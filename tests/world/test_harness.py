@@ -18,6 +18,7 @@ import pytest
 from cli_support import REPO, harness
 
 from harness.report.collect import load
+from harness.run.records import FIELDS
 
 FAST = ["iters=2", "warmup=1", "payload.batch_size=2", "payload.seq_len=64"]
 
@@ -64,6 +65,9 @@ def test_multirun_records_progress_and_a_crash(tmp_path):
         )
     }
     assert sorted(by_status) == ["failed", "ok"] and by_status["ok"]["correct"] is True
+    for rec in by_status.values():  # one record shape, ok or failed
+        assert list(rec)[: len(FIELDS)] == list(FIELDS), rec["status"]
+    assert by_status["ok"]["error"] is None and by_status["failed"]["p50_us"] is None
     assert by_status["failed"]["error"].startswith("rank 2 exited with code 17")
     # The failed job is a row of the sweep's table too, with its status and error.
     table = load(tmp_path / "crash")
@@ -156,4 +160,8 @@ def test_one_job_in_process_records_its_shape(tmp_path, monkeypatch, forked_worl
     rec = json.loads((tmp_path / "result.json").read_text())
     assert (rec["layout"], rec["world_size"], rec["tp"], rec["pp"]) == ("pp2", 2, 1, 2)
     assert rec["status"] == "ok" and rec["correct"] is True and rec["vs_floor"] > 0
-    assert (tmp_path / "bcastbench.log").exists()
+    # The run says what it did, on the terminal and in its log: strategy, shape, p50, ratios
+    # and where the record is.
+    log = (tmp_path / "bcastbench.log").read_text()
+    assert "header pp2  rl_rollout b2" in log and "p50 " in log and "vs_floor " in log, log
+    assert "faster than pickled" in log and f"record: {tmp_path / 'result.json'}" in log, log
