@@ -13,12 +13,15 @@ import pandas as pd
 from harness.files import write_atomic
 from harness.report.figures import save_figures
 from harness.report.tables import (
+    BASELINE,
+    RSS_GROWTH,
     SINGLE,
     TIE_FRACTION,
     clean_reason,
     context_line,
     crossovers,
     floor_method_text,
+    floor_method_words,
     floor_table,
     human_bytes,
     layout_label,
@@ -106,10 +109,10 @@ def recommendation_markdown(df: pd.DataFrame) -> str:
             "layout",
             "payload range (measured sizes)",
             "winner (lowest vs_floor)",
-            "winner vs_floor",
-            "winner speedup over pickled",
+            "winner vs_floor (×, lower is better)",
+            "winner speedup over pickled (×, higher is better)",
             "runner-up",
-            "runner-up vs_floor",
+            "runner-up vs_floor (×, lower is better)",
         ],
         rows,
         align="lllrrlr",
@@ -124,64 +127,96 @@ def recommendation_markdown(df: pd.DataFrame) -> str:
     return table + "\n\n" + note + "\n\n" + "\n".join(f"- {line}" for line in crossovers(rec))
 
 
+RESULT_TABLES = (
+    (
+        "p50_us",
+        "p50 per call (ms, median over jobs; lower is better)",
+        lambda v: f"{v / 1e3:.2f}",
+    ),
+    (
+        "vs_floor",
+        "`vs_floor`: p50 / floor p50, both timed in the same job (×; lower is better, 1× is the "
+        "floor, below 1× beats it)",
+        lambda v: f"{v:.2f}×",
+    ),
+    (
+        "speedup_over_pickled",
+        "Speedup over `pickled`: pickled's p50 / the strategy's p50, both timed in the same job "
+        "(×; higher is better, above 1× is faster than pickled)",
+        lambda v: f"{v:.2f}×",
+    ),
+)
+"""The per-layout tables: (column, caption saying its unit and which way is better, cell)."""
+
+
 def results_markdown(df: pd.DataFrame) -> str:
-    """Per layout: every strategy at every size, as 'p50 / vs_floor / speedup over pickled'."""
+    """Per layout, three tables of every strategy at every size: p50 per call, ``vs_floor`` and
+    the speedup over ``pickled`` (each caption says which way is better), the floor in words."""
     table, floors = strategy_table(df), floor_table(df)
     parts = []
     for layout in layouts_of(df):
         tab = table[table["layout"] == layout]
+        fl = floors[floors["layout"] == layout].set_index("payload_bytes")
         sizes = sorted(tab["payload_bytes"].dropna().unique())
-        rows, reasons = [], {}
-        for name in strategies_of(df):
-            cells = [name]
-            for size in sizes:
-                hit = tab[(tab["strategy"] == name) & (tab["payload_bytes"] == size)]
-                if hit.empty:
-                    cells.append("not run")
-                elif not hit.iloc[0]["supported"]:
-                    cells.append("n/a")
-                    reasons[name] = clean_reason(hit.iloc[0]["error"])
-                else:
-                    h = hit.iloc[0]
-                    cells.append(
-                        f"{h['p50_us'] / 1e3:.2f} ms · {h['vs_floor']:.2f}× · "
-                        f"{h['speedup_over_pickled']:.2f}×"
-                    )
-            rows.append(cells)
-        rows += _floor_rows(floors[floors["layout"] == layout].set_index("payload_bytes"), sizes)
+        header = ["strategy", *[human_bytes(s) for s in sizes]]
         parts.append(f"### {layout_label(df, layout)}\n")
-        parts.append(_md_table(["strategy", *[human_bytes(s) for s in sizes]], rows))
-        for name, reason in reasons.items():
-            parts.append(f"\n- **{name}**: n/a here. {reason}")
-        parts.append("")
-    return "\n".join(parts)
-
-
-def _floor_rows(fl: pd.DataFrame, sizes) -> list[list[str]]:
-    """The honest floor per size (median over jobs, the method that won) and, where another
-    method beat it, the single broadcast with its ratio to that floor."""
-
-    def cell(size, text) -> str:
-        return text(fl.loc[size]) if size in fl.index else "—"
-
-    rows = [
-        ["*floor*: fastest raw method (median over jobs)"]
-        + [
-            cell(s, lambda r: f"{r['floor_p50_us'] / 1e3:.2f} ms · "
-                 f"{floor_method_text(r)} (n={int(r['n_jobs'])})")
-            for s in sizes
-        ]
-    ]  # fmt: skip
-    if (fl["floor_method"] != SINGLE).any():
-        rows.append(
-            ["*one raw broadcast* (single-broadcast floor)"]
-            + [
-                cell(s, lambda r: f"{r['floor_single_p50_us'] / 1e3:.2f} ms · "
-                     f"{r['floor_single_p50_us'] / r['floor_p50_us']:.2f}× the floor")
-                for s in sizes
+        reasons: dict[str, str] = {}
+        for column, caption, fmt in RESULT_TABLES:
+            rows = [
+                [name, *[_result_cell(tab, name, s, column, fmt, reasons) for s in sizes]]
+                for name in strategies_of(df)
             ]
-        )  # fmt: skip
-    return rows
+            rows += _floor_rows(fl, sizes, column)
+            parts.append(f"**{caption}**\n")
+            parts.append(_md_table(header, rows))
+            if column == "p50_us" and not fl.empty:
+                parts += ["", *_floor_method_lines(fl, sizes)]
+            parts.append("")
+        parts += [f"- **{name}**: n/a here. {reason}" for name, reason in reasons.items()]
+    return "\n".join(parts).rstrip("\n") + "\n"
+
+
+def _floor_method_lines(fl: pd.DataFrame, sizes) -> list[str]:
+    """Which raw method was the floor at each size, in words; one line when every size agrees."""
+    texts = {s: floor_method_text(fl.loc[s]) for s in sizes if s in fl.index}
+    if len(texts) > 1 and len(set(texts.values())) == 1:
+        return [f"- *floor* at every size: fastest raw method: {next(iter(texts.values()))}"]
+    return [f"- *floor* at {human_bytes(s)}: fastest raw method: {t}" for s, t in texts.items()]
+
+
+def _result_cell(tab: pd.DataFrame, name: str, size, column: str, fmt, reasons: dict) -> str:
+    """One strategy's figure at one size: not run, n/a (its reason kept for below the tables)
+    or ``fmt`` of ``column``."""
+    hit = tab[(tab["strategy"] == name) & (tab["payload_bytes"] == size)]
+    if hit.empty:
+        return "not run"
+    row = hit.iloc[0]
+    if not row["supported"]:
+        reasons[name] = clean_reason(row["error"])
+        return "n/a"
+    value = row.get(column)
+    return "—" if value is None or math.isnan(value) else fmt(value)
+
+
+def _floor_rows(fl: pd.DataFrame, sizes, column: str) -> list[list[str]]:
+    """The floor's rows in the table of ``column``: in the p50 table the honest floor (median
+    over jobs) and, where another method beat it, the single broadcast; in the vs_floor table
+    that single broadcast's ratio to the floor. The speedup table has none."""
+
+    def row(label, text) -> list[str]:
+        return [label] + [text(fl.loc[s]) if s in fl.index else "—" for s in sizes]
+
+    beaten = not fl.empty and (fl["floor_method"] != SINGLE).any()
+    single = "*one raw broadcast* (the single-broadcast floor)"
+    if column == "p50_us":
+        rows = [row("*floor*: fastest raw method (median over jobs)",
+                    lambda r: f"{r['floor_p50_us'] / 1e3:.2f}")]  # fmt: skip
+        if beaten:
+            rows.append(row(single, lambda r: f"{r['floor_single_p50_us'] / 1e3:.2f}"))
+        return rows if not fl.empty else []
+    if column == "vs_floor" and beaten:
+        return [row(single, lambda r: f"{r['floor_single_p50_us'] / r['floor_p50_us']:.2f}×")]
+    return []
 
 
 COST_COLUMNS = [
@@ -192,8 +227,8 @@ COST_COLUMNS = [
     ("copied_bytes_receiver", "bytes copied on a receiver (max)", "bytes"),
     ("pickled_bytes_leader", "bytes pickled on the leader", "bytes"),
     ("pickled_bytes_receiver", "bytes unpickled on a receiver (max)", "bytes"),
-    ("peak_rss_bytes", "peak RSS of a rank (max; whole process)", "absolute"),
-    ("peak_rss_delta_bytes", "peak RSS growth during the call (max)", "bytes"),
+    ("peak_rss_bytes", "peak RSS of a rank (max over ranks; whole process)", "absolute"),
+    ("peak_rss_delta_bytes", "peak RSS growth during one call (max over ranks)", "bytes"),
 ]
 
 
@@ -210,16 +245,38 @@ def _cost_cell(value, kind: str, payload_bytes: float) -> str:
     return f"{human_bytes(value)} ({'<0.01' if share < 0.005 else f'{share:.2f}'}×)"
 
 
-def _floor_cost_row(at_size: pd.DataFrame, size: float) -> list[str]:
+def _floor_cost_row(at_size: pd.DataFrame, size: float, columns) -> list[str]:
     """The honest floor's costs at ``size``: each job's winning raw method's reference."""
     timed = at_size[at_size["floor_method"].notna()]
-    methods = ", ".join(sorted(set(timed["floor_method"]))) or "not timed"
+    methods = ", ".join(floor_method_words(m) for m in sorted(set(timed["floor_method"])))
     calls = winning_floor(timed, "collectives_per_call").dropna()
-    row = [f"*floor* (reference: {methods})", f"{int(calls.median())}" if len(calls) else "—"]
-    for col, _, kind in COST_COLUMNS:
+    row = [
+        f"*floor* (reference: {methods or 'not timed'})",
+        f"{int(calls.median())}" if len(calls) else "—",
+    ]
+    for col, _, kind in columns:
         value = winning_floor(timed, col).median() if len(timed) else None
         row.append(_cost_cell(value, kind, size))
     return row
+
+
+def _baseline_cost_row(at_size: pd.DataFrame, size: float, columns) -> list[str] | None:
+    """``pickled`` timed as every job's reference, where no job ran it as the strategy under
+    test: the figures its reference records carry (counts, bytes sent, memory); None when the
+    jobs recorded none. Its local work (packing, pickling) is not in a reference's figures."""
+    prefix = f"ref_{BASELINE}_"
+    if not any(c.startswith(prefix) for c in at_size.columns):
+        return None
+
+    def median(col: str):
+        if prefix + col not in at_size.columns:
+            return None
+        values = pd.to_numeric(at_size[prefix + col], errors="coerce").dropna()
+        return values.median() if len(values) else None
+
+    calls = median("collectives_per_call")
+    row = [f"*{BASELINE}* (reference)", "—" if calls is None else f"{int(calls)}"]
+    return row + [_cost_cell(median(col), kind, size) for col, _, kind in columns]
 
 
 def cost_markdown(df: pd.DataFrame) -> str:
@@ -236,26 +293,62 @@ def cost_markdown(df: pd.DataFrame) -> str:
         counts_by_size = (
             lay.groupby(["strategy", "payload_bytes"])["collectives_per_call"].median().unstack()
         )
+        # No job here measured the growth on fresh pages: a column of dashes says nothing.
+        columns = [
+            c for c in COST_COLUMNS if c[0] != RSS_GROWTH or lay["rss_growth_measured"].any()
+        ]
         header = ["strategy", "collectives per call (max over ranks), at each size"]
-        header += [c[1] for c in COST_COLUMNS]
+        header += [c[1] for c in columns]
         rows = []
         for name in at.index:
             by_size = "/".join(f"{int(v)}" for v in counts_by_size.loc[name].dropna())
             rows.append(
                 [name, by_size]
-                + [_cost_cell(at.loc[name].get(col), kind, size) for col, _, kind in COST_COLUMNS]
+                + [_cost_cell(at.loc[name].get(col), kind, size) for col, _, kind in columns]
             )
-        rows.append(_floor_cost_row(lay[lay["payload_bytes"] == size], size))
+        at_size = lay[lay["payload_bytes"] == size]
+        baseline = None if BASELINE in at.index else _baseline_cost_row(at_size, size, columns)
+        rows += [baseline] if baseline else []
+        rows.append(_floor_cost_row(at_size, size, columns))
         parts.append(
             f"### {layout_label(df, layout)}, at {human_bytes(size)} ({int(size)} bytes)\n\n"
             "Byte counts are also given as a multiple of the payload; the collectives column "
-            "lists the count at each measured size, smallest first. Peak RSS is the whole "
-            "rank process (torch and megatron-core included); its growth during one call is "
-            "what the strategy itself allocates.\n"
+            "lists the count at each measured size, smallest first. " + _memory_note(lay) + "\n"
         )
         parts.append(_md_table(header, rows, align="l" + "r" * (len(header) - 1)))
         parts.append("")
     return "\n".join(parts)
+
+
+_WHOLE_PROCESS = "Peak RSS is the whole rank process (torch and megatron-core included)."
+_GROWTH_HOW = (
+    "Its growth during one call is what that call allocates: before one untimed call after the "
+    "timed rounds, each rank hands its free heap back to the kernel (glibc `malloc_trim`) and "
+    "resets its high-water mark (`/proc/self/clear_refs` 5), so the growth (VmHWM after the call "
+    "minus RSS before it) counts every page the call touches afresh: copies, pickles, receive "
+    "buffers. Buffers a strategy allocated when it was built or keeps from an earlier call are "
+    "not in it."
+)
+_UNMEASURED_WHY = (
+    "recorded before each rank released its free heap before the memory call, or where there "
+    "is no glibc or /proc to ask; such a call reuses pages earlier calls freed and its growth "
+    "reads 0 whatever it allocates"
+)
+
+
+def _memory_note(lay: pd.DataFrame) -> str:
+    """How the two memory columns were measured, and which jobs lack the growth: all of them
+    (the column is left out) or some (their cells read —)."""
+    missing = int((~lay["rss_growth_measured"]).sum())
+    if missing == len(lay):
+        return (
+            f"{_WHOLE_PROCESS} Its growth during one call is left out: none of these jobs "
+            f"measured it on fresh pages ({_UNMEASURED_WHY}). A re-run records it."
+        )
+    note = f"{_WHOLE_PROCESS} {_GROWTH_HOW}"
+    if missing:
+        note += f" —: not measured so in {missing} of {len(lay)} jobs here ({_UNMEASURED_WHY})."
+    return note
 
 
 def commands_markdown(df: pd.DataFrame) -> str:
@@ -292,7 +385,7 @@ it, so each layout and size has several floor measurements: the figures and tabl
 median, say over how many jobs and name the method that won; the single broadcast stays beside
 it where another method beat it.
 
-Regenerate this report with `python -m harness.report.build {root}`.
+Regenerate this report with `bcastbench report {root}`.
 
 ## Recommendation
 
@@ -304,8 +397,10 @@ Regenerate this report with `python -m harness.report.build {root}`.
 
 ## Results per layout
 
-Each cell: p50 per call · `vs_floor` (p50 / floor p50, same job) · speedup over `pickled`
-(1 / `vs_baseline`, same job). n/a: the strategy refuses the layout (reason below the table).
+Three tables per layout: p50 per call (lower is better), `vs_floor` (lower is better) and the
+speedup over `pickled` (1 / `vs_baseline`; higher is better). Both ratios are taken inside each
+job, then the median over jobs. n/a: the strategy refuses the layout (reason
+below the tables); not run: no job measured it.
 
 {results_markdown(df)}
 

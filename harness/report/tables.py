@@ -62,7 +62,27 @@ def load(root: Path | str) -> pd.DataFrame:
         # Refused rows (and jobs run without a reference) leave gaps: make them NaN, not None.
         df[col] = pd.to_numeric(df[col], errors="coerce") if col in df.columns else np.nan
     df["speedup_over_pickled"] = 1.0 / df["vs_baseline"]
-    return _label_settings(_honest_floor(df))
+    return _label_settings(_honest_floor(_honest_rss_growth(df)))
+
+
+RSS_GROWTH = "peak_rss_delta_bytes"
+RSS_RELEASED = "peak_rss_heap_released"
+"""Set (in the job's reference figures) by jobs that handed the free heap back to the kernel
+before the memory call, so that call's RSS growth counts every page it allocated."""
+
+
+def _honest_rss_growth(df: pd.DataFrame) -> pd.DataFrame:
+    """``rss_growth_measured`` per row, and every peak-RSS growth figure of a job that did not
+    release the free heap first made NaN: such a call reused pages earlier rounds had freed, so
+    its growth read 0 whatever it allocated. The whole-process peak stays as recorded."""
+    flags = [c for c in df.columns if c == RSS_RELEASED or c.endswith(f"_{RSS_RELEASED}")]
+    measured = pd.Series(False, index=df.index)
+    for col in flags:
+        measured |= df[col].eq(True)
+    df["rss_growth_measured"] = measured
+    for col in [c for c in df.columns if c == RSS_GROWTH or c.endswith(f"_{RSS_GROWTH}")]:
+        df[col] = pd.to_numeric(df[col], errors="coerce").where(measured)
+    return df
 
 
 def floor_reference(method: str) -> str:
@@ -211,6 +231,7 @@ def floor_table(df: pd.DataFrame) -> pd.DataFrame:
         floor_single_p50_us=("floor_single_p50_us", "median"),
         floor_method=("floor_method", _most_often),
         method_jobs=("floor_method", lambda s: int(s.value_counts().iloc[0])),
+        method_counts=("floor_method", _counts),
     )
     out["floor_algbw_gbps"] = out["payload_bytes"] / (out["floor_p50_us"] / 1e6) / 1e9
     return out
@@ -222,10 +243,46 @@ def _most_often(values: pd.Series) -> str:
     return sorted(counts[counts == counts.iloc[0]].index)[0]
 
 
+def _counts(values: pd.Series) -> tuple[tuple[str, int], ...]:
+    """(value, how many) from the most seen to the least, ties in sorted order (stable)."""
+    counts = values.value_counts()
+    return tuple(
+        sorted(((str(k), int(n)) for k, n in counts.items()), key=lambda kn: (-kn[1], kn[0]))
+    )
+
+
+def floor_method_words(method: str | None) -> str:
+    """A floor method in words: 'one broadcast', 'chunked into 2', 'PP first then TP×CP'."""
+    if method in (None, "", SINGLE):
+        return "one broadcast"
+    if method.startswith("chunks") and method[len("chunks") :].isdigit():
+        return f"chunked into {method[len('chunks') :]}"
+    return {
+        "seed_hops": "the seed's hop order (TP×CP then PP)",
+        "pp_first": "PP first then TP×CP",
+    }.get(method, method)
+
+
+def jobs_text(n: int) -> str:
+    """'1 job', '2 jobs'."""
+    return f"{n} job" if n == 1 else f"{n} jobs"
+
+
 def floor_method_text(row) -> str:
-    """'chunks2' when every job's floor was that method, 'chunks2 in 3 of 4 jobs' otherwise."""
-    method, won, jobs = row["floor_method"], int(row["method_jobs"]), int(row["n_jobs"])
-    return method if won == jobs else f"{method} in {won} of {jobs} jobs"
+    """Which raw method was the floor, in words, and in how many of the jobs it won:
+    'one broadcast (the only job)', 'chunked into 2 (all 3 jobs)',
+    'one broadcast (in 1 of 2 jobs), chunked into 2 (1 of 2)'."""
+    jobs = int(row["n_jobs"])
+    counts = row.get("method_counts") if hasattr(row, "get") else None
+    if not counts:  # a table made without the per-method counts
+        counts = ((row["floor_method"], int(row["method_jobs"])),)
+    if len(counts) == 1 and counts[0][1] == jobs:
+        whose = "the only job" if jobs == 1 else f"all {jobs} jobs"
+        return f"{floor_method_words(counts[0][0])} ({whose})"
+    first, *rest = counts
+    parts = [f"{floor_method_words(first[0])} (in {first[1]} of {jobs_text(jobs)})"]
+    parts += [f"{floor_method_words(m)} ({n} of {jobs})" for m, n in rest]
+    return ", ".join(parts)
 
 
 # -- labels ---------------------------------------------------------------------------------
