@@ -5,6 +5,7 @@ matplotlib ``Figure``; ``notebooks/analysis.ipynb`` draws the same ones."""
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -20,8 +21,10 @@ from harness.report.tables import (
     BASELINE,
     SINGLE,
     context_line,
+    floor_method_words,
     floor_table,
     human_bytes,
+    jobs_text,
     layout_label,
     layouts_of,
     strategies_of,
@@ -35,18 +38,56 @@ FIGURES = {
     "algbw": "algbw_vs_payload.png",
 }
 _MARKERS = "osD^v<>Ph*Xp"
+TITLE_FONT_PT = 10
 
 
-def _panel_title(df: pd.DataFrame, floors: pd.DataFrame, layout: str) -> str:
-    n = floors.loc[floors["layout"] == layout, "n_jobs"]
-    if n.empty:
-        return layout_label(df, layout)
-    jobs = f"{int(n.min())}" if n.min() == n.max() else f"{int(n.min())}-{int(n.max())}"
-    methods = ", ".join(sorted(set(floors.loc[floors["layout"] == layout, "floor_method"])))
-    return (
-        f"{layout_label(df, layout)}\nfloor = median of {jobs} jobs' fastest raw method "
-        f"per size ({methods})"
-    )
+def _wrap(text: str, inches: float, font_pt: float = TITLE_FONT_PT) -> str:
+    """``text`` wrapped line by line to what fits ``inches`` at ``font_pt``, so no title runs
+    into its neighbour or off the figure (constrained layout moves axes, never wraps text)."""
+    # DejaVu Sans averages about half an em per character in such titles.
+    width = max(20, int(inches * 72 / (0.52 * font_pt)))
+    return "\n".join(textwrap.fill(line, width) for line in text.splitlines())
+
+
+def _floor_subtitle(floors: pd.DataFrame, layout: str) -> str:
+    """'floor: fastest raw method, median over 11 jobs per size; won by chunked into 2, one
+    broadcast' (the methods that won most often first); for one job, that job's method."""
+    fl = floors[floors["layout"] == layout]
+    if fl.empty:
+        return ""
+    won: dict[str, int] = {}
+    for counts in fl["method_counts"]:
+        for method, n in counts:
+            won[method] = won.get(method, 0) + n
+    methods = _methods_words(sorted(won, key=lambda m: (-won[m], m)))
+    low, high = int(fl["n_jobs"].min()), int(fl["n_jobs"].max())
+    if high == 1:
+        return f"floor: the one job's fastest raw method ({methods})"
+    jobs = jobs_text(low) if low == high else f"{low}-{high} jobs"
+    return f"floor: fastest raw method, median over {jobs} per size; won by {methods}"
+
+
+def _methods_words(methods: list[str]) -> str:
+    """Floor methods in words, chunk counts merged where the first of them stood:
+    'one broadcast, chunked into 2 or 4'."""
+    chunks = [m.removeprefix("chunks") for m in methods if m.startswith("chunks")]
+    words = []
+    for method in methods:
+        if not method.startswith("chunks"):
+            words.append(floor_method_words(method))
+        elif method.removeprefix("chunks") == chunks[0]:
+            words.append(f"chunked into {' or '.join(chunks)}")
+    return ", ".join(words)
+
+
+def _panel_title(df, floors: pd.DataFrame, layout: str, ax, extra: str = "") -> str:
+    """The layout, the floor's subtitle and ``extra``, wrapped to the panel's width."""
+    lines = [layout_label(df, layout), _floor_subtitle(floors, layout), extra]
+    # The panel's share of the figure, less its y axis' labels (constrained layout has not
+    # placed the axes yet, so their own position would be the pre-layout guess).
+    ncols = ax.get_subplotspec().get_gridspec().ncols
+    inches = ax.get_figure().get_figwidth() / ncols - 0.9
+    return _wrap("\n".join(line for line in lines if line), inches)
 
 
 def _styles(names: Iterable[str]) -> dict[str, dict]:
@@ -65,11 +106,12 @@ def _bytes_axis(ax, sizes: Iterable[float]) -> None:
     ax.set_xticklabels([human_bytes(s) for s in ticks], rotation=30, ha="right")
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("payload (bytes, log scale)")
-    if len(ticks) > 1:
+    if ticks:  # one size alone gets the same margin, not matplotlib's default decade
         ax.set_xlim(ticks[0] / 1.4, ticks[-1] * 1.4)
 
 
 def _log_y(ax, label: str) -> None:
+    ax.margins(y=0.08)  # a point at the top or bottom stays clear of the frame
     ax.set_yscale("log")
     low, high = ax.get_ylim()
     # Short ranges get more labelled ticks, so every line sits near a number.
@@ -100,7 +142,7 @@ def _refused(table: pd.DataFrame) -> str:
     refused = sorted(table.loc[~table["supported"], "strategy"].unique())
     if not refused:
         return ""
-    return "\nn/a (refuses this layout, see report.md): " + ", ".join(refused)
+    return "n/a (refuses this layout, see report.md): " + ", ".join(refused)
 
 
 def _legend(fig: Figure, axes_pairs) -> None:
@@ -135,37 +177,40 @@ def plot_latency(df: pd.DataFrame) -> Figure:
                 continue
             x, p50, p90 = rows["payload_bytes"], rows["p50_us"] / 1e3, rows["p90_us"] / 1e3
             ax.plot(x, p50, label=name, lw=1.6, ms=5, **styles[name])
-            ax.fill_between(x, p50, p90, color=styles[name]["color"], alpha=0.12, lw=0)
+            if len(rows) > 1:
+                ax.fill_between(x, p50, p90, color=styles[name]["color"], alpha=0.12, lw=0)
+            else:  # a band needs two sizes: one size gets its p50..p90 as a bar
+                ax.vlines(x, p50, p90, color=styles[name]["color"], alpha=0.35, lw=5)
         _floor_line(ax, floors, layout, "floor_p50_us", scale=1e-3)
         _bytes_axis(ax, table.loc[table["layout"] == layout, "payload_bytes"].dropna())
         _log_y(ax, "latency per call (ms, log scale): line p50, band p50 to p90")
         refused = _refused(table[table["layout"] == layout])
-        ax.set_title(_panel_title(df, floors, layout) + refused, fontsize=10)
+        ax.set_title(_panel_title(df, floors, layout, ax, refused), fontsize=TITLE_FONT_PT)
     _legend(fig, pairs)
     return fig
 
 
 def plot_speedup(df: pd.DataFrame) -> Figure:
     """(b) Speedup over ``pickled`` (1 / vs_baseline, same job) as a layouts × payload heatmap
-    per strategy; grey cells are layouts the strategy refuses (n/a)."""
+    per strategy; grey cells are layouts the strategy refuses (n/a). The figure is sized by its
+    content: the panels, and at least the width its title and colour bar need."""
     table = strategy_table(df)
     names = [n for n in strategies_of(df) if n != BASELINE]
     layouts = layouts_of(df)
     sizes = sorted(table["payload_bytes"].dropna().unique())
     ncols = min(4, max(1, len(names)))
     nrows = math.ceil(len(names) / ncols)
-    fig = Figure(
-        figsize=(
-            max(3.2, 1.05 * len(sizes) + 1.6) * ncols + 1.2,
-            (0.55 * len(layouts) + 1.5) * nrows + 1.4,
-        ),
-        layout="constrained",
+    label_in = max((len(x) for x in layouts), default=6) * 0.09 + 0.9  # y tick labels
+    panel_w = max(2.4, 1.05 * len(sizes) + 0.4) + label_in
+    width = max(8.0, panel_w * ncols + 1.6)  # 1.6: the colour bar and its label
+    title = (
+        "Speedup over pickled: p50 of pickled / p50 of the strategy, both timed in the same job "
+        "(higher is better; above 1× is faster; pickled itself is 1× by definition)"
     )
-    fig.suptitle(
-        "Speedup over pickled (p50 of pickled / p50 of the strategy, both timed in the same job;"
-        " >1 = faster; pickled itself is 1× by definition)\n" + context_line(df),
-        fontsize=11,
-    )
+    title = _wrap(f"{title}\n{context_line(df)}", width - 0.4, 11)
+    height = (0.55 * len(layouts) + 1.7) * nrows + 0.25 * (title.count("\n") + 1) + 0.6
+    fig = Figure(figsize=(width, max(4.2, height)), layout="constrained")
+    fig.suptitle(title, fontsize=11)
     if not sizes or not names:
         fig.text(0.5, 0.5, "no supported records to compare", ha="center", va="center")
         return fig
@@ -183,14 +228,15 @@ def plot_speedup(df: pd.DataFrame) -> Figure:
         ax.set_yticks(range(len(layouts)), layouts)
         ax.set_xlabel("payload (bytes)")
         ax.set_ylabel("layout")
-        ax.set_title(name, fontsize=10)
+        ax.set_title(name, fontsize=TITLE_FONT_PT)
     for ax in axes[len(names) :]:
         ax.set_visible(False)
     if image is not None:
-        ticks = [t for t in range(-math.ceil(span), math.ceil(span) + 1)]
-        bar = fig.colorbar(image, ax=list(axes[: len(names)]), shrink=0.8, ticks=ticks)
+        ticks = list(range(-math.floor(span), math.floor(span) + 1))  # on the bar only
+        bar = fig.colorbar(image, ax=list(axes[: len(names)]), shrink=0.9, ticks=ticks)
         bar.ax.set_yticklabels([f"{2.0**t:g}×" for t in ticks])
-        bar.set_label("speedup over pickled (×, log scale; blue = faster, red = slower)")
+        # Three short lines: one long one outgrew a short figure's height and was cut off.
+        bar.set_label("speedup over pickled\n(×, log scale)\nblue faster, red slower", fontsize=9)
     return fig
 
 
@@ -230,11 +276,23 @@ def _floor_line(ax, floors: pd.DataFrame, layout: str, column: str, scale: float
     if fl.empty:
         return
     label = "floor: fastest raw method (median over every job's floor at that size)"
-    ax.plot(fl["payload_bytes"], fl[column] * scale, "k--", lw=2.4, label=label)
+    ax.plot(fl["payload_bytes"], fl[column] * scale, "k--", lw=2.4, label=label,
+            **_alone(fl, FLOOR_MARK))  # fmt: skip
     if (fl["floor_method"] != SINGLE).any():
         single = _single_broadcast(fl, column) * scale
         label = "one raw broadcast (the single-broadcast floor)"
-        ax.plot(fl["payload_bytes"], single, color="0.4", ls=":", lw=1.4, label=label)
+        ax.plot(fl["payload_bytes"], single, color="0.4", ls=":", lw=1.4, label=label,
+                **_alone(fl, SINGLE_MARK))  # fmt: skip
+
+
+FLOOR_MARK = {"marker": "_", "ms": 16, "mew": 2.4}
+SINGLE_MARK = {"marker": "_", "ms": 11, "mew": 1.4}
+
+
+def _alone(rows: pd.DataFrame, mark: dict) -> dict:
+    """``mark`` (a wide dash) where a line has one point, which a line alone would not draw;
+    nothing where it has more, so the legend still shows the line's dashes."""
+    return mark if len(rows) == 1 else {}
 
 
 def _single_broadcast(fl: pd.DataFrame, column: str) -> pd.Series:
@@ -266,11 +324,12 @@ def plot_overhead(df: pd.DataFrame) -> Figure:
         if (fl["floor_method"] != SINGLE).any():
             ratio = fl["floor_single_p50_us"] / fl["floor_p50_us"]
             label = "one raw broadcast (single-broadcast floor / floor)"
-            ax.plot(fl["payload_bytes"], ratio, color="0.4", ls=":", lw=1.4, label=label)
+            ax.plot(fl["payload_bytes"], ratio, color="0.4", ls=":", lw=1.4, label=label,
+                    **_alone(fl, SINGLE_MARK))  # fmt: skip
         _bytes_axis(ax, table.loc[table["layout"] == layout, "payload_bytes"].dropna())
-        _log_y(ax, "vs_floor: p50 / floor p50 (×, log scale)")
+        _log_y(ax, "vs_floor: p50 / floor p50 (×, log scale; lower is better)")
         refused = _refused(table[table["layout"] == layout])
-        ax.set_title(layout_label(df, layout) + refused, fontsize=10)
+        ax.set_title(_panel_title(df, floors, layout, ax, refused), fontsize=TITLE_FONT_PT)
     _legend(fig, pairs)
     return fig
 
@@ -285,9 +344,9 @@ def plot_algbw(df: pd.DataFrame) -> Figure:
         _strategy_lines(ax, tab, strategies_of(df), styles, "algbw_gbps")
         _floor_line(ax, floors, layout, "floor_algbw_gbps")
         _bytes_axis(ax, table.loc[table["layout"] == layout, "payload_bytes"].dropna())
-        _log_y(ax, "algbw (GB/s = 1e9 bytes/s, log scale)")
+        _log_y(ax, "algbw (GB/s = 1e9 bytes/s, log scale; higher is better)")
         refused = _refused(table[table["layout"] == layout])
-        ax.set_title(_panel_title(df, floors, layout) + refused, fontsize=10)
+        ax.set_title(_panel_title(df, floors, layout, ax, refused), fontsize=TITLE_FONT_PT)
     _legend(fig, pairs)
     return fig
 
