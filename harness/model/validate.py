@@ -452,8 +452,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("sweep", help="a sweep directory with result.json records")
     ap.add_argument("--cluster", default="local", help="cluster preset or YAML (default local)")
     args = ap.parse_args(argv)
+    from harness.errors import USAGE_EXIT
     from harness.model.cluster import ClusterError
+    from harness.report.collect import records_dir_problem
 
+    problem = records_dir_problem(args.sweep)
+    if problem:  # a wrong directory is the caller's mistake, as in report and collect: exit 2
+        print(f"{ap.prog}: error: {problem}", file=sys.stderr)
+        return USAGE_EXIT
     try:
         validate(args.sweep, args.cluster)
     except ClusterError as exc:

@@ -1,9 +1,11 @@
 """Turn a run or sweep directory into ``report.md`` and PNG figures written beside the records.
 
-    python -m harness.report.build results/bench/<dir>
+    bcastbench report results/bench/<dir>
 
 The report is made of ``tables`` (records → medians per setting), ``figures`` and ``markdown``;
-``notebooks/analysis.ipynb`` calls the same functions through ``harness.report``.
+``notebooks/analysis.ipynb`` calls the same functions through ``harness.report``. A directory
+that is missing or holds no record exits 2 (the caller's mistake); one whose every job failed
+exits 1 (the jobs' own failure, named in their result.json).
 """
 
 from __future__ import annotations
@@ -12,40 +14,42 @@ import argparse
 import sys
 from pathlib import Path
 
+PROG = "bcastbench report"
+FAILED_EXIT = 1
+"""Every job under the directory failed: nothing to report, and not the caller's mistake."""
+
 
 def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].replace("``", ""))
+    ap.add_argument("root", help="a run or sweep directory (every result.json below it)")
+    args = ap.parse_args(argv)
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never open a window
-    from harness.errors import program
+    from harness.errors import USAGE_EXIT
+    from harness.report.collect import records_dir_problem
     from harness.report.figures import FIGURES
-    from harness.report.markdown import write_report
+    from harness.report.markdown import load_dispatch_records, write_ray_report, write_report
     from harness.report.tables import load
 
-    ap = argparse.ArgumentParser(
-        prog="python -m harness.report.build", description=__doc__.splitlines()[0]
-    )
-    ap.add_argument("root", help="a run or sweep directory (every result.json below it)")
-    args = ap.parse_args(argv)
-    if not Path(args.root).is_dir():
-        ap.error(f"root: no directory {args.root}")
-    from harness.report.markdown import load_dispatch_records, write_ray_report
-
-    if load_dispatch_records(args.root):  # Ray dispatch records: their own report and figure
+    dispatch = load_dispatch_records(args.root) if Path(args.root).is_dir() else []
+    problem = records_dir_problem(args.root, also=" (or Ray dispatch JSON lists in it)")
+    if problem and not dispatch:  # a wrong directory is the caller's mistake: exit 2
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        return USAGE_EXIT
+    if dispatch:  # Ray dispatch records: their own report and figure
         print(f"bcastbench Ray dispatch report: {write_ray_report(args.root)}")
     df = load(args.root)
     if df.empty:
-        if load_dispatch_records(args.root):
+        if dispatch:
             return 0
         failed = df.attrs.get("n_failed", 0)
-        why = (
-            f"all {failed} job(s) under {args.root} failed; their result.json say why "
-            "(status, error)"
-            if failed
-            else f"no result.json under {args.root}"
+        print(
+            f"{PROG}: all {failed} job(s) under {args.root} failed; their result.json say why "
+            "(status, error)",
+            file=sys.stderr,
         )
-        print(f"{program('harness.report.build')}: {why}", file=sys.stderr)
-        return 1
+        return FAILED_EXIT
     path = write_report(args.root, df)
     print(f"bcastbench report: {path} (figures beside it: {', '.join(FIGURES.values())})")
     return 0
