@@ -18,13 +18,45 @@ from typing import IO, Any
 
 MODE = 0o644
 """Owner writes, everyone reads: results are meant to be shared."""
+DIR_MODE = 0o755
+"""The same for directories (a umask of 077 would otherwise hide every record in them)."""
+
+
+def make_dirs(path: Path | str) -> Path:
+    """``path`` and any missing parents, each one this call creates readable by everyone
+    (``DIR_MODE``, whatever the umask); directories that existed are left as they are."""
+    path = Path(path)
+    missing = []
+    for parent in (path, *path.parents):
+        if parent.exists():
+            break
+        missing.append(parent)
+    path.mkdir(parents=True, exist_ok=True)
+    for made in missing:
+        os.chmod(made, DIR_MODE)
+    return path
+
+
+def share_tree(root: Path | str) -> None:
+    """What another program (Hydra) wrote under ``root`` made readable as records are:
+    directories ``DIR_MODE``, files ``MODE``; only entries this user owns are touched."""
+    root = Path(root)
+    uid = os.getuid()
+    for here, dirs, names in os.walk(root):
+        for path, mode in [(here, DIR_MODE)] + [(os.path.join(here, n), MODE) for n in names]:
+            try:
+                st = os.lstat(path)
+                if st.st_uid == uid and not os.path.islink(path) and st.st_mode & 0o777 != mode:
+                    os.chmod(path, mode)
+            except OSError:
+                continue  # gone meanwhile, or not ours to change
 
 
 def write_atomic(path: Path | str, data: str | bytes | Callable[[IO], Any]) -> Path:
     """Write ``data`` (text, bytes, or a function that writes to a binary file object, such as
     ``fig.savefig`` or ``df.to_csv``) to ``path`` atomically; returns the path."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from harness import paths
+from harness.errors import USAGE_EXIT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     rc = cli.run(overrides)
     sweep_s = time.monotonic() - t0
-    if not out.is_dir():  # refused before any job (the one-line error said why)
+    if rc == USAGE_EXIT or not out.is_dir():  # refused before any job (its line said why)
         return rc
     from harness.run.progress import STATE
 

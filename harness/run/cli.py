@@ -106,24 +106,46 @@ def run(argv: list[str]) -> int:
     from harness.run import launch
     from harness.run.config import register
     from harness.run.progress import STATE
+    from harness.run.sweep_dir import claim, release
 
     register()
     if any("hydra/launcher=" in arg for arg in argv):
         launch.prompt_slurm_failures()
     sys.argv = ["bcastbench", *_scratch_for_other_ranks(argv)]
     os.environ["HYDRA_FULL_ERROR"] = "1"
-    if {"-m", "--multirun"} & set(argv) and not PASSTHROUGH & set(argv):
+    root = None
+    sweeping = {"-m", "--multirun"} & set(argv) and not PASSTHROUGH & set(argv)
+    if sweeping:
         from harness.run.config import ConfigError
-        from harness.run.sweep import check_sweep
+        from harness.run.sweep import check_sweep, sweep_dir
 
+        overrides = [a for a in argv if not a.startswith("-")]
         try:
-            STATE.total = check_sweep([a for a in argv if not a.startswith("-")])
+            STATE.total = check_sweep(overrides)
+            # Claimed before Hydra starts (it ignores what its callbacks raise), and handed
+            # back resolved so Hydra writes exactly where the claim is; under torchrun only
+            # the rank that writes records owns it.
+            if launch.current().writes_records:
+                root = claim(sweep_dir(overrides))
         except ConfigError as exc:
             return _exit_status(exc)
+        if root is not None:
+            sys.argv.append(f"hydra.sweep.dir={_quoted(str(root))}")
 
     decorated = hydra.main(
         version_base="1.3", config_path=str(paths.CONF_DIR), config_name="config"
     )
+    try:
+        return _run_app(decorated)
+    finally:
+        if root is not None:
+            release(root)
+
+
+def _run_app(decorated) -> int:
+    """Hydra's app, its endings sorted into exit statuses."""
+    from harness.run.progress import STATE
+
     try:
         decorated(task)()
     except SystemExit as exc:  # --help, or a job's one-line config error
@@ -143,6 +165,11 @@ def run(argv: list[str]) -> int:
         )
         return FAILED_EXIT
     return 0
+
+
+def _quoted(value: str) -> str:
+    """``value`` as one Hydra override value, whatever characters a path holds."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def task(cfg):

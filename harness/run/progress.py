@@ -10,6 +10,7 @@ failed, and where the records are.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,10 +88,13 @@ class Progress(Callback):
             from hydra.core.hydra_config import HydraConfig
 
             STATE.records = Path(HydraConfig.get().runtime.output_dir)
+            _share_parents(STATE.records)
 
     def on_multirun_start(self, config, **kwargs) -> None:
         self.t0 = time.monotonic()
         self.sweeping = True
+        # bcastbench run claimed it already (harness.run.sweep_dir); a sweep started another
+        # way (a test's compose) just writes there.
         STATE.records = Path(str(config.hydra.sweep.dir))
         jobs = f"{STATE.total} jobs, every config valid" if STATE.total else "jobs"
         line = f"bcastbench: sweep of {jobs} -> {STATE.records}"
@@ -98,8 +102,12 @@ class Progress(Callback):
         _append_log(STATE.records, line)
 
     def on_job_end(self, config, job_return, **kwargs) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        # Hydra's own files (.hydra/, the log) follow the umask; records are for the team.
+        files.share_tree(HydraConfig.get().runtime.output_dir)
         if not self.sweeping:
-            return  # a single run: the record speaks for itself
+            return  # a single run: its line was printed by the job
         STATE.done += 1
         elapsed = time.monotonic() - self.t0
         total = STATE.total
@@ -108,6 +116,7 @@ class Progress(Callback):
         status = getattr(job_return.status, "name", str(job_return.status))
         if status != "COMPLETED" or not isinstance(rec, dict) or rec.get("status") == "failed":
             STATE.failed += 1
+
         line = f"[{STATE.done}/{total or '?'}] {elapsed:6.0f}s elapsed, ETA {eta:5.0f}s  "
         line += job_line(rec)
         print(line, flush=True)
@@ -135,10 +144,22 @@ class Progress(Callback):
         lines.append(f"records: {root}  table: {root / 'results.csv'}")
         print("\n".join(lines), flush=True)
         _append_log(root, "\n".join(lines))
+        files.share_tree(root)
 
 
 SWEEP_LOG = "bcastbench.log"
 """A sweep directory's log: every line the sweep printed (each job's own log is in its folder)."""
+
+
+def _share_parents(out: Path) -> None:
+    """A single run's folder and those Hydra made above it inside the working directory
+    (``results/runs``), readable as records are, whatever the umask."""
+    out = out.resolve()
+    cwd = Path.cwd().resolve()
+    chain = [out, *out.parents]
+    for path in chain[: chain.index(cwd)] if cwd in chain else [out]:
+        if path.stat().st_mode & 0o777 == 0o700:
+            files.share_tree(path) if path == out else os.chmod(path, files.DIR_MODE)
 
 
 def _append_log(root: Path, text: str) -> None:

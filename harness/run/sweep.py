@@ -11,6 +11,7 @@ job, its overrides and what is wrong.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
@@ -58,6 +59,16 @@ def sweep_jobs(overrides: list[str], config_name: str = "config") -> list[list[s
     """Every job's overrides, as the sweep will launch them (nothing composed per job)."""
     with _expanded(overrides, config_name) as (_, _, jobs):
         return jobs
+
+
+def sweep_dir(overrides: list[str], config_name: str = "config") -> Path:
+    """The directory the sweep ``-m overrides`` writes to, resolved now (a ``${now:}`` in it
+    is fixed here: the caller hands the result back to Hydra as ``hydra.sweep.dir``)."""
+    with _expanded(overrides, config_name) as (_, master, _):
+        try:
+            return Path(str(master.hydra.sweep.dir))
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"hydra.sweep.dir: {describe(exc)}") from None
 
 
 def check_sweep(overrides: list[str], config_name: str = "config") -> int:

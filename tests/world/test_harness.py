@@ -165,3 +165,35 @@ def test_one_job_in_process_records_its_shape(tmp_path, monkeypatch, forked_worl
     log = (tmp_path / "bcastbench.log").read_text()
     assert "header pp2  rl_rollout b2" in log and "p50 " in log and "vs_floor " in log, log
     assert "faster than pickled" in log and f"record: {tmp_path / 'result.json'}" in log, log
+
+
+@pytest.mark.world
+def test_records_and_hydra_files_are_readable_by_the_team_under_umask_077(tmp_path):
+    """Under a private umask every directory of the sweep and every file in it, Hydra's
+    .hydra/ and logs included, ends readable by others as the records are; a second sweep
+    into the same directory is refused and changes nothing."""
+    sweep = tmp_path / "results" / "sweeps" / "s"
+    argv = [sys.executable, "-m", "harness", "-m", "strategy=header", *FAST]
+    res = subprocess.run(
+        [*argv, f"hydra.sweep.dir={sweep}"], cwd=REPO, capture_output=True, text=True,
+        timeout=240, preexec_fn=lambda: os.umask(0o077),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    modes = {
+        str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777
+        for p in [tmp_path / "results", *(tmp_path / "results").rglob("*")]
+    }
+    private = {path: oct(mode) for path, mode in modes.items() if mode & 0o044 != 0o044}
+    assert not private, private
+    assert any(path.endswith(".hydra/config.yaml") for path in modes)
+    assert any(path.endswith("bcastbench.log") for path in modes)
+    before = {p: p.stat().st_mtime_ns for p in sweep.rglob("*") if p.is_file()}
+    again = subprocess.run(
+        [*argv, f"hydra.sweep.dir={sweep}"], cwd=REPO, capture_output=True, text=True, timeout=240
+    )
+    assert again.returncode == 2 and "already holds 1 record(s)" in again.stderr, again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1
+    lock = sweep / ".bcastbench-sweep.lock"
+    assert {p: p.stat().st_mtime_ns for p in sweep.rglob("*") if p.is_file()} == before | {
+        lock: lock.stat().st_mtime_ns
+    }

@@ -1,0 +1,62 @@
+"""A sweep directory belongs to one sweep: a second sweep into it, while the first runs or after
+it left records there, is refused with one line naming the other sweep, and no job starts."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sys
+
+import pytest
+
+from harness.run import cli
+from harness.run.sweep_dir import LOCK, claim, release
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+
+
+SWEEP = ["-m", "strategy=header,flat", "iters=1", "warmup=0"]
+
+
+def test_a_sweep_dir_with_records_is_refused(tmp_path, capsys, in_process):
+    sweep = tmp_path / "sweep"
+    (sweep / "0_header_tp2pp2_b8").mkdir(parents=True)
+    record = sweep / "0_header_tp2pp2_b8" / "result.json"
+    record.write_text(json.dumps({"status": "ok", "p50_us": 1.0}))
+    before = record.read_bytes()
+    assert cli.main([*SWEEP, f"hydra.sweep.dir={sweep}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds 1 record(s) of an earlier sweep" in err[0], err
+    assert "choose another hydra.sweep.dir" in err[0]
+    assert record.read_bytes() == before
+    assert sorted(p.name for p in sweep.iterdir()) == [LOCK, "0_header_tp2pp2_b8"]
+
+
+def test_a_sweep_dir_in_use_is_refused_naming_its_owner(tmp_path, capsys, in_process):
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    owner = {"pid": 4242, "host": "elsewhere", "started": "today", "command": "bcastbench -m x"}
+    fd = os.open(sweep / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, json.dumps(owner).encode())
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another sweep holds it
+        assert cli.main([*SWEEP, f"hydra.sweep.dir={sweep}"]) == 2
+    finally:
+        os.close(fd)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is in use by another sweep (pid 4242 on elsewhere" in err[0], err
+    assert not list(sweep.rglob("result.json"))
+
+
+def test_claim_is_released_when_its_holder_ends(tmp_path):
+    root = claim(tmp_path / "s")
+    info = json.loads((root / LOCK).read_text())
+    assert info["pid"] == os.getpid() and oct((root / LOCK).stat().st_mode & 0o777) == "0o644"
+    release(root)
+    claim(root)  # free again: no records yet
+    release(root)
