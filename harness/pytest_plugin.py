@@ -1,22 +1,29 @@
 """bcastbench's pytest plugin (entry point ``pytest11``): gate a strategy in your own CI.
 
 Fixtures:
-- ``bcastbench_mode``: ``--bcastbench-mode=short|full`` as iterations, warm-up and rounds.
+- ``bcastbench_gate``: ``bcastbench_gate(strategy=..., layout="tp2pp2", payload="rl_rollout",
+  batch_size=8, seq_len=512, options={...})`` runs ``bcastbench_mode.rounds`` verified jobs as
+  pytest-benchmark's rounds and returns a ``Gate``: the medians over rounds of the strategy's
+  per-call p50 and of the same-run ratios ``vs_floor`` and ``vs_baseline``. pytest-benchmark's
+  table then shows the strategy's p50 per call (one value per round), not a job's wall time,
+  and ``benchmark.extra_info`` carries the ratios.
+- ``bcastbench_job``: the same arguments; one interleaved, verified job (the strategy, every
+  floor method and ``pickled`` in the same rounds), its summary as a dict with ``vs_floor`` and
+  ``vs_baseline``. ``strategy`` is a registered name (built-in or from the
+  ``bcastbench.strategies`` entry point) or a dotted ``package.module.Class``.
 - ``bcastbench_world``: ``bcastbench_world(n)`` returns a running gloo world of ``n`` forked
   ranks, started once per session and size (restarted if a failed job tore it down).
-- ``bcastbench_job``: ``bcastbench_job(strategy=..., layout="tp2pp2", payload="rl_rollout",
-  batch_size=8, seq_len=512, options={...})`` runs one interleaved, verified job (the strategy,
-  the floor and ``pickled`` in the same rounds) and returns its summary, with the same-run
-  ratios ``vs_floor`` and ``vs_baseline``. ``strategy`` is a registered name (built-in or from
-  the ``bcastbench.strategies`` entry point) or a dotted ``package.module.Class``.
+- ``bcastbench_mode``: ``--bcastbench-mode=short|full`` as iterations, warm-up and rounds.
 
-A job's summary plugs into pytest-benchmark: ``benchmark.pedantic(lambda: bcastbench_job(...),
-rounds=bcastbench_mode.rounds)``, then assert on the ratios, never on absolute times.
+After the tests, a terminal section lists every test that ran jobs: the strategy's p50 per call,
+the floor, ``vs_floor`` and ``vs_baseline`` (medians over its jobs), the figures a gate asserts
+on; assert on the ratios, never on absolute times.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -98,8 +105,9 @@ def layout_named(layout: Any):
 
 
 @pytest.fixture
-def bcastbench_job(bcastbench_world, bcastbench_mode):
-    """A function running one verified job and returning its summary (see module docstring)."""
+def bcastbench_job(request, bcastbench_world, bcastbench_mode):
+    """A function running one verified job and returning its summary (see module docstring).
+    Every summary is also kept for the terminal section under this test's name."""
     import strategies
     from harness.run.runner import JobSpec, run_job_on_rank, summarize
 
@@ -113,9 +121,202 @@ def bcastbench_job(bcastbench_world, bcastbench_mode):
         job_spec = JobSpec(strategy, the_layout, options=options, **spec)
         world = bcastbench_world(the_layout.world_size)
         results = world.run(run_job_on_rank, job_spec, what=f"{strategy} job")
-        return _flat(strategy, summarize(job_spec, results))
+        summary = _flat(strategy, summarize(job_spec, results))
+        summary["layout"] = layout if isinstance(layout, str) else _layout_text(the_layout)
+        summary["payload"] = job_spec.payload
+        record_job(request, summary)
+        return summary
 
     return job
+
+
+def _layout_text(layout) -> str:
+    from harness.run.records import layout_name
+
+    return layout_name(layout)
+
+
+# -- the gate: pytest-benchmark rounds whose time is the strategy's per-call p50 --------------
+@dataclass(frozen=True)
+class Gate:
+    """What ``bcastbench_gate`` measured: medians over its rounds, one interleaved job each."""
+
+    strategy: str
+    p50_us: float
+    """The strategy's p50 per call (max over ranks, barrier before each call), median over
+    rounds: what pytest-benchmark's table shows, one value per round."""
+    floor_p50_us: float | None
+    """The floor's p50 (the fastest raw method of each job), median over rounds."""
+    vs_floor: float | None
+    """p50 / floor p50 inside each job, median over rounds: lower is better, 1 is the floor."""
+    vs_baseline: float | None
+    """p50 / ``pickled`` p50 inside each job, median over rounds: below 1 is faster than
+    pickled."""
+    collectives_per_call: int | None
+    """Collectives one call issues (max over ranks), from the first round."""
+    payload_bytes: int
+    floor_methods: tuple[str, ...]
+    """The raw method that was the floor in each round."""
+    rounds: list[dict] = field(repr=False)
+    """Every round's job summary (``bcastbench_job``'s dict)."""
+
+
+class _StrategyClock:
+    """The clock pytest-benchmark reads around each round. A round moves it on by the
+    strategy's p50 per call measured inside that job, so the benchmark's statistics are
+    per-call latencies, not the wall time of a job that also times every floor method and
+    pickled, counts collectives, measures memory and verifies every rank."""
+
+    __name__ = "bcastbench_strategy_p50_clock"  # how pytest-benchmark names the timer in JSON
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+@pytest.fixture
+def bcastbench_gate(request, bcastbench_job, bcastbench_mode):
+    """A function: ``bcastbench_gate(strategy=..., **job)`` runs ``bcastbench_mode.rounds``
+    jobs as pytest-benchmark rounds and returns their ``Gate`` (see module docstring). Without
+    pytest-benchmark, or with ``--benchmark-disable``, the rounds still run and the gate still
+    holds; only the benchmark table is missing."""
+    try:
+        benchmark = request.getfixturevalue("benchmark")
+    except pytest.FixtureLookupError:  # pytest-benchmark not loaded (-p no:benchmark)
+        benchmark = None
+
+    def gate(strategy: str, **job) -> Gate:
+        clock, rounds = _StrategyClock(), []
+
+        def one_round() -> None:
+            summary = bcastbench_job(strategy=strategy, **job)
+            clock.now_s += summary["p50_us"] / 1e6
+            rounds.append(summary)
+
+        if benchmark is not None:
+            if hasattr(benchmark, "_timer"):  # a private attribute of pytest-benchmark 4.x, 5.x
+                benchmark._timer = clock
+                timed = "strategy p50 per call (from the job)"
+            else:
+                timed = "wall time of one job (this pytest-benchmark has no _timer)"
+            benchmark.pedantic(one_round, rounds=bcastbench_mode.rounds, iterations=1)
+        while len(rounds) < bcastbench_mode.rounds:  # benchmarks disabled: pedantic ran once
+            one_round()
+        result = _gate_of(strategy, rounds)
+        if benchmark is not None:
+            benchmark.extra_info.update(_extra_info(result, timed, job))
+        return result
+
+    return gate
+
+
+def _gate_of(strategy: str, rounds: list[dict]) -> Gate:
+    return Gate(
+        strategy=strategy,
+        p50_us=statistics.median(r["p50_us"] for r in rounds),
+        floor_p50_us=_median(r.get("floor_p50_us") for r in rounds),
+        vs_floor=_median(r.get("vs_floor") for r in rounds),
+        vs_baseline=_median(r.get("vs_baseline") for r in rounds),
+        collectives_per_call=rounds[0].get("collectives_per_call"),
+        payload_bytes=rounds[0]["payload_bytes"],
+        floor_methods=tuple(str(r.get("floor_method")) for r in rounds),
+        rounds=rounds,
+    )
+
+
+def _extra_info(result: Gate, timed: str, job: dict) -> dict:
+    """What pytest-benchmark saves beside the stats (``--benchmark-json``, autosave)."""
+    return {
+        "stats_are": timed,
+        "strategy": result.strategy,
+        "layout": str(job.get("layout", "tp2pp2")),
+        "payload": job.get("payload", "rl_rollout"),
+        "payload_bytes": result.payload_bytes,
+        "p50_us": result.p50_us,
+        "floor_p50_us": result.floor_p50_us,
+        "floor_methods": list(result.floor_methods),
+        "vs_floor": result.vs_floor,
+        "vs_baseline": result.vs_baseline,
+        "collectives_per_call": result.collectives_per_call,
+        "rounds": len(result.rounds),
+    }
+
+
+# -- the terminal section ----------------------------------------------------------------------
+_JOBS = pytest.StashKey[dict]()
+
+
+def _jobs_of(config) -> dict[str, list[dict]]:
+    """Test id -> the job summaries it ran, in order (kept on the pytest config)."""
+    return config.stash.setdefault(_JOBS, {})
+
+
+def record_job(request, summary: dict) -> None:
+    """Keep a job's summary for the terminal section, under the test that ran it."""
+    _jobs_of(request.config).setdefault(request.node.nodeid, []).append(summary)
+
+
+SUMMARY_TITLE = "bcastbench: per-call p50 and same-run ratios (what the gates assert on)"
+
+
+def summary_lines(jobs: dict[str, list[dict]]) -> list[str]:
+    """One row per test that ran jobs: medians over its jobs of the strategy's p50 per call,
+    the floor's, ``vs_floor`` and ``vs_baseline``; then what the columns mean."""
+    header = ["test", "strategy", "layout", "payload", "jobs", "p50 ms/call", "floor ms",
+              "vs_floor", "vs_baseline", "collectives/call"]  # fmt: skip
+    rows = []
+    for nodeid, runs in jobs.items():
+        g = _gate_of(runs[0]["strategy"], runs)
+        methods = sorted(set(g.floor_methods))
+        rows.append([
+            nodeid.split("::", 1)[-1], g.strategy, str(runs[0].get("layout", "?")),
+            f"{runs[0].get('payload', '?')} {_kib(g.payload_bytes)}", str(len(runs)),
+            f"{g.p50_us / 1e3:.3f}",
+            "—" if g.floor_p50_us is None else f"{g.floor_p50_us / 1e3:.3f} ({', '.join(methods)})",
+            _times(g.vs_floor), _times(g.vs_baseline),
+            "—" if g.collectives_per_call is None else str(g.collectives_per_call),
+        ])  # fmt: skip
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells) -> str:
+        first = cells[0].ljust(widths[0])
+        return "  ".join([first, *(c.rjust(w) for c, w in zip(cells[1:], widths[1:]))])
+
+    return [
+        line(header),
+        *(line(r) for r in rows),
+        "p50 ms/call: the strategy's p50 per call (max over ranks, barrier before each call),",
+        "  pytest-benchmark's time per round under bcastbench_gate; floor ms: the fastest raw",
+        "  method's p50 (the methods that won). vs_floor = p50 / floor p50: lower is better, 1x is the",
+        "  floor. vs_baseline = p50 / pickled p50: below 1x is faster than pickled. Both are",
+        "  taken inside each job (same world, interleaved calls), then the median over jobs.",
+    ]
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.0f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
+
+
+def _times(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter) -> None:
+    """After pytest-benchmark's table: what each test's jobs measured (``summary_lines``)."""
+    jobs = _jobs_of(terminalreporter.config)
+    if not jobs:
+        return
+    terminalreporter.write_sep("-", SUMMARY_TITLE)
+    for text in summary_lines(jobs):
+        terminalreporter.write_line(text)
 
 
 def _flat(strategy: str, summary: dict) -> dict:
