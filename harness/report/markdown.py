@@ -399,8 +399,8 @@ Regenerate this report with `bcastbench report {root}`.
 
 Three tables per layout: p50 per call (lower is better), `vs_floor` (lower is better) and the
 speedup over `pickled` (1 / `vs_baseline`; higher is better). Both ratios are taken inside each
-job, then the median over jobs. n/a: the strategy refuses the layout (reason
-below the tables); not run: no job measured it.
+job, then the median over jobs. n/a: the strategy refuses the layout (reason below the
+tables); not run: no job measured it.
 
 {results_markdown(df)}
 
