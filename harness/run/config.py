@@ -97,6 +97,11 @@ class PayloadConf:
     conf/schemas/ (harness/run/recorded.py, harness/run/schema.py)."""
     trust: bool = False
     """payload=file: allow arbitrary unpickling (only for a file you trust)."""
+    max_bytes: int | None = None
+    """payload=file | schema: the most bytes the recording, or the batch of batch_size rows it
+    gives, may take; checked from the file's sizes and the schema's shapes before anything is
+    allocated. null: a quarter of this machine's physical memory
+    (``harness.run.recorded.default_max_bytes``)."""
 
 
 @dataclass
@@ -297,20 +302,27 @@ def _validate_payload(cfg, layout: Layout) -> None:
 
 
 def _validate_recorded(payload) -> None:
-    """The file exists, loads safely (or is trusted) and has a leading batch dimension: read
-    once here, a row of it, so a bad file stops the job before any rank starts."""
-    from harness.run.recorded import PayloadFileError
-    from harness.run.schema import SchemaError
+    """The file exists, loads safely (or is trusted), has a leading batch dimension and fits
+    ``payload.max_bytes`` at ``payload.batch_size`` rows: a recording is read once here (a
+    schema checked whole and one row replayed), so a bad file stops the job before any rank
+    starts."""
+    from harness.run import recorded, schema
 
     if not payload.get("path"):
         raise ConfigError(f"payload.path: payload={payload.name} needs payload.path=<file>")
+    max_bytes = payload.get("max_bytes")
+    if max_bytes is not None and (isinstance(max_bytes, bool) or max_bytes < 1):
+        raise ConfigError(f"payload.max_bytes must be a positive integer or null, got {max_bytes}")
     problem = None
     try:
-        payloads.make(
-            payload.name, 1, int(payload.seq_len), int(payload.seed), None, payload.path,
-            bool(payload.trust),
-        )  # fmt: skip
-    except (PayloadFileError, SchemaError) as exc:
+        if payload.name == "schema":
+            schema.check(payload.path, int(payload.batch_size), max_bytes)
+        else:
+            recorded.load(
+                payload.path, bool(payload.trust), max_bytes=max_bytes,
+                batch_size=int(payload.batch_size),
+            )  # fmt: skip
+    except (recorded.PayloadFileError, schema.SchemaError) as exc:
         problem = str(exc)  # raised below, outside the except: one line, no context
     if problem is not None:
         raise ConfigError(problem)

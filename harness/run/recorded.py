@@ -89,8 +89,8 @@ class Flags:
     """How the command reading a recording spells its options, so a refusal names the one to
     type: ``bcastbench run`` takes ``payload.*`` overrides, ``bcastbench schema`` its flags."""
 
-    path: str = "payload.path"
-    """Names the file in every message."""
+    prefix: str = "payload.path: "
+    """Starts every message (the option that named the file)."""
     trust: str = "payload.trust=true"
     """Lifts the allow-list."""
     max_bytes: str = "payload.max_bytes"
@@ -98,7 +98,7 @@ class Flags:
 
 
 RUN_FLAGS = Flags()
-SCHEMA_FLAGS = Flags(path="file", trust="--trust", max_bytes="--max-bytes")
+SCHEMA_FLAGS = Flags(prefix="", trust="--trust", max_bytes="--max-bytes")
 
 
 def trust_hint(flags: Flags = RUN_FLAGS) -> str:
@@ -150,7 +150,7 @@ def _kind(mode: int) -> str:
     return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
-def _open_regular(path: Path, size: int | None = None):
+def open_regular(path: Path, size: int | None = None):
     """``path`` opened read-only as a binary file, after checking (on the open descriptor, so a
     file swapped for a FIFO in between is caught) that it is a regular file of ``size`` bytes.
     O_NONBLOCK: opening a FIFO would otherwise wait for a writer forever."""
@@ -174,7 +174,7 @@ def _read_exact(f, buffer: memoryview, path: Path) -> None:
 
 def _read_bytes(path: Path, size: int) -> bytes:
     data = bytearray(size)
-    with _open_regular(path, size) as f:
+    with open_regular(path, size) as f:
         _read_exact(f, memoryview(data), path)
     return bytes(data)
 
@@ -624,7 +624,7 @@ class _MemmapDir:
     def _tensor(self, e: _Entry) -> torch.Tensor:
         raw = torch.empty(e.nbytes, dtype=torch.uint8)
         if e.nbytes:
-            with _open_regular(e.file, e.nbytes) as f:
+            with open_regular(e.file, e.nbytes) as f:
                 _read_exact(f, memoryview(raw.numpy()), e.file)
         # A bool byte other than 0 or 1 is undefined behaviour in torch's kernels.
         flat = raw != 0 if e.dtype == torch.bool else raw.view(e.dtype)
@@ -694,7 +694,7 @@ def _read(path: Path, policy: _Policy, batch_size: int | None):
         raise PayloadFileError(
             f"{path} is {st.st_size:,} bytes > {policy.flags.max_bytes}={policy.max_bytes:,}"
         )
-    with _open_regular(path, st.st_size) as f:
+    with open_regular(path, st.st_size) as f:
         # torch.save writes a zip; a pickle that embeds one (verl's) passes is_zipfile, so
         # the first bytes decide.
         if f.read(4) == b"PK\x03\x04":
@@ -726,7 +726,7 @@ def load(
             dp = _as_dataproto(_read(path, policy, batch_size), path)
             _check_bytes(dp, batch_size, policy, path)
     except PayloadFileError as exc:
-        raise PayloadFileError(_one_line(f"{flags.path}: {exc}")) from None
+        raise PayloadFileError(_one_line(f"{flags.prefix}{exc}")) from None
     except Exception as exc:  # noqa: BLE001 - any reader's failure is a bad file, said once
         raise _unreadable(path, exc, flags) from None
     return dp
@@ -736,7 +736,7 @@ def _unreadable(path: Path, exc: BaseException, flags: Flags) -> PayloadFileErro
     first = _one_line((str(exc).strip().splitlines() or [""])[0])[:200]
     return PayloadFileError(
         _one_line(
-            f"{flags.path}: {path} is not a batch bcastbench can read "
+            f"{flags.prefix}{path} is not a batch bcastbench can read "
             f"({type(exc).__name__}: {first}); expected {FORMATS}"
         )
     )
