@@ -1,0 +1,529 @@
+"""Hostile recordings and schemas, tier 1: every way a file can lie that the issues list (code in
+a pickle, shapes bigger than the file, missing or escaping leaves, special files, YAML too deep,
+lengths and shapes past the byte limit) stops `bcastbench run` at validation with one line and
+exit 2, in well under a second, with no input changed and no code run. Trust lifts only the
+pickle refusal. No process group: a run that passed validation would fail the test instead of
+starting ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hostile_support import (
+    RunsCode,
+    RunsShell,
+    Tag,
+    evil_memmap,
+    memmap_recording,
+    one_line_error,
+    run_cli,
+    snapshot,
+    tagged_memmap,
+    torch_recording,
+)
+from omegaconf import OmegaConf
+from tensordict import TensorDict
+
+from harness.paths import CONF_DIR
+from harness.run import recorded, schema
+from strategies import DataProto
+
+QUICK_S = 5.0
+"""Every refusal here reads a few kilobytes; a loaded 2-core machine still answers in well
+under this."""
+
+
+# -- building the hostile inputs -------------------------------------------------------------------
+def _edit_meta(directory: Path, edit) -> None:
+    meta = json.loads((directory / "meta.json").read_text())
+    edit(meta)
+    (directory / "meta.json").write_text(json.dumps(meta))
+
+
+def _huge_shape(d: Path, _out: Path, _m: Path) -> Path:
+    rec = memmap_recording(d / "rec")
+    (rec / "odd%2Fkey.memmap").write_bytes(bytes(256))
+
+    def edit(meta):
+        meta["shape"] = [10**6]
+        for key in list(meta):
+            if isinstance(meta[key], dict) and "type" in meta[key]:
+                del meta[key]  # one tensor leaf left, claiming 8 TB
+            elif isinstance(meta[key], dict) and key != "odd/key":
+                del meta[key]
+        meta["odd/key"].update(shape=[10**6, 10**6], dtype="torch.int64")
+
+    _edit_meta(rec, edit)
+    return rec
+
+
+def _truncated_leaf(d: Path, _out: Path, _m: Path) -> Path:
+    rec = memmap_recording(d / "rec")
+    leaf = rec / "input_ids.memmap"
+    leaf.write_bytes(leaf.read_bytes()[:100])
+    return rec
+
+
+def _missing_leaf(d: Path, _out: Path, _m: Path) -> Path:
+    rec = memmap_recording(d / "rec")
+    (rec / "input_ids.memmap").unlink()
+    return rec
+
+
+def _dotdot_key(d: Path, _out: Path, _m: Path) -> Path:
+    rec = memmap_recording(d / "rec")
+    (d / "escape.memmap").write_bytes(torch.ones(4).numpy().tobytes())  # what ../escape names
+    _edit_meta(rec, lambda m: m.update({"../escape": dict(m["odd/key"])}))
+    return rec
+
+
+def _symlink_leaf_out(d: Path, out: Path, _m: Path) -> Path:
+    rec = memmap_recording(d / "rec")
+    secret = out / "secret.bin"
+    secret.write_bytes(bytes(4 * 9 * 8))  # the size input_ids claims
+    (rec / "input_ids.memmap").unlink()
+    (rec / "input_ids.memmap").symlink_to(secret)
+    return rec
+
+
+def _symlink_dir_out(d: Path, out: Path, _m: Path) -> Path:
+    rec = memmap_recording(d / "rec")
+    shutil.move(str(rec / "nest"), str(out / "nest"))
+    (rec / "nest").symlink_to(out / "nest", target_is_directory=True)
+    return rec
+
+
+def _fifo_leaf(d: Path, _out: Path, _m: Path) -> Path:
+    rec = memmap_recording(d / "rec")
+    (rec / "input_ids.memmap").unlink()
+    os.mkfifo(rec / "input_ids.memmap")
+    return rec
+
+
+def _fifo(d: Path, _out: Path, _m: Path) -> Path:
+    os.mkfifo(d / "pipe")
+    return d / "pipe"
+
+
+def _memmap_bad_dtype(d: Path, _out: Path, _m: Path) -> Path:
+    rec = memmap_recording(d / "rec")
+    _edit_meta(rec, lambda m: m["input_ids"].update(dtype="torch.cuda"))
+    return rec
+
+
+def _memmap_not_json(d: Path, _out: Path, _m: Path) -> Path:
+    rec = memmap_recording(d / "rec")
+    (rec / "meta.json").write_bytes(b"\x80\x04not json")
+    return rec
+
+
+def _memmap_deep(d: Path, _out: Path, _m: Path) -> Path:
+    level = rec = d / "rec"
+    for _ in range(40):
+        level.mkdir()
+        meta = {
+            "shape": [2],
+            "_type": "<class 'tensordict._td.TensorDict'>",
+            "n": {"type": "TensorDict"},
+        }
+        (level / "meta.json").write_text(json.dumps(meta))
+        level = level / "n"
+    return rec
+
+
+def _memmap_foreign_class(d: Path, _out: Path, _m: Path) -> Path:
+    rec = memmap_recording(d / "rec")
+    _edit_meta(rec, lambda m: m.update(_type="<class 'evil_pkg.Boom'>", _class="evil_pkg:Boom"))
+    return rec
+
+
+def _memmap_pickled_leaf(d: Path, _out: Path, marker: Path) -> Path:
+    return evil_memmap(d / "rec", marker)
+
+
+def _memmap_pickled_stack(d: Path, _out: Path, marker: Path) -> Path:
+    return evil_memmap(d / "rec", marker, stack=True)
+
+
+def _torch_save_code(d: Path, _out: Path, marker: Path) -> Path:
+    torch.save({"batch": RunsCode(marker)}, d / "evil.pt")
+    return d / "evil.pt"
+
+
+def _torch_save_shell(d: Path, _out: Path, marker: Path) -> Path:
+    torch.save({"batch": RunsShell(marker)}, d / "shell.pt")
+    return d / "shell.pt"
+
+
+def _pickle_code(d: Path, _out: Path, marker: Path) -> Path:
+    (d / "evil.pkl").write_bytes(pickle.dumps({"batch": RunsCode(marker)}))
+    return d / "evil.pkl"
+
+
+def _pickle_user_class(d: Path, _out: Path, _m: Path) -> Path:
+    (d / "tag.pkl").write_bytes(pickle.dumps({"batch": Tag("x")}))
+    return d / "tag.pkl"
+
+
+def _torch_save_truncated(d: Path, _out: Path, _m: Path) -> Path:
+    data = torch_recording(d / "whole.pt").read_bytes()
+    (d / "whole.pt").unlink()
+    (d / "cut.pt").write_bytes(data[: len(data) * 2 // 3])
+    return d / "cut.pt"
+
+
+def _expanded_view(d: Path, _out: Path, _m: Path) -> Path:
+    # One element stored, 10^12 claimed through zero strides: a copy would take 4 TB.
+    view = torch.zeros(1).expand(10**6, 10**6)
+    torch.save(TensorDict({"x": view}, batch_size=[10**6]), d / "view.pt")
+    return d / "view.pt"
+
+
+def _schema_as_file(d: Path, _out: Path, _m: Path) -> Path:
+    shutil.copy(CONF_DIR / "schemas" / "rl_rollout.yaml", d / "s.yaml")
+    return d / "s.yaml"
+
+
+def _small_recording(d: Path, _out: Path, _m: Path) -> Path:
+    return torch_recording(d / "rec.pt")
+
+
+def _torch_save_as_schema(d: Path, _out: Path, _m: Path) -> Path:
+    return torch_recording(d / "rec.pt")
+
+
+def _pickle_as_schema(d: Path, _out: Path, _m: Path) -> Path:
+    (d / "rec.pkl").write_bytes(pickle.dumps({"batch": None}))
+    return d / "rec.pkl"
+
+
+def _memmap_as_schema(d: Path, _out: Path, _m: Path) -> Path:
+    return memmap_recording(d / "rec")
+
+
+def _schema_with(edit):
+    """A builder: the shipped rl_rollout schema with one edit."""
+
+    def build(d: Path, _out: Path, _m: Path) -> Path:
+        doc = yaml.safe_load((CONF_DIR / "schemas" / "rl_rollout.yaml").read_text())
+        edit(doc)
+        (d / "s.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+        return d / "s.yaml"
+
+    return build
+
+
+def _schema_text(text: str):
+    def build(d: Path, _out: Path, _m: Path) -> Path:
+        (d / "s.yaml").write_text(text)
+        return d / "s.yaml"
+
+    return build
+
+
+def _leaf0(**fields):
+    return lambda doc: doc["leaves"][0].update(fields)
+
+
+def _jagged(percentile_top: float):
+    entry = {
+        "key": ["ragged"], "kind": "jagged", "dtype": "int64", "trailing_shape": [],
+        "lengths": {"percentiles": [1.0] * 10 + [percentile_top]},
+    }  # fmt: skip
+    return lambda doc: doc["leaves"].append(entry)
+
+
+def _long_strings(doc):
+    doc["non_tensor_batch"]["uid"]["lengths"]["percentiles"][-1] = 1e12
+
+
+BILLION_LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a]\n"
+
+# name: (payload, builder, extra overrides, what the one line must say)
+CASES = {
+    "memmap pickled leaf runs code": ("file", _memmap_pickled_leaf, [], "needs io.open"),
+    "memmap pickled stack runs code": ("file", _memmap_pickled_stack, [], "needs io.open"),
+    "memmap claims [1e6,1e6] int64 on 256 B": ("file", _huge_shape, [], "8,000,000,000,000 bytes"),
+    "memmap truncated leaf": ("file", _truncated_leaf, [], "input_ids.memmap is truncated"),
+    "memmap missing leaf": ("file", _missing_leaf, [], "input_ids.memmap is missing"),
+    "memmap key with ../": ("file", _dotdot_key, [], "..%2Fescape.memmap is missing"),
+    "memmap leaf symlinked out": ("file", _symlink_leaf_out, [], "points outside the directory"),
+    "memmap dir symlinked out": ("file", _symlink_dir_out, [], "points outside the directory"),
+    "memmap leaf is a FIFO": ("file", _fifo_leaf, [], "is a FIFO; only regular files"),
+    "memmap dtype torch.cuda": ("file", _memmap_bad_dtype, [], "unknown dtype 'torch.cuda'"),
+    "memmap meta.json not JSON": ("file", _memmap_not_json, [], "meta.json is not JSON"),
+    "memmap 40 levels deep": ("file", _memmap_deep, [], "nested more than 32 deep"),
+    "memmap foreign class": ("file", _memmap_foreign_class, [], "saved a evil_pkg.Boom"),
+    "FIFO as payload.path": ("file", _fifo, [], "is a FIFO; a recording is a regular file"),
+    "torch.save runs code": ("file", _torch_save_code, [], "needs io.open"),
+    "torch.save runs a shell": ("file", _torch_save_shell, [], "needs posix.system"),
+    "pickle runs code": ("file", _pickle_code, [], "needs io.open"),
+    "pickle of a user class": ("file", _pickle_user_class, [], "needs hostile_support.Tag"),
+    "torch.save truncated": ("file", _torch_save_truncated, [], "truncated or corrupt torch.save"),
+    "torch.save 10^12-element view": ("file", _expanded_view, [], "> payload.max_bytes="),
+    "schema YAML as payload=file": ("file", _schema_as_file, [], "replay it with payload=schema"),
+    "file over payload.max_bytes": (
+        "file",
+        _small_recording,
+        ["payload.max_bytes=100"],
+        "bytes > payload.max_bytes=100",
+    ),
+    "resampled batch over the limit": (
+        "file",
+        _small_recording,
+        ["payload.batch_size=100000", "payload.max_bytes=1000000"],
+        "payload.batch_size: 100,000 rows × 93 bytes per row = 9,300,000 bytes",
+    ),
+    "payload.max_bytes=0": ("file", _small_recording, ["payload.max_bytes=0"], "positive integer"),
+    "torch.save as payload=schema": ("schema", _torch_save_as_schema, [], "it is a torch.save"),
+    "pickle as payload=schema": ("schema", _pickle_as_schema, [], "(it is a pickle)"),
+    "memmap dir as payload=schema": ("schema", _memmap_as_schema, [], "is a directory"),
+    "FIFO as payload=schema": ("schema", _fifo, [], "is not a regular file"),
+    "schema dim true": ("schema", _schema_with(_leaf0(shape=[True])), [], "non-negative integers"),
+    "schema dim 1.5": ("schema", _schema_with(_leaf0(shape=[1.5])), [], "non-negative integers"),
+    "schema dim '8'": ("schema", _schema_with(_leaf0(shape=["8"])), [], "non-negative integers"),
+    "schema dim -1": ("schema", _schema_with(_leaf0(shape=[-1])), [], "non-negative integers"),
+    "schema dtype cuda": ("schema", _schema_with(_leaf0(dtype="cuda")), [], "unknown dtype 'cuda'"),
+    "schema dtype Tensor": ("schema", _schema_with(_leaf0(dtype="Tensor")), [], "unknown dtype"),
+    "schema kind pickle": ("schema", _schema_with(_leaf0(kind="pickle")), [], "kind is 'pickle'"),
+    "schema without leaves": (
+        "schema",
+        _schema_with(lambda doc: doc.pop("leaves")),
+        [],
+        "leaves must be a list",
+    ),
+    "schema leaf without key": (
+        "schema",
+        _schema_with(lambda doc: doc["leaves"][0].pop("key")),
+        [],
+        "key must be a list",
+    ),
+    "schema key 1000 deep": (
+        "schema",
+        _schema_with(_leaf0(key=["k"] * 1000)),
+        [],
+        "1 to 32 names",
+    ),
+    "schema unknown field": ("schema", _schema_with(_leaf0(pickle="x")), [], "unknown fields"),
+    "schema YAML 1000 deep": (
+        "schema",
+        _schema_text("leaves: " + "[" * 1000 + "]" * 1000),
+        [],
+        "not a schema YAML: ",
+    ),
+    "schema YAML 100000 deep": (
+        "schema",
+        _schema_text("a:\n" + "- " * 100000 + "x\n"),
+        [],
+        "nests deeper than 32",
+    ),
+    "schema YAML alias bomb": ("schema", _schema_text(BILLION_LAUGHS), [], "uses an alias"),
+    "schema jagged lengths 1e12": (
+        "schema",
+        _schema_with(_jagged(1e12)),
+        [],
+        "rows up to 1,000,000,000,000 long",
+    ),
+    "schema string lengths 1e12": (
+        "schema",
+        _schema_with(_long_strings),
+        [],
+        "strings up to 1,000,000,000,000 long",
+    ),
+    "schema batch_size × shape": (
+        "schema",
+        _schema_with(_leaf0(shape=[10**6])),
+        ["payload.batch_size=1000000"],
+        "payload.batch_size=1,000,000 rows × ",
+    ),
+    "schema 10^12 elements": (
+        "schema",
+        _schema_with(_leaf0(shape=[10**6, 10**6])),
+        [],
+        "shape [1000000, 1000000]",
+    ),
+    "schema percentiles decreasing": (
+        "schema",
+        _schema_with(
+            lambda doc: doc["non_tensor_batch"]["uid"]["lengths"].update(
+                percentiles=list(range(11, 0, -1))
+            )
+        ),
+        [],
+        "non-decreasing",
+    ),  # fmt: skip
+    "schema numpy sub-array dtype": (
+        "schema",
+        _schema_with(lambda doc: doc["non_tensor_batch"]["uid"].update(dtype="(1000,1000)f8")),
+        [],
+        "not a plain numpy dtype",
+    ),  # fmt: skip
+}
+
+
+@pytest.fixture
+def places(tmp_path):
+    """(inputs dir, a dir outside the recording, the marker code would create, Hydra's dir)."""
+    dirs = [tmp_path / name for name in ("in", "outside", "hydra")]
+    for d in dirs:
+        d.mkdir()
+    return dirs[0], dirs[1], tmp_path / "marker", dirs[2]
+
+
+THROUGH_THE_CLI = (
+    "memmap pickled leaf runs code", "memmap claims [1e6,1e6] int64 on 256 B",
+    "FIFO as payload.path", "torch.save truncated", "torch.save as payload=schema",
+    "schema YAML 100000 deep", "schema jagged lengths 1e12", "schema dtype cuda",
+)  # fmt: skip
+"""Cases also run through the whole `bcastbench run` (Hydra included); every case runs through
+the job's validation and the CLI's error printer."""
+
+
+def _check_refusal(case, status, err, took, snapshot_before, places) -> None:
+    inputs, outside, marker, _ = places
+    says = CASES[case][3]
+    assert status == 2, err
+    assert len(err) == 1 and err[0].startswith("bcastbench: error: payload."), err
+    assert says in err[0], err[0]
+    assert "Traceback" not in err[0] and took < QUICK_S, (took, err)
+    assert snapshot(inputs, outside) == snapshot_before, "an input changed"
+    assert not marker.exists(), "code from the recording ran"
+    if "runs code" in case or "user class" in case or "shell" in case:
+        assert "payload.trust=true" in err[0]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hostile_input_is_one_line_exit_2_and_harmless(case, places, capsys):
+    """The job's validation of the payload, and the CLI's printer for what it raises."""
+    from harness.run import cli
+    from harness.run.config import ConfigError, PayloadConf, _validate_recorded
+
+    payload, build, extra, _ = CASES[case]
+    path = build(*places[:3])
+    before = snapshot(*places[:2])
+    overrides = dict(arg.removeprefix("payload.").split("=") for arg in extra)
+    node = OmegaConf.merge(
+        OmegaConf.structured(PayloadConf), {"name": payload, "path": str(path), **overrides}
+    )
+    capsys.readouterr()
+    start = time.monotonic()
+    try:
+        _validate_recorded(node)
+        status = 0
+    except ConfigError as exc:
+        status = cli._exit_status(exc)
+    took = time.monotonic() - start
+    _check_refusal(case, status, capsys.readouterr().err.strip().splitlines(), took, before, places)
+
+
+@pytest.mark.parametrize("case", THROUGH_THE_CLI)
+def test_hostile_input_through_bcastbench_run(case, places, capsys, monkeypatch):
+    payload, build, extra, _ = CASES[case]
+    path = build(*places[:3])
+    before = snapshot(*places[:2])
+    argv = [f"payload={payload}", f"payload.path={path}", *extra, f"hydra.run.dir={places[3]}"]
+    status, err, took = run_cli(argv, capsys, monkeypatch)
+    _check_refusal(case, status, err, took, before, places)
+
+
+@pytest.mark.parametrize(
+    "build", [_memmap_pickled_leaf, _torch_save_code, _pickle_code], ids=["memmap", "torch", "pkl"]
+)
+def test_schema_command_refuses_code_naming_its_own_flag(build, places, capsys, monkeypatch):
+    inputs, outside, marker, _ = places
+    path = build(inputs, outside, marker)
+    out = outside / "schema.yaml"
+    before = snapshot(inputs)
+    status, err, took = run_cli(["schema", str(path), "-o", str(out)], capsys, monkeypatch)
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith("bcastbench schema: error: ") and "needs io.open" in err[0]
+    assert "--trust" in err[0] and "payload.trust" not in err[0], err[0]
+    assert not marker.exists() and not out.exists() and snapshot(inputs) == before
+    assert took < QUICK_S
+
+
+def test_schema_command_never_writes_over_its_input(places, capsys, monkeypatch):
+    inputs, _, _, _ = places
+    rec = torch_recording(inputs / "rec.pt")
+    before = snapshot(inputs)
+    status, err, _ = run_cli(["schema", str(rec), "-o", str(rec)], capsys, monkeypatch)
+    assert status == 2 and "would overwrite the recording" in err[0]
+    assert snapshot(inputs) == before
+
+
+def test_trust_lifts_only_the_pickle_refusal(tmp_path):
+    marker = tmp_path / "marker"
+    rec = evil_memmap(tmp_path / "rec", marker)
+    one_line_error(lambda: recorded.load(rec))
+    assert not marker.exists()
+    recorded.load(rec, trust=True)
+    assert marker.exists()  # trusted: the pickle ran, as the user allowed
+    tagged = tagged_memmap(tmp_path / "tagged")
+    text, _ = one_line_error(lambda: recorded.load(tagged))
+    assert "needs hostile_support.Tag" in text
+    got = recorded.load(tagged, trust=True)
+    assert got.batch.get("tag").data == Tag("mine")
+    huge = _huge_shape(tmp_path, tmp_path, marker)
+    text, _ = one_line_error(lambda: recorded.load(huge, trust=True))
+    assert "truncated" in text  # trust never lifts a size check
+
+
+def test_memmap_reader_matches_tensordicts_own_loader(tmp_path):
+    """Every leaf kind, read by our reader, equals what TensorDict.load_memmap reads (a nested
+    tensor comes back jagged, the layout the codecs carry)."""
+    rec = memmap_recording(tmp_path / "rec")
+    before = snapshot(rec)
+    ours = recorded.load(rec).batch
+    theirs = TensorDict.load_memmap(rec, allow_pickle=False, mode="r")
+    assert snapshot(rec) == before
+    for key in ("input_ids", "mask", ("nest", "logp"), "odd/key"):
+        assert torch.equal(ours[key], theirs[key]) and ours[key].dtype == theirs[key].dtype
+    assert ours["ragged"].layout == torch.jagged
+    assert all(
+        torch.equal(a, b) for a, b in zip(ours["ragged"].unbind(0), theirs["ragged"].unbind(0))
+    )
+    assert (
+        ours.get("note").data == "hello"
+        and ours.get("texts").tolist() == theirs.get("texts").tolist()
+    )
+
+
+def test_recorded_batch_reports_its_real_seq_len(tmp_path):
+    rec = memmap_recording(tmp_path / "rec")
+    assert recorded.seq_len_of(recorded.load(rec)) == 9
+    assert recorded.seq_len_of(recorded.make(str(rec), 16)) == 9
+    only_1d = DataProto(TensorDict({"r": torch.ones(3)}, batch_size=[3]), {}, {})
+    assert recorded.seq_len_of(only_1d) is None
+    ragged = torch.nested.nested_tensor([torch.ones(n) for n in (2, 7, 3)], layout=torch.jagged)
+    jagged = DataProto(TensorDict({"ids": ragged}, batch_size=[3]), {}, {})
+    assert recorded.seq_len_of(jagged) == 7
+    replayed = schema.make(str(CONF_DIR / "schemas" / "rl_rollout.yaml"), 2, seed=0)
+    assert recorded.seq_len_of(replayed) == 1024
+
+
+def test_default_limit_is_a_quarter_of_this_machines_memory():
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert recorded.default_max_bytes() == physical // 4
+
+
+def test_schema_bytes_per_row_are_its_shapes_arithmetic():
+    doc = yaml.safe_load((CONF_DIR / "schemas" / "rl_rollout.yaml").read_text())
+    tensors = sum(
+        math.prod(e["shape"]) * recorded.DTYPES[e["dtype"]].itemsize for e in doc["leaves"]
+    )
+    strings = sum(  # a pointer, the str's own bytes and its longest text
+        8 + 8 + math.ceil(e["lengths"]["percentiles"][-1]) for e in doc["non_tensor_batch"].values()
+    )
+    assert schema.validate(doc) == tensors + strings
+    with pytest.raises(schema.SchemaError, match=rf"2 rows × {tensors + strings:,} bytes per row"):
+        schema.validate(doc, batch_size=2, max_bytes=tensors)
