@@ -42,7 +42,7 @@ def share_tree(root: Path | str) -> None:
     directories ``DIR_MODE``, files ``MODE``; only entries this user owns are touched."""
     root = Path(root)
     uid = os.getuid()
-    for here, dirs, names in os.walk(root):
+    for here, _dirs, names in os.walk(root):
         for path, mode in [(here, DIR_MODE)] + [(os.path.join(here, n), MODE) for n in names]:
             try:
                 st = os.lstat(path)

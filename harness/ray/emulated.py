@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import secrets
 import shlex
 import shutil
 import signal
@@ -36,26 +34,11 @@ from pathlib import Path
 
 from harness import paths
 from harness.cluster.launch import LINKS_ENV
-from harness.ray.world import NODE_RESOURCE
+from harness.ray.world import NODE_RESOURCE, cluster_auth
 from harness.run.world import WorldError
 
 RAY_PORT = 6379  # a fresh namespace has every port free
 READY_LINE = "Ray runtime started"
-TOKEN_FILE = "auth_token"
-
-
-def cluster_auth(scratch: Path) -> dict[str, str]:
-    """The environment every node and the driver of one cluster share: token mode (a head in
-    token mode refuses a worker in disabled mode) with a token of this cluster's own, in its
-    scratch directory. Ray would otherwise read ``~/.ray/auth_token``, which a machine where Ray
-    never ran does not have (the head exits with AuthenticationError), and which would tie
-    this private cluster to whatever token the user keeps for theirs."""
-    token = scratch / TOKEN_FILE
-    if not token.exists():
-        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
 
 
 def _tail(path: Path, n: int = 3000) -> str:

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import datetime
 import os
+import secrets
+import shutil
 import signal
 import socket
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import psutil
@@ -33,8 +37,59 @@ DEATH_GRACE_S = 3.0
 """How long, after a rank fails, the world waits for its peers to fail too before naming one."""
 
 
+LEAVE_S, CLOSE_GRACE_S, KILL_GRACE_S = 10.0, 15.0, 2.0
+"""Closing a world: how long ranks get to leave the torch.distributed world, and how long the
+private cluster's processes get to end by themselves (after a clean close) or after SIGTERM
+(an interrupted or failed job) before SIGKILL."""
+
 LOOPBACK = "127.0.0.2"
 """The address a private local Ray cluster advertises and connects on (see ``RayWorld``)."""
+
+
+TOKEN_FILE = "auth_token"
+
+
+def cluster_auth(cluster_dir: Path) -> dict[str, str]:
+    """The environment every process of a cluster started by hand (``ray start``, the
+    emulated cluster's nodes and driver) shares: token mode with a token of the cluster's
+    own, in its directory. Left to itself Ray reads (or writes)
+    ``~/.ray/auth_token``: a machine where Ray never ran has none (a head started in token mode
+    exits with AuthenticationError), and a run would write into the user's home and tie its
+    private cluster to the token the user keeps for their own."""
+    token = Path(cluster_dir) / TOKEN_FILE
+    if not token.exists():
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+
+
+_PROCESS_TOKEN = secrets.token_hex(32)
+
+
+def _private_token_env() -> dict[str, str]:
+    """The token a private cluster started in this process runs with, in the environment its
+    processes inherit: one token per driver process (Ray's driver loads its token once and
+    keeps it), never written to disk. Ray's own default would read or write
+    ``~/.ray/auth_token`` in the user's home. A token the user set is left alone, and so is
+    the auth mode: Ray reads that when it is imported, and children must agree with it."""
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return {}
+    return {"RAY_AUTH_TOKEN": _PROCESS_TOKEN}
+
+
+SOCKET_PATH_ROOM = 40
+"""Longest cluster directory Ray's unix sockets fit under (``<dir>/ray/session_<stamp>/sockets/
+plasma_store`` must stay within the 107 bytes of a socket path)."""
+
+
+def private_cluster_dir() -> Path:
+    """A new directory for one private cluster (its session files, token, sockets): under the
+    temporary directory when its path leaves room for Ray's sockets, else under /tmp."""
+    base = tempfile.gettempdir()
+    if len(base) + len("/bcb-ray-xxxxxxxx") > SOCKET_PATH_ROOM:
+        base = "/tmp"
+    return Path(tempfile.mkdtemp(prefix="bcb-ray-", dir=base))
 
 
 class RayUnavailable(RuntimeError):
@@ -147,7 +202,7 @@ class RankActor:
         this rank's own ``GLOO_SOCKET_IFNAME`` (its rail), over the actors' common one."""
         import torch.distributed as dist
 
-        from harness.run.world import RankContext, _device_for
+        from harness.run.world import RankContext, _device_for, rendezvous_store
 
         os.environ.update(
             RANK=str(self.rank),
@@ -159,12 +214,13 @@ class RankActor:
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
         # Ray pins each GPU bundle's actor to one visible device, so any index maps to 0.
         dev = _device_for(self.backend, self.device, self.rank)
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             self.backend,
-            init_method=f"tcp://{master_addr}:{port}",
+            store=rendezvous_store(master_addr, port, self.rank, self.world_size, timeout),
             rank=self.rank,
             world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
         )
         from harness.cluster.launch import link_counter
 
@@ -213,6 +269,10 @@ class RayWorld:
         self._pg = None
         self._owns_cluster = False
         self._connected = False
+        self._cluster_dir: Path | None = None
+        """A private cluster's own directory (session files, token), removed at close."""
+        self._saved_env: dict[str, str | None] = {}
+        self._reaper: tuple[int, Any] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> RayWorld:
@@ -238,6 +298,9 @@ class RayWorld:
         }
         if self.conf.socket_ifname and "{" not in self.conf.socket_ifname:
             env["GLOO_SOCKET_IFNAME"] = self.conf.socket_ifname
+        elif self.conf.address == "local" and not self.conf.socket_ifname:
+            # A private cluster is this machine alone: gloo's pairs stay on loopback.
+            env["GLOO_SOCKET_IFNAME"] = "lo"
         from harness.cluster.launch import LINKS_ENV
 
         if os.environ.get(LINKS_ENV):  # the emulated cluster's link counters, for the ranks
@@ -256,10 +319,14 @@ class RayWorld:
         self._before = _descendants()
         if self.conf.address == "local":
             self._owns_cluster = True
+            self._prepare_private_cluster()
             # address="local" always starts a new cluster: a bare ray.init() would join any
             # cluster whose address another run left in /tmp/ray/ray_current_cluster.
             ray.init(
                 address="local",
+                # Its session files in its own directory, not Ray's shared /tmp/ray, so
+                # nothing is left there and no later ray.init() finds this cluster.
+                _temp_dir=str(self._cluster_dir / "ray"),
                 # A private cluster on this machine talks over loopback only, never through
                 # the host's outward-facing interface. Not 127.0.0.1: Ray rewrites that one
                 # (and "localhost") to the primary interface's address; the rest of 127/8 is
@@ -276,6 +343,39 @@ class RayWorld:
         self._connected = True
         if self._owns_cluster:
             self.started_pids |= _descendants() - self._before
+
+    def _prepare_private_cluster(self) -> None:
+        """The private cluster's directory, its token (Ray's processes inherit the
+        environment), and the reaper that cleans up after a driver that dies uncleanly."""
+        from harness.ray import reaper
+
+        self._cluster_dir = private_cluster_dir()
+        for key, value in _private_token_env().items():
+            self._saved_env[key] = os.environ.get(key)
+            os.environ[key] = value
+        self._reaper = reaper.start(self._cluster_dir)
+        self._before.add(self._reaper[1].pid)  # not the cluster's: it ends when told
+
+    def _forget_private_cluster(self) -> None:
+        """After the cluster has stopped: the environment as it was, the directory gone, and
+        the reaper told (it finds nothing left to stop)."""
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved_env = {}
+        if self._cluster_dir is not None:
+            shutil.rmtree(self._cluster_dir, ignore_errors=True)
+            self._cluster_dir = None
+        if self._reaper is not None:
+            fd, proc = self._reaper
+            self._reaper = None
+            os.close(fd)
+            try:
+                proc.wait(timeout=10)
+            except Exception:
+                proc.kill()
 
     def _bundle(self, rank: int) -> dict[str, float]:
         c = self.conf
@@ -347,11 +447,12 @@ class RayWorld:
         cluster) shut Ray down and make sure every process it started has ended."""
         ray = self._ray
         if ray is None or not self._connected:
-            self._reap()
+            self._reap(kill)
+            self._forget_private_cluster()
             return
         if self.actors and not kill:
             try:
-                ray.get([a.leave.remote() for a in self.actors], timeout=10)
+                ray.get([a.leave.remote() for a in self.actors], timeout=LEAVE_S)
             except Exception:
                 pass  # a rank that cannot leave cleanly is killed below anyway
         for actor in self.actors:
@@ -368,17 +469,26 @@ class RayWorld:
             self._pg = None
         ray.shutdown()
         self._connected = False
-        self._reap()
+        self._reap(kill)
+        self._forget_private_cluster()
 
-    def _reap(self, grace_s: float = 15.0) -> None:
-        """Wait for the processes the private cluster started; SIGKILL any left, by pid."""
+    def _reap(self, kill: bool = False) -> None:
+        """Wait for the processes the private cluster started (SIGTERM them first when
+        ``kill``: an interrupted or failed job does not wait for Ray's own shutdown); SIGKILL
+        any left after the grace, by pid."""
         procs = []
         for pid in self.started_pids:
             try:
                 procs.append(psutil.Process(pid))
             except psutil.NoSuchProcess:
                 continue
-        _, alive = psutil.wait_procs(procs, timeout=grace_s)
+        if kill:
+            for proc in procs:
+                try:
+                    proc.send_signal(signal.SIGTERM)
+                except psutil.NoSuchProcess:
+                    pass
+        _, alive = psutil.wait_procs(procs, timeout=KILL_GRACE_S if kill else CLOSE_GRACE_S)
         for proc in alive:
             try:
                 proc.send_signal(signal.SIGKILL)

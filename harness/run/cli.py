@@ -151,6 +151,9 @@ def _run_app(decorated) -> int:
     except SystemExit as exc:  # --help, or a job's one-line config error
         return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     except KeyboardInterrupt:
+        from harness.run.launch import close_ray
+
+        close_ray(kill=True)  # a Ray world's ranks may be mid-job: no clean leave to wait for
         print(
             f"\nbcastbench: interrupted; records written so far: {STATE.records}", file=sys.stderr
         )

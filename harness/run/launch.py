@@ -207,12 +207,13 @@ def ray_world(world_size: int, conf):
     return world
 
 
-def close_ray() -> None:
-    """Close this process's Ray world, if any: Ray shut down, every process it started gone."""
+def close_ray(kill: bool = False) -> None:
+    """Close this process's Ray world, if any: Ray shut down, every process it started gone
+    (``kill``: at once, for an interrupted command, without waiting for ranks to leave)."""
     world = _RAY.pop("world", None)
     _RAY.pop("key", None)
     if world is not None:
-        world.close()
+        world.close(kill=kill)
 
 
 def run_ray(cfg, spec) -> Ran:

@@ -235,15 +235,19 @@ def _worker(
         LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        # Every rank is on this machine: gloo's pairs listen and connect on loopback, not on
+        # whatever address the host name resolves to.
+        GLOO_SOCKET_IFNAME="lo",
     )
     try:
         dev = _device_for(backend, device, local_rank)
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend,
-            init_method=f"tcp://127.0.0.1:{port}",
+            store=rendezvous_store("127.0.0.1", port, local_rank, world_size, timeout),
             rank=local_rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
         )
         ctx = RankContext(local_rank, world_size, backend, dev, conn, board=board)
         ctx.send("ready", None)
@@ -320,6 +324,24 @@ def _answer_status(conn: Connection, main_ident: int) -> None:
                 return
 
     threading.Thread(target=serve, daemon=True, name="bcastbench-status").start()
+
+
+def rendezvous_store(
+    host: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta
+) -> dist.TCPStore:
+    """The world's TCPStore, listening on ``host`` only. Left to itself, rank 0's store
+    listens on every interface of the machine (``::``); here rank 0 binds the socket to
+    ``host`` and hands it to the store, so a local world is reachable from this machine
+    alone (and a node's from its own address)."""
+    listen_fd = None
+    if rank == 0:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(max(128, world_size))
+        listen_fd = sock.detach()
+    return dist.TCPStore(host, port, world_size, rank == 0, timeout, master_listen_fd=listen_fd)
 
 
 def _free_port() -> int:

@@ -1,0 +1,115 @@
+"""The private Ray cluster's undertaker: a small process that outlives the driver and, once the
+driver is gone however it ended (kill -9 included, which runs none of the driver's own
+cleanup), stops every process the cluster started and removes the cluster's directory.
+
+Ray's own processes notice a dead driver slowly (its dashboard and runtime-env agents stay for
+a minute or more), and its session folder stays on disk. The driver starts this before
+``ray.init`` with the write end of a pipe it keeps; the reaper polls the driver's descendants
+while that pipe is open (so it knows every pid, with its start time against pid reuse) and
+acts on EOF. A driver that closes cleanly has already stopped the cluster, so the reaper finds
+nothing left but the directory.
+
+    python -m harness.ray.reaper <driver pid> <cluster dir>     (fd 0: the pipe)
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+POLL_S = 0.5
+"""How often the driver's descendants are listed while it lives."""
+GRACE_S = 3.0
+"""How long the cluster's processes get to end after SIGTERM before SIGKILL."""
+
+
+def _descendants(pid: int) -> dict[int, float]:
+    """pid → start time of every live descendant of ``pid``."""
+    try:
+        return {p.pid: p.create_time() for p in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        return {}
+
+
+def _still(pid: int, started: float) -> psutil.Process | None:
+    """The process ``pid`` if it is still the one seen (same start time), else None."""
+    try:
+        proc = psutil.Process(pid)
+        return proc if abs(proc.create_time() - started) < 1e-3 else None
+    except psutil.Error:
+        return None
+
+
+def stop_all(seen: dict[int, float], grace_s: float = GRACE_S) -> list[int]:
+    """SIGTERM every process of ``seen`` still alive (and whatever it started since), then
+    SIGKILL what remains after ``grace_s``; the pids stopped."""
+    procs = [p for p in (_still(pid, t) for pid, t in seen.items()) if p is not None]
+    for proc in list(procs):
+        try:
+            procs += [c for c in proc.children(recursive=True) if c not in procs]
+        except psutil.Error:
+            pass
+    for proc in procs:
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=2)
+    return [p.pid for p in procs]
+
+
+def watch(driver: int, cluster_dir: Path, pipe_fd: int = 0) -> None:
+    """Until ``pipe_fd`` reaches EOF (the driver closed it or died), keep the list of the
+    driver's descendants; then stop them and remove ``cluster_dir``."""
+    seen: dict[int, float] = {}
+    me = os.getpid()
+    while True:
+        ready, _, _ = select.select([pipe_fd], [], [], POLL_S)
+        if ready and not os.read(pipe_fd, 4096):
+            break
+        seen.update({pid: t for pid, t in _descendants(driver).items() if pid != me})
+    stop_all(seen)
+    shutil.rmtree(cluster_dir, ignore_errors=True)
+
+
+def start(cluster_dir: Path) -> tuple[int, subprocess.Popen]:
+    """Start a reaper for this process's private cluster in ``cluster_dir``; returns the pipe's
+    write end, which the caller keeps open for as long as the cluster lives (closing it tells
+    the reaper the driver is done), and the reaper's process."""
+    read_fd, write_fd = os.pipe()
+    os.set_inheritable(write_fd, False)
+    # Its own session: a Ctrl-C or kill of the driver's process group does not reach it.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness.ray.reaper", str(os.getpid()), str(cluster_dir)],
+        stdin=read_fd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        close_fds=True,
+    )
+    os.close(read_fd)
+    return write_fd, proc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver's Ctrl-C is not ours
+    watch(int(args[0]), Path(args[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

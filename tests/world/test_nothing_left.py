@@ -1,0 +1,122 @@
+"""Nothing left, nothing exposed: the worlds listen on loopback only where the code decides
+the address, and a private Ray cluster leaves no process and no directory behind however its
+driver ends, kill -9 included.
+
+Ray's own gRPC servers (gcs_server, raylet, workers, the driver's core worker) bind every
+interface and Ray 2.60 has no setting to change that (``get_all_interfaces_ip``); a private
+cluster advertises a loopback address, connects over it and runs with a token of its own, and
+the test lists those listeners apart so a change in Ray shows up here.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harness.paths import REPO
+
+
+def listeners(pids: set[int]) -> list[tuple[int, str, str, int]]:
+    """(pid, process name, address, port) of every listening TCP socket of ``pids``."""
+    found = []
+    for conn in psutil.net_connections(kind="inet"):
+        if conn.pid in pids and conn.status == psutil.CONN_LISTEN:
+            try:
+                name = psutil.Process(conn.pid).name()
+            except psutil.Error:
+                name = "?"
+            found.append((conn.pid, name, conn.laddr.ip, conn.laddr.port))
+    return sorted(found)
+
+
+def is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(address).is_loopback
+
+
+def pid_of(ctx) -> int:
+    return os.getpid()
+
+
+def test_a_forked_world_listens_on_loopback_only(world4):
+    ranks = set(world4.run(pid_of, what="pids"))
+    found = listeners(ranks | {os.getpid()})
+    print("forked world of 4, listening sockets:", *found, sep="\n  ")
+    assert found, "a gloo world listens somewhere (its store and pairs)"
+    assert all(is_loopback(addr) for _, _, addr, _ in found), found
+
+
+def _ray_or_skip():
+    ray = pytest.importorskip("ray", reason='ray is an optional extra: pip install "ray==2.60.0"')
+    if not hasattr(ray, "init"):
+        pytest.skip('only a test stand-in for ray is loaded: pip install "ray==2.60.0"')
+
+
+DRIVER = """
+import json, os, sys, time
+sys.path.insert(0, {repo!r})
+from harness.ray.world import RayConf, RayWorld
+world = RayWorld(2, RayConf(num_cpus=2, object_store_mb=128)).start()
+pids = world.rank_pids
+print(json.dumps({{"dir": str(world._cluster_dir), "started": sorted(world.started_pids),
+                  "ranks": pids}}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_kill_9_of_a_ray_driver_leaves_nothing(tmp_path):
+    """The driver is killed with SIGKILL while its cluster runs: within 15 s every process the
+    cluster started and its directory are gone, and nothing was written to the home
+    directory or to Ray's shared /tmp/ray."""
+    _ray_or_skip()
+    import json
+
+    home = tmp_path / "home"
+    home.mkdir()
+    shared_before = set(Path("/tmp/ray").glob("session_*")) if Path("/tmp/ray").exists() else set()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DRIVER.format(repo=str(REPO))],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "HOME": str(home)}, start_new_session=True,
+    )  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()[-3000:]
+        info = json.loads(line)
+        cluster = psutil.Process(proc.pid).children(recursive=True)
+        reaper = [p for p in cluster if "harness.ray.reaper" in " ".join(p.cmdline())]
+        ray_procs = [p for p in cluster if p not in reaper]
+        assert reaper and ray_procs and Path(info["dir"]).is_dir()
+        found = listeners({proc.pid, *(p.pid for p in ray_procs)})
+        gloo_ranks = set(info["ranks"])
+        print("private Ray cluster of 2 ranks, listening sockets:", *found, sep="\n  ")
+        for pid, name, addr, port in found:
+            # Every address the harness chooses is loopback; Ray's servers bind all (see above).
+            assert is_loopback(addr) or addr in ("0.0.0.0", "::"), (pid, name, addr, port)
+        assert any(pid in gloo_ranks and is_loopback(a) for pid, _, a, _ in found)
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = t0 + 15
+        while time.monotonic() < deadline:
+            alive = [p for p in ray_procs if p.is_running() and p.status() != "zombie"]
+            if not alive and not Path(info["dir"]).exists():
+                break
+            time.sleep(0.25)
+        gone_s = time.monotonic() - t0
+        print(f"after kill -9 of the driver: cluster gone in {gone_s:.1f} s")
+        assert not alive, [(p.pid, p.name()) for p in alive]
+        assert not Path(info["dir"]).exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not (home / ".ray").exists(), "the private cluster wrote into the home directory"
+    after = set(Path("/tmp/ray").glob("session_*")) if Path("/tmp/ray").exists() else set()
+    assert after == shared_before, "a session folder was left in Ray's shared /tmp/ray"
