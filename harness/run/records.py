@@ -80,6 +80,8 @@ FIELDS: dict[str, str] = {
     "copied_bytes_receiver": "bytes the busiest receiver copies per call",
     "peak_rss_bytes": "highest resident set over ranks during one call",
     "peak_rss_delta_bytes": "what that call added to the resident set",
+    "peak_rss_heap_released": "whether every rank handed its free heap back to the kernel "
+    "before that call, so the growth counts every page it allocated (null: not measured)",
     "peak_cuda_bytes": "torch.cuda.max_memory_allocated over ranks (null on CPU)",
     "cross_node_bytes_per_call": "emulated cluster: bytes the node links carried per call",
     "modes": "dispatch: every mode timed in the job, with its p50 and raw floor",
@@ -300,6 +302,7 @@ def _measured(spec, summary: dict) -> dict:
         # Present when a collective count could not be established (the counts are None).
         **{k: mine[k] for k in ("collectives_unavailable",) if k in mine},
         **{k: mine[k] for k in ("peak_rss_bytes", "peak_rss_delta_bytes", "peak_cuda_bytes")},
+        "peak_rss_heap_released": mine.get("peak_rss_heap_released"),
         **(
             {"cross_node_bytes_per_call": mine["cross_node_bytes_per_call"]}
             if "cross_node_bytes_per_call" in mine  # emulated-cluster workers
