@@ -27,11 +27,17 @@ def main(argv: list[str] | None = None) -> int:
 
     matplotlib.use("Agg")  # files only; never open a window
     from harness.errors import USAGE_EXIT
-    from harness.report.collect import records_dir_problem
+    from harness.report.collect import records_dir_problem, unfinished_writes
     from harness.report.figures import FIGURES
     from harness.report.markdown import load_dispatch_records, write_ray_report, write_report
     from harness.report.tables import load
 
+    for tmp in unfinished_writes(args.root) if Path(args.root).is_dir() else []:
+        print(
+            f"{PROG}: warning: {tmp} is a record whose writer was killed before it was "
+            "renamed into place; `bcastbench collect` recovers it",
+            file=sys.stderr,
+        )
     dispatch = load_dispatch_records(args.root) if Path(args.root).is_dir() else []
     problem = records_dir_problem(args.root, also=" (or Ray dispatch JSON lists in it)")
     if problem and not dispatch:  # a wrong directory is the caller's mistake: exit 2

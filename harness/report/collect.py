@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -44,7 +45,15 @@ def load(root: Path | str) -> pd.DataFrame:
     """Every result.json under ``root`` (nested reference dicts flattened as ref_<name>_<field>)."""
     rows = []
     for path in sorted(Path(root).rglob("result.json")):
-        rec = json.loads(path.read_text())
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            # Never one of ours (records are written whole): said, and left out of the table.
+            print(f"bcastbench: skipped {path}: not a readable record ({exc})", file=sys.stderr)
+            continue
+        if not isinstance(rec, dict):
+            print(f"bcastbench: skipped {path}: not a record (a JSON object)", file=sys.stderr)
+            continue
         for name, ref in (rec.pop("references", None) or {}).items():
             for k, v in ref.items():
                 rec[f"ref_{name}_{k}"] = v
@@ -57,7 +66,8 @@ def summary_table(df: pd.DataFrame) -> str:
     if df.empty:
         return "(no results)"
     cols = [c for c in COLUMNS if c in df.columns]
-    view = df[cols].sort_values(["layout", "batch_size", "strategy"], na_position="last")
+    keys = [c for c in ("layout", "batch_size", "strategy") if c in cols]
+    view = df[cols].sort_values(keys, na_position="last") if keys else df[cols]
     fmt = {
         "p50_us": "{:.0f}".format,
         "p90_us": "{:.0f}".format,
@@ -73,6 +83,38 @@ def summary_table(df: pd.DataFrame) -> str:
 PROG = "bcastbench collect"
 
 
+def unfinished_writes(root: Path | str) -> list[Path]:
+    """Temporary files a writer killed mid-rename left (``.result.json.*.tmp``, see
+    ``harness.files.write_atomic``) where no result.json stands beside them."""
+    return sorted(
+        tmp
+        for tmp in Path(root).rglob(".result.json.*.tmp")
+        if tmp.is_file() and not (tmp.parent / "result.json").exists()
+    )
+
+
+def recover(root: Path | str) -> tuple[list[Path], list[Path]]:
+    """Each unfinished write that holds a whole record (it was flushed before the rename
+    that did not happen) renamed into place and made readable; the rest left as they are.
+    Returns (recovered records, temporaries left)."""
+    from harness.files import MODE
+
+    recovered, left = [], []
+    for tmp in unfinished_writes(root):
+        try:
+            record = json.loads(tmp.read_text())
+        except (OSError, ValueError):
+            left.append(tmp)
+            continue
+        if not isinstance(record, dict) or "status" not in record:
+            left.append(tmp)
+            continue
+        os.chmod(tmp, MODE)
+        os.replace(tmp, tmp.parent / "result.json")
+        recovered.append(tmp.parent / "result.json")
+    return recovered, left
+
+
 def main(argv: list[str] | None = None) -> int:
     from harness.errors import USAGE_EXIT
 
@@ -80,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("root", help="a run or sweep directory (every result.json below it)")
     ap.add_argument("--out", help="CSV path (default <root>/results.csv)")
     args = ap.parse_args(argv)
+    # Before the check: a directory whose only record a killed writer left is not empty.
+    recovered, left = recover(args.root) if Path(args.root).is_dir() else ([], [])
+    for path in recovered:
+        print(f"{PROG}: recovered {path} (a whole record its killed writer had not renamed)")
+    for path in left:
+        print(f"{PROG}: left {path}: an unfinished write, not a whole record", file=sys.stderr)
     problem = records_dir_problem(args.root)
     if problem:  # a wrong directory is the caller's mistake, like a bad option: exit 2
         print(f"{PROG}: error: {problem}", file=sys.stderr)

@@ -60,3 +60,27 @@ def test_claim_is_released_when_its_holder_ends(tmp_path):
     release(root)
     claim(root)  # free again: no records yet
     release(root)
+
+
+def test_collect_recovers_a_record_its_killed_writer_left(tmp_path, capsys):
+    """A writer killed between flush and rename leaves a whole hidden temporary and no
+    record: collect renames it into place (readable by the team) and says so; a broken one is
+    reported and left alone."""
+    from harness.report.collect import main as collect
+    from harness.run.records import complete
+
+    whole = tmp_path / "0_header_tp2pp2_b8"
+    whole.mkdir()
+    tmp = whole / ".result.json.abc123.tmp"
+    record = complete({"status": "ok", "strategy": "header", "layout": "tp2pp2", "batch_size": 8})
+    tmp.write_text(json.dumps(record))
+    os.chmod(tmp, 0o600)
+    broken = tmp_path / "1_flat_tp2pp2_b8"
+    broken.mkdir()
+    (broken / ".result.json.def456.tmp").write_text('{"status": "o')
+    assert collect([str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert f"recovered {whole / 'result.json'}" in out.out
+    assert "left " in out.err and "def456" in out.err
+    assert (whole / "result.json").stat().st_mode & 0o777 == 0o644
+    assert not tmp.exists() and (broken / ".result.json.def456.tmp").exists()
