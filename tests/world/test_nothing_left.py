@@ -120,3 +120,48 @@ def test_kill_9_of_a_ray_driver_leaves_nothing(tmp_path):
     assert not (home / ".ray").exists(), "the private cluster wrote into the home directory"
     after = set(Path("/tmp/ray").glob("session_*")) if Path("/tmp/ray").exists() else set()
     assert after == shared_before, "a session folder was left in Ray's shared /tmp/ray"
+
+
+def test_ctrl_c_ends_a_ray_sweep_within_5_s(tmp_path):
+    """SIGINT to the sweep's process group mid-job: the command ends within 5 s with its one
+    line, and the private cluster's processes and directory are gone."""
+    _ray_or_skip()
+    sweep = tmp_path / "sweep"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness", "-m", "world=ray", "strategy=header,flat",
+         "iters=2000", "warmup=0", "payload.batch_size=2", "payload.seq_len=64",
+         "ray.object_store_mb=128", f"hydra.sweep.dir={sweep}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        ranks = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            ranks = [
+                p for p in psutil.Process(proc.pid).children(recursive=True)
+                if p.name().startswith("ray::RankActor")
+            ]  # fmt: skip
+            if len(ranks) == 4:
+                break
+            time.sleep(0.5)
+        assert len(ranks) == 4, "the Ray world did not start"
+        cluster = [
+            p for p in psutil.Process(proc.pid).children(recursive=True)
+            if "harness.ray.reaper" not in " ".join(p.cmdline())
+        ]  # fmt: skip
+        time.sleep(3.0)  # into the first job's timed calls
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    print(f"Ctrl-C of a Ray sweep: the command ended in {took:.1f} s")
+    assert proc.returncode == 130, out[-3000:]
+    assert "bcastbench: interrupted; records written so far" in out and "Traceback" not in out
+    assert took < 5.0, out[-2000:]
+    time.sleep(1.0)
+    alive = [p for p in cluster if p.is_running() and p.status() != "zombie"]
+    assert not alive, [(p.pid, p.name()) for p in alive]
