@@ -27,7 +27,7 @@ from functools import cache
 
 import strategies
 from strategies.core.codec import align
-from strategies.core.contract import DataProto, Strategy, Unsupported
+from strategies.core.contract import DataProto, Strategy, Unsupported, failure_in
 from strategies.core.layout import Layout
 from strategies.core.packed import PackedStrategy
 from strategies.core.plan import PayloadSpec, Plan, bytes_per_dtype
@@ -77,11 +77,15 @@ class Auto(Strategy):
         self._last_key: tuple | None = None  # the last shape priced, and its choice
         self._last_choice = self.choice
 
-    def get_data_input(self, batch: DataProto) -> DataProto:
+    def leader_view(self, batch: DataProto) -> DataProto:
+        """The serving candidate's checks (a failure batch then goes out through it)."""
+        return self.built[self.choice].leader_view(batch)
+
+    def transfer(self, batch: DataProto) -> DataProto:
         serving = self.built[self.choice]
-        out = serving.get_data_input(batch)
+        out = serving.transfer(batch)
         header = getattr(serving, "last_header", None)
-        if header is not None:
+        if header is not None and failure_in(out) is None:  # a failure batch is not priced
             key = (header.entries, header.non_tensor, header.header_len)
             if key != self._last_key:  # a new shape: price it (steady state skips this)
                 spec = spec_of_header(header)

@@ -22,7 +22,7 @@ class Flat(PackedStrategy):
     name = "flat"
     claims = "1 broadcast over the replica in steady state (2 when the batch outgrows it)"
 
-    def get_data_input(self, batch: DataProto) -> DataProto:
+    def transfer(self, batch: DataProto) -> DataProto:
         g = self.groups
         return self.relay(batch, [(g.replica_group, g.replica_ranks)])
 

@@ -38,6 +38,7 @@ CHUNK_ALIGN = 4096
 class Floor(Strategy):
     name = "floor"
     selectable = False
+    raw_bytes = True  # it moves the bytes prepare() packed, not the batch it is handed
     claims = "1 broadcast over the replica (method=one); see the module docstring for the others"
 
     def __init__(self, groups, method: str = "one", chunks: int = 4) -> None:
@@ -74,7 +75,7 @@ class Floor(Strategy):
         dist.broadcast(size, src=g.leader, group=g.cpu_replica_group)
         self.nbytes = int(size[0])
 
-    def get_data_input(self, batch: DataProto) -> DataProto:
+    def transfer(self, batch: DataProto) -> DataProto:
         g = self.groups
         if g.replica_ranks == (g.rank,):
             return batch

@@ -21,7 +21,7 @@ class HeaderStrategy(PackedStrategy):
     name = "header"
     claims = "1 broadcast per hop in steady state (2 when the batch outgrows the announced size)"
 
-    def get_data_input(self, batch: DataProto) -> DataProto:
+    def transfer(self, batch: DataProto) -> DataProto:
         g = self.groups
         return self.relay(batch, [(hop.group, hop.ranks) for hop in g.seed_hops()])
 

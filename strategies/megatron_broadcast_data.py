@@ -18,8 +18,10 @@ Adapted to fit the ``get_data_input`` contract:
 
 - Megatron's callers pass the key list and one dtype per call; here receivers know neither, so
   a small table (keys, dtype per key, batch_size) is pickled with ``broadcast_object_list`` over
-  the hop's gloo twin group first. The same table carries the leader's failure (zero-size dim,
-  ndim >= 5, a broken DataProto, any exception), so receivers raise it instead of waiting;
+  the hop's gloo twin group first. What the header cannot describe (zero-size dim, ndim >= 5)
+  is refused by the leader before that (``refuse``), and a refusal, a broken DataProto or any
+  exception reaches every rank as a failure batch (``strategies.Strategy.get_data_input``);
+  a table that cannot be pickled travels as a ``ShippedFailure`` in its place;
 - one header for all keys instead of one per dtype call (the original's callers pay one header
   per dtype); dtype buffers go in order of each dtype's first key;
 - ``non_tensor_batch``, when ``meta_info['_broadcast_non_tensor_batch']`` is set, rides pickled
@@ -27,7 +29,7 @@ Adapted to fit the ``get_data_input`` contract:
 - nested TensorDict keys travel as key tuples in the table and are rebuilt (the original takes
   flat string keys);
 - a jagged NestedTensor or a NonTensorData/NonTensorStack leaf has no place in that header:
-  the leader refuses it through the table, so every rank raises naming the key;
+  the leader refuses it, so every rank raises naming the key;
 - the original hard-codes CUDA and TP only; here the device is ``groups.device`` (gloo/CPU or
   NCCL/CUDA) and the call runs per hop. Stage-0 ranks forward the table, header and flat buffers
   they received unchanged on the PP hop (no second ``torch.cat``).
@@ -48,13 +50,10 @@ from strategies.core.contract import (
     ShippedFailure,
     Strategy,
     _key_name,
-    attempt,
     broadcast_objects,
     deliver,
-    failure_text,
     is_non_tensor_leaf,
     raise_failure,
-    validate,
     wants_non_tensor,
 )
 from strategies.core.contract import leaves as all_leaves
@@ -102,17 +101,10 @@ def _check_leaf(key, t: torch.Tensor, rank: int) -> None:
         )
 
 
-def build_message(batch: DataProto, rank: int, device: torch.device | None = None) -> _Message:
-    """Leader: table + header + per-dtype flat buffers, or a table that carries the failure
-    (of any exception type) so every rank raises it."""
-    built, exc = attempt(_build, batch, rank, device)
-    if exc is not None:
-        return _Message({"error": failure_text(exc)}, None, [], failure=exc)
-    return built
-
-
-def _build(batch: DataProto, rank: int, device: torch.device | None) -> _Message:
-    validate(batch, rank, device)
+def refuse(batch: DataProto, rank: int) -> None:
+    """Leader, before any collective: what broadcast_data's header cannot describe (a leaf
+    that is not dense, five or more dims, a zero-size dim) raises ContractError naming the key,
+    which reaches every rank of the replica."""
     for key, value in all_leaves(batch.batch):
         if is_non_tensor_leaf(value) or value.is_nested:
             what = type(value).__name__ if is_non_tensor_leaf(value) else "a jagged NestedTensor"
@@ -121,9 +113,12 @@ def _build(batch: DataProto, rank: int, device: torch.device | None) -> _Message
                 "carries dense tensors only (its header holds one dense shape per key); use "
                 "header, flat, direct, pp_first or scatter_allgather for such leaves"
             )
+        _check_leaf(_key_name(key), value, rank)
+
+
+def build_message(batch: DataProto) -> _Message:
+    """Leader: table + header + per-dtype flat buffers of a batch ``refuse`` passed."""
     leaves = list(batch.batch.items(include_nested=True, leaves_only=True))
-    for key, t in leaves:
-        _check_leaf(key, t, rank)
     keys = [_key_tuple(k) for k, _ in leaves]
     dtypes = [t.dtype for _, t in leaves]
     sizes = [0] * (MAX_DATA_DIM * len(leaves))
@@ -226,12 +221,13 @@ class MegatronBroadcastData(Strategy):
         "stage 0 if tp·cp>1, then PP if pp>1"
     )
 
-    def get_data_input(self, batch: DataProto) -> DataProto:
+    def check(self, batch: DataProto) -> None:
+        refuse(batch, self.groups.rank)
+
+    def transfer(self, batch: DataProto) -> DataProto:
         g = self.groups
-        if g.replica_ranks == (g.rank,):
-            return batch
-        msg = build_message(batch, g.rank, g.device) if g.is_leader else None
-        failure = msg.failure if msg is not None else None
+        msg = build_message(batch) if g.is_leader else None
+        failure = None
         for hop in g.seed_hops():
             msg = broadcast_message(msg, hop.ranks[0], hop.group, hop.cpu_group, g.device)
             failure = failure or msg.failure

@@ -32,9 +32,10 @@ Adapted to the ``get_data_input`` contract:
 - receivers restore CUDA tensors on their own ``groups.device`` (NeMo-RL: the leader's device
   string, which under Ray names each worker's only visible GPU).
 
-Whatever the leader raises while describing its batch (or pickling the descriptor), the
-descriptor carries the error instead, so every rank raises it; all leader-side preparation runs
-before the descriptor goes out, so nothing the leader can refuse comes after it.
+Whatever the leader raises while describing its batch, a failure batch goes out in its place
+(``strategies.Strategy.get_data_input``), and a descriptor that will not pickle travels as a
+``ShippedFailure``, so every rank raises it; all leader-side preparation runs before the
+descriptor goes out, so nothing the leader can refuse comes after it.
 
 Per call: 2 collectives (descriptor sizes, pickled descriptor) + 1 per tensor leaf.
 """
@@ -52,13 +53,10 @@ from strategies.core.codec import transportable
 from strategies.core.contract import (
     ShippedFailure,
     Strategy,
-    attempt,
     deliver,
-    failure_text,
     is_non_tensor_leaf,
     leaves,
     raise_failure,
-    validate,
     wants_non_tensor,
 )
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
@@ -104,20 +102,26 @@ def _name(key: tuple[str, ...]):
     return key if len(key) > 1 else key[0]
 
 
-def describe(batch, device: torch.device, groups) -> Prepared:
-    """Leader: NeMo-RL's descriptor for the batch, and the tensors to broadcast after it."""
-    validate(batch, groups.rank, groups.device)
+def refuse(batch, rank: int) -> None:
+    """Leader, before any collective: a leaf with no dense shape (jagged, any non-strided
+    layout) raises ``Refused`` naming the key, which reaches every rank of the replica."""
+    for key, value in leaves(batch.batch):
+        if not is_non_tensor_leaf(value) and (value.layout != torch.strided or value.is_nested):
+            raise Refused(
+                f"rank {rank}: batch[{_name(key)!r}] has layout {value.layout}; NeMo-RL's "
+                "descriptor records one dense shape per tensor, so only strided tensors travel"
+            )
+
+
+def describe(batch, device: torch.device) -> Prepared:
+    """Leader: NeMo-RL's descriptor for a batch ``refuse`` passed, and the tensors to
+    broadcast after it."""
     descriptor: list = [(BATCH_SIZE_KEY, "raw", list(batch.batch.batch_size))]
     tensors: list[torch.Tensor] = []
     for key, value in leaves(batch.batch):
         if is_non_tensor_leaf(value):
             descriptor.append((key, "raw", value))
             continue
-        if value.layout != torch.strided or value.is_nested:
-            raise Refused(
-                f"rank {groups.rank}: batch[{_name(key)!r}] has layout {value.layout}; NeMo-RL's "
-                "descriptor records one dense shape per tensor, so only strided tensors travel"
-            )
         descriptor.append((key, "tensor", str(value.dtype), tuple(value.shape), str(value.device)))
         tensors.append(_sendable(value, device))
     if wants_non_tensor(batch):
@@ -163,10 +167,11 @@ class NemoRlLeaderBroadcast(Strategy):
         "+ 1 broadcast per tensor leaf; none when the replica is one rank"
     )
 
-    def get_data_input(self, batch):
+    def check(self, batch) -> None:
+        refuse(batch, self.groups.rank)
+
+    def transfer(self, batch):
         g = self.groups
-        if len(g.replica_ranks) == 1:
-            return batch
         device = _bcast_device(g.replica_group)
         if not g.is_leader:
             box = [None]
@@ -175,10 +180,7 @@ class NemoRlLeaderBroadcast(Strategy):
                 raise_failure(g, box[0].text)
             entries = _receive(box[0], g.leader, g.replica_group, device, g.device)
             return deliver(batch, *_rebuild(entries))
-        prepared, error = attempt(describe, batch, device, g)
-        if error is not None:  # the descriptor carries it instead, so every rank raises
-            send_or_failure(ShippedFailure(failure_text(error)), g.replica_group)
-            raise_failure(g, failure_text(error), error)
+        prepared = describe(batch, device)
         failed = send_or_failure(prepared.descriptor, g.replica_group)
         if failed is not None:  # the descriptor would not pickle; every rank got why
             raise_failure(g, failed[1].text, failed[0])

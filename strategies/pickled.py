@@ -23,11 +23,13 @@ non_tensor_batch and meta_info) gets the batch set on it and is returned.
 
 Added to the seed, so no rank waits forever: whatever the leader raises while preparing or
 pickling its batch (a broken contract, an object that is not a DataProto, an unpicklable value),
-it broadcasts the error's text in the batch's place (``strategies.core.contract.attempt``); every
-rank of the replica raises it (``LeaderFailed`` off the leader, naming the leader's rank and
-error), and the leader re-raises its own. The leader also refuses, on every rank, a leaf whose
-dtype its hop's pickling saves but cannot load back (``loads_back``: float8 and uint16/32/64
-under plain pickle), which the seed would have left to fail on the receivers.
+a failure batch goes out in the batch's place (``strategies.Strategy.get_data_input``, as for
+every strategy); every rank of the replica raises it (``LeaderFailed`` off the leader, naming
+the leader's rank and error), and the leader re-raises its own. A forwarding rank that cannot
+pickle what it received sends a ``ShippedFailure`` on its hop instead. The leader also refuses,
+on every rank, a leaf whose dtype its hop's pickling saves but cannot load back
+(``loads_back``: float8 and uint16/32/64 under plain pickle), which the seed would have left to
+fail on the receivers.
 
 Options: ``serialization`` = ``roll`` | ``dataclass`` (conf/strategy/pickled.yaml).
 """
@@ -41,22 +43,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tensordict import TensorDict
 
 from strategies.core.contract import (
     ContractError,
     ShippedFailure,
     Strategy,
-    attempt,
     broadcast_objects,
     deliver,
-    failure_text,
     leaves,
     raise_failure,
-    validate,
     wants_non_tensor,
 )
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
-from strategies.core.roll_proto import RollDataProto
+from strategies.core.roll_proto import RollBatchProxy, RollDataProto
 
 SERIALIZATIONS = ("roll", "dataclass")
 
@@ -116,10 +116,11 @@ class Pickled(Strategy):
         """The object ROLL's code holds on this rank: a ROLL-shaped view of the caller's."""
         return RollDataProto.of(batch) if self.serialization == "roll" else batch
 
-    def _leader_state(self, batch, whole: bool) -> Any:
+    def check(self, batch) -> None:
+        """Refuse, on every rank, a leaf whose dtype this call's pickling saves but cannot load
+        back (``loads_back``)."""
         rank = self.groups.rank
-        validate(batch, rank, self.groups.device)
-        torch_save = self.serialization == "roll" and whole
+        torch_save = self.serialization == "roll" and wants_non_tensor(batch)
         for key, t in leaves(batch.batch):
             if isinstance(t, torch.Tensor) and not loads_back(t.dtype, torch_save):
                 how = "torch.save / torch.load" if torch_save else "pickle"
@@ -128,7 +129,6 @@ class Pickled(Strategy):
                     f"{t.dtype}, which torch cannot load back through {how}; the receivers "
                     "could not unpickle it"
                 )
-        return self._state(batch)
 
     def _outgoing(self, state, whole: bool):
         if self.serialization == "roll":
@@ -137,6 +137,9 @@ class Pickled(Strategy):
 
     @staticmethod
     def _incoming(state, received, whole: bool) -> None:
+        # What arrived says what it is: a leader whose own object was broken sends its failure
+        # batch as flag-false does, whatever flag this rank holds.
+        whole = whole and not isinstance(received, (RollBatchProxy, TensorDict))
         if isinstance(state, RollDataProto):
             # ROLL's setters (shallow copies); their consistency check is skipped because the
             # contract carries batches ROLL's check refuses (non-object arrays, B×T batches).
@@ -148,17 +151,13 @@ class Pickled(Strategy):
         if whole:
             state.non_tensor_batch = received.non_tensor_batch
 
-    def get_data_input(self, batch):
+    def transfer(self, batch):
         g = self.groups
         whole = wants_non_tensor(batch)
+        state = self._state(batch)
         failure = error = None
-        if g.is_leader:  # whatever it raises travels in the batch's place
-            state, error = attempt(self._leader_state, batch, whole)
-            failure = ShippedFailure(failure_text(error)) if error is not None else None
-        else:
-            state = self._state(batch)
         for hop in g.seed_hops():
-            if g.rank == hop.ranks[0]:
+            if g.rank == hop.ranks[0]:  # a forwarder's own pickling failure travels on
                 failed = send_or_failure(failure or self._outgoing(state, whole), hop.group)
                 if failed is not None:
                     error, failure = failed

@@ -33,7 +33,7 @@ class PpFirst(PackedStrategy):
         "the leader's PP group if pp>1, then every stage's TP×CP group if tp·cp>1"
     )
 
-    def get_data_input(self, batch: DataProto) -> DataProto:
+    def transfer(self, batch: DataProto) -> DataProto:
         g = self.groups
         hops = []
         if g.pp_size > 1 and g.tp_cp_rank == 0:  # stage leaders first: cross nodes once

@@ -18,22 +18,12 @@ import torch.distributed as dist
 from strategies.core.codec import (
     DEFAULT_MAX_BYTES,
     PREFIX_BYTES,
-    encode_error,
     pack,
     peek_total,
     read_header,
     unpack,
 )
-from strategies.core.contract import (
-    DataProto,
-    Strategy,
-    attempt,
-    deliver,
-    failure_text,
-    raise_failure,
-    validate,
-    wants_non_tensor,
-)
+from strategies.core.contract import DataProto, Strategy, deliver, wants_non_tensor
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 
 CHUNK_ALIGN = 64
@@ -68,18 +58,13 @@ class ScatterAllgather(Strategy):
         """The header of the last batch that arrived (on every rank alike; ``auto`` decides
         from it)."""
 
-    def get_data_input(self, batch: DataProto) -> DataProto:
+    def transfer(self, batch: DataProto) -> DataProto:
         g = self.groups
-        if g.replica_ranks == (g.rank,):
-            return batch
         n = g.tp_cp_size
         dev = g.device
         # 1. Header: everyone learns the message size and layout.
         if g.is_leader:
-            packed, exc = attempt(self._pack, batch)
-            if exc is not None:
-                self._refuse(exc)
-            buf, header = packed
+            buf, header = self._pack(batch)
             total = header.total_bytes
             c = chunk_bytes(total, n)
             dist.broadcast(buf[: self.header_bytes], src=g.leader, group=g.replica_group)
@@ -99,8 +84,6 @@ class ScatterAllgather(Strategy):
                 dist.broadcast(rest[self.header_bytes :], src=g.leader, group=g.replica_group)
                 head = rest
             header = read_header(head, self.max_bytes, g.rank)
-            if header.error is not None:
-                raise_failure(g, header.error)
             total = header.total_bytes
             c = chunk_bytes(total, n)
         # 2. Scatter on stage 0; 3. each chunk down its PP group; 4. all-gather per stage.
@@ -131,7 +114,6 @@ class ScatterAllgather(Strategy):
         """Leader: everything that can fail, before the first collective; the buffer holds
         whole chunks."""
         g = self.groups
-        validate(batch, g.rank, g.device)
         nt = batch.non_tensor_batch if wants_non_tensor(batch) else None
         buf, header = pack(batch.batch, nt, out=self._pack_buf, rank=g.rank)
         total = header.total_bytes
@@ -142,18 +124,6 @@ class ScatterAllgather(Strategy):
             buf = grown
         self._pack_buf = buf
         return buf, header
-
-    def _refuse(self, exc: Exception) -> None:
-        """Leader: send the failure where the header would go (every rank reads it), then
-        raise it."""
-        g = self.groups
-        raw = encode_error(failure_text(exc))
-        buf = torch.zeros(max(len(raw), self.header_bytes), dtype=torch.uint8, device=g.device)
-        buf[: len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-        dist.broadcast(buf[: self.header_bytes], src=g.leader, group=g.replica_group)
-        if len(raw) > self.header_bytes:
-            dist.broadcast(buf[self.header_bytes : len(raw)], src=g.leader, group=g.replica_group)
-        raise exc
 
     @classmethod
     def plan(cls, layout, spec: PayloadSpec, header_bytes: int = 4096) -> Plan:

@@ -42,10 +42,11 @@ is set) travels in a second ``broadcast_object_list`` over the replica's gloo tw
 the storage on the SENDER's device index; the leader keeps its own batch (the library's
 consolidated copy is dropped).
 
-Adapted so that no rank waits for a leader that failed: the leader validates and consolidates
-(what the library would do first) before the call; if anything raises, it broadcasts a
-TensorDict holding only its error (``ERROR_KEY``) through the same library call, and every rank
-raises it.
+Adapted so that no rank waits for a leader that failed: the leader consolidates (what the
+library would do first) before the call, so what fails there fails before anything is sent and
+travels as a failure batch through the same library call (``strategies.Strategy``); a failure
+batch ends the call after it on every rank, whatever the receivers' flag says. A
+``non_tensor_batch`` the leader cannot pickle travels as a ``ShippedFailure`` in its place.
 
 Adapted for the 8-byte padding: a complex128 leaf can land at an offset that is not a multiple
 of 16, where the library's own ``view(complex128)`` fails on receivers. Such leaves travel as
@@ -58,7 +59,7 @@ Per call (DP = 1): 2 (pickled metadata) + 1 storage broadcast, + 2 when non-tens
 from __future__ import annotations
 
 import torch
-from tensordict import NonTensorData, TensorDict
+from tensordict import TensorDict
 
 from strategies.core.codec import KIND_OBJECT, message_parts, nbytes_of
 from strategies.core.contract import (
@@ -66,12 +67,10 @@ from strategies.core.contract import (
     ShippedFailure,
     Strategy,
     Unsupported,
-    attempt,
     broadcast_objects,
     deliver,
-    failure_text,
+    failure_in,
     raise_failure,
-    validate,
     wants_non_tensor,
 )
 from strategies.core.contract import leaves as all_leaves
@@ -81,9 +80,6 @@ from strategies.vllm_tensor_dict import leaf_nbytes
 
 CONSOLIDATE_ALIGN = 8  # tensordict pads every leaf of a mixed-dtype storage to 8 bytes
 COMPLEX_PREFIX = "__complex128__"
-ERROR_KEY = "__leader_error__"
-"""A TensorDict holding only this NonTensorData carries the leader's failure (any exception,
-found by consolidating before the call) instead of a batch, so no receiver waits."""
 
 
 def _hide_complex128(td: TensorDict) -> TensorDict:
@@ -147,17 +143,13 @@ class TensorDictBroadcast(Strategy):
         if self._refusal is not None:
             raise TensorDictBroadcastBug(f"rank {groups.rank}: {self._refusal}")
 
-    def get_data_input(self, batch: DataProto) -> DataProto:
+    def transfer(self, batch: DataProto) -> DataProto:
         g = self.groups
-        if g.replica_ranks == (g.rank,):
-            return batch
-        td, exc = attempt(self._preflight, batch) if g.is_leader else (TensorDict(), None)
-        if exc is not None:  # the library carries the failure in place of the batch
-            td = TensorDict({ERROR_KEY: NonTensorData(failure_text(exc))}, batch_size=[])
+        td = self._consolidated(batch) if g.is_leader else TensorDict()
         # Correct here: the replica holds global rank 0, which is the leader and group index 0.
         out = td.broadcast(src=g.leader, group=g.replica_group, device=g.device)
-        if ERROR_KEY in out.keys():
-            raise_failure(g, out.get(ERROR_KEY).data, exc)
+        if failure_in(DataProto(out)) is not None:  # a failure batch: it ends the call here
+            return batch if g.is_leader else deliver(batch, out, None)
         non_tensor = None
         if wants_non_tensor(batch):
             box = [batch.non_tensor_batch if g.is_leader else None]
@@ -169,10 +161,9 @@ class TensorDictBroadcast(Strategy):
             deliver(batch, _restore_complex128(out), non_tensor)
         return batch
 
-    def _preflight(self, batch: DataProto) -> TensorDict:
-        """Leader: validate, then consolidate as the library would (the same single copy), so
-        whatever the library would fail on fails here, before its first collective."""
-        validate(batch, self.groups.rank, self.groups.device)
+    def _consolidated(self, batch: DataProto) -> TensorDict:
+        """Leader, before the library's first collective: consolidate as the library would
+        (the same single copy), so whatever it would fail on fails before anything is sent."""
         td = _hide_complex128(batch.batch)
         if td.is_consolidated():
             return td

@@ -17,8 +17,9 @@ Adapted to fit the ``get_data_input`` contract:
 
 - keys are TensorDict leaf keys (a nested key travels as its tuple), and ``batch_size`` rides as
   one more inline metadata entry; receivers rebuild the TensorDict;
-- a leader that fails before sending (any exception) sends a metadata list holding only
-  its error, so every rank raises it instead of waiting for tensors;
+- a leader that fails before sending (any exception) sends a failure batch instead
+  (``strategies.Strategy.get_data_input``), and metadata its source cannot pickle travels as
+  a ``ShippedFailure``, so every rank raises instead of waiting for tensors;
 - ``non_tensor_batch``, when ``meta_info['_broadcast_non_tensor_batch']`` is set, travels inline
   in the metadata list as vLLM carries any non-tensor value;
 - a NonTensorData/NonTensorStack leaf rides inline in the metadata list (vLLM carries any
@@ -48,13 +49,10 @@ from strategies.core.contract import (
     ShippedFailure,
     Strategy,
     _key_name,
-    attempt,
     broadcast_objects,
     deliver,
-    failure_text,
     leaves,
     raise_failure,
-    validate,
     wants_non_tensor,
 )
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
@@ -63,7 +61,8 @@ from strategies.core.trace import WORK
 BATCH_SIZE_KEY = "__batch_size__"
 NON_TENSOR_KEY = "__non_tensor_batch__"
 ERROR_KEY = "__leader_error__"
-"""A metadata list holding only this key carries the leader's failure instead of a batch."""
+"""What ``broadcast_tensor_dict`` returns, on every rank, when its source could not pickle the
+metadata list: ``{ERROR_KEY: why}``."""
 
 
 @dataclass(frozen=True)
@@ -133,10 +132,9 @@ def broadcast_tensor_dict(
     return out
 
 
-def to_tensor_dict(batch: DataProto, rank: int = 0, device=None) -> dict:
-    """Leader: the DataProto as the flat dict vLLM broadcasts (validated first)."""
-    validate(batch, rank, device)
-    out: dict = {BATCH_SIZE_KEY: list(batch.batch.batch_size)}
+def refuse(batch: DataProto, rank: int = 0) -> None:
+    """Leader, before any collective: a jagged NestedTensor has no dense TensorMeta, so it is
+    refused naming the key (every rank of the replica raises it)."""
     for key, value in leaves(batch.batch):
         if isinstance(value, torch.Tensor) and value.is_nested:
             raise ContractError(
@@ -144,6 +142,12 @@ def to_tensor_dict(batch: DataProto, rank: int = 0, device=None) -> dict:
                 "broadcast_tensor_dict describes each tensor by one dense shape and cannot "
                 "carry it; use header, flat, direct, pp_first or scatter_allgather"
             )
+
+
+def to_tensor_dict(batch: DataProto) -> dict:
+    """Leader: the DataProto as the flat dict vLLM broadcasts (a batch ``refuse`` passed)."""
+    out: dict = {BATCH_SIZE_KEY: list(batch.batch.batch_size)}
+    for key, value in leaves(batch.batch):
         out[_key_name(key)] = value  # a non-tensor leaf rides inline, as vLLM carries any value
     if wants_non_tensor(batch):
         out[NON_TENSOR_KEY] = batch.non_tensor_batch
@@ -185,20 +189,17 @@ class VllmTensorDict(Strategy):
         "hops: TP×CP on stage 0 if tp·cp>1, then PP if pp>1"
     )
 
-    def get_data_input(self, batch: DataProto) -> DataProto:
+    def check(self, batch: DataProto) -> None:
+        refuse(batch, self.groups.rank)
+
+    def transfer(self, batch: DataProto) -> DataProto:
         g = self.groups
-        if g.replica_ranks == (g.rank,):
-            return batch
-        d = exc = None
-        if g.is_leader:
-            d, exc = attempt(to_tensor_dict, batch, g.rank, g.device)
-            if exc is not None:  # the failure travels as the metadata list, so no rank waits
-                d = {ERROR_KEY: failure_text(exc)}
+        d = to_tensor_dict(batch) if g.is_leader else None
         failures: list = []
         for hop in g.seed_hops():
             d = broadcast_tensor_dict(d, hop.ranks[0], hop.group, hop.cpu_group, g.device, failures)
         if ERROR_KEY in d:
-            raise_failure(g, d[ERROR_KEY], exc or next(iter(failures), None))
+            raise_failure(g, d[ERROR_KEY], next(iter(failures), None))
         if not g.is_leader:
             td, non_tensor = from_tensor_dict(d)
             deliver(batch, td, non_tensor)

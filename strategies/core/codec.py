@@ -64,7 +64,6 @@ KIND_NAMES = ("dense", "values", "offsets", "lengths", "object")
 _PREFIX = struct.Struct("<4sHHIQQ")  # magic, version, flags, header_len, data_bytes, next_expect
 NEXT_EXPECT_OFFSET = 20  # byte offset of next_expect in the prefix
 FLAG_NON_TENSOR = 1
-FLAG_ERROR = 2  # the leader refused its batch; the header carries why, so no receiver waits
 
 
 class HeaderError(ValueError):
@@ -108,7 +107,6 @@ class Header:
     header_len: int  # bytes before the data region (aligned)
     next_expect: int
     non_tensor: tuple[int, int] | None  # (offset, nbytes) of the pickled non_tensor_batch
-    error: str | None = None  # set when the leader sent its refusal instead of a batch
 
     @property
     def total_bytes(self) -> int:
@@ -284,14 +282,6 @@ def encode_header(
     return (prefix + bytes(body)).ljust(header_len, b"\0")
 
 
-def encode_error(message: str) -> bytes:
-    """A header-only message that tells every receiver why the leader has no batch to send."""
-    raw = message.encode()[:60_000]
-    header_len = align(_PREFIX.size + 4 + len(raw))
-    prefix = _PREFIX.pack(MAGIC, VERSION, FLAG_ERROR, header_len, 0, 0)
-    return (prefix + struct.pack("<I", len(raw)) + raw).ljust(header_len, b"\0")
-
-
 def peek_total(prefix: bytes, max_bytes: int = DEFAULT_MAX_BYTES, rank: int = 0) -> int:
     """Header length + data bytes from the fixed prefix, validated before any allocation."""
     if len(prefix) < _PREFIX.size:
@@ -317,11 +307,6 @@ def decode_header(raw: bytes, max_bytes: int = DEFAULT_MAX_BYTES, rank: int = 0)
     _, _, flags, header_len, data_bytes, next_expect = _PREFIX.unpack_from(raw)
     if len(raw) < header_len:
         raise HeaderError(f"rank {rank}: header truncated ({len(raw)} < {header_len} bytes)")
-    if flags & FLAG_ERROR:
-        pos = _PREFIX.size
-        (n,) = struct.unpack_from("<I", raw, pos)
-        message = raw[pos + 4 : pos + 4 + n].decode(errors="replace")
-        return Header((), (), 0, header_len, 0, None, error=message)
     read = _HeaderReader(raw, header_len, rank)
     try:
         (bdim,) = read.take("<B")
@@ -495,11 +480,16 @@ def pack_deferred(
 
 def structure(batch: TensorDict, parts: list[Part]) -> tuple:
     """What fixes a message's layout: the batch's type and size, and each part's key, kind,
-    dtype, shape and device. Equal structures pack into equal headers."""
+    dtype, shape and device. Equal structures pack into equal headers. Each part's class and
+    layout come last: they do not change the header, but a leaf of another kind (sparse, a
+    subclass) with the same dtype and shape is a new structure, which the leader validates."""
     return (
         type(batch),
         tuple(batch.batch_size),
-        tuple((k, kind, aux, t.dtype, t.shape, t.device) for k, kind, aux, t in parts),
+        tuple(
+            (k, kind, aux, t.dtype, t.shape, t.device, type(t), t.layout)
+            for k, kind, aux, t in parts
+        ),
     )
 
 

@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 from tensordict import NonTensorData, NonTensorStack, TensorDict, is_tensor_collection
 
+from strategies.core.completion import Replay, distinct_groups, marks, posted_since
 from strategies.core.groups import MegatronView, check_order, derive_replicas
+from strategies.core.trace import WORK
 
 NON_TENSOR_FLAG = "_broadcast_non_tensor_batch"
 
@@ -105,10 +107,18 @@ def _key_name(key: tuple[str, ...]):
     return key if len(key) > 1 else key[0]
 
 
-def validate(batch, rank: int | None = None, device: torch.device | None = None) -> int:
+def validate(
+    batch,
+    rank: int | None = None,
+    device: torch.device | None = None,
+    lazy: list | None = None,
+) -> int:
     """Check a leader's DataProto-shaped object (attributes batch, non_tensor_batch,
     meta_info); return B. ``device``: the groups' device, where (besides the CPU) leaves may
-    live. Raises ContractError naming the key and the rank."""
+    live. Every leaf kind no strategy can carry exactly is refused here (``tensor_refusal``);
+    ``lazy``, when given, collects the keys of conjugate and negative views, which travel as
+    their values once resolved (``resolve_lazy_views``). Raises ContractError naming the key
+    and the rank."""
     rank = _rank() if rank is None else rank
     missing = [a for a in PROTO_ATTRS if not hasattr(batch, a)]
     if missing:
@@ -128,9 +138,16 @@ def validate(batch, rank: int | None = None, device: torch.device | None = None)
             f"rank {rank}: batch.batch_size is {list(td.batch_size)}; expected a leading batch "
             "dimension B"
         )
+    if FAILURE_KEY in td.keys():
+        raise ContractError(
+            f"rank {rank}: batch[{FAILURE_KEY!r}] is a reserved key: it carries a leader's "
+            "failure to its receivers; rename it"
+        )
     b = int(td.batch_size[0])
     for key, value in leaves(td):
         _check_leaf(_key_name(key), value, b, rank, device)
+        if lazy is not None and type(value) is torch.Tensor and is_lazy(value):
+            lazy.append(key)
     check_non_tensor(batch, b, rank)
     return b
 
@@ -156,10 +173,66 @@ def check_non_tensor(batch, b: int, rank: int) -> None:
             )
 
 
+try:  # the class of a jagged NestedTensor (layout=torch.jagged), a torch.Tensor subclass
+    from torch.nested._internal.nested_tensor import NestedTensor
+except ImportError:  # a torch without jagged nested tensors
+    NestedTensor = ()
+
+CARRIED = (
+    "dense strided tensors (any view: strided, transposed, expanded, offset, conjugate or "
+    "negative; efficient zero tensors), jagged NestedTensors and NonTensorData/NonTensorStack "
+    "leaves"
+)
+"""What the contract carries (each strategy may refuse more, on every rank)."""
+_LAYOUT_FIX = {
+    torch.sparse_coo: "a sparse COO tensor",
+    torch.sparse_csr: "a sparse CSR tensor",
+    torch.sparse_csc: "a sparse CSC tensor",
+    torch.sparse_bsr: "a sparse BSR tensor",
+    torch.sparse_bsc: "a sparse BSC tensor",
+}
+
+
+def tensor_refusal(value: torch.Tensor) -> str | None:
+    """Why a tensor leaf cannot travel exactly through every strategy (what it is, and what
+    to send instead), or None when it can. Conjugate and negative views and efficient zero
+    tensors can: they travel as their values, as any view does (``is_lazy``)."""
+    if type(value) is not torch.Tensor:
+        if isinstance(value, NestedTensor) and value.layout is torch.jagged:
+            return None
+        cls = type(value)
+        return (
+            f"a {cls.__module__}.{cls.__qualname__}, a tensor subclass whose class and state "
+            "no strategy carries; send a plain torch.Tensor (x.detach() for a Parameter, "
+            "x.full_tensor() for a DTensor)"
+        )
+    if value.layout is not torch.strided:
+        what = _LAYOUT_FIX.get(value.layout)
+        if what is not None:
+            return f"{what}; send x.to_dense(), or its indices and values as leaves of their own"
+        return f"a tensor with layout {value.layout}; send x.to_dense()"
+    if value.is_nested:
+        return (
+            "a nested tensor with layout torch.strided; only layout=torch.jagged nested tensors "
+            "travel (torch.nested.nested_tensor(..., layout=torch.jagged))"
+        )
+    if value.is_quantized:
+        return (
+            f"a quantized tensor ({value.dtype}); send x.dequantize(), or x.int_repr() with its "
+            "scale and zero point"
+        )
+    return None
+
+
 def _check_leaf(key, value, b: int, rank: int, device: torch.device | None) -> None:
     if is_non_tensor_leaf(value):
         shape = list(value.batch_size)
     elif isinstance(value, torch.Tensor):
+        why = tensor_refusal(value)
+        if why is not None:
+            raise ContractError(
+                f"rank {rank}: batch[{key!r}] is {why}; get_data_input carries {CARRIED}"
+            )
         shape = list(value.shape)
         if value.device.type == "meta" or (
             device is not None and value.device.type != "cpu" and value.device != device
@@ -176,6 +249,37 @@ def _check_leaf(key, value, b: int, rank: int, device: torch.device | None) -> N
         raise ContractError(
             f"rank {rank}: batch[{key!r}] has shape {shape}; expected leading dim B={b}"
         )
+
+
+def is_lazy(t: torch.Tensor) -> bool:
+    """A dense tensor whose values are computed when read: a conjugate or negative view, or an
+    efficient zero tensor. A copy reads them right; a collective, a raw byte view or a pickle
+    of its storage does not."""
+    return t.is_conj() or t.is_neg() or t._is_zerotensor()
+
+
+def resolved(t: torch.Tensor) -> torch.Tensor:
+    """A lazy tensor's values in a tensor of its own (``is_lazy``)."""
+    if t._is_zerotensor():
+        return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+    return t.resolve_conj().resolve_neg()
+
+
+def resolve_lazy_views(batch, keys: list):
+    """The leader's object as it travels: ``batch`` itself, or (when ``keys`` name lazy
+    leaves, ``is_lazy``) a shallow copy whose batch holds those leaves resolved. Receivers get
+    the values a view shows, never its lazy bit, which collectives and buffers cannot carry;
+    the caller's batch is left as it was."""
+    if not keys:
+        return batch
+    td = batch.batch.clone(recurse=False)  # new nodes, the same leaves
+    for key in keys:
+        view = td.get(key)
+        WORK["copied_bytes"] += view.numel() * view.element_size()
+        td.set(key, resolved(view))
+    sent = copy.copy(batch)
+    sent.batch = td
+    return sent
 
 
 # -- a leader's failure, shipped to its receivers -----------------------------------------------
@@ -232,13 +336,61 @@ def broadcast_objects(box: list, src: int, group) -> Exception | None:
 
 def raise_failure(groups, text: str, exc: BaseException | None = None):
     """End of a call that carried a failure: the leader re-raises its own exception (or a
-    ContractError with ``text``), a receiver raises LeaderFailed naming the leader's error."""
+    ContractError with ``text``), a receiver raises LeaderFailed naming the leader's error.
+    Either is marked settled: every rank already knows, so nothing more is sent for it."""
     if groups.is_leader:
-        raise exc if exc is not None else ContractError(text)
-    raise LeaderFailed(
+        raise settled(exc if exc is not None else ContractError(text))
+    raise settled(leader_failed(groups, text))
+
+
+def leader_failed(groups, text: str) -> LeaderFailed:
+    return LeaderFailed(
         f"rank {groups.rank}: the replica leader (rank {groups.leader}) failed to send its "
         f"batch: {text}"
     )
+
+
+_SETTLED = "_bcastbench_settled"
+
+
+def settled(exc: BaseException) -> BaseException:
+    """Mark ``exc`` as a failure every rank of the replica has learnt of (an enclosing call
+    ships nothing more for it); returns it, to be raised."""
+    setattr(exc, _SETTLED, True)
+    return exc
+
+
+def is_settled(exc: BaseException) -> bool:
+    return getattr(exc, _SETTLED, False)
+
+
+FAILURE_KEY = "__bcastbench_leader_failure__"
+"""The one leaf of a failure batch: the leader's error as UTF-8 bytes. validate refuses it in
+a caller's batch."""
+FAILURE_MAX_BYTES = 60_000
+
+
+def failure_batch(text: str, non_tensor: bool, device: torch.device) -> DataProto:
+    """What a leader sends instead of a batch it cannot send: an ordinary batch, one dense
+    uint8 leaf holding ``text`` (B = its length), so any strategy carries it through its own
+    collectives, whatever they are. ``non_tensor``: the flag the receivers hold (theirs is the
+    leader's meta_info), so a strategy whose receivers read it posts what the leader posts."""
+    raw = text.encode()[:FAILURE_MAX_BYTES] or b"?"
+    leaf = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+    td = TensorDict({FAILURE_KEY: leaf}, batch_size=[len(raw)])
+    return DataProto(td, {}, {NON_TENSOR_FLAG: non_tensor})
+
+
+def failure_in(out) -> str | None:
+    """The leader's error, when what arrived is a failure batch; None for a batch."""
+    td = getattr(out, "batch", None)
+    if not isinstance(td, TensorDict):
+        return None
+    entries = getattr(td, "_tensordict", None)  # a plain TensorDict: one dict lookup
+    leaf = entries.get(FAILURE_KEY) if type(entries) is dict else td.get(FAILURE_KEY, None)
+    if leaf is None:
+        return None
+    return leaf.cpu().numpy().tobytes().decode(errors="replace")
 
 
 class Hop(NamedTuple):
@@ -415,10 +567,25 @@ def _new_groups(rank_lists, rank: int, backend: str, twin: bool = False):
 
 
 class Strategy:
-    """One way to run ``get_data_input``. Subclasses set ``name`` and implement the call.
+    """One way to run ``get_data_input``. Subclasses set ``name`` and implement ``transfer``.
 
     A strategy is built once per layout with its groups and options, then called on every
     rank of the world with the entry state; it returns the exit state (see README).
+
+    ``get_data_input`` is this class's and no subclass replaces it: it holds the contract for
+    every strategy, a user's included. On the leader it refuses, before any collective, every
+    leaf kind no strategy can carry (``contract.validate``) and whatever the strategy's
+    ``check`` refuses; a failure there, or in the strategy's own leader work before its first
+    collective (encoding, pickling), travels as a failure batch through the strategy's own
+    ``transfer``, and every receiver raises ``LeaderFailed`` naming the leader's rank and
+    error. A failure after the leader's first collective went out is finished by replaying
+    its send path with the collectives already posted answered locally
+    (``strategies.core.completion``): every collective the receivers wait for goes out with
+    the batch's bytes, then the leader raises. Either way no rank waits, and the next call on
+    the same instance starts from a state every rank agrees on.
+
+    A subclass written against the older interface (its own ``get_data_input``) has that
+    method taken as its ``transfer``, so it gets the same protocol.
     """
 
     name: ClassVar[str] = ""
@@ -426,6 +593,22 @@ class Strategy:
     """False for the floor, which is a measured limit rather than a way to ship data."""
     claims: ClassVar[str] = ""
     """Collectives per call, in words (checked by the tests that count them)."""
+    raw_bytes: ClassVar[bool] = False
+    """True for a strategy that moves bytes ``prepare`` packed rather than the batch it is
+    handed (the floor): ``get_data_input`` runs its ``transfer`` as it is."""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("get_data_input")
+        if own is None or own is Strategy.get_data_input:
+            return
+        if "transfer" in cls.__dict__:
+            raise TypeError(
+                f"{cls.__qualname__} defines both get_data_input and transfer; define transfer "
+                "only (Strategy.get_data_input runs it and holds the contract)"
+            )
+        cls.transfer = own  # the older interface: its body is the hook
+        cls.get_data_input = Strategy.get_data_input
 
     def __init__(self, groups: ProcessGroups, **options: Any) -> None:
         self.groups = groups
@@ -438,8 +621,102 @@ class Strategy:
     def prepare(self, batch: DataProto) -> None:
         """Untimed set-up before a run of calls (the floor packs its buffer here)."""
 
+    def check(self, batch) -> None:
+        """Leader, before any collective: raise for anything this strategy cannot carry that
+        the contract allows (a dtype, a jagged leaf, a shape). The batch has passed
+        ``contract.validate`` already; what this raises reaches every rank."""
+
+    def transfer(self, batch) -> DataProto:
+        """The collectives of one call, on every rank of the replica: the leader sends what it
+        holds (or a failure batch, which it sends like any other); a receiver returns the
+        object it was handed with what arrived set on it. Leader-side work that can fail
+        belongs before the first collective."""
+        raise NotImplementedError(f"strategy {self.name!r} implements no transfer")
+
     def get_data_input(self, batch: DataProto) -> DataProto:
-        raise NotImplementedError
+        """ROLL's call, on every rank of the world (see the class docstring)."""
+        g = self.groups
+        if self.raw_bytes:
+            return self.transfer(batch)
+        if g.replica_ranks == (g.rank,):
+            return batch  # a replica of one: nothing to send
+        if not g.is_leader:
+            out = self.transfer(batch)
+            text = failure_in(out)
+            if text is not None:
+                raise settled(leader_failed(g, text))
+            return out
+        try:
+            sending = self.leader_view(batch)
+        except Exception as exc:  # noqa: BLE001 -- any type: it travels to the receivers
+            self._ship(batch, exc)
+            raise
+        watched = self._watched_groups()
+        before = marks(watched)
+        try:
+            self.transfer(sending)
+        except Exception as exc:  # noqa: BLE001 -- see below: finished, then raised
+            if is_settled(exc):
+                raise
+            posted = posted_since(watched, before)
+            if posted == {}:  # nothing went out: the failure can still take the batch's place
+                self._ship(batch, exc)
+            elif posted is not None:
+                self._finish(sending, posted, exc)
+            settled(exc)
+            raise
+        return batch
+
+    def leader_view(self, batch):
+        """Leader, before any collective: validate ``batch`` (every leaf kind), run ``check``
+        and return what ``transfer`` sends (``batch``, or a copy with lazy views resolved)."""
+        lazy: list = []
+        validate(batch, self.groups.rank, self.groups.device, lazy=lazy)
+        self.check(batch)
+        return resolve_lazy_views(batch, lazy)
+
+    def _ship(self, batch, exc: Exception) -> None:
+        """Leader: send a failure batch for ``exc`` through ``transfer`` and mark ``exc``
+        settled (the caller raises it)."""
+        g = self.groups
+        sent = failure_batch(failure_text(exc), wants_non_tensor(batch), g.device)
+        try:
+            self.transfer(sent)
+        except Exception as ship_exc:  # noqa: BLE001 -- reported with the leader's own error
+            exc.add_note(
+                f"rank {g.rank}: shipping this failure to the replica failed too, so its "
+                f"receivers may still wait: {failure_text(ship_exc)}"
+            )
+        settled(exc)
+
+    def _finish(self, sending, posted: dict[int, int], exc: Exception) -> None:
+        """Leader: post every collective of this call that had not gone out when ``exc``
+        was raised, with the batch's bytes (``completion.Replay``)."""
+        try:
+            with Replay(posted):
+                self.transfer(sending)
+        except Exception as replay_exc:  # noqa: BLE001 -- reported with the leader's own error
+            exc.add_note(
+                f"rank {self.groups.rank}: finishing the collectives announced before this "
+                f"failure failed too, so receivers may still wait: {failure_text(replay_exc)}"
+            )
+
+    def _watched_groups(self) -> tuple:
+        watched = self.__dict__.get("_watched")
+        if watched is None:
+            g = self.groups
+            watched = distinct_groups(
+                (
+                    g.tp_cp_group,
+                    g.pp_group,
+                    g.replica_group,
+                    g.cpu_tp_cp_group,
+                    g.cpu_pp_group,
+                    g.cpu_replica_group,
+                )
+            )
+            self.__dict__["_watched"] = watched
+        return watched
 
     @classmethod
     def plan(cls, layout, spec):

@@ -13,7 +13,6 @@ from strategies.core.codec import (
     KIND_DENSE,
     Header,
     HeaderError,
-    encode_error,
     message_parts,
     nbytes_of,
     pack_deferred,
@@ -25,11 +24,9 @@ from strategies.core.contract import (
     PROTO_ATTRS,
     DataProto,
     Strategy,
-    attempt,
     check_non_tensor,
     deliver,
-    failure_text,
-    raise_failure,
+    is_lazy,
     validate,
     wants_non_tensor,
 )
@@ -63,34 +60,26 @@ class PackedStrategy(Strategy):
         self._pack_cache: dict = {}  # layout + destination views of the last batch structure
         self._fill = None
         self._direct: list[torch.Tensor] = []  # leader: the leaves that travel on their own
-        self._failure: Exception | None = None  # leader: what it shipped instead of a batch
         self._valid: tuple | None = None  # leader: the structure of the last valid batch
+        self._checked: tuple | None = None  # leader: (td, parts, structure) leader_view saw
         self.last_header: Header | None = None
         """The header of the last batch that arrived (on every rank alike; ``auto`` decides
         from it)."""
 
-    def pack(self, batch: DataProto) -> tuple[torch.Tensor, Header, int]:
-        """Leader: pack into the reused buffer; returns (buffer, header, total bytes).
+    def leader_view(self, batch: DataProto) -> DataProto:
+        """Leader, before any collective: the contract's checks, cached per structure
+        (``checked_parts``), and ``check``. The batch travels as it is: packing copies every
+        leaf, which reads a lazy view's values (``direct_leaves`` keeps those in the pack)."""
+        parts, shape = self.checked_parts(batch)
+        self.check(batch)
+        self._checked = (batch.batch, parts, shape)
+        return batch
 
-        Whatever fails here (a batch that breaks the contract, a dtype the header cannot
-        carry, an object that is no DataProto, any exception) becomes an error message
-        instead, which travels the same hops, so every rank raises (``complete``) rather than
-        waiting forever.
-        """
-        self._failure = None
-        packed, exc = attempt(self._pack, batch)
-        if exc is None:
-            return packed
-        self._failure = exc
-        error = failure_text(exc)
-        raw = encode_error(error)
-        size = max(len(raw), self.wire.expect)
-        buf = torch.zeros(size, dtype=torch.uint8, device=self.groups.device)
-        buf[: len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-        self.wire.stamp(buf, len(raw))
-        self._fill = None
-        self._direct = []
-        return buf, Header((), (), 0, len(raw), 0, None, error=error), len(raw)
+    def pack(self, batch: DataProto) -> tuple[torch.Tensor, Header, int]:
+        """Leader: pack into the reused buffer; returns (buffer, header, total bytes). Runs
+        before the first collective of a call, so whatever it raises (a dtype the header
+        cannot carry, leaves over max_bytes) travels to every rank in the batch's place."""
+        return self._pack(batch)
 
     def relay(self, batch: DataProto, hops: list[tuple[object, tuple[int, ...]]]) -> DataProto:
         """The leader packs; each hop ``(group, ranks)`` this rank takes part in moves the
@@ -118,11 +107,9 @@ class PackedStrategy(Strategy):
         return self.complete(batch, buf, header, total, direct)
 
     def complete(self, batch: DataProto, buf, header: Header, total: int, direct=()) -> DataProto:
-        """End of a call on every rank: agree on the next size, raise a refusal, or unpack."""
+        """End of a call on every rank: agree on the next size, then unpack."""
         g = self.groups
         self.wire.finish(self.wire.next_expect(total) if g.is_leader else header.next_expect)
-        if header.error is not None:
-            raise_failure(g, header.error, self._failure if g.is_leader else None)
         self.last_header = header
         if not g.is_leader:
             self.finish_receiver(batch, buf, header, direct)
@@ -130,8 +117,9 @@ class PackedStrategy(Strategy):
 
     def direct_leaves(self, parts: list) -> frozenset[int]:
         """Indices (in ``codec.message_parts`` order) of the dense leaves that travel on their
-        own: contiguous, on the groups' device, at least ``direct_min_bytes``. Sending them
-        from the tensor itself skips the pack copy, at one more collective each."""
+        own: contiguous, on the groups' device, at least ``direct_min_bytes``, and not lazy
+        (``contract.is_lazy``: a collective would send a view's storage, not its values).
+        Sending them from the tensor itself skips the pack copy, at one more collective each."""
         if self.direct_min_bytes is None:
             return frozenset()
         return frozenset(
@@ -141,6 +129,7 @@ class PackedStrategy(Strategy):
             and nbytes_of(t) >= self.direct_min_bytes
             and t.is_contiguous()
             and t.device == self.groups.device
+            and not is_lazy(t)
         )
 
     def checked_parts(self, batch: DataProto) -> tuple[list, tuple]:
@@ -164,7 +153,12 @@ class PackedStrategy(Strategy):
         return parts, shape
 
     def _pack(self, batch: DataProto) -> tuple[torch.Tensor, Header, int]:
-        parts, shape = self.checked_parts(batch)
+        checked = self._checked
+        if checked is not None and checked[0] is batch.batch:
+            _, parts, shape = checked  # leader_view's, for this very batch
+        else:  # a batch the protocol made (a failure batch): nothing to check
+            parts = message_parts(batch.batch, self.groups.rank)
+            shape = structure(batch.batch, parts)
         nt = batch.non_tensor_batch if wants_non_tensor(batch) else None
         direct = self.direct_leaves(parts)
         buf, header, self._fill = pack_deferred(

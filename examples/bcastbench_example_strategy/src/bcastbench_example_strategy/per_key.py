@@ -4,8 +4,13 @@ replica in one hop.
 
 It is written as a user would write it: ``from torch.distributed import broadcast`` (a name
 bound at import, which bcastbench's recorder still counts) and no ``plan()`` (``bcastbench
-predict`` lists it among the strategies without one). Dense tensor leaves only; the non-tensor
-batch rides in the header when ``meta_info['_broadcast_non_tensor_batch']`` is set.
+predict`` lists it among the strategies without one). Dense tensor leaves only (``check``
+refuses the others); the non-tensor batch rides in the header when
+``meta_info['_broadcast_non_tensor_batch']`` is set.
+
+It writes no failure handling: ``strategies.Strategy.get_data_input`` runs ``transfer`` and
+holds the contract. A leader whose batch is refused, or whose header will not pickle, sends a
+failure batch through this same ``transfer`` instead, and every rank raises its error.
 
 Per call: 2 (header size, header) + one per tensor, or + 1 with ``coalesce``.
 """
@@ -15,10 +20,11 @@ from __future__ import annotations
 import pickle
 
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorData, NonTensorStack, TensorDict, is_tensor_collection
 from torch.distributed import broadcast
 
-from strategies import NON_TENSOR_FLAG, DataProto, Strategy
+from strategies import NON_TENSOR_FLAG, ContractError, DataProto, Strategy
+from strategies.core.codec import as_bytes  # a tensor's elements as bytes, any dtype or view
 
 
 class PerKeyBroadcast(Strategy):
@@ -33,14 +39,25 @@ class PerKeyBroadcast(Strategy):
         """Size, then bytes, from the leader to the replica (as uint8 tensors)."""
         g = self.groups
         size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
-        broadcast(size.to(g.device), g.leader, group=g.replica_group)
+        size = size.to(g.device)  # the tensor received into is the one read below
+        broadcast(size, g.leader, group=g.replica_group)
         buf = torch.empty(int(size.item()), dtype=torch.uint8, device=g.device)
         if payload is not None:
             buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         broadcast(buf, g.leader, group=g.replica_group)
         return buf.cpu().numpy().tobytes()
 
-    def get_data_input(self, batch) -> DataProto:
+    def check(self, batch) -> None:
+        """Only dense tensors travel here; anything else is refused on every rank."""
+        leaves = batch.batch.items(include_nested=True, leaves_only=True, is_leaf=_any_leaf)
+        for key, value in leaves:
+            if not isinstance(value, torch.Tensor) or value.is_nested:
+                raise ContractError(
+                    f"rank {self.groups.rank}: batch[{key!r}] is {type(value).__name__}; "
+                    "per_key sends dense tensors only"
+                )
+
+    def transfer(self, batch) -> DataProto:
         g = self.groups
         flag = bool(batch.meta_info.get(NON_TENSOR_FLAG, False))
         header = None
@@ -61,8 +78,8 @@ class PerKeyBroadcast(Strategy):
         if self.coalesce:
             self._coalesced(tensors)
         else:
-            for t in tensors:
-                broadcast(t, g.leader, group=g.replica_group)
+            for t in tensors:  # as bytes: a process group refuses some dtypes (float8, uint16)
+                broadcast(as_bytes(t), g.leader, group=g.replica_group)
         if g.is_leader:
             return batch
         td = TensorDict(
@@ -70,8 +87,10 @@ class PerKeyBroadcast(Strategy):
             batch_size=desc["batch_size"],
             device=g.device,
         )
-        non_tensor = desc["non_tensor"] if flag else batch.non_tensor_batch
-        return type(batch)(batch=td, non_tensor_batch=non_tensor, meta_info=batch.meta_info)
+        batch.batch = td  # the object it was handed, whatever its class
+        if flag:
+            batch.non_tensor_batch = desc["non_tensor"]
+        return batch
 
     def _coalesced(self, tensors: list[torch.Tensor]) -> None:
         """One byte buffer holding every tensor; receivers copy their slices back out."""
@@ -84,8 +103,17 @@ class PerKeyBroadcast(Strategy):
             at += n
         if g.is_leader:
             for t, v in zip(tensors, views):
-                v.copy_(t.reshape(-1).view(torch.uint8))
+                v.copy_(as_bytes(t))
         broadcast(flat, g.leader, group=g.replica_group)
         if not g.is_leader:
             for t, v in zip(tensors, views):
-                t.reshape(-1).view(torch.uint8).copy_(v)
+                as_bytes(t).copy_(v)
+
+
+def _any_leaf(cls) -> bool:
+    """Tensors and non-tensor leaves (NonTensorData, NonTensorStack) are leaves; any other
+    TensorDict is a node."""
+    return not is_tensor_collection(cls) or issubclass(cls, (NonTensorData, NonTensorStack))
+
+
+STRATEGY = PerKeyBroadcast
