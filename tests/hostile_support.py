@@ -19,6 +19,11 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 from harness.run import recorded, schema
 from strategies import DataProto
 
+QUICK_S = 5.0
+"""A loader's answer to any input here (it reads kilobytes), with room for a loaded machine."""
+CLI_S = 30.0
+"""The whole command in process, Hydra's composition included, on a loaded machine."""
+
 
 class RunsCode:
     """Pickles as a call to ``open(marker, "w")``: loading it creates the marker file."""

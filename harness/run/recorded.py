@@ -226,9 +226,53 @@ def _refused_global(exc: BaseException) -> str | None:
     return None
 
 
+_STRING_OPS = {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE",
+               "SHORT_BINUNICODE", "BINUNICODE8"}  # fmt: skip
+
+
+def pickle_globals(data: bytes) -> list[str]:
+    """The ``module.name`` globals a pickle refers to, read from its opcodes without running
+    it (as far as the bytes parse): what it would import and call."""
+    import pickletools
+
+    found, memo, pushed, last = [], {}, [], None
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name == "GLOBAL" or op.name == "INST":
+                found.append(".".join(str(arg).split(" ", 1)))
+            elif op.name == "STACK_GLOBAL" and len(pushed) >= 2:
+                found.append(f"{pushed[-2]}.{pushed[-1]}")
+            if op.name in _STRING_OPS:
+                last = arg if isinstance(arg, str) else None
+            elif op.name in ("BINGET", "LONG_BINGET", "GET"):
+                last = memo.get(int(arg))
+            elif op.name in ("MEMOIZE", "BINPUT", "LONG_BINPUT", "PUT"):
+                memo[len(memo) if op.name == "MEMOIZE" else int(arg)] = last
+                continue
+            else:
+                last = None
+            pushed = (pushed + [last])[-2:]
+    except Exception:  # noqa: BLE001, S110 - garbage after the globals read so far
+        pass
+    return found
+
+
+def _named_in(pickled: bytes, said: str | None) -> str | None:
+    """The global a refusal is about: the pickle's own ``module.name`` for the (often bare) name
+    torch's message gave, or, when it gave none, the pickle's first global outside torch's."""
+    names = pickle_globals(pickled)
+    if said is not None:
+        return next((g for g in names if g == said or g.endswith(f".{said}")), said)
+    own = ("torch.", "collections.", "tensordict.", "strategies.", "numpy.", "_codecs.")
+    return next((g for g in names if not g.startswith(own)), None)
+
+
 def _weights_only_reason(exc: BaseException) -> str:
     """torch's weights-only refusal without its boilerplate: the line that says what failed."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     boiler = ("Weights only load failed", "Check the documentation", "(1)", "(2)")
     useful = [line for line in lines if not line.startswith(boiler)]
     return (useful or lines or [type(exc).__name__])[0].removeprefix("WeightsUnpickler error: ")
@@ -246,11 +290,13 @@ def _safe_globals() -> list:
     return found
 
 
-def _check_zip(source, size: int, where: str, policy: _Policy) -> None:
+def _check_zip(source, size: int, where: str, policy: _Policy) -> bytes:
     """A torch.save zip, complete and within the byte limit, checked from its directory of
-    entries before torch reads any of it."""
+    entries before torch reads any of it; its pickle (``*/data.pkl``), read and checked against
+    its CRC, so a damaged one is said to be damaged and a refusal can name its globals."""
     try:
-        entries = zipfile.ZipFile(source).infolist()
+        archive = zipfile.ZipFile(source)
+        entries = archive.infolist()
     except Exception as exc:  # noqa: BLE001 - a damaged zip fails in many ways, all the same
         raise PayloadFileError(
             f"{where} is a truncated or corrupt torch.save file ({size:,} bytes; starts as a "
@@ -275,22 +321,30 @@ def _check_zip(source, size: int, where: str, policy: _Policy) -> None:
             f"{where}: its zip entries hold {storages:,} bytes > "
             f"{policy.flags.max_bytes}={policy.max_bytes:,}"
         )
+    name = next((e.filename for e in entries if e.filename.endswith("data.pkl")), None)
+    try:
+        pickled = archive.read(name) if name is not None else b""
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise PayloadFileError(
+            f"{where} is a corrupt torch.save file ({_one_line(exc)}); copy or save it again"
+        ) from None
     source.seek(0)
+    return pickled
 
 
 def _torch_load(source, size: int, where: str, policy: _Policy):
-    _check_zip(source, size, where, policy)
+    pickled = _check_zip(source, size, where, policy)
     if policy.trust:
         return torch.load(source, weights_only=False, map_location="cpu")
     with torch.serialization.safe_globals(_safe_globals()):
         try:
             return torch.load(source, weights_only=True, map_location="cpu")
         except pickle.UnpicklingError as exc:
-            need = _refused_global(exc)
+            need = _named_in(pickled, _refused_global(exc))
             if need is None:
                 raise PayloadFileError(
-                    f"{where} is not a batch bcastbench can read (torch.load: "
-                    f"{_weights_only_reason(exc)}); expected {FORMATS}"
+                    f"{where}: safe loading cannot read it (torch's weights-only reader: "
+                    f"{_weights_only_reason(exc)}); {trust_hint(policy.flags)}"
                 ) from None
             raise _needs(where, need, policy) from None
 

@@ -12,6 +12,7 @@ data.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import stat
@@ -148,6 +149,7 @@ _ITEM_BYTES = 16
 _TOP_FIELDS = ("format", "batch_size", "batch_dims", "leaves", "non_tensor_batch", "meta_info")
 
 
+@functools.cache
 def _bounded_loader():
     """PyYAML's safe loader (libyaml's parser where installed) composing nodes no deeper than
     MAX_YAML_DEPTH and refusing aliases, so a hostile file fails in its first bytes instead of
@@ -236,7 +238,7 @@ def read(path: str | Path, batch_size: int | None = None, max_bytes: int | None 
     text = _text_of(path)
     try:
         schema = yaml.load(text, Loader=_bounded_loader())  # noqa: S506 - a safe loader
-    except (yaml.YAMLError, ValueError, RecursionError) as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever the parser raises, the file is no schema
         first = " ".join(str(exc).split())[:160]
         raise SchemaError(f"payload.path: {path} is not a schema YAML: {first}") from None
     if not isinstance(schema, dict) or schema.get("format") != FORMAT:
@@ -329,7 +331,9 @@ def _leaf_row_bytes(entry, where: str, batch_dims: list[int]) -> tuple[int, str]
     itemsize = _dtype(entry.get("dtype"), f"{where}.dtype").itemsize
     if kind == "tensor":
         shape = _dims(entry.get("shape"), f"{where}.shape")
-        return math.prod(batch_dims) * math.prod(shape) * itemsize, f"shape {shape}"
+        if shape[: len(batch_dims)] != batch_dims:  # a leaf's shape after B holds batch_dims
+            raise SchemaError(f"{where}.shape {shape} does not start with batch_dims {batch_dims}")
+        return math.prod(shape) * itemsize, f"shape {shape}"
     trailing = _dims(entry.get("trailing_shape"), f"{where}.trailing_shape")
     longest = _max_length(entry.get("lengths"), where)
     row = longest * math.prod(trailing) * itemsize + 8
@@ -354,7 +358,8 @@ def _non_tensor_row_bytes(entry, where: str) -> tuple[int, str]:
     longest = _max_length(entry["lengths"], where) if "lengths" in entry else 0
     # An object array holds a pointer per row and the object; a fixed-width one holds its text.
     row = dtype.itemsize + (longest + 8 if dtype.kind == "O" else 0)
-    return row, f"dtype {dtype}, strings up to {longest:,} long (its top percentile)"
+    texts = f", strings up to {longest:,} long (its top percentile)" if "lengths" in entry else ""
+    return row, f"dtype {dtype}{texts}"
 
 
 def _check_keys(keys: list[tuple[str, ...]]) -> None:

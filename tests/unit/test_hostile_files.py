@@ -20,6 +20,8 @@ import pytest
 import torch
 import yaml
 from hostile_support import (
+    CLI_S,
+    QUICK_S,
     RunsCode,
     RunsShell,
     Tag,
@@ -37,10 +39,6 @@ from tensordict import TensorDict
 from harness.paths import CONF_DIR
 from harness.run import recorded, schema
 from strategies import DataProto
-
-QUICK_S = 5.0
-"""Every refusal here reads a few kilobytes; a loaded 2-core machine still answers in well
-under this."""
 
 
 # -- building the hostile inputs -------------------------------------------------------------------
@@ -389,13 +387,13 @@ THROUGH_THE_CLI = (
 the job's validation and the CLI's error printer."""
 
 
-def _check_refusal(case, status, err, took, snapshot_before, places) -> None:
+def _check_refusal(case, status, err, took, snapshot_before, places, within=QUICK_S) -> None:
     inputs, outside, marker, _ = places
     says = CASES[case][3]
     assert status == 2, err
     assert len(err) == 1 and err[0].startswith("bcastbench: error: payload."), err
     assert says in err[0], err[0]
-    assert "Traceback" not in err[0] and took < QUICK_S, (took, err)
+    assert "Traceback" not in err[0] and took < within, (took, err)
     assert snapshot(inputs, outside) == snapshot_before, "an input changed"
     assert not marker.exists(), "code from the recording ran"
     if "runs code" in case or "user class" in case or "shell" in case:
@@ -433,7 +431,7 @@ def test_hostile_input_through_bcastbench_run(case, places, capsys, monkeypatch)
     before = snapshot(*places[:2])
     argv = [f"payload={payload}", f"payload.path={path}", *extra, f"hydra.run.dir={places[3]}"]
     status, err, took = run_cli(argv, capsys, monkeypatch)
-    _check_refusal(case, status, err, took, before, places)
+    _check_refusal(case, status, err, took, before, places, within=CLI_S)
 
 
 @pytest.mark.parametrize(
