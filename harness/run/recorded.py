@@ -150,11 +150,15 @@ def _kind(mode: int) -> str:
     return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
-def open_regular(path: Path, size: int | None = None):
+def open_regular(path: Path, size: int | None = None, follow: bool = True):
     """``path`` opened read-only as a binary file, after checking (on the open descriptor, so a
     file swapped for a FIFO in between is caught) that it is a regular file of ``size`` bytes.
-    O_NONBLOCK: opening a FIFO would otherwise wait for a writer forever."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    O_NONBLOCK: opening a FIFO would otherwise wait for a writer forever. ``follow=False`` for
+    a path already resolved and checked: a symlink put there since is refused."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if not follow:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or (size is not None and st.st_size != size):
         os.close(fd)
@@ -172,9 +176,9 @@ def _read_exact(f, buffer: memoryview, path: Path) -> None:
         got += n
 
 
-def _read_bytes(path: Path, size: int) -> bytes:
+def _read_bytes(path: Path, size: int, follow: bool = True) -> bytes:
     data = bytearray(size)
-    with open_regular(path, size) as f:
+    with open_regular(path, size, follow) as f:
         _read_exact(f, memoryview(data), path)
     return bytes(data)
 
@@ -534,7 +538,7 @@ class _MemmapDir:
                 f"{self._where(path)} is {size:,} bytes > {MAX_META_BYTES:,}: not tensordict's"
             )
         try:
-            meta = json.loads(_read_bytes(path, size))
+            meta = json.loads(_read_bytes(path, size, follow=False))
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise PayloadFileError(
                 f"{self._where(path)} is not JSON ({_one_line(exc)[:120]})"
@@ -669,7 +673,7 @@ class _MemmapDir:
             name = f"{_file_key(key[-1])}.shape.memmap"
             raise PayloadFileError(f"{where}: its row shapes ({name}) are missing")
         self._check_size(path, shape[0] * shape[1] * 8, where, f"row shapes {shape} of int64")
-        rows = np.frombuffer(_read_bytes(path, shape[0] * shape[1] * 8), dtype=np.int64)
+        rows = np.frombuffer(_read_bytes(path, shape[0] * shape[1] * 8, False), dtype=np.int64)
         if rows.size and (rows.min() < 0 or rows.max() >= 1 << 48):
             raise PayloadFileError(f"{where}: its row shapes hold a negative or huge size")
         return rows.reshape(shape).tolist()
@@ -678,7 +682,7 @@ class _MemmapDir:
     def _tensor(self, e: _Entry) -> torch.Tensor:
         raw = torch.empty(e.nbytes, dtype=torch.uint8)
         if e.nbytes:
-            with open_regular(e.file, e.nbytes) as f:
+            with open_regular(e.file, e.nbytes, follow=False) as f:
                 _read_exact(f, memoryview(raw.numpy()), e.file)
         # A bool byte other than 0 or 1 is undefined behaviour in torch's kernels.
         flat = raw != 0 if e.dtype == torch.bool else raw.view(e.dtype)
@@ -694,7 +698,7 @@ class _MemmapDir:
         value = e.value
         if e.file is not None:
             try:
-                value = _unpickle(_read_bytes(e.file, e.nbytes), self.policy.trust)
+                value = _unpickle(_read_bytes(e.file, e.nbytes, False), self.policy.trust)
             except pickle.UnpicklingError as exc:
                 need = _refused_global(exc) if str(exc).startswith("needs ") else None
                 if need is None:
@@ -818,7 +822,8 @@ def _as_dataproto(obj, path: Path) -> DataProto:
     if not isinstance(obj.non_tensor_batch, dict) or not isinstance(obj.meta_info, dict):
         raise PayloadFileError(f"{path}: non_tensor_batch and meta_info must be dicts")
     for key, value in obj.non_tensor_batch.items():
-        if not isinstance(value, np.ndarray | list | tuple) or np.ndim(value) == 0:
+        rows_of = isinstance(value, list | tuple) or (isinstance(value, np.ndarray) and value.ndim)
+        if not rows_of:
             raise PayloadFileError(
                 f"{path}: non_tensor_batch[{key!r}] is a {type(value).__name__}, not one "
                 "item per row"

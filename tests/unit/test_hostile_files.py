@@ -459,6 +459,32 @@ def test_schema_command_never_writes_over_its_input(places, capsys, monkeypatch)
     assert snapshot(inputs) == before
 
 
+def test_schema_command_with_trust_reads_a_pickled_leaf(tmp_path, capsys, monkeypatch):
+    rec, out = tagged_memmap(tmp_path / "rec"), tmp_path / "schema.yaml"
+    status, err, _ = run_cli(["schema", str(rec), "-o", str(out), "--trust"], capsys, monkeypatch)
+    assert status == 0 and out.exists(), err
+    leaves = {tuple(e["key"]): e for e in yaml.safe_load(out.read_text())["leaves"]}
+    assert leaves[("tag",)]["items"] == "Tag"
+
+
+def test_every_reader_refuses_the_same_pickle(tmp_path):
+    """The job's validation, a replica leader's payload (what the pytest plugin's jobs build)
+    and bcastbench schema's reader all go through recorded.load: none runs the pickle."""
+    from harness.run import payloads
+    from harness.run.config import ConfigError, PayloadConf, _validate_recorded
+
+    marker = tmp_path / "marker"
+    rec = evil_memmap(tmp_path / "rec", marker)
+    node = OmegaConf.merge(OmegaConf.structured(PayloadConf), {"name": "file", "path": str(rec)})
+    with pytest.raises(ConfigError, match="needs io.open"):
+        _validate_recorded(node)
+    one_line_error(lambda: payloads.make("file", 4, 16, 0, None, str(rec), False))
+    text, _ = one_line_error(lambda: recorded.load(rec, flags=recorded.SCHEMA_FLAGS))
+    assert "--trust" in text and not marker.exists()
+    trusted = {"path": str(tagged_memmap(tmp_path / "t")), "trust": True}
+    _validate_recorded(OmegaConf.merge(node, trusted))
+
+
 def test_trust_lifts_only_the_pickle_refusal(tmp_path):
     marker = tmp_path / "marker"
     rec = evil_memmap(tmp_path / "rec", marker)

@@ -326,8 +326,8 @@ def _as_torch_save(pickled: bytes, original: bytes) -> bytes:
     source, out = zipfile.ZipFile(io.BytesIO(original)), io.BytesIO()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
         for entry in source.infolist():
-            z.writestr(entry.filename, pickled if entry.filename.endswith("data.pkl") else
-                       source.read(entry))  # fmt: skip
+            mine = entry.filename.endswith("data.pkl")
+            z.writestr(entry.filename, pickled if mine else source.read(entry))
     return out.getvalue()
 
 
