@@ -233,3 +233,119 @@ def test_a_failure_after_a_good_call_reaches_every_rank(world4, name, case):
         assert {detail for _, detail in results} == {"True"}, results
         return
     check_leader_error_everywhere(results, layout, name, case, must_name)
+
+
+# -- every leaf kind, after a good call of the same structure ----------------------------------
+class TaggedTensor(torch.Tensor):
+    """A user's tensor subclass: its class (and whatever it carries) has no wire format."""
+
+
+def kinds_td(b: int = 3) -> TensorDict:
+    """The structure every kind's call shares: each odd leaf takes the place of one of these
+    with its dtype and shape, so a leader that caches checks per structure meets it too."""
+    x = torch.arange(b * 4, dtype=torch.float32).view(b, 4)
+    return TensorDict({"x": x, "z": torch.complex(x, -x)}, [b])
+
+
+def _replace(key: str, make) -> strategies.DataProto:
+    td = kinds_td()
+    td._tensordict[key] = make(td[key])  # bypasses TensorDict's own checks, as a producer might
+    return strategies.DataProto(td, {}, {"step": 1})
+
+
+LEAF_KINDS = {
+    # kind: (what the leader holds, None: carried exactly, else text every error must contain)
+    "conjugate_view": (lambda: _replace("z", lambda z: z.conj()), None),
+    "negative_view": (lambda: _replace("x", torch._neg_view), None),
+    "negative_strided_view": (
+        lambda: _replace("x", lambda x: torch.complex(x, x).conj().imag),
+        None,
+    ),
+    "zero_tensor": (lambda: _replace("x", lambda x: torch._efficientzerotensor(x.shape)), None),
+    "sparse_coo": (lambda: _replace("x", lambda x: x.to_sparse()), "is a sparse COO tensor"),
+    "sparse_csr": (lambda: _replace("x", lambda x: x.to_sparse_csr()), "is a sparse CSR tensor"),
+    "sparse_csc": (lambda: _replace("x", lambda x: x.to_sparse_csc()), "is a sparse CSC tensor"),
+    "sparse_bsr": (lambda: _replace("x", lambda x: x.to_sparse_bsr((1, 2))), "sparse BSR"),
+    "sparse_bsc": (lambda: _replace("x", lambda x: x.to_sparse_bsc((1, 2))), "sparse BSC"),
+    "quantized": (
+        lambda: _replace("x", lambda x: torch.quantize_per_tensor(x, 0.5, 0, torch.qint8)),
+        "is a quantized tensor (torch.qint8)",
+    ),
+    "meta_device": (lambda: _replace("x", lambda x: x.to("meta")), "is on device meta"),
+    "parameter": (lambda: _replace("x", torch.nn.Parameter), "torch.nn.parameter.Parameter"),
+    "user_subclass": (
+        lambda: _replace("x", lambda x: x.as_subclass(TaggedTensor)),
+        "TaggedTensor, a tensor subclass",
+    ),
+    "strided_nested": (
+        lambda: _replace("x", lambda x: torch.nested.nested_tensor(list(x))),
+        "nested tensor with layout torch.strided",
+    ),
+}
+if torch.backends.mkldnn.is_available():
+    LEAF_KINDS["mkldnn"] = (lambda: _replace("x", lambda x: x.to_mkldnn()), "torch._mkldnn")
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """A leaf's values as bytes (a lazy view resolved first)."""
+    if t._is_zerotensor():
+        t = torch.zeros(t.shape, dtype=t.dtype)
+    return raw_bytes(t.resolve_conj().resolve_neg())
+
+
+def leaf_kinds_job(ctx, name: str, layout: Layout, kinds: list[str]):
+    """Per kind: a good call, then the kind's leaf on the leader, on one strategy instance;
+    returns per kind this rank's ("raised", text, seconds) or ("exact", problems, seconds)."""
+    groups = ctx.groups_for(layout)
+    strategy = strategies.get(name, groups)
+    receiver = strategies.DataProto(None, {}, {"step": 1})
+    out = {}
+    for kind in kinds:
+        good = strategies.DataProto(kinds_td(), {}, {"step": 1})
+        ctx.report(f"{name}: a good call before {kind}")
+        strategy.get_data_input(good if groups.is_leader else receiver)
+        make, _ = LEAF_KINDS[kind]
+        entry = make() if groups.is_leader else strategies.DataProto(None, {}, {"step": 1})
+        ctx.report(f"{name}: {kind}")
+        t0 = time.monotonic()
+        try:
+            got = strategy.get_data_input(entry)
+        except Exception as exc:  # noqa: BLE001 -- the test looks at what every rank raised
+            out[kind] = ("raised", f"{type(exc).__name__}: {exc}", time.monotonic() - t0)
+            continue
+        seconds = time.monotonic() - t0
+        want = make()
+        problems = [
+            f"rank {ctx.rank}: {key!r} differs"
+            for key, leaf in want.batch.items()
+            if got.batch[key].dtype != leaf.dtype
+            or got.batch[key].shape != leaf.shape
+            or not torch.equal(_values(got.batch[key]), _values(leaf))
+        ]
+        out[kind] = ("exact", problems, seconds)
+    return out
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("name", strategies.names())
+def test_every_leaf_kind_is_carried_exactly_or_refused_on_every_rank(world4, name):
+    """After a good call of the same structure, every leaf kind of LEAF_KINDS either arrives
+    exact on every rank or is refused on every rank within the limit, naming key and kind."""
+    layout = LAYOUTS["tp2pp2"]
+    kinds = sorted(LEAF_KINDS)
+    results = world4.run(leaf_kinds_job, name, layout, kinds, timeout_s=FAIL_WITHIN_S)
+    for kind in kinds:
+        per_rank = [(r[kind][0], r[kind][1]) for r in results]
+        assert max(r[kind][2] for r in results) < FAIL_WITHIN_S, f"{name} {kind}: too slow"
+        outcomes = {outcome for outcome, _ in per_rank}
+        assert len(outcomes) == 1, f"{name} {kind}: ranks disagree: {per_rank}"
+        _, must_name = LEAF_KINDS[kind]
+        if must_name is None:
+            assert outcomes == {"exact"}, f"{name} {kind}: {per_rank}"
+            assert [p for _, problems in per_rank for p in problems] == []
+            continue
+        assert outcomes == {"raised"}, f"{name} {kind}: carried what it must refuse"
+        check_leader_error_everywhere(per_rank, layout, name, kind, must_name)
+        leader_error = per_rank[layout.leaders()[0]][1]
+        key = "'z'" if kind.startswith("conj") else "'x'"
+        assert f"batch[{key}]" in leader_error, f"{name} {kind}: {leader_error}"
