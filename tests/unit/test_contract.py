@@ -277,3 +277,114 @@ def test_attempt_and_raise_failure_ship_any_exception():
     assert isinstance(err.value, ContractError)
     with pytest.raises(RuntimeError, match="no batch today"):  # the leader: its own exception
         contract.raise_failure(fake_groups(rank=0), text, exc)
+
+
+# -- leaf kinds: carried exactly or refused, named -------------------------------------------
+def with_x(make) -> DataProto:
+    dp = good_batch(4)
+    dp.batch._tensordict["x"] = make(torch.arange(8.0).view(4, 2))  # bypass TensorDict's checks
+    return dp
+
+
+REFUSED = {
+    "sparse COO": lambda x: x.to_sparse(),
+    "sparse CSR": lambda x: x.to_sparse_csr(),
+    "sparse BSC": lambda x: x.to_sparse_bsc((1, 1)),
+    "quantized tensor (torch.quint8)": lambda x: torch.quantize_per_tensor(x, 1.0, 0, torch.quint8),
+    "torch.nn.parameter.Parameter, a tensor subclass": torch.nn.Parameter,
+    "nested tensor with layout torch.strided": lambda x: torch.nested.nested_tensor(list(x)),
+}
+
+
+@pytest.mark.parametrize("what", sorted(REFUSED))
+def test_a_leaf_no_strategy_can_carry_is_refused_naming_key_and_kind(what):
+    with pytest.raises(ContractError, match=r"rank 5: batch\['x'\] is ") as err:
+        with_x(REFUSED[what]).validate(rank=5)
+    assert what in str(err.value) and "get_data_input carries dense strided" in str(err.value)
+
+
+def test_lazy_leaves_are_carried_as_their_values_and_the_callers_batch_is_left_alone():
+    dp = good_batch(4)
+    z = torch.complex(torch.ones(4, 2), torch.arange(8.0).view(4, 2))
+    dp.batch["z"] = z.conj()
+    dp.batch["zero"] = torch._efficientzerotensor(4, 3)
+    dp.batch["n", "neg"] = torch._neg_view(torch.ones(4, 1))
+    lazy: list = []
+    assert contract.validate(dp, rank=0, lazy=lazy) == 4
+    assert sorted(lazy) == [("n", "neg"), ("z",), ("zero",)]
+    sent = contract.resolve_lazy_views(dp, lazy)
+    assert sent is not dp and sent.meta_info is dp.meta_info
+    assert not sent.batch["z"].is_conj() and torch.equal(sent.batch["z"], z.conj())
+    assert not sent.batch["zero"]._is_zerotensor() and not sent.batch["zero"].any()
+    assert torch.equal(sent.batch["n", "neg"], -torch.ones(4, 1))
+    assert dp.batch["z"].is_conj() and dp.batch["n", "neg"].is_neg()  # the caller's, untouched
+    assert contract.resolve_lazy_views(dp, []) is dp
+
+
+# -- the failure protocol, with no process group ---------------------------------------------
+def test_a_failure_batch_carries_the_leaders_error_and_a_batch_cannot_forge_one():
+    sent = contract.failure_batch("KeyError: 'ü' gone", True, torch.device("cpu"))
+    assert list(sent.batch.keys()) == [contract.FAILURE_KEY] and sent.broadcast_non_tensor
+    assert contract.failure_in(sent) == "KeyError: 'ü' gone"
+    assert contract.failure_in(good_batch()) is None and contract.failure_in(None) is None
+    with pytest.raises(ContractError, match="is a reserved key"):
+        contract.validate(sent, rank=0)
+
+
+class Recording(strategies.Strategy):
+    """Records what its transfer is handed; ``fail`` makes its leader side raise first."""
+
+    name = "recording"
+
+    def __init__(self, groups, fail: Exception | None = None) -> None:
+        super().__init__(groups)
+        self.fail, self.sent = fail, []
+
+    def transfer(self, batch):
+        self.sent.append(batch)
+        if self.groups.is_leader and self.fail is not None and len(self.sent) == 1:
+            raise self.fail
+        return batch
+
+
+def test_the_leader_ships_whatever_it_raises_before_a_collective_as_a_failure_batch():
+    refused = Recording(fake_groups(rank=0))
+    with pytest.raises(ContractError, match="got NoneType") as err:
+        refused.get_data_input(None)
+    assert contract.is_settled(err.value)
+    assert contract.failure_in(refused.sent[0]).startswith("ContractError: rank 0: ")
+    broken = Recording(fake_groups(rank=0), fail=OSError("disk gone"))
+    with pytest.raises(OSError, match="disk gone"):
+        broken.get_data_input(good_batch())
+    assert [contract.failure_in(b) for b in broken.sent] == [None, "OSError: disk gone"]
+
+
+def test_a_receiver_raises_leader_failed_naming_the_leaders_error():
+    receiver = Recording(fake_groups(rank=1))
+    arrived = contract.failure_batch("ValueError: no", False, torch.device("cpu"))
+    receiver.transfer = lambda batch: arrived
+    with pytest.raises(strategies.LeaderFailed) as err:
+        receiver.get_data_input(DataProto())
+    assert str(err.value) == (
+        "rank 1: the replica leader (rank 0) failed to send its batch: ValueError: no"
+    )
+    assert Recording(fake_groups(rank=0, replica=(0,))).get_data_input("anything") == "anything"
+
+
+def test_a_strategy_written_before_transfer_gets_the_same_protocol():
+    class Older(strategies.Strategy):
+        name = "older"
+
+        def get_data_input(self, batch):
+            return "its own body"
+
+    assert Older.get_data_input is strategies.Strategy.get_data_input
+    assert Older(fake_groups(rank=1)).get_data_input(DataProto()) == "its own body"
+    with pytest.raises(TypeError, match="defines both get_data_input and transfer"):
+
+        class Both(strategies.Strategy):
+            def get_data_input(self, batch):
+                return batch
+
+            def transfer(self, batch):
+                return batch
