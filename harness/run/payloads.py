@@ -118,6 +118,16 @@ RECORDED = ("file", "schema")
 (``harness.run.recorded``) or a schema replayed with seeded data (``harness.run.schema``)."""
 
 
+def recorded_seq_len(
+    name: str, path: str, seed: int, trust: bool = False, max_bytes: int | None = None
+) -> int | None:
+    """The tokens per row of a recorded payload as its batch has them (``payload.seq_len`` does
+    not apply to one): a recording's widest 2-D leaf, a schema's from one replayed row."""
+    from harness.run import recorded
+
+    return recorded.seq_len_of(make(name, 1, 1, seed, None, path, trust, max_bytes))
+
+
 def path_of(name: str, path: str | None) -> str | None:
     """``payload.path`` as every rank can open it (absolute: a rank's working directory is
     not always the user's; a schema's bare name resolved in conf/schemas/)."""
@@ -139,15 +149,18 @@ def make(
     broadcast_non_tensor: bool | None = None,
     path: str | None = None,
     trust: bool = False,
+    max_bytes: int | None = None,
 ):
+    """The batch a replica leader holds: generated, or read from ``path`` (payload=file,
+    payload=schema) within ``max_bytes`` (None: the loader's default limit)."""
     if name == "file":
         from harness.run import recorded
 
-        return recorded.make(path, batch_size, trust, broadcast_non_tensor)
+        return recorded.make(path, batch_size, trust, broadcast_non_tensor, max_bytes)
     if name == "schema":
         from harness.run import schema
 
-        return schema.make(path, batch_size, seed, broadcast_non_tensor)
+        return schema.make(path, batch_size, seed, broadcast_non_tensor, max_bytes)
     try:
         fn = PAYLOADS[name]
     except KeyError:

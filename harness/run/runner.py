@@ -34,6 +34,8 @@ class JobSpec:
     """payload=file | schema: the recording or schema every replica leader reads."""
     payload_trust: bool = False
     """payload=file: arbitrary unpickling allowed (payload.trust=true)."""
+    payload_max_bytes: int | None = None
+    """payload=file | schema: the most bytes a leader's batch may take (None: the default)."""
     batch_size: int = 8
     seq_len: int = 1024
     broadcast_non_tensor: bool | None = None
@@ -124,6 +126,7 @@ def leader_batch(spec: JobSpec, groups, layout: Layout) -> strategies.DataProto 
         spec.broadcast_non_tensor,
         spec.payload_path,
         spec.payload_trust,
+        spec.payload_max_bytes,
     )
     if groups.device.type != "cpu":
         dp.batch = dp.batch.to(groups.device)

@@ -231,7 +231,12 @@ def test_plan_is_optional_and_predict_names_who_has_none():
 
     target = f"{__name__}.NoPlan"
     assert not strategies.has_plan(target)
-    assert all(strategies.has_plan(n) for n in strategies.names(include_floor=True))
+    built_in = [
+        n
+        for n in strategies.names(include_floor=True)
+        if strategies.get_class(n).__module__.startswith("strategies.")
+    ]  # an installed user strategy (the example's per_key) may have none
+    assert all(strategies.has_plan(n) for n in built_in)
     preds = predict_all(
         Layout(tp=2, pp=2), scaled_spec("rl_rollout", 8, 64), load_cluster("local"), [target]
     )

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from cli_support import REPO, harness
 
 from harness.report.collect import load
@@ -197,3 +198,30 @@ def test_records_and_hydra_files_are_readable_by_the_team_under_umask_077(tmp_pa
     assert {p: p.stat().st_mtime_ns for p in sweep.rglob("*") if p.is_file()} == before | {
         lock: lock.stat().st_mtime_ns
     }
+
+
+@pytest.mark.world
+def test_a_recorded_batch_is_recorded_with_its_real_shape(
+    tmp_path, monkeypatch, forked_worlds_closed
+):
+    """payload=file: the record says the recording's own width (9 tokens), not the config's
+    seq_len default, and the job runs on the recording's rows."""
+    from tensordict import TensorDict
+
+    from harness.run import cli
+    from harness.run.recorded import save
+    from strategies import DataProto
+
+    td = TensorDict(
+        {"input_ids": torch.arange(27).reshape(3, 9), "reward": torch.ones(3)}, batch_size=[3]
+    )
+    path = save(DataProto(td, {}, {}), tmp_path / "step.pt")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    run = tmp_path / "run"
+    argv = ["payload=file", f"payload.path={path}", "payload.batch_size=4", "iters=2"]
+    assert cli.main([*argv, "warmup=1", f"hydra.run.dir={run}"]) == 0
+    rec = json.loads((run / "result.json").read_text())
+    assert rec["status"] == "ok" and rec["correct"] is True
+    assert (rec["seq_len"], rec["batch_size"], rec["payload"]) == (9, 4, "file:step")
+    assert rec["payload_path"] == str(path.resolve())
