@@ -9,6 +9,13 @@ rest go out with the real bytes, and no receiver is left in a collective.
 
 Counting uses each process group's own sequence number (every collective on a group advances
 it), read once per call on the leader: no wrapper sits in the path of a good call.
+
+Why the rest carries the batch and not the failure: once the first collective is out, some
+receivers may already hold everything they will get (in a relay such as ``header``'s, TP×CP
+on stage 0 then PP, the ranks of the other branch are done before the leader's second
+broadcast), and a per-tensor collective has no room for a marker. Telling every rank would
+take one more collective in every call; finishing with the real bytes leaves every receiver
+exact and none waiting, and the leader raises its own error.
 """
 
 from __future__ import annotations

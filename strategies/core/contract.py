@@ -1,5 +1,6 @@
-"""The get_data_input contract: DataProto, the process groups a strategy receives, and the
-Strategy base class every module under ``strategies/`` implements.
+"""The get_data_input contract: DataProto, its validation (every leaf kind carried or refused),
+the process groups a strategy receives, and the Strategy base class whose ``get_data_input``
+holds the contract for every strategy (a leader's failure reaches every rank).
 """
 
 from __future__ import annotations
@@ -293,16 +294,6 @@ def failure_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def attempt(work, *args, **kwargs) -> tuple[Any, Exception | None]:
-    """Run the leader's fallible work (validate, encode) before its first collective: any
-    Exception comes back as the second value instead of propagating, so the strategy can ship
-    it in the message it sends anyway and no receiver is left waiting."""
-    try:
-        return work(*args, **kwargs), None
-    except Exception as exc:  # noqa: BLE001 -- any type: it travels to the receivers
-        return None, exc
-
-
 @dataclass(frozen=True)
 class ShippedFailure:
     """What a ``broadcast_object_list`` carries in place of objects its source could not
@@ -584,6 +575,10 @@ class Strategy:
     the batch's bytes, then the leader raises. Either way no rank waits, and the next call on
     the same instance starts from a state every rank agrees on.
 
+    What ``transfer`` must keep to for that: it posts collectives only on ``self.groups``'
+    groups (those are the ones counted), and its leader does nothing that can fail after its
+    first collective (a replay repeats a failure of its own code and cannot finish it).
+
     A subclass written against the older interface (its own ``get_data_input``) has that
     method taken as its ``transfer``, so it gets the same protocol.
     """
@@ -669,7 +664,9 @@ class Strategy:
 
     def leader_view(self, batch):
         """Leader, before any collective: validate ``batch`` (every leaf kind), run ``check``
-        and return what ``transfer`` sends (``batch``, or a copy with lazy views resolved)."""
+        and return what ``transfer`` sends (``batch``, or a copy with lazy views resolved). A
+        strategy overrides it only to do the same work faster (``PackedStrategy`` caches it
+        per batch structure)."""
         lazy: list = []
         validate(batch, self.groups.rank, self.groups.device, lazy=lazy)
         self.check(batch)

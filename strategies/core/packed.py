@@ -179,7 +179,7 @@ class PackedStrategy(Strategy):
         if alone and header.total_bytes + alone > self.wire.max_bytes:
             # A receiver refuses such a header only after the leader is committed to sending
             # the leaves, and would leave it waiting in their broadcasts: refuse here instead,
-            # so the error header reaches every rank (max_bytes is the same on every rank).
+            # before any collective, so every rank raises it (max_bytes is the same everywhere).
             self._fill = None
             raise HeaderError(
                 f"rank {self.groups.rank}: the message ({header.total_bytes} bytes) and the "

@@ -261,12 +261,8 @@ def test_validate_refuses_a_leaf_on_a_foreign_device():
         dp.validate(rank=0)
 
 
-def test_attempt_and_raise_failure_ship_any_exception():
-    def broken():
-        raise RuntimeError("no batch today")
-
-    value, exc = contract.attempt(broken)
-    assert value is None and isinstance(exc, RuntimeError)
+def test_raise_failure_ships_any_exception():
+    exc = RuntimeError("no batch today")
     text = contract.failure_text(exc)
     assert text == "RuntimeError: no batch today"
     with pytest.raises(strategies.LeaderFailed) as err:
