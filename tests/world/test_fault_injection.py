@@ -223,3 +223,46 @@ def batch_specs(draw) -> tuple:
 def test_a_fault_anywhere_on_the_leaders_path_strands_no_rank(world4, name, spec, fault_type, text):
     results = world4.run(injection_job, name, spec, fault_type, text, timeout_s=FAIL_WITHIN_S)
     check(results, name, fault_type, text)
+
+
+# -- the worked example, which writes no failure handling of its own --------------------------
+def _unpicklable(b: int) -> np.ndarray:
+    texts = np.empty(b, dtype=object)
+    texts[:] = [lambda: None] * b  # a lambda cannot be pickled
+    return texts
+
+
+def example_job(ctx, case: str):
+    """per_key, a good call, then the case's leader batch; (outcome, text) on this rank."""
+    example_importable()
+    groups = ctx.groups_for(LAYOUT)
+    strategy = strategies.get(EXAMPLE, groups, coalesce=case.endswith("coalesced"))
+    spec = (3, (("x", "float32", 2),), True)
+    call(ctx, strategy, spec, 0, nullcontext())
+    entry = build(spec, 1) if groups.is_leader else build(spec, 1).entry_state(False)
+    if groups.is_leader:
+        entry.non_tensor_batch["fn"] = _unpicklable(3)
+    ctx.report(f"per_key: {case}")
+    try:
+        strategy.get_data_input(entry)
+    except Exception as exc:  # noqa: BLE001 -- the test looks at what every rank raised
+        return "raised", f"{type(exc).__name__}: {exc}"
+    return "returned", ""
+
+
+@pytest.mark.parametrize("case", ["unpicklable", "unpicklable_coalesced"])
+def test_the_example_strategy_ships_its_leaders_failure_without_a_line_for_it(world4, case):
+    """per_key pickles its header before its first collective and has no failure code: the
+    leader's PicklingError reaches every rank as the leader's error (it used to leave the
+    receivers in the size broadcast until gloo's timeout)."""
+    t0 = time.monotonic()
+    results = world4.run(example_job, case, timeout_s=FAIL_WITHIN_S)
+    assert time.monotonic() - t0 < 2 * FAIL_WITHIN_S
+    leader = LAYOUT.leaders()[0]
+    outcome, said = results[leader]
+    assert outcome == "raised" and "pickle" in said.lower(), said
+    for rank, (outcome, text) in enumerate(results):
+        if rank != leader:
+            assert outcome == "raised", (rank, text)
+            assert text.startswith(f"LeaderFailed: rank {rank}: the replica leader (rank 0)")
+            assert said in text, (rank, text)
