@@ -40,8 +40,8 @@ model prices it cheaper and it wins outright), then fewest collectives."""
 TIE = 0.01
 """Candidates priced within this fraction of the cheapest count as a tie; the first of them in
 ``CANDIDATES`` order wins. Small: the model's absolute error is larger, but between plans that
-share a wire and differ in a few collectives its ranking is what it gets right (5 % handed
-8 MiB to direct, priced 3.7 % over flat, and measured 5.7 % slower than flat)."""
+share a wire and differ in a few collectives its ranking is what it gets right (a wider tie
+band handed to direct sizes where the model itself priced it above flat)."""
 
 
 class Auto(Strategy):

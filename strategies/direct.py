@@ -2,17 +2,16 @@
 
 ``flat`` copies every byte into its send buffer before the first one moves. On a host where
 the transport itself is CPU work (gloo over TCP, 2 cores) that copy is most of what separates
-it from the floor at large payloads (``flat`` 1.35× the floor at 17 MiB on tp2pp2 in the
-reference sweep). ``direct`` puts only the header, the small leaves and the non-tensor blob
+it from the floor at large payloads (README, "Reference results"). ``direct`` puts only the header, the small leaves and the non-tensor blob
 into the speculative message, then broadcasts every contiguous leaf of at least
 ``direct_min_bytes`` from the leader's own tensor into a tensor each receiver allocates from
 the header: no pack copy for those bytes, one more collective per large leaf, all issued async
 so the backend overlaps them (gloo runs two at a time per group).
 
-The threshold trades one collective's start-up against copying the leaf: 1 MiB fits gloo on
-CPU (a broadcast's α ≈ 0.3 ms ≈ copying 1 MiB here); on NCCL, where device copies are ~100×
-faster and α ~20 µs, a larger threshold (tens of MiB) keeps it from sending many small
-collectives. Options: ``direct_min_bytes`` (1 MiB), plus those of
+The threshold trades one collective's start-up against copying the leaf: the default suits
+gloo on CPU, where a broadcast's start-up costs about as much as copying a MiB; on NCCL, where
+device copies are far faster and start-up far shorter, a larger threshold (tens of MiB) keeps
+it from sending many small collectives. Options: ``direct_min_bytes`` (1 MiB), plus those of
 ``strategies.core.packed.PackedStrategy``.
 """
 

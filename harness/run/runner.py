@@ -223,10 +223,10 @@ def start_line(groups) -> None:
 
     On gloo the group used last answers its next collective faster than a group that sat idle
     while another one worked: with only the world barrier, the floor's broadcast over the
-    replica group measured 1.00-1.05x the same broadcast in a bare world (which barriers and
-    broadcasts on one group), and 0.91-0.94x once a replica-group barrier came last (ad-hoc
-    probe, tp2pp2, 5.8 MiB, medians of 7-12 rounds, five runs). A call that starts on a
-    smaller group (header's TPxCP hop) still starts on a group the barrier did not touch, as it
+    replica group was slower than the same broadcast in a bare world (which barriers and
+    broadcasts on one group), and not once a replica-group barrier came last
+    (``tests/benchmarks/test_bench_bare.py`` holds the harness to the bare world). A call that
+    starts on a smaller group (header's TPxCP hop) still starts on a group the barrier did not touch, as it
     would in a real step."""
     dist.barrier()
     if len(groups.replica_ranks) > 1:

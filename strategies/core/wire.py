@@ -26,8 +26,7 @@ PAGE = 4096
 # A first message this large goes out in SEGMENTS async broadcasts, so the leader packs
 # segment i+1 while segment i is on the wire; below it, one broadcast costs less. Two, not
 # more: gloo runs a group's collectives on two worker threads, so two segments keep both busy
-# while more only queue, each paying its own round (flat at 6 and 18 MiB on tp2pp2 measured
-# 6-12 % faster with 2 than with 4, the floor's chunks2 trick).
+# while more only queue, each paying its own round (the floor's chunks2 method shows the same).
 PIPELINE_MIN_BYTES = 4 << 20
 SEGMENTS = 2
 
