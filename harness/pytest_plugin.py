@@ -118,7 +118,12 @@ def bcastbench_job(request, bcastbench_world, bcastbench_mode):
         spec.setdefault("seq_len", 512)
         spec.setdefault("iters", bcastbench_mode.iters)
         spec.setdefault("warmup", bcastbench_mode.warmup)
+        if spec.get("payload_path"):  # as every rank can open it (a schema by its bare name)
+            from harness.run.payloads import path_of
+
+            spec["payload_path"] = path_of(spec.get("payload", ""), spec["payload_path"])
         job_spec = JobSpec(strategy, the_layout, options=options, **spec)
+        _check_recorded(job_spec)
         world = bcastbench_world(the_layout.world_size)
         results = world.run(run_job_on_rank, job_spec, what=f"{strategy} job")
         summary = _flat(strategy, summarize(job_spec, results))
@@ -128,6 +133,25 @@ def bcastbench_job(request, bcastbench_world, bcastbench_mode):
         return summary
 
     return job
+
+
+def _check_recorded(spec) -> None:
+    """A recorded payload (payload="file" | "schema", payload_path=...) is read once here, by
+    the loader every command uses, so a bad or unsafe file fails the test with its one-line
+    reason before any rank starts (as ``bcastbench run`` refuses it before any rank)."""
+    from harness.run import payloads, recorded, schema
+
+    if spec.payload not in payloads.RECORDED:
+        return
+    if not spec.payload_path:
+        raise ValueError(f'payload="{spec.payload}" needs payload_path=<file>')
+    try:
+        payloads.make(
+            spec.payload, spec.batch_size, spec.seq_len, spec.seed, None, spec.payload_path,
+            spec.payload_trust, spec.payload_max_bytes,
+        )  # fmt: skip
+    except (recorded.PayloadFileError, schema.SchemaError) as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _layout_text(layout) -> str:

@@ -551,3 +551,26 @@ def test_schema_bytes_per_row_are_its_shapes_arithmetic():
     assert schema.validate(doc) == tensors + strings
     with pytest.raises(schema.SchemaError, match=rf"2 rows × {tensors + strings:,} bytes per row"):
         schema.validate(doc, batch_size=2, max_bytes=tensors)
+
+
+def test_the_pytest_plugin_refuses_an_unsafe_recording_before_any_rank(tmp_path):
+    """bcastbench_job reads a recorded payload with the loader every command uses, on the
+    driver: code in a pickle is refused in one line naming the trust flag."""
+    import pickle
+
+    from harness.pytest_plugin import _check_recorded
+    from harness.run.runner import JobSpec
+    from strategies.core.layout import Layout
+
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    path = tmp_path / "evil.pkl"
+    path.write_bytes(pickle.dumps(Evil()))
+    spec = JobSpec("header", Layout(tp=2, pp=2), payload="file", payload_path=str(path))
+    with pytest.raises(ValueError, match="payload.trust=true") as err:
+        _check_recorded(spec)
+    assert len(str(err.value).splitlines()) == 1 and not marker.exists()
