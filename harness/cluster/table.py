@@ -1,7 +1,7 @@
 """Which strategy wins depends on the cluster's NIC layout: measure it on an emulated cluster.
 
-    python -m harness.cluster.table                      # run both jobs, write the table
-    python -m harness.cluster.table --from results/emulated   # re-read earlier records
+    bcastbench emulated-table                      # run both jobs, write the table
+    bcastbench emulated-table --from results/emulated   # re-read earlier records
 
 Two jobs run on the emulated 2-node cluster (harness.cluster.launch; tp=2 inside a node, pp=2 across
 1 Gbit/s links, rl_rollout 720 × 512 ≈ 16 MiB): one with one link per node, one with one link
@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from harness import paths  # noqa: I001
+from harness.errors import program
 from harness.files import write_atomic, write_json
 from harness.run.machine import other_cores, snapshot
 
@@ -242,7 +243,7 @@ def table(root: Path) -> str:
     lines = [
         "# Emulated 2-node cluster: 1 Gbit/s links, tp=2 in a node, pp=2 across",
         "",
-        "Measured: `python -m harness.cluster.table` (harness.cluster.launch, gloo on CPU, p50 of",
+        "Measured: `bcastbench emulated-table` (harness.cluster.launch, gloo on CPU, p50 of",
         "the slowest rank per iteration, every strategy interleaved in one job per link",
         "layout). Predicted: each strategy's plan priced by harness.model.pricing on",
         "conf/cluster/emulated.yaml (one link per node) and emulated_rails.yaml (one per rank).",
@@ -264,7 +265,7 @@ def table(root: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m harness.cluster.table", description=__doc__.splitlines()[0]
+        prog=program("harness.cluster.table"), description=__doc__.splitlines()[0]
     )
     ap.add_argument("--from", dest="src", help="read records from this dir (node/, gpu/)")
     ap.add_argument("--out", default="results/emulated", help="where jobs and report.md go")

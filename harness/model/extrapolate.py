@@ -129,16 +129,14 @@ def size_crossover(cluster, payload: str, seq_len: int, tp: int, cp: int, pp: in
 
 def emulated_check(root: Path = EMULATED_RECORDS) -> list[str]:
     """The emulated-cluster records under ``root`` (tp=2 inside a node, pp=2 across a shaped
-    link, written by ``python -m harness.cluster.table``) beside what the model predicts for
+    link, written by ``bcastbench emulated-table``) beside what the model predicts for
     them: the one place the SC'21 effect is measured rather than predicted."""
     from harness.cluster import table
 
     try:
         rows = table.compare(root)
     except FileNotFoundError as exc:
-        return [
-            f"(no emulated-cluster records: {exc}; `python -m harness.cluster.table` makes them)"
-        ]
+        return [f"(no emulated-cluster records: {exc}; `bcastbench emulated-table` makes them)"]
     lines = [
         "| cluster | strategy | measured p50 ms | PREDICTED ms | pred/meas |",
         "|---|---|---|---|---|",

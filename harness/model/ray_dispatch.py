@@ -2,8 +2,8 @@
 rank holds its chunk", for ``all_ranks`` (one object per replica, every rank gets it) and
 ``leader`` (the object to each replica's leader, then a broadcast strategy), without running.
 
-    python -m harness.model.ray_dispatch example [--cluster h200_ib]     # the 16,384-GPU answer
-    python -m harness.model.ray_dispatch validate results/reference_ray/emulated_node.json \
+    bcastbench ray-model example [--cluster h200_ib]     # the 16,384-GPU answer
+    bcastbench ray-model validate results/reference_ray/emulated_node.json \
         --cluster emulated                                                  # per-cell error
 
 One call is priced as the sum of its phases, as ``harness.ray.dispatch`` runs them:
@@ -134,7 +134,7 @@ def load_ray_costs(name_or_path: str | Path = "local") -> RayCostConf:
     if not path.is_file():
         known = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
         raise ClusterError(
-            f"no Ray cost file {path}; presets: {known} (write one: python -m harness.ray.calibrate)"
+            f"no Ray cost file {path}; presets: {known} (write one: bcastbench ray-calibrate)"
         )
     raw = yaml.safe_load(path.read_text()) or {}
     known = {f.name for f in fields(RayCostConf)}

@@ -1,7 +1,7 @@
 """Calibrate the cost model's Ray terms on a local Ray world: the driver's put, each actor's
 get, and the per-actor call overhead, fitted as α + n·β; written to ``conf/ray/local.yaml``.
 
-    python -m harness.ray.calibrate [--ranks 4] [--reps 7] [--out conf/ray/local.yaml]
+    bcastbench ray-calibrate [--ranks 4] [--reps 7] [--out conf/ray/local.yaml]
 
 What is timed is what a dispatch call pays (``harness.ray.dispatch``): chunking the global
 batch and ``ray.put`` of each chunk (a DataProto, or the floor's flat uint8 array), every rank's
@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from harness import paths
+from harness.errors import program
 
 SIZES = (4, 48, 192, 704)
 """rl_rollout rows per chunk at seq_len 512: from tens of KiB to the 16 MiB the tables use."""
@@ -123,7 +124,7 @@ def _yaml(conf: dict[str, float], points: dict[str, list], ranks: int, secs: flo
     import yaml
 
     lines = [
-        "# Written by `python -m harness.ray.calibrate`; do not edit by hand, run it again.",
+        "# Written by `bcastbench ray-calibrate`; do not edit by hand, run it again.",
         f"# {time.strftime('%Y-%m-%dT%H:%M:%S')} on {socket.gethostname()}, local Ray world of "
         f"{ranks} actors, {len(SIZES)} sizes ({secs:.0f} s). Values measured here.",
         "# points (bytes or actors -> ms, median):",
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     from harness.files import write_atomic
     from harness.ray.world import RayConf, RayWorld
 
-    p = argparse.ArgumentParser(prog="python -m harness.ray.calibrate", description=__doc__)
+    p = argparse.ArgumentParser(prog=program("harness.ray.calibrate"), description=__doc__)
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--out", type=Path, default=OUT)

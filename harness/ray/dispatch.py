@@ -15,7 +15,7 @@ Modes (``scope = "dispatch+broadcast"``; the forked world's jobs are ``"broadcas
 Chunking and the put are inside the time. Every iteration ends at the latest rank-side end
 time; each rank's result is checked bit for bit (``harness.run.verify``) after the timed calls.
 
-    python -m harness.ray.dispatch --layout tp2pp2 --payload rl_rollout --batch-size 32 \
+    bcastbench ray-dispatch --layout tp2pp2 --payload rl_rollout --batch-size 32 \
         --modes leader:header,leader:pickled,all_ranks --iters 5
 """
 
@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 import strategies
+from harness.errors import program
 from harness.run import payloads
 from harness.run.verify import VerificationError, compare, digest, tensor_digest
 from harness.run.world import WorldError
@@ -436,7 +437,7 @@ def format_table(record: dict) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m harness.ray.dispatch", description=__doc__.split("\n\n")[0]
+        prog=program("harness.ray.dispatch"), description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--layout", default="tp2pp2", help="comma-separated conf/layout names")
     p.add_argument("--payload", default="rl_rollout", choices=sorted(payloads.PAYLOADS))
@@ -461,7 +462,7 @@ def _command(argv: list[str] | None) -> str:
     import sys
 
     args = sys.argv[1:] if argv is None else argv
-    return " ".join(["python -m harness.ray.dispatch", *map(shlex.quote, args)])
+    return " ".join(["bcastbench ray-dispatch", *map(shlex.quote, args)])
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -2,7 +2,7 @@
 ``harness.cluster.netns``, the driver inside node 0's namespace, cross-node bytes per call read
 from the links' counters.
 
-    python -m harness.ray.emulated --nodes 2 --rate-mbit 1000 -- \
+    bcastbench ray-emulated --nodes 2 --rate-mbit 1000 -- \
         --layout tp2pp2 --batch-size 48,704 --modes leader:header,leader:pickled,all_ranks
 
 Everything after ``--`` goes to ``python -m harness.ray.dispatch`` (the driver). Node k runs
@@ -34,6 +34,7 @@ from pathlib import Path
 
 from harness import paths
 from harness.cluster.launch import LINKS_ENV
+from harness.errors import program
 from harness.ray.world import NODE_RESOURCE, cluster_auth
 from harness.run.world import WorldError
 
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     )
     p = argparse.ArgumentParser(
-        prog="python -m harness.ray.emulated", description=__doc__.split("\n\n")[0]
+        prog=program("harness.ray.emulated"), description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--rate-mbit", type=int, default=1000)
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         links=args.links,
     )
     each = "node" if args.links == "node" else "rank (rails)"
-    command = " ".join(["python -m harness.ray.emulated", *map(shlex.quote, argv)])
+    command = " ".join(["bcastbench ray-emulated", *map(shlex.quote, argv)])
     for record in records:
         record["command"] = command
         print(f"emulated: {args.nodes} nodes, one {args.rate_mbit} Mbit/s link per {each}")

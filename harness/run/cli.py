@@ -45,6 +45,10 @@ SUBCOMMANDS = {
     "collect": ("harness.report.collect", "DIR: one CSV row per job of a run or sweep"),
     "validate": ("harness.model.validate", "DIR: the cost model against a measured sweep"),
     "emulated-table": ("harness.cluster.table", "the emulated-cluster comparison table"),
+    "ray-dispatch": ("harness.ray.dispatch", "Ray dispatch modes side by side on a Ray world"),
+    "ray-emulated": ("harness.ray.emulated", "Ray dispatch across emulated nodes (root)"),
+    "ray-calibrate": ("harness.ray.calibrate", "fit Ray's put/get/call costs (conf/ray/)"),
+    "ray-model": ("harness.model.ray_dispatch", "the Ray dispatch model: validate | example"),
     "gpu-check": ("harness.run.gpu_check", "the CUDA checks on a single-GPU machine"),
 }
 
@@ -76,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         if module is None:
             return run(argv)
         sys.argv = [f"bcastbench {name}", *argv]
-        return int(importlib.import_module(module).main(argv) or 0)
+        status = importlib.import_module(module).main(argv)
+        # A command that hands back what it made (records, a fit) has succeeded.
+        return status if isinstance(status, int) else 0
     finally:
         sys.argv = saved
 

@@ -375,7 +375,7 @@ def _validate_ray(cfg, joined: bool) -> None:
         where = "emulate.enabled=true" if cfg.emulate.enabled else "a launched world (torchrun)"
         raise ConfigError(
             f"world=ray starts its own ranks as Ray actors; it cannot run under {where} "
-            "(Ray on the emulated cluster: python -m harness.ray.emulated)"
+            "(Ray on the emulated cluster: bcastbench ray-emulated)"
         )
     if cfg.ray.dispatch != "none":
         _validate_dispatch(cfg)
