@@ -31,7 +31,7 @@ lint: $(STAMP)
 test: lint
 	mkdir -p results/ci
 	BCASTBENCH_BENCH=short $(BIN)/python -m pytest -q tests --benchmark-enable \
-		--benchmark-json results/ci/benchmarks.json
+		--benchmark-json results/ci/benchmarks.json --durations=20
 
 # Unit tier (no process group) plus the one world test marked smoke.
 test-fast: lint

@@ -28,14 +28,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from harness import paths
 from harness.cluster.launch import LINKS_ENV
 from harness.errors import program
-from harness.ray.world import NODE_RESOURCE, cluster_auth
+from harness.ray.world import NODE_RESOURCE, cluster_auth, private_cluster_dir
 from harness.run.world import WorldError
 
 RAY_PORT = 6379  # a fresh namespace has every port free
@@ -138,7 +137,8 @@ def run_emulated(
         raise ValueError(f"{nodes} nodes do not divide the world of {world_size}")
     per_node = world_size // nodes
     shape = {"nodes": nodes, "rate_mbit": rate_mbit, "links": links, "ranks_per_node": per_node}
-    scratch = Path(tempfile.mkdtemp(prefix="bcastbench-ray-emulated-"))
+    # Ray's unix sockets live under the head's temp dir, which must leave them room.
+    scratch = private_cluster_dir()
     try:
         with Emulation(**shape) as emu:
             procs = start_ray_nodes(emu, scratch, cpus_per_node, object_store_mb, 120.0)
