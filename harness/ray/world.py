@@ -37,6 +37,8 @@ DEATH_GRACE_S = 3.0
 """How long, after a rank fails, the world waits for its peers to fail too before naming one."""
 
 
+PROGRESS_POLL_S = 2.0
+"""How often the driver asks waiting ranks where they are."""
 LEAVE_S, CLOSE_GRACE_S, KILL_GRACE_S = 10.0, 15.0, 2.0
 """Closing a world: how long ranks get to leave the torch.distributed world, and how long the
 private cluster's processes get to end by themselves (after a clean close) or after SIGTERM
@@ -176,8 +178,20 @@ class RayConf:
             )
 
 
+class _ActorBoard:
+    """What a rank actor is doing, kept in the actor for the driver to ask (``RankActor.where``)
+    while a task runs: the forked world's ``PhaseBoard`` interface, one slot."""
+
+    def __init__(self) -> None:
+        self.phase, self.since = "starting", time.monotonic()
+
+    def write(self, rank: int, job: int, step: int, phase: str) -> None:
+        self.phase, self.since = phase, time.monotonic()
+
+
 class RankActor:
-    """One rank: joins the torch.distributed world, then runs ``fn(ctx, *args)`` on request."""
+    """One rank: joins the torch.distributed world, then runs ``fn(ctx, *args)`` on request.
+    Runs its methods on two threads, so ``where`` answers while ``call`` works."""
 
     def __init__(self, rank: int, world_size: int, backend: str, device: str) -> None:
         import torch
@@ -186,6 +200,19 @@ class RankActor:
         self.rank, self.world_size = rank, world_size
         self.backend, self.device = backend, device
         self.ctx = None
+        self.board = _ActorBoard()
+        self._task_thread: int | None = None
+
+    def where(self) -> tuple[str, float, str]:
+        """(the phase this rank last reported, seconds since it did, where its task's thread
+        is: inside a collective or outside any)."""
+        import sys
+
+        from harness.run.world import where
+
+        frame = sys._current_frames().get(self._task_thread) if self._task_thread else None
+        stack = where(frame) if frame is not None else "idle"
+        return self.board.phase, time.monotonic() - self.board.since, stack
 
     def node_ip(self) -> str:
         import ray
@@ -226,10 +253,16 @@ class RankActor:
 
         # None off an emulated cluster; there, the rank-side job counts link bytes with it.
         counter = link_counter()
-        self.ctx = RankContext(self.rank, self.world_size, self.backend, dev, link_counter=counter)
+        self.ctx = RankContext(
+            self.rank, self.world_size, self.backend, dev, link_counter=counter, board=self.board
+        )
         return os.getpid()
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        import threading
+
+        self._task_thread = threading.get_ident()
+        self.board.write(self.rank, 0, 0, getattr(fn, "__name__", "task"))
         return fn(self.ctx, *args)
 
     def leave(self) -> None:
@@ -405,6 +438,7 @@ class RayWorld:
         remote = ray.remote(RankActor)
         self.actors = [
             remote.options(
+                max_concurrency=2,  # call, and where beside it
                 num_cpus=self.conf.actor_cpus,
                 num_gpus=bundles[r].get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -525,26 +559,30 @@ class RayWorld:
         return [a.call.remote(fn, *args) for a, args in zip(self.actors, per_rank_args)]
 
     def collect(self, refs: list, what: str, timeout_s: float | None = None) -> list[Any]:
-        """Every rank's answer in rank order. A rank that fails, dies or stays silent past
-        ``timeout_s`` tears the world down and raises WorldError naming it."""
+        """Every rank's answer in rank order. A rank that fails or dies, or that reports no
+        progress for ``timeout_s`` (as in a forked world: the limit is on silence, not on the
+        job's length), tears the world down and raises WorldError naming it and its phase."""
         from harness.run.world import WorldError
 
         ray = self._ray
         limit = timeout_s or self.conf.timeout_s
-        deadline = time.monotonic() + limit
         rank_of = {ref: r for r, ref in enumerate(refs)}
         pending, results = list(refs), {}
+        started = time.monotonic()
         while pending:
-            ready, pending = ray.wait(
-                pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
-            )
+            ready, pending = ray.wait(pending, num_returns=1, timeout=PROGRESS_POLL_S)
             if not ready:
-                late = sorted(rank_of[r] for r in pending)
-                self.close(kill=True)
-                raise WorldError(
-                    f"ranks {late} did not answer within {limit:.0f} s while {what}; the Ray "
-                    "world was torn down"
+                silent = self._silent_ranks(
+                    [rank_of[r] for r in pending], limit, time.monotonic() - started
                 )
+                if silent:
+                    self.close(kill=True)
+                    named = "; ".join(
+                        f"rank {r} stopped responding for {limit:.0f} s while {phase!r} ({at})"
+                        for r, phase, at in silent
+                    )
+                    raise WorldError(f"{named}, in {what}; the Ray world was torn down")
+                continue
             ref = ready[0]
             try:
                 results[rank_of[ref]] = ray.get(ref)
@@ -557,6 +595,26 @@ class RayWorld:
                     f"was torn down\n{detail}"
                 ) from None
         return [results[r] for r in range(len(refs))]
+
+    def _silent_ranks(self, ranks: list[int], limit: float, waited: float):
+        """(rank, phase, where) of each of ``ranks`` that has reported nothing for ``limit``
+        seconds; when some of them are outside any collective, only those (the rest wait for
+        them inside one). A rank that cannot even say where it is (its actor gone or wedged)
+        counts as silent since the task began."""
+        if waited < limit:
+            return []
+        ray = self._ray
+        asks = {r: self.actors[r].where.remote() for r in ranks if r < len(self.actors)}
+        silent = []
+        for rank, ask in asks.items():
+            try:
+                phase, idle_s, at = ray.get(ask, timeout=PROGRESS_POLL_S)
+            except Exception:
+                phase, idle_s, at = "not answering", waited, "its actor does not answer"
+            if idle_s >= limit:
+                silent.append((rank, phase, at))
+        outside = [s for s in silent if not s[2].startswith("in collective")]
+        return outside or silent
 
     def _root_failure(self, rank: int, exc: Exception, pending: list, rank_of: dict):
         """The failure to name. When one rank dies, its peers fail too (their collectives lose

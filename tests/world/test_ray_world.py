@@ -9,6 +9,8 @@ and megatron-core is most of the time), also serving the ``bcastbench run world=
 
 from __future__ import annotations
 
+import time
+
 import psutil
 import pytest
 
@@ -150,6 +152,15 @@ def test_bcastbench_run_world_ray_broadcast_and_dispatch(ray_world, tmp_path):
     assert set(merged["modes"]) == {"leader:header", "leader:floor", "all_ranks", "all_ranks:raw"}
 
 
+def test_the_limit_is_on_silence_not_on_the_job(ray_world):
+    """timeout_s means what it means in a forked world: a job far longer than the limit passes
+    while its ranks report progress."""
+    spec = JobSpec("header", TP2PP2, iters=120, warmup=0, references=("floor",), **SMALL)
+    t0 = time.monotonic()
+    ray_world.run(run_job_on_rank, spec, timeout_s=3)
+    assert time.monotonic() - t0 > 3, "the job must outlast the limit to test it"
+
+
 def test_crashing_rank_fails_by_name_and_close_leaves_nothing(ray_world):
     pids = set(ray_world.started_pids)
     assert set(ray_world.rank_pids) <= pids, "the rank actors must be among the tracked pids"
@@ -160,3 +171,27 @@ def test_crashing_rank_fails_by_name_and_close_leaves_nothing(ray_world):
     ray_world.close()
     left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert left == [], f"processes the Ray world started are still running: {left}"
+
+
+def test_a_hung_rank_is_named_with_its_phase():
+    """One rank stops answering (outside any collective) while the others wait for it in one:
+    the job fails within the limit and a few polls, naming that rank alone and its phase."""
+    from harness.run import launch
+
+    world = launch.ray_world(4, CONF)
+    try:
+        spec = JobSpec(
+            "header", TP2PP2, iters=2, warmup=0, fault_rank=1, fault_at_iter=0,
+            fault_kind="hang", **SMALL,
+        )  # fmt: skip
+        t0 = time.monotonic()
+        with pytest.raises(WorldError) as err:
+            world.run(run_job_on_rank, spec, timeout_s=4)
+        took = time.monotonic() - t0
+    finally:
+        launch.close_ray(kill=True)
+    message = str(err.value)
+    assert "rank 1 stopped responding for 4 s while 'timed iteration 0 of header'" in message
+    assert "outside any collective" in message
+    assert "rank 0" not in message and "rank 2" not in message, message
+    assert took < 4 + 15, took
