@@ -83,15 +83,19 @@ def _rss_peak_reset() -> bool:
         return False
 
 
-def _release_free_heap() -> bool:
+def _release_free_heap(full: bool = True) -> bool:
     """Hand the heap's free pages back to the kernel (glibc ``malloc_trim``), so that what the
     next call allocates has to fault in fresh pages and shows up in VmHWM. Without it the
     earlier rounds' freed buffers stay resident, the call reuses them and its high-water growth
-    reads 0 whatever it allocates. False where there is no glibc to ask."""
+    reads 0 whatever it allocates. False where there is no glibc to ask.
+
+    Objects in reference cycles hold memory until the collector runs: ``full`` collects every
+    generation (a tenth of a second or more in a rank that imported torch and megatron-core,
+    so once per job); otherwise only the young ones, where one call's cycles are."""
     import ctypes
     import gc
 
-    gc.collect()  # objects in reference cycles hold memory until the collector runs
+    gc.collect(2 if full else 1)
     try:
         # The process's own symbols: glibc's malloc_trim where the C library is glibc.
         ctypes.CDLL(None).malloc_trim(0)  # 0: keep no padding at the top of the heap
@@ -254,7 +258,7 @@ def measurements(ctx, job: Prepared) -> dict[str, dict]:
         out["work"][name] = dict(rec.work)
         ctx.report(f"measuring peak memory of {name}")
         dist.barrier()
-        released = _release_free_heap()
+        released = _release_free_heap(full=name == job.order[0])
         base = _rss_now()
         honest = _rss_peak_reset() and released
         if device.type == "cuda":
