@@ -25,6 +25,7 @@ from typing import Any, Literal
 import psutil
 
 from harness import paths
+from harness.ray.netns import PrivateNetwork
 
 NODE_RESOURCE = "bcb_node"
 """Custom resource a multi-node cluster's node ``k`` advertises as ``bcb_node<k>``: bundles ask
@@ -306,6 +307,7 @@ class RayWorld:
         """A private cluster's own directory (session files, token), removed at close."""
         self._saved_env: dict[str, str | None] = {}
         self._reaper: tuple[int, Any] | None = None
+        self._network: PrivateNetwork | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> RayWorld:
@@ -388,10 +390,19 @@ class RayWorld:
             os.environ[key] = value
         self._reaper = reaper.start(self._cluster_dir)
         self._before.add(self._reaper[1].pid)  # not the cluster's: it ends when told
+        # After the reaper (which must stay on the host's network to outlive the cluster).
+        self._network = PrivateNetwork()
+        self._network.enter()
 
     def _forget_private_cluster(self) -> None:
-        """After the cluster has stopped: the environment as it was, the directory gone, and
-        the reaper told (it finds nothing left to stop)."""
+        """After the cluster has stopped: the environment as it was, the directory gone, the
+        thread back on the host's network, and the reaper told (it finds nothing to stop)."""
+        if self._network is not None and self._network.entered:
+            try:
+                self._network.leave()
+            except (OSError, RuntimeError):
+                pass  # a thread that cannot go back keeps loopback only; nothing is exposed
+        self._network = None
         for key, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(key, None)

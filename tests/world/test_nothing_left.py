@@ -3,9 +3,10 @@ the address, and a private Ray cluster leaves no process and no directory behind
 driver ends, kill -9 included.
 
 Ray's own gRPC servers (gcs_server, raylet, workers, the driver's core worker) bind every
-interface and Ray 2.60 has no setting to change that (``get_all_interfaces_ip``); a private
-cluster advertises a loopback address, connects over it and runs with a token of its own, and
-the test lists those listeners apart so a change in Ray shows up here.
+interface and Ray 2.60 has no setting to change that (``get_all_interfaces_ip``); as root, a
+private cluster runs in a network namespace of its own whose only interface is loopback
+(``harness.ray.netns``), so those listeners are reachable from nowhere else. Sockets are read
+from each process's own ``/proc/<pid>/net``, which shows the namespace the process is in.
 """
 
 from __future__ import annotations
@@ -24,17 +25,39 @@ import pytest
 from harness.paths import REPO
 
 
-def listeners(pids: set[int]) -> list[tuple[int, str, str, int]]:
-    """(pid, process name, address, port) of every listening TCP socket of ``pids``."""
+def _addr(hex_addr: str) -> str:
+    """A /proc/net/tcp{,6} address (little-endian hex words) as text."""
+    raw = bytes.fromhex(hex_addr)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(words))
+
+
+def listeners(pids: set[int]) -> list[tuple[int, str, str, int, str]]:
+    """(pid, process name, address, port, network namespace) of every listening TCP socket
+    of ``pids``, each read in the process's own network namespace."""
     found = []
-    for conn in psutil.net_connections(kind="inet"):
-        if conn.pid in pids and conn.status == psutil.CONN_LISTEN:
-            try:
-                name = psutil.Process(conn.pid).name()
-            except psutil.Error:
-                name = "?"
-            found.append((conn.pid, name, conn.laddr.ip, conn.laddr.port))
-    return sorted(found)
+    for pid in sorted(pids):
+        try:
+            inodes = {
+                os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1]
+                for fd in os.listdir(f"/proc/{pid}/fd")
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")
+            }
+            netns = os.readlink(f"/proc/{pid}/ns/net")
+            name = psutil.Process(pid).name()
+            tables = [Path(f"/proc/{pid}/net/{t}").read_text() for t in ("tcp", "tcp6")]
+        except (OSError, psutil.Error):
+            continue
+        for table in tables:
+            for line in table.splitlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    host, port = cols[1].split(":")
+                    found.append((pid, name, _addr(host), int(port, 16), netns))
+    return found
+
+
+HOST_NETNS = os.readlink("/proc/self/ns/net")
 
 
 def is_loopback(address: str) -> bool:
@@ -50,7 +73,7 @@ def test_a_forked_world_listens_on_loopback_only(world4):
     found = listeners(ranks | {os.getpid()})
     print("forked world of 4, listening sockets:", *found, sep="\n  ")
     assert found, "a gloo world listens somewhere (its store and pairs)"
-    assert all(is_loopback(addr) for _, _, addr, _ in found), found
+    assert all(is_loopback(addr) for _, _, addr, _, _ in found), found
 
 
 def _ray_or_skip():
@@ -97,10 +120,13 @@ def test_kill_9_of_a_ray_driver_leaves_nothing(tmp_path):
         found = listeners({proc.pid, *(p.pid for p in ray_procs)})
         gloo_ranks = set(info["ranks"])
         print("private Ray cluster of 2 ranks, listening sockets:", *found, sep="\n  ")
-        for pid, name, addr, port in found:
-            # Every address the harness chooses is loopback; Ray's servers bind all (see above).
-            assert is_loopback(addr) or addr in ("0.0.0.0", "::"), (pid, name, addr, port)
-        assert any(pid in gloo_ranks and is_loopback(a) for pid, _, a, _ in found)
+        private = {netns for *_, netns in found} - {HOST_NETNS}
+        for pid, name, addr, port, netns in found:
+            # Loopback, or inside the cluster's own loopback-only namespace (root).
+            assert is_loopback(addr) or netns in private, (pid, name, addr, port, netns)
+        if os.geteuid() == 0:
+            assert private and all(netns in private for *_, netns in found), found
+        assert any(pid in gloo_ranks and is_loopback(a) for pid, _, a, _, _ in found)
         t0 = time.monotonic()
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)

@@ -1,0 +1,74 @@
+"""A private Ray cluster's own network: the thread that starts the cluster moves into a new
+network namespace holding only a loopback interface, and everything it starts (the GCS, the
+raylet, the workers and the driver's own Ray threads) lives there.
+
+Ray's gRPC servers listen on every interface, and Ray has no setting to change that. Inside a
+namespace whose only interface is loopback, "every interface" is loopback: nothing outside
+this machine, and nothing on it outside the namespace, can reach them. Needs root (and
+``ip``); elsewhere the cluster stays on the host's network, with its token in front.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import threading
+
+CLONE_NEWNET = 0x40000000
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def unavailable_reason() -> str | None:
+    """Why this process cannot make a private network (None: it can)."""
+    if os.geteuid() != 0:
+        return "not root"
+    if shutil.which("ip") is None:
+        return "no ip command (iproute2)"
+    if not hasattr(_libc(), "unshare") or not hasattr(_libc(), "setns"):
+        return "no unshare/setns in the C library"
+    return None
+
+
+class PrivateNetwork:
+    """Enter a fresh loopback-only network namespace on this thread; ``leave`` returns the
+    thread to the one it had. Processes started in between stay in the private one."""
+
+    def __init__(self) -> None:
+        self._home: int | None = None
+        self.thread: int | None = None
+
+    @property
+    def entered(self) -> bool:
+        return self._home is not None
+
+    def enter(self) -> bool:
+        """Move this thread; False (and nothing changed) where that is not possible."""
+        if self.entered or unavailable_reason() is not None:
+            return self.entered
+        home = os.open(f"/proc/self/task/{threading.get_native_id()}/ns/net", os.O_RDONLY)
+        if _libc().unshare(CLONE_NEWNET) != 0:
+            os.close(home)
+            return False
+        self._home, self.thread = home, threading.get_ident()
+        up = subprocess.run(["ip", "link", "set", "lo", "up"], capture_output=True)
+        if up.returncode != 0:
+            self.leave()
+            return False
+        return True
+
+    def leave(self) -> None:
+        """Back to the namespace this thread had (from the thread that entered)."""
+        if self._home is None:
+            return
+        if threading.get_ident() != self.thread:
+            raise RuntimeError("PrivateNetwork.leave must run on the thread that entered it")
+        err = _libc().setns(self._home, CLONE_NEWNET)
+        os.close(self._home)
+        self._home = None
+        if err != 0:
+            raise OSError(ctypes.get_errno(), "setns back to the host's network failed")
