@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from cli_support import cfg_of, harness
+from cli_support import REPO, cfg_of, harness
 
 from harness.run.config import ConfigError, validate
 
@@ -133,3 +133,30 @@ def test_cli_exits_2_with_one_line_and_no_traceback(tmp_path):
     assert len(lines) == 1 and "payload.seq_len=511 is not divisible by 2·cp = 4" in lines[0]
     assert "valid: a multiple of 4, e.g. 508 or 512" in lines[0]
     assert not (tmp_path / "result.json").exists()
+
+
+def test_run_folders_are_named_by_the_shape_that_runs():
+    from omegaconf import OmegaConf
+
+    from harness.run.config import shape_name
+
+    assert shape_name(cfg_of("layout=tp2pp2", "layout.tp=8", "layout.pp=8").layout) == "tp8pp8"
+    assert shape_name(OmegaConf.create({"tp": 0})) == "invalid-layout"
+    config = (REPO / "conf" / "config.yaml").read_text()
+    assert config.count("${bcastbench.layout:${layout}}") == 2  # run dir and sweep subdir
+
+
+def test_a_world_of_more_than_two_ranks_per_cpu_is_warned_about_once(caplog, monkeypatch):
+    import logging
+
+    from harness.run import app
+    from strategies.core.layout import Layout
+
+    monkeypatch.setattr(app.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(app, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger="bcastbench"):
+        app._warn_oversubscribed(Layout(tp=2, pp=2))  # 2 per CPU: fine
+        app._warn_oversubscribed(Layout(tp=8, pp=8))
+        app._warn_oversubscribed(Layout(tp=8, pp=8))
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "64 ranks on 2 CPUs (32 ranks per CPU)" in warning
