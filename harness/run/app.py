@@ -39,16 +39,6 @@ log = logging.getLogger("bcastbench")
 """Hydra points it at the terminal and at the job's ``bcastbench.log`` (conf/config.yaml)."""
 
 
-def _recorded_seq_len(spec: JobSpec) -> int | None:
-    """A recorded payload's real tokens per row, for its record (validation has already read
-    the file, so this cannot fail where the job would not)."""
-    if spec.payload not in payloads.RECORDED:
-        return None
-    return payloads.recorded_seq_len(
-        spec.payload, spec.payload_path, spec.seed, spec.payload_trust, spec.payload_max_bytes
-    )
-
-
 _WARNED: set[int] = set()
 
 
@@ -75,6 +65,19 @@ def _to_job_log(line: str) -> None:
             handler.handle(entry)
 
 
+def _seq_len(cfg) -> int | None:
+    """Tokens per row as the job's batch has them: the config's for a generated payload, the
+    recording's own for a recorded one (validation has read the file, so this cannot fail
+    where the job would not)."""
+    p = cfg.payload
+    if p.name not in payloads.RECORDED:
+        return int(p.seq_len)
+    path = payloads.path_of(p.name, p.get("path"))
+    return payloads.recorded_seq_len(
+        p.name, path, int(p.seed), bool(p.get("trust", False)), p.get("max_bytes")
+    )
+
+
 def spec_of(cfg, layout) -> JobSpec:
     """Everything a rank needs, read from the validated config once."""
     return JobSpec(
@@ -85,7 +88,7 @@ def spec_of(cfg, layout) -> JobSpec:
         payload_trust=bool(cfg.payload.get("trust", False)),
         payload_max_bytes=cfg.payload.get("max_bytes"),
         batch_size=int(cfg.payload.batch_size),
-        seq_len=int(cfg.payload.seq_len),
+        seq_len=_seq_len(cfg),
         broadcast_non_tensor=cfg.payload.broadcast_non_tensor,
         seed=int(cfg.payload.seed),
         iters=int(cfg.iters),
@@ -125,7 +128,6 @@ def run(cfg) -> dict | None:
     if launch.kind != launchers.JOINED:
         _warn_oversubscribed(layout)
     spec = spec_of(cfg, layout)
-    recorded_seq_len = _recorded_seq_len(spec)
     try:
         ran = _launch(launch, cfg, spec, out_dir)
         if ran is None:
@@ -134,14 +136,10 @@ def run(cfg) -> dict | None:
             record = {**ran.record, "command": records.environment()["command"]}
         else:
             record = records.build(spec, summarize(spec, ran.results), ran.world_start_s)
-        if spec.payload in payloads.RECORDED:
-            record["seq_len"] = recorded_seq_len
     except JOB_FAILURES as exc:
         if hydra_cfg.mode != RunMode.MULTIRUN or not launch.writes_records:
             raise  # a single run: the command's error says what failed; no record
         record = records.complete(records.failed(spec, exc))
-        if spec.payload in payloads.RECORDED:
-            record["seq_len"] = recorded_seq_len
         records.write_atomic(out_dir / "result.json", record)
         _to_job_log(job_line(record))
         return record  # a row of the sweep's table, counted as failed; the next job runs

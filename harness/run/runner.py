@@ -37,7 +37,8 @@ class JobSpec:
     payload_max_bytes: int | None = None
     """payload=file | schema: the most bytes a leader's batch may take (None: the default)."""
     batch_size: int = 8
-    seq_len: int = 1024
+    seq_len: int | None = 1024
+    """Tokens per row; a recorded payload's own (None when it has no 2-D leaf)."""
     broadcast_non_tensor: bool | None = None
     seed: int = 0
     iters: int = 20
