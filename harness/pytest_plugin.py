@@ -293,6 +293,10 @@ SUMMARY_TITLE = "bcastbench: per-call p50 and same-run ratios (what the gates as
 def summary_lines(jobs: dict[str, list[dict]]) -> list[str]:
     """One row per test that ran jobs: medians over its jobs of the strategy's p50 per call,
     the floor's, ``vs_floor`` and ``vs_baseline``; then what the columns mean."""
+    # Here, not at the top: the plugin loads in every pytest session of a user's machine,
+    # and the report's tables bring pandas with them.
+    from harness.report.tables import human_bytes
+
     header = ["test", "strategy", "layout", "payload", "jobs", "p50 ms/call", "floor ms",
               "vs_floor", "vs_baseline", "collectives/call"]  # fmt: skip
     rows = []
@@ -301,7 +305,7 @@ def summary_lines(jobs: dict[str, list[dict]]) -> list[str]:
         methods = sorted(set(g.floor_methods))
         rows.append([
             nodeid.split("::", 1)[-1], g.strategy, str(runs[0].get("layout", "?")),
-            f"{runs[0].get('payload', '?')} {_kib(g.payload_bytes)}", str(len(runs)),
+            f"{runs[0].get('payload', '?')} {human_bytes(g.payload_bytes)}", str(len(runs)),
             f"{g.p50_us / 1e3:.3f}",
             "—" if g.floor_p50_us is None else f"{g.floor_p50_us / 1e3:.3f} ({', '.join(methods)})",
             _times(g.vs_floor), _times(g.vs_baseline),
@@ -322,10 +326,6 @@ def summary_lines(jobs: dict[str, list[dict]]) -> list[str]:
         "  floor. vs_baseline = p50 / pickled p50: below 1x is faster than pickled. Both are",
         "  taken inside each job (same world, interleaved calls), then the median over jobs.",
     ]
-
-
-def _kib(n: int) -> str:
-    return f"{n / 1024:.0f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
 
 
 def _times(value: float | None) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from harness import files
+from harness.report.tables import human_bytes
 
 
 @dataclass
@@ -45,13 +46,6 @@ def write_table(root: Path) -> Path | None:
     return files.write_csv(root / "results.csv", df)
 
 
-def _size(payload_bytes) -> str:
-    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
-        if payload_bytes >= scale:
-            return f"{payload_bytes / scale:.1f} {unit}"
-    return f"{payload_bytes} B"
-
-
 def job_line(rec) -> str:
     """One job in one line: what ran (strategy, layout, payload size) and how it did (p50,
     ``vs_floor``, the speedup over ``pickled`` measured in the same job), or why it did not."""
@@ -63,7 +57,7 @@ def job_line(rec) -> str:
         return f"{who}  FAILED: {str(rec.get('error'))[:160]}"
     if rec.get("supported") is False:
         return f"{who}  UNSUPPORTED: {str(rec.get('error'))[:120]}"
-    what = f"{rec.get('payload')} b{rec.get('batch_size')} {_size(rec['payload_bytes'])}"
+    what = f"{rec.get('payload')} b{rec.get('batch_size')} {human_bytes(rec['payload_bytes'])}"
     line = f"{who}  {what}  p50 {rec['p50_us'] / 1000:.2f} ms"
     if rec.get("vs_floor"):
         line += f"  vs_floor {rec['vs_floor']:.2f}"
