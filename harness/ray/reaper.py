@@ -56,19 +56,26 @@ def stop_all(seen: dict[int, float], grace_s: float = GRACE_S) -> list[int]:
             procs += [c for c in proc.children(recursive=True) if c not in procs]
         except psutil.Error:
             pass
-    for proc in procs:
-        try:
-            proc.send_signal(signal.SIGTERM)
-        except psutil.Error:
-            pass
+    end_processes(procs, grace_s)
+    return [p.pid for p in procs]
+
+
+def end_processes(procs: list, grace_s: float, terminate: bool = True) -> None:
+    """SIGTERM ``procs`` (unless ``terminate`` is False: they are already ending by
+    themselves), wait ``grace_s`` for them, SIGKILL the ones left."""
+    if terminate:
+        for proc in procs:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except psutil.Error:
+                pass
     _, alive = psutil.wait_procs(procs, timeout=grace_s)
     for proc in alive:
         try:
             proc.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(alive, timeout=2)
-    return [p.pid for p in procs]
+    psutil.wait_procs(alive, timeout=5)
 
 
 def watch(driver: int, cluster_dir: Path, pipe_fd: int = 0) -> None:

@@ -13,7 +13,6 @@ import datetime
 import os
 import secrets
 import shutil
-import signal
 import socket
 import tempfile
 import time
@@ -25,6 +24,7 @@ from typing import Any, Literal
 import psutil
 
 from harness import paths
+from harness.ray import reaper
 from harness.ray.netns import PrivateNetwork
 
 NODE_RESOURCE = "bcb_node"
@@ -382,8 +382,6 @@ class RayWorld:
     def _prepare_private_cluster(self) -> None:
         """The private cluster's directory, its token (Ray's processes inherit the
         environment), and the reaper that cleans up after a driver that dies uncleanly."""
-        from harness.ray import reaper
-
         self._cluster_dir = private_cluster_dir()
         for key, value in _private_token_env().items():
             self._saved_env[key] = os.environ.get(key)
@@ -527,19 +525,7 @@ class RayWorld:
                 procs.append(psutil.Process(pid))
             except psutil.NoSuchProcess:
                 continue
-        if kill:
-            for proc in procs:
-                try:
-                    proc.send_signal(signal.SIGTERM)
-                except psutil.NoSuchProcess:
-                    pass
-        _, alive = psutil.wait_procs(procs, timeout=KILL_GRACE_S if kill else CLOSE_GRACE_S)
-        for proc in alive:
-            try:
-                proc.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=5)
+        reaper.end_processes(procs, KILL_GRACE_S if kill else CLOSE_GRACE_S, terminate=kill)
 
     def __enter__(self) -> RayWorld:
         return self.start() if not self.alive else self
