@@ -21,6 +21,7 @@ it once per process, before anything here exports the variables ``env://`` needs
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import functools
 import logging
@@ -267,6 +268,9 @@ def run_joined(cfg, spec, launch: Launch) -> Ran | None:
         ctx = _JOINED["ctx"] = RankContext(
             rank, world, spec.backend, device, link_counter=link_counter()
         )
+        if not _JOINED.get("leaves"):
+            atexit.register(leave_joined)
+            _JOINED["leaves"] = True
     start_s = time.perf_counter() - t0
     mine = run_job_on_rank(ctx, spec)
     gathered = [None] * world if rank == 0 else None
@@ -279,6 +283,24 @@ def run_joined(cfg, spec, launch: Launch) -> Ran | None:
 
 _JOINED: dict = {}
 """The joined world's RankContext, kept across a sweep's jobs in one process."""
+
+
+def leave_joined() -> None:
+    """Destroy this rank's process groups before the interpreter ends (registered at exit by
+    the first joined job). Left to the interpreter's teardown, a gloo group can be destroyed
+    while one of its threads is still joinable, and the rank aborts with ``terminate called
+    without an active exception`` after a job that succeeded; torchrun then reports the whole
+    run failed."""
+    import torch.distributed as dist
+
+    ctx = _JOINED.pop("ctx", None)
+    try:
+        if ctx is not None:
+            ctx.release_groups()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - the job's record is written; say, do not raise
+        logging.getLogger("bcastbench").warning("leaving the joined world: %s", exc)
 
 
 def run_emulated(cfg, spec, overrides: list[str], out_dir: Path) -> Ran:
