@@ -345,6 +345,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
 def _flat(strategy: str, summary: dict) -> dict:
     """The strategy's own figures at the top level, with the references' p50 and ratios."""
+    # Here, not at the top: the plugin loads in every pytest session, and records bring torch.
+    from harness.run.records import vs_floor
+
     if "unsupported" in summary:
         pytest.skip(f"{strategy} refuses this layout: {summary['unsupported']}")
     per = summary["strategies"]
@@ -356,7 +359,7 @@ def _flat(strategy: str, summary: dict) -> dict:
     if floor_us:
         mine["floor_p50_us"] = floor_us
         mine["floor_method"] = summary.get("floor_method")
-        mine["vs_floor"] = mine["p50_us"] / floor_us
+        mine["vs_floor"] = vs_floor(mine["p50_us"], floor_us)
     if baseline is not None:
         mine["baseline_p50_us"] = baseline["p50_us"]
         mine["vs_baseline"] = mine["p50_us"] / baseline["p50_us"]

@@ -26,8 +26,8 @@ from dataclasses import replace
 from functools import cache
 
 import strategies
-from strategies.core.codec import align
 from strategies.core.contract import DataProto, Strategy, Unsupported, failure_in
+from strategies.core.header_format import align
 from strategies.core.layout import Layout
 from strategies.core.packed import PackedStrategy
 from strategies.core.plan import PayloadSpec, Plan, bytes_per_dtype

@@ -8,11 +8,11 @@ TP-then-PP order. Options: see ``strategies.core.packed.PackedStrategy``.
 
 from __future__ import annotations
 
-from strategies.core.codec import align
 from strategies.core.contract import DataProto
+from strategies.core.header_format import align
 from strategies.core.packed import PackedStrategy
 from strategies.core.plan import Comm, PayloadSpec, Plan
-from strategies.header import _steady_expect, hop_comms, relay_work
+from strategies.core.relay_plan import hop_comms, relay_work, steady_expect
 
 OWN_THRESHOLD = object()
 """``plan``'s default for ``direct_min_bytes``: the class's own (direct's subclass sets one)."""
@@ -44,7 +44,7 @@ class Flat(PackedStrategy):
             leaves = (spec.tensor_bytes // max(spec.n_tensors, 1),) * spec.n_tensors
         direct = [n for n in leaves if direct_min_bytes is not None and n >= direct_min_bytes]
         total = spec.message_bytes - sum(align(n) for n in direct)
-        first = expect if expect is not None else _steady_expect(total)
+        first = expect if expect is not None else steady_expect(total)
         groups = layout.replica_groups() if layout.replica_size > 1 else []
         comms, step = hop_comms([groups] if groups else [], total, first)
         for n in direct if groups else ():

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from strategies.core.codec import as_bytes, encode_non_tensor, message_parts
 from strategies.core.contract import DataProto, Strategy, wants_non_tensor
+from strategies.core.parts import as_bytes, encode_non_tensor, message_parts
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 
 METHODS = ("one", "chunks", "seed_hops", "pp_first")

@@ -43,7 +43,6 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from strategies.core.codec import transportable
 from strategies.core.contract import (
     ContractError,
     DataProto,
@@ -57,6 +56,7 @@ from strategies.core.contract import (
     wants_non_tensor,
 )
 from strategies.core.contract import leaves as all_leaves
+from strategies.core.parts import transportable
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.trace import WORK
 

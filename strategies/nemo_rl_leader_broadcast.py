@@ -28,7 +28,7 @@ Adapted to the ``get_data_input`` contract:
   receivers' allocation and leave the others waiting);
 - a tensor a process group refuses as it is (non-contiguous, or a dtype gloo cannot carry) is
   made contiguous (a copy of its own elements, ``copied_bytes``) and sent as its bytes
-  (``strategies.core.codec.transportable``); receivers do the same to their buffers;
+  (``strategies.core.parts.transportable``); receivers do the same to their buffers;
 - receivers restore CUDA tensors on their own ``groups.device`` (NeMo-RL: the leader's device
   string, which under Ray names each worker's only visible GPU).
 
@@ -49,7 +49,6 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from strategies.core.codec import transportable
 from strategies.core.contract import (
     ShippedFailure,
     Strategy,
@@ -59,6 +58,7 @@ from strategies.core.contract import (
     raise_failure,
     wants_non_tensor,
 )
+from strategies.core.parts import transportable
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.trace import WORK
 from strategies.pickled import send_or_failure

@@ -5,8 +5,8 @@ The leader first sends the packed message down its own PP group (the stage leade
 stages at once. The seed's order instead fans out on stage 0 and then runs tp·cp PP
 broadcasts in parallel, so every stage-0 rank sends a full copy across the (usually
 inter-node) PP link; here only the leader's PP group crosses stages, and the tp·cp copies stay
-inside each stage (usually one node). Message, header codec and wire protocol are those of
-``header`` (``strategies.core.codec`` + ``strategies.core.wire.Wire``: one broadcast per hop in steady
+inside each stage (usually one node). Message, header format and wire protocol are those of
+``header`` (``strategies.core.packer`` + ``strategies.core.wire.Wire``: one broadcast per hop in steady
 state, two when the batch outgrows the announced size); stage leaders forward the received
 buffer unchanged; receivers get zero-copy views. Non-tensor data travels (pickled, inside the
 same buffer) only when flagged. Options: see ``strategies.core.packed.PackedStrategy``.
@@ -17,7 +17,7 @@ from __future__ import annotations
 from strategies.core.contract import DataProto
 from strategies.core.packed import PackedStrategy
 from strategies.core.plan import PayloadSpec, Plan
-from strategies.header import _steady_expect, hop_comms, relay_work
+from strategies.core.relay_plan import hop_comms, relay_work, steady_expect
 
 
 def leader_pp_groups(layout) -> list[list[int]]:
@@ -47,7 +47,7 @@ class PpFirst(PackedStrategy):
         """Steady state by default (first message = this batch's size); pass ``expect`` to
         plan a call that follows a different announced size."""
         total = spec.message_bytes
-        first = expect if expect is not None else _steady_expect(total)
+        first = expect if expect is not None else steady_expect(total)
         hops = []
         if layout.replica_size > 1:
             if layout.pp > 1:

@@ -15,16 +15,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from strategies.core.codec import (
+from strategies.core.contract import DataProto, Strategy, deliver, wants_non_tensor
+from strategies.core.header_format import (
     DEFAULT_MAX_BYTES,
     PREFIX_BYTES,
-    pack,
-    peek_total,
     read_header,
-    unpack,
+    read_prefix,
 )
-from strategies.core.contract import DataProto, Strategy, deliver, wants_non_tensor
+from strategies.core.packer import pack
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.unpacker import unpack
 
 CHUNK_ALIGN = 64
 
@@ -54,6 +54,7 @@ class ScatterAllgather(Strategy):
         self.header_bytes = header_bytes
         self.max_bytes = max_bytes
         self._pack_buf: torch.Tensor | None = None
+        self._headers: dict = {}  # receiver: the last header decoded, by its bytes
         self.last_header = None
         """The header of the last batch that arrived (on every rank alike; ``auto`` decides
         from it)."""
@@ -75,15 +76,14 @@ class ScatterAllgather(Strategy):
         else:
             head = torch.empty(self.header_bytes, dtype=torch.uint8, device=dev)
             dist.broadcast(head, src=g.leader, group=g.replica_group)
-            prefix = head[:PREFIX_BYTES].cpu().numpy().tobytes()
-            peek_total(prefix, self.max_bytes, g.rank)
-            header_len = int.from_bytes(prefix[8:12], "little")
+            prefix = read_prefix(head, self.max_bytes, g.rank)
+            header_len = prefix.header_len
             if header_len > self.header_bytes:
                 rest = torch.empty(header_len, dtype=torch.uint8, device=dev)
                 rest[: self.header_bytes].copy_(head)
                 dist.broadcast(rest[self.header_bytes :], src=g.leader, group=g.replica_group)
                 head = rest
-            header = read_header(head, self.max_bytes, g.rank)
+            header = read_header(head, self.max_bytes, g.rank, self._headers, prefix)
             total = header.total_bytes
             c = chunk_bytes(total, n)
         # 2. Scatter on stage 0; 3. each chunk down its PP group; 4. all-gather per stage.

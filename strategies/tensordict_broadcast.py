@@ -61,7 +61,6 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from strategies.core.codec import KIND_OBJECT, message_parts, nbytes_of
 from strategies.core.contract import (
     DataProto,
     ShippedFailure,
@@ -74,6 +73,8 @@ from strategies.core.contract import (
     wants_non_tensor,
 )
 from strategies.core.contract import leaves as all_leaves
+from strategies.core.header_format import KIND_OBJECT
+from strategies.core.parts import message_parts, nbytes_of
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.trace import WORK
 from strategies.vllm_tensor_dict import leaf_nbytes

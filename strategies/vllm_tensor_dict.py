@@ -42,7 +42,6 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from strategies.core.codec import transportable
 from strategies.core.contract import (
     ContractError,
     DataProto,
@@ -55,6 +54,7 @@ from strategies.core.contract import (
     raise_failure,
     wants_non_tensor,
 )
+from strategies.core.parts import transportable
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.trace import WORK
 

@@ -245,7 +245,9 @@ def _pack_round(rank: int, dp, i: int, bufs: dict, cache: dict) -> tuple:
     import torch
     import torch.distributed as dist
 
-    from strategies.core.codec import DEFAULT_MAX_BYTES, pack, read_header, unpack
+    from strategies.core.header_format import DEFAULT_MAX_BYTES, read_header
+    from strategies.core.packer import pack
+    from strategies.core.unpacker import unpack
 
     nt = dp.non_tensor_batch if dp.broadcast_non_tensor else None
     _, header = pack(dp.batch, nt)  # sizes every rank knows

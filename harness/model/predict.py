@@ -123,7 +123,7 @@ def scaled_spec(
 def _scaled_header(big, leaves, sizes, batch_size: int, non_tensor: int):
     """(header length, message bytes, padded non-tensor bytes) of the header ``codec.pack``
     writes for ``leaves`` at ``batch_size`` rows, offsets and padding recomputed."""
-    from strategies.core.codec import Entry, align, encode_header
+    from strategies.core.header_format import Entry, align, encode_header
 
     entries, offset = [], 0
     for (key, t), n in zip(leaves, sizes):

@@ -32,6 +32,7 @@ import torch
 import strategies
 from harness.errors import program
 from harness.run import payloads
+from harness.run.records import vs_floor
 from harness.run.verify import VerificationError, compare, digest, tensor_digest
 from harness.run.world import WorldError
 from strategies import DataProto
@@ -381,7 +382,7 @@ def _record(spec, drv, modes, times, link, refused) -> dict:
             rows[mode.name]["cross_node_bytes_per_call"] = link[mode.name]
     floors = {f: rows[f]["p50_us"] for f in FLOORS.values() if f in rows}
     for row in rows.values():
-        row["vs_floor"] = row["p50_us"] / floors[row["floor_mode"]]
+        row["vs_floor"] = vs_floor(row["p50_us"], floors[row["floor_mode"]])
         row["vs_floors"] = {f: row["p50_us"] / p50 for f, p50 in floors.items()}
     lay = spec.layout
     return {

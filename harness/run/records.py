@@ -110,6 +110,16 @@ FIELDS: dict[str, str] = {
 """Every field of a record, in order, with what it holds (the README lists the same names)."""
 
 
+def vs_floor(p50_us: float | None, floor_p50_us: float | None) -> float | None:
+    """The ratio every record, table and gate calls ``vs_floor``: a p50 over the floor's p50
+    measured in the same job (lower is better; 1 is the floor). None without a floor."""
+    return _ratio(p50_us, floor_p50_us)
+
+
+def _ratio(p50_us: float | None, other_p50_us: float | None) -> float | None:
+    return None if p50_us is None or not other_p50_us else p50_us / other_p50_us
+
+
 def complete(record: dict) -> dict:
     """``record`` with every field of ``FIELDS`` (null where absent), in their order; a field
     outside the list is kept after them."""
@@ -231,7 +241,7 @@ def build_dispatch(spec, timed: dict, world_start_s: float = 0.0) -> dict:
         "payload_bytes": timed["payload_bytes"],
         **{k: mine[k] for k in ("p50_us", "p90_us", "p99_us", "min_us", "max_us", "mean_us")},
         "floor_p50_us": floor["p50_us"],
-        "vs_floor": mine["vs_floor"],
+        "vs_floor": vs_floor(mine["p50_us"], floor["p50_us"]),
         "modes": timed["modes"],
         "unsupported": timed["unsupported"],
         "correct": True,
@@ -290,8 +300,8 @@ def _measured(spec, summary: dict) -> dict:
         "floor_method": summary.get("floor_method"),
         "floor_single_p50_us": single_us,
         "baseline_p50_us": base["p50_us"] if base else None,
-        "vs_floor": mine["p50_us"] / floor_us if floor_us else None,
-        "vs_floor_single": mine["p50_us"] / single_us if single_us else None,
+        "vs_floor": vs_floor(mine["p50_us"], floor_us),
+        "vs_floor_single": vs_floor(mine["p50_us"], single_us),
         "vs_baseline": mine["p50_us"] / base["p50_us"] if base else None,
         **{k: mine[k] for k in ("collectives_per_call", "collectives_leader", "comm_bytes_leader")},
         "packed_bytes_leader": work.get("packed_bytes", 0),

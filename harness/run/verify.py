@@ -8,8 +8,8 @@ import pickle
 import torch
 
 from strategies import DataProto
-from strategies.core.codec import as_bytes
 from strategies.core.contract import is_non_tensor_leaf, leaves
+from strategies.core.parts import as_bytes
 
 
 class VerificationError(AssertionError):

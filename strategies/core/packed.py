@@ -7,19 +7,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from strategies.core.codec import (
-    DEFAULT_MAX_BYTES,
-    DIRECT,
-    KIND_DENSE,
-    Header,
-    HeaderError,
-    message_parts,
-    nbytes_of,
-    pack_deferred,
-    structure,
-    transportable,
-    unpack,
-)
 from strategies.core.contract import (
     PROTO_ATTRS,
     DataProto,
@@ -30,6 +17,16 @@ from strategies.core.contract import (
     validate,
     wants_non_tensor,
 )
+from strategies.core.header_format import (
+    DEFAULT_MAX_BYTES,
+    DIRECT,
+    KIND_DENSE,
+    Header,
+    HeaderError,
+)
+from strategies.core.packer import Packer
+from strategies.core.parts import message_parts, nbytes_of, structure, transportable
+from strategies.core.unpacker import unpack
 from strategies.core.wire import Wire
 
 
@@ -56,8 +53,7 @@ class PackedStrategy(Strategy):
     ) -> None:
         super().__init__(groups)
         self.wire = Wire(groups.device, groups.rank, initial_bytes, eager_max_bytes, max_bytes)
-        self._pack_buf: torch.Tensor | None = None  # leader's send buffer, reused across calls
-        self._pack_cache: dict = {}  # layout + destination views of the last batch structure
+        self.packer = Packer()  # leader: the send buffer and the last structure's layout
         self._fill = None
         self._direct: list[torch.Tensor] = []  # leader: the leaves that travel on their own
         self._valid: tuple | None = None  # leader: the structure of the last valid batch
@@ -116,7 +112,7 @@ class PackedStrategy(Strategy):
         return batch
 
     def direct_leaves(self, parts: list) -> frozenset[int]:
-        """Indices (in ``codec.message_parts`` order) of the dense leaves that travel on their
+        """Indices (in ``parts.message_parts`` order) of the dense leaves that travel on their
         own: contiguous, on the groups' device, at least ``direct_min_bytes``, and not lazy
         (``contract.is_lazy``: a collective would send a view's storage, not its values).
         Sending them from the tensor itself skips the pack copy, at one more collective each."""
@@ -161,20 +157,17 @@ class PackedStrategy(Strategy):
             shape = structure(batch.batch, parts)
         nt = batch.non_tensor_batch if wants_non_tensor(batch) else None
         direct = self.direct_leaves(parts)
-        buf, header, self._fill = pack_deferred(
+        buf, header, self._fill = self.packer.pack(
             batch.batch,
             nt,
-            out=self._pack_buf,
             next_expect=self.wire.next_expect,  # the header carries it: no stamp per call
             min_capacity=self.wire.expect,
             rank=self.groups.rank,
-            cache=self._pack_cache,
             direct=direct,
             parts=parts,
             shape=shape,
         )
         self._direct = [t for i, (*_, t) in enumerate(parts) if i in direct]
-        self._pack_buf = buf
         alone = sum(nbytes_of(t) for t in self._direct)
         if alone and header.total_bytes + alone > self.wire.max_bytes:
             # A receiver refuses such a header only after the leader is committed to sending

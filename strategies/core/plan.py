@@ -98,7 +98,7 @@ class PayloadSpec:
 
     @property
     def message_bytes(self) -> int:
-        """Size of the codec's message: header (with leaf padding) + tensors + the padded
+        """Size of the packed message: header (with leaf padding) + tensors + the padded
         non-tensor blob when it travels."""
         nt = -(-self.non_tensor_bytes // 64) * 64 if self.broadcast_non_tensor else 0
         return self.header_bytes + self.tensor_bytes + nt
@@ -113,20 +113,16 @@ def bytes_per_dtype(dtypes, sizes) -> tuple[int, ...]:
 
 
 def spec_of(dp) -> PayloadSpec:
-    """The exact PayloadSpec of a leader's DataProto (header size as the codec encodes it, with
+    """The exact PayloadSpec of a leader's DataProto (header size as ``encode_header`` writes it, with
     its 64-byte leaf padding folded in; pickle size measured)."""
     import pickle
 
-    from strategies.core.codec import (
-        encode_header,
-        encode_non_tensor,
-        layout_entries,
-        message_parts,
-        nbytes_of,
-    )
     from strategies.core.contract import wants_non_tensor
+    from strategies.core.header_format import encode_header
+    from strategies.core.packer import layout_entries
+    from strategies.core.parts import encode_non_tensor, message_parts, nbytes_of
 
-    # A jagged leaf counts as its parts and a non-tensor leaf as its pickle (codec's message).
+    # A jagged leaf counts as its parts and a non-tensor leaf as its pickle (the packed message).
     leaves = [(key, t) for key, _, _, t in message_parts(dp.batch)]
     sizes = [nbytes_of(t) for _, t in leaves]
     flagged = wants_non_tensor(dp)

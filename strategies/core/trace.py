@@ -28,7 +28,7 @@ try:  # the class every eager collective's Python front end calls into
 except ImportError:  # a torch built without distributed support
     ProcessGroup = None
 
-# Local work counters the codec and peers bump; cheap enough to leave on (an int add).
+# Local work counters the packer and peers bump; cheap enough to leave on (an int add).
 WORK: Counter = Counter()
 
 PATCHED = tuple(

@@ -12,13 +12,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from strategies.core.codec import (
+from strategies.core.header_format import (
     DEFAULT_MAX_BYTES,
-    PREFIX_BYTES,
     Header,
-    host_bytes,
-    peek_total,
     read_header,
+    read_prefix,
     stamp_next_expect,
 )
 
@@ -109,8 +107,8 @@ class Wire:
             ]
             for h in handles:
                 h.wait()
-        prefix = host_bytes(buf, PREFIX_BYTES)
-        total = peek_total(prefix, self.max_bytes, self.rank)
+        prefix = read_prefix(buf, self.max_bytes, self.rank)
+        total = prefix.total_bytes
         if total > first:
             full = torch.empty(total, dtype=torch.uint8, device=self.device)
             full[:first].copy_(buf)

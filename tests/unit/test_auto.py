@@ -11,8 +11,8 @@ import pytest
 
 from harness.run import payloads
 from strategies.auto import CANDIDATES, TIE, choose, pick, spec_of_header
-from strategies.core.codec import pack
 from strategies.core.layout import Layout
+from strategies.core.packer import pack
 from strategies.core.plan import spec_of
 
 TP2PP2 = Layout(tp=2, pp=2)

@@ -23,10 +23,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from strategies.core import codec
-from strategies.core.codec import (
+from strategies.core import parts
+from strategies.core.header_format import (
     ALIGN,
+    DEFAULT_MAX_BYTES,
+    DIRECT,
     DTYPES,
+    KIND_DENSE,
     MAX_KEYS,
     MAX_NDIM,
     PREFIX_BYTES,
@@ -35,13 +38,13 @@ from strategies.core.codec import (
     align,
     decode_header,
     encode_header,
-    layout_entries,
-    pack,
     peek_total,
     read_header,
-    unpack,
 )
+from strategies.core.packer import Packer, layout_entries, pack
+from strategies.core.parts import decode_non_tensor, encode_non_tensor
 from strategies.core.trace import WORK
+from strategies.core.unpacker import unpack
 from strategies.core.wire import PAGE, Wire
 
 FAST = settings(
@@ -92,9 +95,9 @@ def test_flat_fast_path_is_the_general_walk(spec: BatchSpec, b: int):
     """message_parts' shortcut for flat dense batches returns exactly what tensordict's walk
     returns (same keys, kinds and tensor objects, in order), and steps aside for the rest."""
     td = build_batch(spec, b, seed=b + 7).batch
-    walked = codec._walk_parts(td, 0)
-    fast = codec._flat_dense_parts(td)
-    flat_dense = all(len(k) == 1 and kind == codec.KIND_DENSE for k, kind, _, _ in walked)
+    walked = parts._walk_parts(td, 0)
+    fast = parts._flat_dense_parts(td)
+    flat_dense = all(len(k) == 1 and kind == KIND_DENSE for k, kind, _, _ in walked)
     if fast is None:
         assert not flat_dense or any(type(t) is not torch.Tensor for *_, t in walked)
         return
@@ -123,10 +126,10 @@ def test_flat_fast_path_is_the_general_walk(spec: BatchSpec, b: int):
 def test_flat_fast_path_steps_aside(value):
     td = TensorDict({"x": torch.zeros(2, 4)}, batch_size=[2])
     td["z"] = value()
-    assert codec._flat_dense_parts(td) is None
+    assert parts._flat_dense_parts(td) is None
     td_obj = TensorDict({"x": torch.zeros(2, 4)}, batch_size=[2])
     td_obj.set_non_tensor("note", "text")
-    assert codec._flat_dense_parts(td_obj) is None
+    assert parts._flat_dense_parts(td_obj) is None
 
 
 @FAST
@@ -143,10 +146,10 @@ def test_pack_unpack_round_trip_bit_exact(spec: BatchSpec, b: int):
     for _, t in leaves(dp.batch):
         expected_data = align(expected_data + t.numel() * t.element_size())
     if nt is not None:
-        expected_data = align(expected_data + len(codec.encode_non_tensor(nt)))
+        expected_data = align(expected_data + len(encode_non_tensor(nt)))
     assert header.data_bytes == expected_data
     assert buf.dtype == torch.uint8 and buf.numel() >= total
-    assert read_header(buf[:total], codec.DEFAULT_MAX_BYTES, 3) == header
+    assert read_header(buf[:total], DEFAULT_MAX_BYTES, 3) == header
     td, non_tensor = unpack(buf[:total], header)
     got = type(dp)(td, non_tensor if non_tensor is not None else {}, dp.meta_info)
     receiver_view = not spec.broadcast_non_tensor
@@ -251,7 +254,7 @@ def patch_prefix(raw: bytes, **fields) -> bytes:
     return struct.pack("<4sHHIQQ", *(values[n] for n in names)) + raw[PREFIX_BYTES:]
 
 
-def expect_error(raw: bytes, match: str, max_bytes: int = codec.DEFAULT_MAX_BYTES):
+def expect_error(raw: bytes, match: str, max_bytes: int = DEFAULT_MAX_BYTES):
     with pytest.raises(HeaderError, match=match) as err:
         decode_header(raw, max_bytes=max_bytes, rank=7)
     assert "rank 7" in str(err.value)
@@ -404,15 +407,15 @@ def test_direct_leaves_are_described_but_not_packed():
         {"small": torch.arange(4.0), "big": torch.arange(4 * 300).view(4, 300), "s": torch.ones(4)},
         batch_size=[4],
     )
-    buf, header, fill = codec.pack_deferred(td, {"t": "x"}, direct=frozenset({1}))
+    buf, header, fill = Packer().pack(td, {"t": "x"}, direct=frozenset({1}))
     fill(header.total_bytes)
     offsets = [e.offset for e in header.entries]
-    assert offsets[1] == codec.DIRECT and offsets[0] != codec.DIRECT != offsets[2]
+    assert offsets[1] == DIRECT and offsets[0] != DIRECT != offsets[2]
     # The message holds only the small leaves and the blob; big is on its own.
     assert header.data_bytes < td["big"].numel() * 8
     decoded = decode_header(bytes(buf[: header.header_len].numpy()))
     assert decoded.entries == header.entries
-    out, nt = codec.unpack(buf, decoded, direct=[td["big"].clone()])
+    out, nt = unpack(buf, decoded, direct=[td["big"].clone()])
     assert list(out.keys()) == ["small", "big", "s"]  # the leader's order
     for key in td.keys():
         assert torch.equal(out[key], td[key]), key
@@ -421,7 +424,7 @@ def test_direct_leaves_are_described_but_not_packed():
 
 def test_direct_leaves_count_against_max_bytes():
     td = TensorDict({"big": torch.zeros(4, 1024)}, batch_size=[4])
-    buf, header, _ = codec.pack_deferred(td, None, direct=frozenset({0}))
+    buf, header, _ = Packer().pack(td, None, direct=frozenset({0}))
     raw = bytes(buf[: header.header_len].numpy())
     expect_error(raw, "separately sent leaves", max_bytes=header.total_bytes + 1000)
     assert decode_header(raw, max_bytes=header.total_bytes + 4 * 1024 * 4).entries
@@ -442,7 +445,7 @@ def test_non_tensor_blob_round_trips_object_arrays_exactly():
         "score": np.arange(6, dtype=np.float16).reshape(3, 2),
         "strided": np.array(list("abcdef"), dtype=object)[::2],
     }
-    got = codec.decode_non_tensor(memoryview(codec.encode_non_tensor(nt)))
+    got = decode_non_tensor(memoryview(encode_non_tensor(nt)))
     assert list(got) == list(nt)
     for k, a in nt.items():
         assert type(got[k]) is np.ndarray and got[k].dtype == a.dtype and got[k].shape == a.shape

@@ -15,8 +15,10 @@ from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from strategies import DataProto
-from strategies.core.codec import HeaderError, pack, read_header, unpack
+from strategies.core.header_format import HeaderError, read_header
+from strategies.core.packer import pack
 from strategies.core.plan import spec_of
+from strategies.core.unpacker import unpack
 
 KEY_PARTS = st.text(alphabet="abjz_π", min_size=1, max_size=4)
 

@@ -13,8 +13,8 @@ import torch
 import strategies
 from harness.run import payloads
 from strategies import DataProto
-from strategies.core.codec import nbytes_of
 from strategies.core.layout import SEED_ORDER, Layout
+from strategies.core.parts import nbytes_of
 from strategies.core.plan import Plan, spec_of
 from strategies.core.trace import Recorder
 
@@ -223,7 +223,7 @@ def test_direct_plan_equals_trace_with_leaves_sent_alone(request, layout):
 
 
 def test_spec_of_matches_what_the_codec_packs():
-    from strategies.core.codec import pack
+    from strategies.core.packer import pack
 
     for flag in (False, True):
         dp = make_batch("multimodal", flag)

@@ -16,8 +16,8 @@ from tensordict import TensorDict
 
 import strategies
 from harness.run import payloads
-from strategies.core.codec import nbytes_of
 from strategies.core.layout import Layout
+from strategies.core.parts import nbytes_of
 from strategies.core.plan import spec_of
 from strategies.core.roll_proto import RollDataProto
 from strategies.core.trace import Recorder

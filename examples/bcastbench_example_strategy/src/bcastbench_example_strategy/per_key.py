@@ -24,7 +24,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, is_tensor_coll
 from torch.distributed import broadcast
 
 from strategies import NON_TENSOR_FLAG, ContractError, DataProto, Strategy
-from strategies.core.codec import as_bytes  # a tensor's elements as bytes, any dtype or view
+from strategies.core.parts import as_bytes  # a tensor's elements as bytes, any dtype or view
 
 
 class PerKeyBroadcast(Strategy):

@@ -1,0 +1,245 @@
+"""Packing a batch into one message: where each part goes (``layout_entries``) and a ``Packer``
+that owns the leader's send buffer and what it remembers of the last batch's layout.
+
+Views and non-contiguous tensors copy only their own elements (never the parent storage). The
+buffer's capacity may exceed the message; the message is ``buffer[:header.total_bytes]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from strategies.core.header_format import (
+    DIRECT,
+    Entry,
+    Header,
+    align,
+    dtype_code,
+    encode_header,
+    stamp_next_expect,
+)
+from strategies.core.parts import Part, encode_non_tensor, message_parts, nbytes_of, structure
+from strategies.core.trace import WORK
+
+
+def layout_entries(
+    batch: TensorDict,
+    rank: int = 0,
+    non_tensor_nbytes: int | None = None,
+    direct: frozenset[int] = frozenset(),
+    parts: list[Part] | None = None,
+) -> tuple[list[Entry], int, tuple[int, int] | None]:
+    """Offsets for every part (``message_parts``) and the optional non-tensor blob; returns
+    (entries, data_bytes, non_tensor span). Parts whose index is in ``direct`` get offset
+    DIRECT and no space."""
+    entries: list[Entry] = []
+    offset = 0
+    parts = message_parts(batch, rank) if parts is None else parts
+    for i, (key, kind, aux, t) in enumerate(parts):
+        dtype_code(t.dtype, key if len(key) > 1 else key[0], rank)
+        n = nbytes_of(t)
+        if i in direct:
+            entries.append(Entry(key, t.dtype, tuple(t.shape), DIRECT, n, kind, aux))
+            continue
+        entries.append(Entry(key, t.dtype, tuple(t.shape), offset, n, kind, aux))
+        offset = align(offset + n)
+    span = None
+    if non_tensor_nbytes is not None:
+        span = (offset, non_tensor_nbytes)
+        offset = align(offset + non_tensor_nbytes)
+    return entries, offset, span
+
+
+def pack(
+    batch: TensorDict,
+    non_tensor_batch: dict[str, np.ndarray] | None,
+    out: torch.Tensor | None = None,
+    next_expect: int = 0,
+    min_capacity: int = 0,
+    rank: int = 0,
+) -> tuple[torch.Tensor, Header]:
+    """Pack header + every leaf into one uint8 buffer (reusing ``out`` when large enough);
+    returns the buffer and the header. A one-off ``Packer``: nothing is remembered."""
+    out, header, fill = Packer(out).pack(batch, non_tensor_batch, next_expect, min_capacity, rank)
+    fill(header.total_bytes)
+    return out, header
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a batch structure's entries go: fixed by its ``structure`` and direct leaves."""
+
+    signature: tuple
+    entries: list[Entry]
+    tensor_end: int  # end of the tensor region, before the non-tensor blob
+
+
+@dataclass
+class _HeaderBytes:
+    """The encoded header of one layout and message size, with the next_expect it carries."""
+
+    sizes: tuple  # (data_bytes, non-tensor span)
+    raw: torch.Tensor
+    stamped: int = 0
+
+
+@dataclass(frozen=True)
+class _Views:
+    """Destination views of every packed entry in one buffer at one header length."""
+
+    key: tuple  # (buffer's data_ptr, header_len)
+    dst: list[torch.Tensor]
+    src_index: list[int]  # the entry (and part) each view is for
+    starts: list[int]  # its first byte in the buffer
+
+
+class Packer:
+    """The leader's send buffer and what stays the same between batches of one structure.
+
+    A steady stream of same-shaped batches reuses the layout, the encoded header and the
+    destination views of the last call, and does not write header bytes a buffer already
+    holds: only the packer writes into its buffer.
+    """
+
+    def __init__(self, buffer: torch.Tensor | None = None) -> None:
+        self.buffer = buffer
+        self._layout: _Layout | None = None
+        self._header: _HeaderBytes | None = None
+        self._header_in: torch.Tensor | None = None  # the buffer that holds _header's bytes
+        self._views: _Views | None = None
+
+    def pack(
+        self,
+        batch: TensorDict,
+        non_tensor_batch: dict[str, np.ndarray] | None,
+        next_expect: int | Callable[[int], int] = 0,
+        min_capacity: int = 0,
+        rank: int = 0,
+        direct: frozenset[int] = frozenset(),
+        parts: list[Part] | None = None,
+        shape: tuple | None = None,
+    ) -> tuple[torch.Tensor, Header, Callable[[int], None]]:
+        """Write the header only; returns (buffer, header, fill) where ``fill(upto)`` copies
+        every leaf that starts before byte ``upto``, so a sender can put the first part of a
+        large message on the wire while it packs the rest. Leaves whose index is in ``direct``
+        are described in the header but not packed (the caller sends them); ``parts`` are the
+        batch's ``message_parts`` (and ``shape`` its ``structure``) when the caller has them
+        already. ``next_expect`` may be a function of the message's total bytes (the wire's
+        guess for the next call), so the remembered header carries it."""
+        blob = None
+        if non_tensor_batch is not None:
+            blob = encode_non_tensor(non_tensor_batch)
+        parts = message_parts(batch, rank) if parts is None else parts
+        layout = self._laid_out(batch, parts, direct, rank, shape)
+        span = None
+        data_bytes = layout.tensor_end
+        if blob is not None:
+            span = (layout.tensor_end, len(blob))
+            data_bytes = align(layout.tensor_end + len(blob))
+        raw, nxt = self._encoded(batch, layout.entries, data_bytes, span, next_expect)
+        header_len = raw.numel()
+        total = header_len + data_bytes
+        device = batch.device if batch.device is not None else _leaf_device(parts)
+        out = self._room_for(max(total, min_capacity), device)
+        if self._header_in is not out:  # a buffer that holds these header bytes keeps them
+            out[:header_len].copy_(raw)
+            self._header_in = out
+        views = self._views_in(out, layout.entries, header_len)
+        sources = [parts[i][3] for i in views.src_index]
+        blob_at = header_len + span[0] if blob is not None else total
+        fill = _filler(out, views.dst, sources, views.starts, blob, blob_at)
+        entries = tuple(layout.entries)
+        header = Header(tuple(batch.batch_size), entries, data_bytes, header_len, nxt, span)
+        WORK["packed_bytes"] += total
+        if blob is not None:
+            WORK["pickled_bytes"] += len(blob)
+        return out, header, fill
+
+    def _room_for(self, capacity: int, device: torch.device) -> torch.Tensor:
+        """The buffer, reallocated when it is too small or elsewhere; a new buffer gets 1/4
+        spare capacity, so slowly growing batches do not reallocate every call."""
+        out = self.buffer
+        if out is None or out.numel() < capacity or out.device != device:
+            out = torch.empty(capacity + capacity // 4, dtype=torch.uint8, device=device)
+            self.buffer = out
+        return out
+
+    def _laid_out(self, batch, parts: list[Part], direct, rank: int, shape) -> _Layout:
+        """The layout, made again only when the structure changes (``shape``: the batch's
+        ``structure``, when the caller has it already); a new one forgets the rest."""
+        signature = (structure(batch, parts) if shape is None else shape, direct)
+        if self._layout is None or self._layout.signature != signature:
+            entries, tensor_end, _ = layout_entries(batch, rank, None, direct, parts)
+            self._layout = _Layout(signature, entries, tensor_end)
+            self._header = self._header_in = self._views = None
+        return self._layout
+
+    def _encoded(self, batch, entries, data_bytes: int, span, next_expect):
+        """(raw header bytes as a uint8 tensor, the next_expect it carries), encoded again only
+        when the sizes change; a new next_expect patches the bytes and marks buffers stale."""
+        sizes = (data_bytes, span)
+        if self._header is None or self._header.sizes != sizes:
+            raw = encode_header(tuple(batch.batch_size), entries, data_bytes, span, 0)
+            raw = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            self._header = _HeaderBytes(sizes, raw)
+            self._header_in = None
+        held = self._header
+        nxt = next_expect(held.raw.numel() + data_bytes) if callable(next_expect) else next_expect
+        if held.stamped != nxt:
+            stamp_next_expect(held.raw, nxt)
+            held.stamped = nxt
+            self._header_in = None
+        return held.raw, nxt
+
+    def _views_in(self, out: torch.Tensor, entries, header_len: int) -> _Views:
+        """Destination views of every packed entry in ``out``, made again only for a new
+        buffer or header length."""
+        key = (out.data_ptr(), header_len)
+        if self._views is None or self._views.key != key:
+            dst, src_index, starts = [], [], []
+            for i, e in enumerate(entries):
+                if e.nbytes and e.offset != DIRECT:
+                    start = header_len + e.offset
+                    dst.append(out[start : start + e.nbytes].view(e.dtype).view(e.shape))
+                    src_index.append(i)
+                    starts.append(start)
+            self._views = _Views(key, dst, src_index, starts)
+        return self._views
+
+
+def _filler(out: torch.Tensor, dst, sources, starts, blob: bytes | None, blob_at: int):
+    """``fill(upto)``: copy every leaf (and the blob) that starts before byte ``upto`` and is
+    not copied yet."""
+    done = 0
+    blob_done = blob is None
+
+    def fill(upto: int) -> None:
+        nonlocal done, blob_done
+        end = done
+        while end < len(dst) and starts[end] < upto:
+            end += 1
+        if end > done:
+            # One C++ call for these copies; non-contiguous sources copy only their elements.
+            torch._foreach_copy_(dst[done:end], sources[done:end])
+            done = end
+        if not blob_done and blob_at < upto:
+            if out.device.type == "cpu":  # straight from the bytes: no tensor made of them
+                out.numpy()[blob_at : blob_at + len(blob)] = np.frombuffer(blob, np.uint8)
+            else:
+                out[blob_at : blob_at + len(blob)].copy_(
+                    torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+                )
+            blob_done = True
+
+    return fill
+
+
+def _leaf_device(parts: list[Part]) -> torch.device:
+    for *_, t in parts:
+        return t.device
+    return torch.device("cpu")
