@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from harness.run import launch as launchers
 from harness.run import payloads, records
-from harness.run.config import strategy_of, validate
+from harness.run.config import strategy_of, validate, workload_of
 from harness.run.progress import job_line
 from harness.run.runner import JobSpec, summarize
 from harness.run.verify import VerificationError
@@ -88,7 +88,7 @@ def spec_of(cfg, layout) -> JobSpec:
         payload_trust=bool(cfg.payload.get("trust", False)),
         payload_max_bytes=cfg.payload.get("max_bytes"),
         batch_size=int(cfg.payload.batch_size),
-        seq_len=_seq_len(cfg),
+        seq_len=(seq_len := _seq_len(cfg)),
         broadcast_non_tensor=cfg.payload.broadcast_non_tensor,
         seed=int(cfg.payload.seed),
         iters=int(cfg.iters),
@@ -104,6 +104,8 @@ def spec_of(cfg, layout) -> JobSpec:
         device=cfg.backend.device,
         world=str(cfg.world),
         dispatch=str(cfg.ray.dispatch) if cfg.world == launchers.RAY else "none",
+        workload=workload_of(cfg, layout, seq_len),
+        steady_iters=int(cfg.steady_iters),
     )
 
 

@@ -102,6 +102,21 @@ class PayloadConf:
     gives, may take; checked from the file's sizes and the schema's shapes before anything is
     allocated. null: a quarter of this machine's physical memory
     (``harness.run.recorded.default_max_bytes``)."""
+    cycle: Any = None
+    """Overrides of batch_size and seq_len (seq_len not for a recorded payload) cycled call
+    by call, e.g. ``[{batch_size: 768}, {batch_size: 3}]``; the floor and pickled are timed on
+    the same sequence, shape by shape. null: every call moves one shape
+    (``harness.run.workload``)."""
+    cycle_file: str | None = None
+    """A recorded sequence of shapes: a YAML list of entries as in ``cycle`` (instead of it)."""
+    draws: int = 0
+    """Seeded draws of the data cycled through (each cycle entry once per draw): a schema's
+    jagged and string lengths are drawn anew from its recorded distributions for each, and
+    dp_split=drawn draws a split for each. 0: one batch per shape."""
+    dp_split: Any = "even"
+    """Rows per replica leader (DP > 1): even (batch_size each) | a list of row counts, one per
+    replica (the cycle's batch_size then does not apply) | drawn (batch_size·dp rows split at
+    seeded random points, one split per draw)."""
 
 
 @dataclass
@@ -136,6 +151,10 @@ class BenchConf:
     """Timed rounds; each round calls the strategy and every reference once, interleaved."""
     warmup: int = 3
     """Untimed rounds first (allocations, the wire's first-call size, caches)."""
+    steady_iters: int = 0
+    """A varying workload (payload.cycle, draws, dp_split): after the sequence, this many
+    interleaved rounds of each distinct shape alone, for each shape's steady-state p50 in the
+    record (``shapes[].steady_p50_us``, ``vs_steady``). 0: none."""
     timeout_s: float = 120.0
     """A rank silent this long fails the job (named); gloo's own timeout sits just past it."""
     references: list[str] = field(default_factory=lambda: ["floor", "pickled"])
@@ -289,21 +308,51 @@ def _validate_payload(cfg, layout: Layout) -> None:
         value = cfg.payload[key]
         if value < 1:
             raise ConfigError(f"payload.{key} must be positive, got {value}")
-    if cfg.payload.name in payloads.RECORDED:
-        _validate_recorded(cfg.payload)
+    recorded = cfg.payload.name in payloads.RECORDED
+    work = workload_of(cfg, layout, None if recorded else int(cfg.payload.seq_len))
+    if recorded:
+        _validate_recorded(cfg.payload, max(s.batch_size for s in work.period))
+    if cfg.steady_iters < 0:
+        raise ConfigError(f"steady_iters must be >= 0, got {cfg.steady_iters}")
     step = 2 * layout.cp
-    if cfg.payload.seq_len % step:
-        below = cfg.payload.seq_len // step * step
-        raise ConfigError(
-            f"payload.seq_len={cfg.payload.seq_len} is not divisible by 2·cp = {step} "
-            f"(Megatron splits the sequence into 2·cp zig-zag chunks); valid: a multiple of "
-            f"{step}, e.g. {below or step} or {below + step}"
-        )
+    for where, seq_len in _seq_lens(cfg, work):
+        if seq_len % step:
+            below = seq_len // step * step
+            raise ConfigError(
+                f"{where}={seq_len} is not divisible by 2·cp = {step} "
+                f"(Megatron splits the sequence into 2·cp zig-zag chunks); valid: a multiple of "
+                f"{step}, e.g. {below or step} or {below + step}"
+            )
 
 
-def _validate_recorded(payload) -> None:
+def _seq_lens(cfg, work) -> list[tuple[str, int]]:
+    """The job's seq_len and every other one its workload moves, each with where it was set."""
+    out = [("payload.seq_len", int(cfg.payload.seq_len))]
+    return out + [
+        ("a payload.cycle entry's seq_len", s.seq_len)
+        for s in dict.fromkeys(work.period)
+        if s.seq_len is not None and s.seq_len != out[0][1]
+    ]
+
+
+def workload_of(cfg, layout: Layout, seq_len: int | None):
+    """The job's ``harness.run.workload.Workload`` (``seq_len``: the job's own, the
+    recording's for a recorded payload); ConfigError, one line, for a bad one."""
+    from harness.run import workload
+
+    node = OmegaConf.to_container(cfg.payload, resolve=True)
+    problem = None
+    try:
+        return workload.build(node, layout.dp, seq_len, cfg.payload.name in payloads.RECORDED)
+    except workload.WorkloadError as exc:
+        problem = str(exc)  # raised below, outside the except: one line, no context
+    raise ConfigError(problem)
+
+
+def _validate_recorded(payload, batch_size: int) -> None:
     """The file exists, loads safely (or is trusted), has a leading batch dimension and fits
-    ``payload.max_bytes`` at ``payload.batch_size`` rows: a recording is read once here (a
+    ``payload.max_bytes`` at ``batch_size`` rows (the most any leader holds in one call of the
+    workload): a recording is read once here (a
     schema checked whole and one row replayed), so a bad file stops the job before any rank
     starts."""
     from harness.run import recorded, schema
@@ -316,11 +365,10 @@ def _validate_recorded(payload) -> None:
     problem = None
     try:
         if payload.name == "schema":
-            schema.check(payload.path, int(payload.batch_size), max_bytes)
+            schema.check(payload.path, batch_size, max_bytes)
         else:
             recorded.load(
-                payload.path, bool(payload.trust), max_bytes=max_bytes,
-                batch_size=int(payload.batch_size),
+                payload.path, bool(payload.trust), max_bytes=max_bytes, batch_size=batch_size,
             )  # fmt: skip
     except (recorded.PayloadFileError, schema.SchemaError) as exc:
         problem = str(exc)  # raised below, outside the except: one line, no context
@@ -395,6 +443,17 @@ def _validate_dispatch(cfg) -> None:
         )
     if cfg.fault.rank >= 0:
         raise ConfigError("fault injection runs on broadcast jobs only: set ray.dispatch=none")
+    p = cfg.payload
+    if (
+        p.get("cycle") is not None
+        or p.get("cycle_file")
+        or p.get("draws")
+        or (p.get("dp_split", "even") != "even")
+    ):
+        raise ConfigError(
+            f"ray.dispatch={cfg.ray.dispatch} times one shape from the driver's global batch: "
+            "payload.cycle, cycle_file, draws and dp_split need ray.dispatch=none"
+        )
     if cfg.ray.dispatch == LEADER:
         try:
             Mode.parse(f"{LEADER}:{strategy_of(cfg)}")

@@ -39,9 +39,15 @@ FIELDS: dict[str, str] = {
     "order": "megatron-core's rank order (tp-cp-ep-dp-pp)",
     "payload": "the payload generator; payload:<stem> for a recorded file or schema",
     "payload_path": "the recorded file or schema read; null for a generated payload",
-    "batch_size": "rows on each replica leader",
+    "batch_size": "rows on each replica leader (a varying workload: the most one leader holds "
+    "in one call; each shape's are in shapes)",
     "seq_len": "tokens per row: the configured one for a generated payload, the recording's "
-    "widest second dimension for a recorded one (null when it has none)",
+    "widest second dimension for a recorded one (null when it has none; a varying workload: "
+    "its longest)",
+    "workload": "a varying workload's name: cycle:b768/b3, cycle_file:<stem>, draws:<n>, "
+    "dp_split:<rows>|drawn (space-separated); null when every call moves the same shape",
+    "dp_split": "the replicas' row counts when they differ: a list (one per replica) or drawn; "
+    "null when even",
     "iters": "timed rounds",
     "warmup": "untimed rounds before them",
     # the outcome
@@ -87,6 +93,11 @@ FIELDS: dict[str, str] = {
     "modes": "dispatch: every mode timed in the job, with its p50 and raw floor",
     "unsupported": "dispatch: the modes a strategy refused, with why",
     "references": "every other strategy timed in the same job, with its own figures",
+    "shapes": "a varying workload: one entry per distinct shape, in the order the calls first "
+    "move it (batch_size, seq_len, dp_rows, draw, calls, payload_bytes, p50_us, floor_p50_us, "
+    "floor_method, vs_floor, baseline_p50_us, vs_baseline, steady_p50_us, vs_steady, "
+    "references); the top-level p50_us and payload_bytes are then the whole sequence's per "
+    "call; null for a constant workload",
     "world_start_s": "seconds the world took to start (outside every timing)",
     # the emulated cluster's shape (null elsewhere)
     "emulate_nodes": "emulated nodes",
@@ -211,8 +222,25 @@ def _job_fields(spec) -> dict:
         **({"payload_path": spec.payload_path} if spec.payload_path else {}),
         "batch_size": spec.batch_size,
         "seq_len": spec.seq_len,
+        **_workload_fields(spec),
         "iters": spec.iters,
         "warmup": spec.warmup,
+    }
+
+
+def _workload_fields(spec) -> dict:
+    """A varying workload's name and split, and the largest rows and sequence it moves (the
+    job's own figures otherwise: a constant workload's record keeps its shape)."""
+    workload = getattr(spec, "workload", None)
+    if workload is None or not workload.varying:
+        return {}
+    shapes = spec.period()
+    lengths = [s.seq_len for s in shapes if s.seq_len is not None]
+    return {
+        "batch_size": max(s.batch_size for s in shapes),
+        "seq_len": max(lengths) if lengths else spec.seq_len,
+        "workload": workload.label,
+        "dp_split": workload.dp_split,
     }
 
 
@@ -326,7 +354,39 @@ def _measured(spec, summary: dict) -> dict:
             for name, s in summary["strategies"].items()
             if name != spec.strategy
         },
+        **({"shapes": shape_entries(spec, summary["shapes"])} if "shapes" in summary else {}),
     }
+
+
+def shape_entries(spec, shapes: list[dict]) -> list[dict]:
+    """The record's ``shapes``: per distinct shape, the strategy under test beside that
+    shape's floor and pickled, timed in the same rounds (and its steady state, when run)."""
+    out = []
+    for entry in shapes:
+        shape, figures = entry["shape"], entry["strategies"]
+        mine, base = figures[spec.strategy], figures.get("pickled")
+        p50, steady = mine["p50_us"], mine.get("steady_p50_us")
+        base_p50 = base["p50_us"] if base else None
+        out.append(
+            {
+                "batch_size": shape.batch_size,
+                "seq_len": shape.seq_len,
+                "dp_rows": list(shape.rows) if len(set(shape.rows)) > 1 else None,
+                "draw": shape.draw,
+                "calls": entry["calls"],
+                "payload_bytes": entry["payload_bytes"],
+                "p50_us": p50,
+                "floor_p50_us": entry.get("floor_p50_us"),
+                "floor_method": entry.get("floor_method"),
+                "vs_floor": vs_floor(p50, entry.get("floor_p50_us")),
+                "baseline_p50_us": base_p50,
+                "vs_baseline": _ratio(p50, base_p50),
+                "steady_p50_us": steady,
+                "vs_steady": _ratio(p50, steady),
+                "references": {n: f for n, f in figures.items() if n != spec.strategy},
+            }
+        )
+    return out
 
 
 def write_atomic(path: Path, record: dict) -> Path:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import strategies
 from harness.run import payloads
 from harness.run.verify import VerificationError, compare, digest, tensor_digest
+from harness.run.workload import CallShape, Workload, constant
 from strategies.core.layout import Layout
 from strategies.core.trace import Recorder
 
@@ -60,6 +61,27 @@ class JobSpec:
     """forked | ray: who runs the ranks when the driver launches them (recorded)."""
     dispatch: str = "none"
     """Ray worlds: none (the broadcast alone) | leader | all_ranks (``RayConf.dispatch``)."""
+    workload: Workload | None = None
+    """The shapes the calls cycle through (``harness.run.workload``); None: every call moves
+    ``batch_size`` rows on every replica leader."""
+    steady_iters: int = 0
+    """A varying workload: after the sequence, this many interleaved rounds of each distinct
+    shape alone (after one untimed round of it), for each shape's steady-state p50."""
+
+    def period(self) -> tuple[CallShape, ...]:
+        """The shapes call c of the job moves, ``period()[c % len(period())]``."""
+        if self.workload is not None:
+            return self.workload.period
+        return constant(self.batch_size, self.seq_len, self.layout.dp).period
+
+    def distinct_shapes(self) -> list[CallShape]:
+        """The period's shapes, each once, in the order they first appear."""
+        return list(dict.fromkeys(self.period()))
+
+    def shape_of_call(self, call: int) -> CallShape:
+        """What the job's call ``call`` moves (warm-up calls count first)."""
+        period = self.period()
+        return period[call % len(period)]
 
 
 def _fault(spec: JobSpec, rank: int, it: int) -> None:
@@ -118,16 +140,20 @@ def _rss_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def leader_batch(spec: JobSpec, groups, layout: Layout) -> strategies.DataProto | None:
-    """The replica leader's DataProto (different, seeded data per replica), on the device."""
+def leader_batch(
+    spec: JobSpec, groups, layout: Layout, shape: CallShape | None = None
+) -> strategies.DataProto | None:
+    """The replica leader's DataProto for one shape (the period's first by default): different,
+    seeded data per replica and per draw, on the device."""
     if not groups.is_leader:
         return None
+    shape = shape or spec.period()[0]
     replica = layout.coords(groups.rank)["dp"]
     dp = payloads.make(
         spec.payload,
-        spec.batch_size,
-        spec.seq_len,
-        spec.seed + replica,
+        shape.rows[replica],
+        shape.seq_len if shape.seq_len is not None else spec.seq_len,
+        spec.seed + replica + layout.dp * shape.draw,  # draw 0: seed + replica, as ever
         spec.broadcast_non_tensor,
         spec.payload_path,
         spec.payload_trust,
@@ -140,18 +166,46 @@ def leader_batch(spec: JobSpec, groups, layout: Layout) -> strategies.DataProto 
 
 @dataclass
 class Prepared:
-    """A rank's job after preparation: its groups, its entry batch and the built strategies."""
+    """A rank's job after preparation: its groups, the batch of every shape it moves, the one
+    calls move now and the built strategies."""
 
     groups: object
     full: strategies.DataProto
-    """The leader's whole batch; on other ranks the entry state (meta_info only)."""
+    """The leader's whole batch of the current shape; on other ranks its entry state
+    (meta_info only)."""
     order: list[str]
     """The strategy under test first, then the references."""
     built: dict
+    batches: dict = field(default_factory=dict)
+    """CallShape -> that shape's ``full``, built before anything is timed."""
+    current: CallShape | None = None
 
     def call(self, name: str):
         """One call of ``name`` from the entry state ROLL's dispatcher leaves."""
         return self.built[name].get_data_input(self.full.entry_state(self.groups.is_leader))
+
+    def use(self, shape: CallShape) -> None:
+        """Make ``shape``'s batch the one calls move. A raw-bytes strategy (the floor) moves
+        an already packed buffer, so it packs the new one here, untimed, on every rank; every
+        other strategy sees only the batch it is handed, as in a real step."""
+        if shape == self.current:
+            return
+        self.full, self.current = self.batches[shape], shape
+        for name in self.order:
+            if getattr(self.built[name], "raw_bytes", False):
+                self.built[name].prepare(self.full.entry_state(self.groups.is_leader))
+
+
+def _batches(spec: JobSpec, groups) -> dict:
+    """Every distinct shape's batch on the leader, and its meta_info on every rank (already
+    there before get_data_input: ROLL's dispatcher put it there)."""
+    out = {}
+    for shape in spec.distinct_shapes():
+        full = leader_batch(spec, groups, spec.layout, shape)
+        meta = [full.meta_info if full is not None else None]
+        dist.broadcast_object_list(meta, src=groups.leader, group=groups.cpu_replica_group)
+        out[shape] = full if full is not None else strategies.DataProto(None, {}, meta[0])
+    return out
 
 
 def prepare(ctx, spec: JobSpec) -> Prepared | dict:
@@ -160,12 +214,9 @@ def prepare(ctx, spec: JobSpec) -> Prepared | dict:
     ctx.report("building groups")
     groups = ctx.groups_for(spec.layout)
     ctx.report("generating the payload")
-    full = leader_batch(spec, groups, spec.layout)
-    # meta_info is already on every rank before get_data_input (ROLL's dispatcher put it there).
-    meta = [full.meta_info if full is not None else None]
-    dist.broadcast_object_list(meta, src=groups.leader, group=groups.cpu_replica_group)
-    if full is None:
-        full = strategies.DataProto(None, {}, meta[0])
+    batches = _batches(spec, groups)
+    first = spec.period()[0]
+    full = batches[first]
     order, options = _order(spec)
     built = {}
     for name in order:
@@ -178,7 +229,7 @@ def prepare(ctx, spec: JobSpec) -> Prepared | dict:
                 "is_leader": groups.is_leader,
             }
         built[name].prepare(full.entry_state(groups.is_leader))
-    return Prepared(groups, full, order, built)
+    return Prepared(groups, full, order, built, batches, first)
 
 
 def _order(spec: JobSpec) -> tuple[list[str], dict[str, dict]]:
@@ -198,28 +249,60 @@ def _order(spec: JobSpec) -> tuple[list[str], dict[str, dict]]:
 
 def timed_rounds(ctx, spec: JobSpec, job: Prepared) -> dict[str, list[float]]:
     """Warm-up rounds, then timed rounds that interleave every strategy, every call starting
-    from ``start_line`` and who goes first rotating; each rank times itself (seconds per call)."""
-    device = job.groups.device
+    from ``start_line`` and who goes first rotating; each rank times itself (seconds per call).
+    Round c moves the workload's call c (warm-up rounds count first), the same shape for every
+    strategy of the round, so the floor and pickled are timed shape by shape beside it."""
     for it in range(spec.warmup):
-        for name in job.order:
-            ctx.report(f"warm-up {it} of {name}")
-            dist.barrier()
-            job.call(name)
-    _sync(device)
+        job.use(spec.shape_of_call(it))
+        _untimed_round(ctx, job, f"warm-up {it}")
     times: dict[str, list[float]] = {name: [] for name in job.order}
     for it in range(spec.iters):
-        k = it % len(job.order)
-        for name in job.order[k:] + job.order[:k]:  # no strategy always leads
-            ctx.report(f"timed iteration {it} of {name}")
-            if name == spec.strategy:
-                _fault(spec, ctx.rank, it)
-            entry = job.full.entry_state(job.groups.is_leader)
-            start_line(job.groups)
-            t0 = time.perf_counter()
-            job.built[name].get_data_input(entry)
-            _sync(device)
-            times[name].append(time.perf_counter() - t0)
+        job.use(spec.shape_of_call(spec.warmup + it))
+        _timed_round(ctx, spec, job, it, times, f"timed iteration {it}", fault=True)
     return times
+
+
+def steady_rounds(ctx, spec: JobSpec, job: Prepared) -> dict[str, list[list[float]]]:
+    """A varying workload's steady state: each distinct shape alone, one untimed round (the
+    call after a change of shape is the sequence's cost, not the steady one) then
+    ``steady_iters`` timed rounds; seconds per call, by strategy then shape."""
+    shapes = spec.distinct_shapes()
+    out: dict[str, list[list[float]]] = {name: [[] for _ in shapes] for name in job.order}
+    if spec.workload is None or not spec.workload.varying or spec.steady_iters < 1:
+        return {}
+    for k, shape in enumerate(shapes):
+        job.use(shape)
+        _untimed_round(ctx, job, f"steady warm-up of shape {k}")
+        times = {name: out[name][k] for name in job.order}
+        for it in range(spec.steady_iters):
+            _timed_round(ctx, spec, job, it, times, f"steady iteration {it} of shape {k}")
+    return out
+
+
+def _untimed_round(ctx, job: Prepared, what: str) -> None:
+    for name in job.order:
+        ctx.report(f"{what} of {name}")
+        dist.barrier()
+        job.call(name)
+    _sync(job.groups.device)
+
+
+def _timed_round(
+    ctx, spec: JobSpec, job: Prepared, it: int, times: dict, what: str, fault: bool = False
+) -> None:
+    """One call of every strategy, who goes first rotating with ``it`` (no strategy always
+    leads), each call timed on this rank from ``start_line``; appended to ``times``."""
+    k = it % len(job.order)
+    for name in job.order[k:] + job.order[:k]:
+        ctx.report(f"{what} of {name}")
+        if fault and name == spec.strategy:
+            _fault(spec, ctx.rank, it)
+        entry = job.full.entry_state(job.groups.is_leader)
+        start_line(job.groups)
+        t0 = time.perf_counter()
+        job.built[name].get_data_input(entry)
+        _sync(job.groups.device)
+        times[name].append(time.perf_counter() - t0)
 
 
 def start_line(groups) -> None:
@@ -278,25 +361,32 @@ def measurements(ctx, job: Prepared) -> dict[str, dict]:
     return out
 
 
-def verification(ctx, job: Prepared) -> dict[str, list[str]]:
-    """A final call of every strategy, compared bit for bit with the leader's batch."""
+def verification(ctx, spec: JobSpec, job: Prepared) -> dict[str, list[str]]:
+    """Calls of every strategy compared bit for bit with the leader's batch: one per shape of
+    the period, in the workload's order (so a small call after a large one is checked too)."""
     groups = job.groups
-    problems = {}
-    leader_digest = digest(job.full, True) if groups.is_leader else None
-    for name in job.order:
-        ctx.report(f"verifying {name}")
-        dist.barrier()
-        out = job.call(name)
-        problems[name] = _verify(name, job.built[name], out, leader_digest, groups, job.full)
+    problems: dict[str, list[str]] = {name: [] for name in job.order}
+    for k, shape in enumerate(spec.period()):
+        job.use(shape)
+        leader_digest = digest(job.full, True) if groups.is_leader else None
+        for name in job.order:
+            ctx.report(f"verifying {name}" + (f" on call {k} of the period" if k else ""))
+            dist.barrier()
+            out = job.call(name)
+            found = _verify(name, job.built[name], out, leader_digest, groups, job.full)
+            problems[name] += [f"{p} (call {k} of the period)" if k else p for p in found]
     return problems
 
 
 def run_job_on_rank(ctx, spec: JobSpec) -> dict:
-    """The rank-side job: prepare, timed rounds, (link bytes,) measurements, verification."""
+    """The rank-side job: prepare, timed rounds, (steady rounds,) (link bytes,) measurements
+    (on the period's first shape), verification."""
     job = prepare(ctx, spec)
     if isinstance(job, dict):
         return job
     times = timed_rounds(ctx, spec, job)
+    steady = steady_rounds(ctx, spec, job)
+    job.use(spec.period()[0])
     # A hook only contexts on an emulated cluster carry (other contexts may lack the field).
     counter = getattr(ctx, "link_counter", None)
     link_bytes = (
@@ -304,14 +394,19 @@ def run_job_on_rank(ctx, spec: JobSpec) -> dict:
         if counter is not None and spec.link_bytes_calls > 0
         else {}
     )
+    leader = job.groups.is_leader
     return {
         "rank": ctx.rank,
-        "is_leader": job.groups.is_leader,
+        "is_leader": leader,
         "times_s": times,
+        **({"steady_s": steady} if steady else {}),
         **measurements(ctx, job),
-        "problems": verification(ctx, job),
+        "problems": verification(ctx, spec, job),
         "choices": {n: s.choice for n, s in job.built.items() if hasattr(s, "choice")},
-        "payload_bytes": _payload_bytes(job.full) if job.groups.is_leader else None,
+        "payload_bytes": _payload_bytes(job.batches[spec.period()[0]]) if leader else None,
+        "shape_bytes": [_payload_bytes(job.batches[s]) for s in spec.distinct_shapes()]
+        if leader
+        else None,
         "device": str(job.groups.device),
         **({"link_bytes_per_call": link_bytes} if link_bytes else {}),
     }
@@ -424,12 +519,59 @@ def summarize(spec: JobSpec, rank_results: list[dict]) -> dict:
             per_strategy[name]["cross_node_bytes_per_call"] = link_bytes[name]
         if name in rank_results[0].get("choices", {}):
             per_strategy[name]["choice"] = rank_results[0]["choices"][name]
-    return {
+    out = {
         "payload_bytes": payload_bytes,
         "strategies": per_strategy,
         **best_floor(per_strategy),
         "device": rank_results[0]["device"],
     }
+    if spec.workload is not None and spec.workload.varying:
+        out["shapes"] = per_shape(spec, rank_results)
+        out["payload_bytes"] = _sequence_bytes(spec, out["shapes"])
+    return out
+
+
+def _call_shapes(spec: JobSpec) -> list[int]:
+    """Per timed iteration, the index (in ``distinct_shapes``) of the shape it moved."""
+    index = {shape: k for k, shape in enumerate(spec.distinct_shapes())}
+    return [index[spec.shape_of_call(spec.warmup + it)] for it in range(spec.iters)]
+
+
+def per_shape(spec: JobSpec, rank_results: list[dict]) -> list[dict]:
+    """A varying workload's figures per distinct shape: the timed calls of the sequence that
+    moved it (max over ranks per call, as for the whole job), every strategy's p50 and its
+    floor, and each strategy's steady-state p50 where steady rounds ran."""
+    which = np.array(_call_shapes(spec))
+    leaders = [r for r in rank_results if r["is_leader"]]
+    out = []
+    for k, shape in enumerate(spec.distinct_shapes()):
+        figures = {}
+        for name in rank_results[0]["times_s"]:
+            per_iter = np.array([r["times_s"][name] for r in rank_results]).max(axis=0)
+            mine = {"p50_us": _pct(per_iter[which == k], 50) if (which == k).any() else None}
+            if "steady_s" in rank_results[0]:
+                steady = np.array([r["steady_s"][name][k] for r in rank_results]).max(axis=0)
+                mine["steady_p50_us"] = _pct(steady, 50)
+            figures[name] = mine
+        timed = {n: f for n, f in figures.items() if f["p50_us"] is not None}
+        out.append(
+            {
+                "shape": shape,
+                "calls": int((which == k).sum()),
+                # The largest replica's: with uneven replicas it is the one a call waits for.
+                "payload_bytes": max(r["shape_bytes"][k] for r in leaders),
+                "strategies": figures,
+                **best_floor(timed),
+            }
+        )
+    return out
+
+
+def _sequence_bytes(spec: JobSpec, shapes: list[dict]) -> int:
+    """Bytes per call over the timed sequence (mean of each call's largest replica)."""
+    bytes_of = [s["payload_bytes"] for s in shapes]
+    calls = _call_shapes(spec)
+    return int(round(sum(bytes_of[k] for k in calls) / len(calls)))
 
 
 def best_floor(per_strategy: dict[str, dict]) -> dict:
