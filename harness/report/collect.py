@@ -19,7 +19,7 @@ import pandas as pd
 from harness.files import write_csv
 
 COLUMNS = [
-    "status", "scope", "strategy", "mode", "layout", "world_size", "dp", "pp", "tp", "cp", "payload", "batch_size",
+    "status", "scope", "strategy", "mode", "layout", "world_size", "dp", "pp", "tp", "cp", "payload", "workload", "batch_size",
     "payload_bytes", "p50_us", "p90_us", "floor_p50_us", "baseline_p50_us", "vs_floor",
     "vs_baseline", "algbw_gbps", "collectives_per_call", "peak_rss_bytes", "error",
 ]  # fmt: skip

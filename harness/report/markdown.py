@@ -29,6 +29,7 @@ from harness.report.tables import (
     load,
     recommendation,
     recommendation_ranges,
+    shapes_table,
     strategies_of,
     strategy_table,
     unique_values,
@@ -362,6 +363,45 @@ def commands_markdown(df: pd.DataFrame) -> str:
     return "\n".join(lines) if lines else "(the records name no command)"
 
 
+def _ms(value) -> str:
+    missing = value is None or (isinstance(value, float) and math.isnan(value))
+    return "—" if missing else f"{value / 1e3:.2f}"
+
+
+def _x(value) -> str:
+    missing = value is None or (isinstance(value, float) and math.isnan(value))
+    return "—" if missing else f"{value:.2f}×"
+
+
+def shapes_markdown(df: pd.DataFrame) -> str:
+    """A section for jobs whose calls change shape (``workload``), one table per job and one
+    row per shape: its p50 inside the sequence beside its floor, pickled and its own steady
+    state, all from that job. Empty when every job moved one shape."""
+    tab = shapes_table(df)
+    if tab.empty:
+        return ""
+    header = ["shape", "rows", "seq_len", "bytes", "calls", "p50 ms", "floor ms", "vs_floor",
+              "pickled ms", "vs_baseline", "steady ms", "vs_steady"]  # fmt: skip
+    parts = [
+        "## Varying workloads, shape by shape\n",
+        "Jobs whose calls cycle through shapes (`workload`); their rows above are their own "
+        "setting, never merged with one-shape jobs. Per shape: its calls inside the sequence, "
+        "the floor and `pickled` timed on the same calls, and the same shape alone "
+        "(`steady`, when the job ran `steady_iters`). `vs_steady` above 1: the shape pays "
+        "for the one before it.\n",
+    ]
+    for (layout, workload, strategy), g in tab.groupby(["layout", "workload", "strategy"]):
+        rows = [
+            [str(r.shape), "+".join(map(str, r.dp_rows)) if isinstance(r.dp_rows, list)
+             else str(r.batch_size), str(r.seq_len), human_bytes(r.payload_bytes), str(r.calls),
+             _ms(r.p50_us), _ms(r.floor_p50_us), _x(r.vs_floor), _ms(r.baseline_p50_us),
+             _x(r.vs_baseline), _ms(r.steady_p50_us), _x(r.vs_steady)]
+            for r in g.itertuples()
+        ]  # fmt: skip
+        parts += [f"**{strategy}**, {layout}, `{workload}`\n", _md_table(header, rows), ""]
+    return "\n".join(parts)
+
+
 def write_report(root: Path | str, df: pd.DataFrame | None = None) -> Path:
     """Write report.md and the PNG figures into ``root``; returns the report's path."""
     root = Path(root)
@@ -403,6 +443,8 @@ job, then the median over jobs. n/a: the strategy refuses the layout (reason bel
 tables); not run: no job measured it.
 
 {results_markdown(df)}
+
+{shapes_markdown(df)}
 
 ## Why each costs what it costs
 

@@ -30,9 +30,10 @@ TIE_FRACTION = 0.10
 shared CPU machine moves by about this much from one run to the next."""
 SETTING = (
     "backend", "device", "world_size", "dp", "pp", "tp", "cp", "order", "payload", "seq_len",
-    "emulate_nodes", "emulate_links", "emulate_rate_mbit", "world",
+    "emulate_nodes", "emulate_links", "emulate_rate_mbit", "world", "workload",
 )  # fmt: skip
-"""Record fields that make two runs of one strategy at one payload size different runs."""
+"""Record fields that make two runs of one strategy at one payload size different runs (a
+varying workload's rows never merge with a constant one's: ``workload`` is null there)."""
 
 
 # -- the table ------------------------------------------------------------------------------
@@ -417,3 +418,24 @@ def crossovers(rec: pd.DataFrame) -> list[str]:
             + "."
         )
     return lines
+
+
+SHAPE_COLUMNS = (
+    "batch_size", "seq_len", "dp_rows", "calls", "payload_bytes", "p50_us", "floor_p50_us",
+    "vs_floor", "baseline_p50_us", "vs_baseline", "steady_p50_us", "vs_steady",
+)  # fmt: skip
+"""A ``shapes`` entry's figures the per-shape table keeps."""
+
+
+def shapes_table(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per shape of every varying-workload record (its ``shapes``), beside the job's
+    setting (``layout``), workload and strategy; empty when no record varies."""
+    rows = []
+    if "shapes" not in df.columns:
+        return pd.DataFrame(rows)
+    for _, rec in df[df["shapes"].map(lambda v: isinstance(v, list) and bool(v))].iterrows():
+        for k, shape in enumerate(rec["shapes"]):
+            row = {"layout": rec["layout"], "workload": rec.get("workload"), "shape": k}
+            row["strategy"] = rec["strategy"]
+            rows.append(row | {c: shape.get(c) for c in SHAPE_COLUMNS})
+    return pd.DataFrame(rows)

@@ -58,6 +58,8 @@ def job_line(rec) -> str:
     if rec.get("supported") is False:
         return f"{who}  UNSUPPORTED: {str(rec.get('error'))[:120]}"
     what = f"{rec.get('payload')} b{rec.get('batch_size')} {human_bytes(rec['payload_bytes'])}"
+    if rec.get("workload"):  # a varying workload: its name, and bytes are a mean per call
+        what = f"{rec.get('payload')} {rec['workload']} {human_bytes(rec['payload_bytes'])}/call"
     line = f"{who}  {what}  p50 {rec['p50_us'] / 1000:.2f} ms"
     if rec.get("vs_floor"):
         line += f"  vs_floor {rec['vs_floor']:.2f}"
