@@ -15,23 +15,28 @@ Modes (``scope = "dispatch+broadcast"``; the forked world's jobs are ``"broadcas
 Chunking and the put are inside the time. Every iteration ends at the latest rank-side end
 time; each rank's result is checked bit for bit (``harness.run.verify``) after the timed calls.
 
-    bcastbench ray-dispatch --layout tp2pp2 --payload rl_rollout --batch-size 32 \
-        --modes leader:header,leader:pickled,all_ranks --iters 5
+    bcastbench ray-dispatch layout=tp2pp2 payload=rl_rollout payload.batch_size=32 \
+        'modes=[leader:header,leader:pickled,all_ranks]' iters=5
+    bcastbench ray-dispatch -m layout=tp2pp2,tp2pp2dp2 payload.batch_size=48,704
+
+Configured through ``conf/ray_dispatch.yaml`` (schema ``RayDispatchConf``); each job writes its
+record to ``dispatch.json`` in its Hydra job directory (``results/ray/dispatch/...``), and
+``out=FILE`` collects every job's record in one list.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 import strategies
-from harness.errors import program
 from harness.run import payloads
+from harness.run.config import LayoutConf, PayloadConf, RayNode
 from harness.run.records import vs_floor
 from harness.run.verify import VerificationError, compare, digest, tensor_digest
 from harness.run.world import WorldError
@@ -404,17 +409,11 @@ def _record(spec, drv, modes, times, link, refused) -> dict:
 
 
 # -- command line --------------------------------------------------------------------------
-def load_layout(name: str) -> Layout:
-    """A layout from ``conf/layout/<name>.yaml`` (the Hydra app's layout group)."""
-    import yaml
-
-    from harness.paths import CONF_DIR
-
-    path = CONF_DIR / "layout" / f"{name}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in (CONF_DIR / "layout").glob("*.yaml"))
-        raise ValueError(f"unknown layout {name!r}; valid names: {known}")
-    return Layout(**yaml.safe_load(path.read_text()))
+MODULE = "harness.ray.dispatch"
+"""Where ``bcastbench ray-dispatch`` lives (its printed name: ``harness.errors.program``)."""
+RECORDS = "dispatch.json"
+"""Each job's record, a JSON list of one, in the job's directory (``harness.report`` reads
+such lists)."""
 
 
 def format_table(record: dict) -> str:
@@ -436,77 +435,142 @@ def format_table(record: dict) -> str:
     return "\n".join(lines)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=program("harness.ray.dispatch"), description=__doc__.split("\n\n")[0]
+@dataclass
+class RayDispatchConf:
+    """Root config of ``conf/ray_dispatch.yaml``: one job times ``modes`` on one layout and
+    batch; a ``-m`` sweep runs one job per combination on one Ray world per world size."""
+
+    layout: LayoutConf = field(default_factory=LayoutConf)
+    """Parallel shape (world size = dp·pp·tp·cp); reuses ``conf/layout/``."""
+    payload: PayloadConf = field(default_factory=PayloadConf)
+    """What the driver generates per replica: ``payload.batch_size`` rows each, so the global
+    batch has ``batch_size * dp``; reuses ``conf/payload/`` (generated payloads only)."""
+    modes: list[str] = field(default_factory=lambda: ["leader:header", "leader:pickled", ALL_RANKS])
+    """Dispatch modes (``leader:<strategy>``, ``leader:floor``, ``all_ranks``,
+    ``all_ranks:raw``); each family's floor is added when missing."""
+    iters: int = 5
+    """Timed calls per mode, interleaved with the first mode rotating."""
+    warmup: int = 2
+    """Untimed calls per mode first."""
+    link_bytes_calls: int = 0
+    """Emulated clusters: untimed calls per mode whose node-link bytes are counted; 0 skips."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Options of every leader mode's strategy (``strategies.get(name, groups, **options)``)."""
+    ray: RayNode = field(default_factory=RayNode)
+    """The Ray world (``harness.ray.world.RayConf``'s fields: address, num_cpus, placement,
+    ...); ``ray.timeout_s`` also bounds one dispatch call. ``ray.dispatch`` is
+    ``bcastbench run``'s and must stay ``none`` here: ``modes`` says what runs."""
+    out: str | None = None
+    """Also write every record of this command so far to this file (a JSON list)."""
+
+
+def register() -> None:
+    """The schema in Hydra's ConfigStore (``conf/ray_dispatch.yaml`` names it)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="ray_dispatch_schema", node=RayDispatchConf)
+
+
+def ray_conf(cfg):
+    """The runtime ``RayConf`` of ``cfg.ray``."""
+    from omegaconf import OmegaConf
+
+    from harness.ray.world import RayConf
+
+    return RayConf(**OmegaConf.to_container(cfg.ray, resolve=True))
+
+
+def spec_of_job(cfg) -> DispatchSpec:
+    """The ``DispatchSpec`` of one job's config."""
+    from omegaconf import OmegaConf
+
+    from harness.run.config import layout_of
+
+    p = cfg.payload
+    return DispatchSpec(
+        layout_of(cfg),
+        tuple(cfg.modes),
+        p.name,
+        int(p.batch_size),
+        int(p.seq_len),
+        p.broadcast_non_tensor,
+        int(p.seed),
+        iters=int(cfg.iters),
+        warmup=int(cfg.warmup),
+        timeout_s=float(cfg.ray.timeout_s),
+        link_bytes_calls=int(cfg.link_bytes_calls),
+        options=OmegaConf.to_container(cfg.options, resolve=True),
     )
-    p.add_argument("--layout", default="tp2pp2", help="comma-separated conf/layout names")
-    p.add_argument("--payload", default="rl_rollout", choices=sorted(payloads.PAYLOADS))
-    p.add_argument("--batch-size", default="32", help="comma-separated rows per replica")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--modes", default="leader:header,leader:pickled,all_ranks")
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--address", default="local", help="'local' or a running cluster's address")
-    p.add_argument("--num-cpus", type=int, default=2, help="CPUs of a local cluster")
-    p.add_argument("--placement", default="STRICT_PACK", choices=["STRICT_PACK", "PACK"])
-    p.add_argument("--ranks-per-node", type=int, default=None)
-    p.add_argument("--socket-ifname", default=None, help="GLOO_SOCKET_IFNAME for the ranks")
-    p.add_argument("--link-bytes-calls", type=int, default=0)
-    p.add_argument("--json", default=None, help="write every job's record to this file")
-    return p
 
 
-def _command(argv: list[str] | None) -> str:
-    """The command line that made a record, as one would type it again."""
-    import shlex
-    import sys
+def check(cfg) -> None:
+    """Every value a dispatch job reads, checked before any job runs (``command.run_app``)."""
+    from omegaconf import OmegaConf
 
-    args = sys.argv[1:] if argv is None else argv
-    return " ".join(["bcastbench ray-dispatch", *map(shlex.quote, args)])
+    from harness.ray.world import RayUnavailable, import_ray
+    from harness.run.config import ConfigError
+
+    if cfg.payload.name not in payloads.PAYLOADS:
+        raise ConfigError(
+            f"payload.name: {cfg.payload.name!r} is not generated; the driver builds the "
+            f"global batch, valid: {sorted(payloads.PAYLOADS)}"
+        )
+    for key, least in (("payload.batch_size", 1), ("payload.seq_len", 1), ("iters", 1),
+                       ("warmup", 0), ("link_bytes_calls", 0)):  # fmt: skip
+        value = OmegaConf.select(cfg, key)
+        if value < least:
+            raise ConfigError(f"{key} must be >= {least}, got {value}")
+    try:
+        spec_of_job(cfg).parsed_modes()
+        conf = ray_conf(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if conf.dispatch != "none":
+        raise ConfigError(
+            f"ray.dispatch={conf.dispatch} is bcastbench run's setting; here modes= says what "
+            "runs (leave ray.dispatch=none)"
+        )
+    try:
+        import_ray()
+    except RayUnavailable as exc:
+        raise ConfigError(str(exc)) from None
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def task(cfg) -> dict:
+    """One Hydra job: time the modes on this process's Ray world of the layout's size (started
+    by the first job of that size, reused by the next ones: ``harness.run.launch.ray_world``),
+    print the table, write the record."""
     from harness.files import write_json
-    from harness.ray.world import RayConf, RayWorld
+    from harness.run import launch
+    from harness.tool import job_command, job_dir
 
-    args = _parser().parse_args(argv)
-    layouts = [load_layout(n) for n in args.layout.split(",")]
-    modes = tuple(args.modes.split(","))
-    DispatchSpec(layouts[0], modes).parsed_modes()  # a bad mode fails before Ray starts
-    conf = RayConf(
-        address=args.address,
-        num_cpus=args.num_cpus,
-        placement=args.placement,
-        ranks_per_node=args.ranks_per_node,
-        socket_ifname=args.socket_ifname,
-    )
-    records = []
-    # One world per world size: a layout change rebuilds only the groups, as in the forked world.
-    for size in sorted({lay.world_size for lay in layouts}):
-        with RayWorld(size, conf) as world:
-            print(f"Ray world of {size} ranks started in {world.start_s:.1f} s", flush=True)
-            for lay in (lay for lay in layouts if lay.world_size == size):
-                for b in (int(x) for x in args.batch_size.split(",")):
-                    spec = DispatchSpec(
-                        lay,
-                        modes,
-                        args.payload,
-                        b,
-                        args.seq_len,
-                        iters=args.iters,
-                        warmup=args.warmup,
-                        link_bytes_calls=args.link_bytes_calls,
-                    )
-                    record = run_dispatch(world, spec)
-                    record["world_start_s"] = world.start_s
-                    record["command"] = _command(argv)
-                    records.append(record)
-                    print(format_table(record) + "\n", flush=True)
-    if args.json:
-        write_json(args.json, records)
-    return records
+    spec = spec_of_job(cfg)
+    world = launch.ray_world(spec.layout.world_size, ray_conf(cfg))
+    start_s, world.start_s = world.start_s, 0.0  # paid once, by the job that started it
+    if start_s:
+        print(f"Ray world of {world.world_size} ranks started in {start_s:.1f} s", flush=True)
+    record = run_dispatch(world, spec)
+    record["world_start_s"] = start_s
+    record["command"] = job_command(MODULE)
+    print(format_table(record) + "\n", flush=True)
+    write_json(job_dir() / RECORDS, [record])
+    _DONE.append(record)
+    if cfg.out:
+        write_json(cfg.out, _DONE)
+    return record
+
+
+_DONE: list[dict] = []
+"""Every record this process's jobs made, for ``out`` (a sweep's jobs share one process)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``bcastbench ray-dispatch [overrides]``; a bad value exits 2 with one line."""
+    from harness.model.command import run_app
+
+    register()
+    return run_app(MODULE, "ray_dispatch", task, check, argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
