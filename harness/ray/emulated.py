@@ -2,18 +2,26 @@
 ``harness.cluster.netns``, the driver inside node 0's namespace, cross-node bytes per call read
 from the links' counters.
 
-    bcastbench ray-emulated --nodes 2 --rate-mbit 1000 -- \
-        --layout tp2pp2 --batch-size 48,704 --modes leader:header,leader:pickled,all_ranks
+    bcastbench ray-emulated emulate.nodes=2 emulate.rate_mbit=1000 layout=tp2pp2 \
+        payload.batch_size=48 'modes=[leader:header,leader:pickled,all_ranks]'
+    bcastbench ray-emulated -m payload.batch_size=48,704 emulate.links=node,gpu
 
-Everything after ``--`` goes to ``python -m harness.ray.dispatch`` (the driver). Node k runs
-``ray start --block`` with ``--node-ip-address`` its namespace's address and the custom resource
-``bcb_node<k>``, so rank r's bundle lands on node r // ranks_per_node as torchrun's node ranks
-place it. Every Ray process lives in a namespace this run created; closing the emulation kills
-them by pid (``ip netns pids``) and deletes the namespaces: nothing else on the machine is
-touched.
+Configured through ``conf/ray_emulated.yaml``: ``bcastbench ray-dispatch``'s config
+(``harness.ray.dispatch.RayDispatchConf``) plus ``emulate`` (``harness.cluster.netns.EmulateConf``:
+nodes, rate_mbit, links, bytes_calls, limit_s); ``ray.num_cpus`` and ``ray.object_store_mb`` are
+each node's. Each job runs the driver, ``bcastbench ray-dispatch`` with the job's values, inside
+node 0's namespace, attached to the cluster, and writes its record (the cluster's shape added)
+to ``dispatch.json`` in the job's directory. The jobs of a sweep that share a cluster shape
+share one cluster, started by the first of them and stopped at exit.
 
-``--links node`` gives each node one shaped link; ``--links gpu`` gives each rank its own
-(rails): gloo binds to the rank's rail (``GLOO_SOCKET_IFNAME=eth<local rank>``), while Ray's
+Node k runs ``ray start --block`` with ``--node-ip-address`` its namespace's address and the
+custom resource ``bcb_node<k>``, so rank r's bundle lands on node r // ranks_per_node as
+torchrun's node ranks place it. Every Ray process lives in a namespace this run created;
+closing the emulation kills them by pid (``ip netns pids``) and deletes the namespaces: nothing
+else on the machine is touched.
+
+``emulate.links=node`` gives each node one shaped link; ``emulate.links=gpu`` gives each rank its
+own (rails): gloo binds to the rank's rail (``GLOO_SOCKET_IFNAME=eth<local rank>``), while Ray's
 object manager talks over the node's one address, the first rail's. So with rails, Ray's object
 transfers all cross on rail 0 of each node, as they would on a real node whose Ray address is
 one NIC's; only the broadcasts spread over the rails.
@@ -21,24 +29,32 @@ one NIC's; only the broadcasts spread over the rails.
 
 from __future__ import annotations
 
-import argparse
+import atexit
 import json
-import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from functools import cache
 from pathlib import Path
 
 from harness import paths
 from harness.cluster.launch import LINKS_ENV
-from harness.errors import program
+from harness.cluster.netns import EmulateConf
+from harness.ray.dispatch import RayDispatchConf
 from harness.ray.world import NODE_RESOURCE, cluster_auth, private_cluster_dir
 from harness.run.world import WorldError
 
+MODULE = "harness.ray.emulated"
+"""Where ``bcastbench ray-emulated`` lives (its printed name: ``harness.errors.program``)."""
 RAY_PORT = 6379  # a fresh namespace has every port free
 READY_LINE = "Ray runtime started"
+SET_HERE = ("address", "placement", "ranks_per_node", "socket_ifname")
+"""``ray.*`` fields this tool sets for the driver (the cluster's address, PACK, the per-node
+pinning, each node's link), so a value given for them would be ignored: refused instead."""
 
 
 def _tail(path: Path, n: int = 3000) -> str:
@@ -106,73 +122,140 @@ def stop_ray_nodes(procs: list[subprocess.Popen], grace_s: float = 15.0) -> None
             pass
 
 
-def _world_size(dispatch_args: list[str]) -> int:
-    from harness.ray.dispatch import _parser, load_layout
+# -- the config ------------------------------------------------------------------------------
+@dataclass
+class RayEmulatedConf(RayDispatchConf):
+    """Root config of ``conf/ray_emulated.yaml``: a ``ray-dispatch`` job on an emulated Ray
+    cluster. ``ray.num_cpus`` and ``ray.object_store_mb`` size each node's Ray; the address,
+    placement, pinning and link of the ranks (``SET_HERE``) are this tool's."""
 
-    names = _parser().parse_args(dispatch_args).layout.split(",")
-    sizes = {load_layout(n).world_size for n in names}
-    if len(sizes) != 1:
+    emulate: EmulateConf = field(default_factory=EmulateConf)
+    """The emulated cluster (nodes, rate_mbit, links; ``bytes_calls``: untimed calls per mode
+    whose link bytes are counted; ``limit_s``: the most one job's driver may take).
+    ``emulate.enabled`` is ``bcastbench run``'s switch and is not read here."""
+
+
+def register() -> None:
+    """The schema in Hydra's ConfigStore (``conf/ray_emulated.yaml`` names it)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="ray_emulated_schema", node=RayEmulatedConf)
+
+
+def emulate_conf(cfg, world_size: int) -> EmulateConf:
+    """The runtime ``EmulateConf`` of ``cfg.emulate`` for a world of ``world_size``."""
+    from omegaconf import OmegaConf
+
+    emulate = EmulateConf(**OmegaConf.to_container(cfg.emulate, resolve=True))
+    if emulate.ranks_per_node is None:
+        emulate = emulate.for_world(world_size)
+    elif emulate.ranks_per_node * emulate.nodes != world_size:
         raise ValueError(
-            f"layouts {names} have world sizes {sorted(sizes)}; run one size at a time"
+            f"emulate.nodes ({emulate.nodes}) × emulate.ranks_per_node "
+            f"({emulate.ranks_per_node}) != the layout's world of {world_size}"
         )
-    return sizes.pop()
+    emulate.check()
+    return emulate
 
 
-def run_emulated(
-    dispatch_args: list[str],
-    nodes: int = 2,
-    rate_mbit: int = 1000,
-    cpus_per_node: int = 2,
-    object_store_mb: int = 512,
-    link_bytes_calls: int = 3,
-    limit_s: float = 600.0,
-    links: str = "node",
-) -> list[dict]:
-    """Run the dispatch driver with ``dispatch_args`` on a fresh emulated Ray cluster; return
-    its records, each with the cluster's shape added."""
+@cache
+def _namespaces_unavailable() -> str | None:
+    from harness.cluster.netns import unavailable_reason
+
+    return unavailable_reason()
+
+
+def check(cfg) -> None:
+    """``ray-dispatch``'s checks, the cluster's shape, and that namespaces can be made here."""
+    from harness.ray import dispatch
+    from harness.run.config import ConfigError, layout_of
+
+    dispatch.check(cfg)
+    given = [f"ray.{k}" for k in SET_HERE if cfg.ray[k] != getattr(RayEmulatedConf().ray, k)]
+    if given:
+        raise ConfigError(f"{', '.join(given)}: set by ray-emulated for its cluster; leave unset")
+    if cfg.link_bytes_calls:
+        raise ConfigError("link_bytes_calls: on the emulated cluster it is emulate.bytes_calls")
+    try:
+        emulate_conf(cfg, layout_of(cfg).world_size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if not cfg.emulate.limit_s or cfg.emulate.limit_s <= 0:
+        raise ConfigError(f"emulate.limit_s must be > 0 s, got {cfg.emulate.limit_s}")
+    reason = _namespaces_unavailable()
+    if reason is not None:
+        raise ConfigError(f"the emulated cluster cannot be built here: {reason}")
+
+
+# -- one cluster per shape, kept across a sweep's jobs ------------------------------------------
+_CLUSTER: dict = {}
+"""This process's emulated Ray cluster: ``key`` (its shape), ``emu``, ``scratch``, ``stack``
+(what closes it). A job of another shape closes it and starts its own; exit closes it."""
+
+
+def cluster(emulate: EmulateConf, cpus_per_node: int, object_store_mb: int):
+    """(Emulation, scratch dir) of a running cluster of this shape, started if need be."""
     from harness.cluster.netns import Emulation
 
-    world_size = _world_size(dispatch_args)
-    if world_size % nodes:
-        raise ValueError(f"{nodes} nodes do not divide the world of {world_size}")
-    per_node = world_size // nodes
-    shape = {"nodes": nodes, "rate_mbit": rate_mbit, "links": links, "ranks_per_node": per_node}
-    # Ray's unix sockets live under the head's temp dir, which must leave them room.
-    scratch = private_cluster_dir()
-    try:
-        with Emulation(**shape) as emu:
-            procs = start_ray_nodes(emu, scratch, cpus_per_node, object_store_mb, 120.0)
-            try:
-                records = _drive(emu, dispatch_args, scratch, per_node, link_bytes_calls, limit_s)
-            finally:
-                stop_ray_nodes(procs)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    for record in records:
-        record.update(
-            emulate_nodes=nodes,
-            emulate_links=links,
-            emulate_rate_mbit=rate_mbit,
-            emulate_ranks_per_node=per_node,
-            emulate_bytes_calls=link_bytes_calls,
-        )
-    return records
+    key = (tuple(sorted(asdict(emulate).items())), cpus_per_node, object_store_mb)
+    if _CLUSTER.get("key") == key:
+        return _CLUSTER["emu"], _CLUSTER["scratch"]
+    close_cluster()
+    with ExitStack() as stack:
+        # Ray's unix sockets live under the head's temp dir, which must leave them room.
+        scratch = private_cluster_dir()
+        stack.callback(shutil.rmtree, scratch, ignore_errors=True)
+        emu = stack.enter_context(Emulation(emulate))
+        procs = start_ray_nodes(emu, scratch, cpus_per_node, object_store_mb, 120.0)
+        stack.callback(stop_ray_nodes, procs)
+        _CLUSTER.update(key=key, emu=emu, scratch=scratch, stack=stack.pop_all())
+    atexit.register(close_cluster)
+    return emu, scratch
 
 
-def _drive(emu, dispatch_args, scratch: Path, per_node: int, calls: int, limit_s: float):
-    """The driver: ``python -m harness.ray.dispatch`` inside node 0's namespace, attached to
-    the cluster, ranks pinned per node, gloo on each node's link."""
+def close_cluster() -> None:
+    """Stop this process's emulated cluster, if any: Ray nodes, namespaces, scratch."""
+    stack = _CLUSTER.pop("stack", None)
+    _CLUSTER.clear()
+    if stack is not None:
+        stack.close()
+
+
+# -- the driver --------------------------------------------------------------------------------
+def driver_overrides(cfg) -> list[str]:
+    """The job's ``ray-dispatch`` values as overrides for the driver (not the cluster's)."""
+    from omegaconf import OmegaConf
+
+    from harness.tool import override
+
+    c = OmegaConf.to_container(cfg, resolve=True)
+    out = [override(f"{node}.{k}", v) for node in ("layout", "payload") for k, v in c[node].items()]
+    out += [override(k, c[k]) for k in ("modes", "iters", "warmup")]
+    # ++: the driver's options start empty, and struct mode takes a new key only so.
+    out += [override(f"++options.{k}", v) for k, v in c["options"].items()]
+    return out + [override(f"ray.{k}", c["ray"][k]) for k in ("actor_cpus", "timeout_s",
+                                                              "start_timeout_s")]  # fmt: skip
+
+
+def _drive(emu, overrides: list[str], scratch: Path, job: Path, calls: int, limit_s: float):
+    """The driver: ``bcastbench ray-dispatch`` inside node 0's namespace, attached to the
+    cluster, ranks pinned per node, gloo on each node's link; its records."""
+    from harness.tool import override
+
     out = scratch / "records.json"
-    argv = [sys.executable, "-m", "harness.ray.dispatch", *dispatch_args]
-    argv += ["--address", f"{emu.node_ip(0)}:{RAY_PORT}", "--placement", "PACK"]
+    out.unlink(missing_ok=True)
+    per_node = emu.cfg.ranks_per_node
     rails = emu.cfg.links == "gpu"
-    ifname = "eth{local_rank}" if rails else emu.rank_ifname(0)
-    argv += ["--ranks-per-node", str(per_node), "--socket-ifname", ifname]
-    argv += ["--link-bytes-calls", str(calls), "--json", str(out)]
+    argv = [sys.executable, "-m", "harness", "ray-dispatch", *overrides]
+    argv += [override("ray.address", f"{emu.node_ip(0)}:{RAY_PORT}"), "ray.placement=PACK"]
+    argv += [f"ray.ranks_per_node={per_node}"]
+    argv += [override("ray.socket_ifname", "eth{local_rank}" if rails else emu.rank_ifname(0))]
+    argv += [f"link_bytes_calls={calls}", override("out", str(out))]
+    argv += [override("hydra.run.dir", str(job / "driver"))]
     devs = [f"eth{k}" for k in range(per_node)] if rails else ["eth0"]
     links = [[emu.netns(n), dev] for n in range(emu.cfg.nodes) for dev in devs]
     env = {**cluster_auth(scratch), LINKS_ENV: json.dumps(links), "OMP_NUM_THREADS": "1"}
-    log = scratch / "driver.log"
+    log = job / "driver.log"
     with open(log, "wb") as f:
         proc = emu.popen(0, argv, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=str(paths.REPO))
     try:
@@ -186,45 +269,50 @@ def _drive(emu, dispatch_args, scratch: Path, per_node: int, calls: int, limit_s
     return json.loads(out.read_text())
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    from harness.files import write_json
-    from harness.ray.dispatch import format_table
+_DONE: list[dict] = []
+"""Every record this process's jobs made, for ``out``."""
 
-    argv = sys.argv[1:] if argv is None else argv
-    ours, dispatch_args = (
-        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+
+def task(cfg) -> dict:
+    """One Hydra job: the cluster of its shape (reused across a sweep), the driver, the record."""
+    from harness.files import write_json
+    from harness.ray.dispatch import RECORDS, format_table
+    from harness.run.config import layout_of
+    from harness.tool import job_command, job_dir
+
+    emulate = emulate_conf(cfg, layout_of(cfg).world_size)
+    emu, scratch = cluster(emulate, int(cfg.ray.num_cpus), int(cfg.ray.object_store_mb))
+    job = job_dir()
+    job.mkdir(parents=True, exist_ok=True)
+    overrides = driver_overrides(cfg)
+    (record,) = _drive(emu, overrides, scratch, job, emulate.bytes_calls, emulate.limit_s)
+    record.update(
+        emulate_nodes=emulate.nodes,
+        emulate_links=emulate.links,
+        emulate_rate_mbit=emulate.rate_mbit,
+        emulate_ranks_per_node=emulate.ranks_per_node,
+        emulate_bytes_calls=emulate.bytes_calls,
+        command=job_command(MODULE),
     )
-    p = argparse.ArgumentParser(
-        prog=program("harness.ray.emulated"), description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--rate-mbit", type=int, default=1000)
-    p.add_argument("--link-bytes-calls", type=int, default=3)
-    p.add_argument(
-        "--links",
-        default="node",
-        choices=["node", "gpu"],
-        help="one shaped link per node, or one per rank (rails; Ray uses rail 0)",
-    )
-    p.add_argument("--json", default=None, help="write the records to this file")
-    args = p.parse_args(ours)
-    records = run_emulated(
-        dispatch_args,
-        args.nodes,
-        args.rate_mbit,
-        link_bytes_calls=args.link_bytes_calls,
-        links=args.links,
-    )
-    each = "node" if args.links == "node" else "rank (rails)"
-    command = " ".join(["bcastbench ray-emulated", *map(shlex.quote, argv)])
-    for record in records:
-        record["command"] = command
-        print(f"emulated: {args.nodes} nodes, one {args.rate_mbit} Mbit/s link per {each}")
-        print(format_table(record) + "\n")
-    if args.json:
-        write_json(args.json, records)
-    return records
+    each = "node" if emulate.links == "node" else "rank (rails)"
+    print(f"emulated: {emulate.nodes} nodes, one {emulate.rate_mbit} Mbit/s link per {each}")
+    print(format_table(record) + "\n", flush=True)
+    write_json(job / RECORDS, [record])
+    _DONE.append(record)
+    if cfg.out:
+        write_json(cfg.out, _DONE)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``bcastbench ray-emulated [overrides]``; a bad value exits 2 with one line."""
+    from harness.model.command import run_app
+    from harness.ray import dispatch
+
+    dispatch.register()
+    register()
+    return run_app(MODULE, "ray_emulated", task, check, argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -11,6 +11,7 @@ BCB_REQUIRE_INFRA=1 turns the skip into a failure.
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 
 import psutil
@@ -34,7 +35,7 @@ def _ray_processes() -> set[int]:
     }
 
 
-def test_two_node_dispatch_crosses_once_per_node_with_all_ranks():
+def test_two_node_dispatch_crosses_once_per_node_with_all_ranks(tmp_path):
     reason = unavailable_reason()
     if reason is not None:
         _skip(f"network namespaces unavailable: {reason}")
@@ -44,12 +45,22 @@ def test_two_node_dispatch_crosses_once_per_node_with_all_ranks():
         ray = None
     if not hasattr(ray, "init"):  # absent, or the verl tests' bare stand-in
         _skip('ray is not installed (pip install "ray==2.60.0")')
-    from harness.ray.emulated import run_emulated
+    import json
+
+    from harness.ray import emulated
 
     before = _ray_processes()  # another session's Ray (if any) is not ours to judge
-    args = ["--layout", "tp2pp2", "--batch-size", "96", "--seq-len", "512"]
-    args += ["--modes", "leader:header,all_ranks", "--iters", "3", "--warmup", "1"]
-    (record,) = run_emulated(args, nodes=2, rate_mbit=1000, link_bytes_calls=2, limit_s=400)
+    argv = ["layout=tp2pp2", "payload.batch_size=96", "payload.seq_len=512"]
+    argv += ["modes=[leader:header,all_ranks]", "iters=3", "warmup=1"]
+    argv += ["emulate.nodes=2", "emulate.rate_mbit=1000", "emulate.bytes_calls=2"]
+    argv += ["emulate.limit_s=400", f"hydra.run.dir={tmp_path / 'job'}"]
+    try:
+        assert emulated.main(argv) == 0
+    finally:
+        emulated.close_cluster()  # the cluster a sweep would reuse, stopped here, not at exit
+    (record,) = json.loads((tmp_path / "job" / "dispatch.json").read_text())
+    # The command as one would type it again (hydra.* settings are left out).
+    assert record["command"].endswith(shlex.join(argv[:-1])), record["command"]
     assert record["correct"] and record["scope"] == "dispatch+broadcast"
     assert record["emulate_nodes"] == 2 and record["emulate_ranks_per_node"] == 2
     payload = record["payload_bytes"]
