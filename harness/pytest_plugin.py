@@ -63,27 +63,24 @@ def bcastbench_world():
     """A factory: ``bcastbench_world(n)`` is a running gloo world of n ranks (one per n)."""
     import torch
 
-    from harness.run.world import World
+    from harness.run.launch import forked_spec, open_world
+    from harness.run.worlds import REGISTRY
 
     # Worlds fork this process: keep it single-threaded, or a fork after an OpenMP region can
     # deadlock a rank.
     torch.set_num_threads(1)
-    worlds: dict[int, World] = {}
+    used: set[tuple] = set()
 
-    def world_of(n: int) -> World:
-        world = worlds.get(n)
-        if world is not None and not world.alive:
-            world.close(kill=True)
-            world = None
-        if world is None:
-            world = worlds[n] = World(n).start()
-        return world
+    def world_of(n: int):
+        spec = forked_spec(n)
+        used.add(spec.reuse_key)
+        return open_world(spec)  # the registry's live world of n, or a fresh one
 
     try:
         yield world_of
     finally:
-        for world in worlds.values():
-            world.close(kill=not world.alive)
+        for key in used:
+            REGISTRY.close(key)
 
 
 def layout_named(layout: Any):

@@ -2,6 +2,8 @@
 
 Worlds start on first use (a test run that needs none starts none) and close at session end;
 a test that tears its world down (a rank crashed or hung) gets a fresh one for the next test.
+They live in the registry of live worlds (``harness.run.worlds.REGISTRY``), so an in-process
+``bcastbench run`` of the same size reuses them too.
 """
 
 from __future__ import annotations
@@ -21,23 +23,18 @@ on a quiet machine; the margin is for loaded CI runners."""
 
 
 def _session_world(n: int):
-    # Imported here: harness.run.world pulls in megatron-core, which tier-1 runs do not need.
-    from harness.run.world import World
+    """The run path's forked world of ``n`` from the one registry of live worlds, as a handle
+    that starts it again when an earlier test tore it down."""
+    # Imported here: harness.run.launch is light, the forked world it starts pulls in
+    # megatron-core, which tier-1 runs do not need.
+    from harness.run.launch import forked_spec, reused_world
 
-    class SessionWorld(World):
-        """A World that restarts itself if an earlier test left it torn down."""
-
-        def run(self, fn, *args, what: str = "", timeout_s: float | None = None):
-            if not self.alive:
-                self.close(kill=True)
-                self.start()
-            return super().run(fn, *args, what=what, timeout_s=timeout_s)
-
-    world = SessionWorld(n, timeout_s=WORLD_TIMEOUT_S).start()
+    # Started now, as the session's first test that asks for it expects.
+    world = reused_world(forked_spec(n, timeout_s=WORLD_TIMEOUT_S)).start()
     try:
         yield world
     finally:
-        world.close(kill=not world.alive)
+        world.close()
 
 
 @pytest.fixture(scope="session")

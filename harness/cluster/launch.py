@@ -1,16 +1,17 @@
-"""Run one job on an emulated multi-node cluster (``emulate.enabled=true``; see
-harness.cluster.netns).
+"""The emulated cluster (``EmulatedWorld``, a ``harness.run.worlds.World``): a joined world on
+emulated nodes, driven from here (``emulate.enabled=true``; see harness.cluster.netns).
 
     python -m harness strategy=pp_first layout=tp2pp2 emulate.enabled=true \
         emulate.nodes=2 emulate.rate_mbit=1000 emulate.links=node   # or links=gpu ("rails")
 
-The driver (this module, called by ``harness.run.app.run`` when not under a launcher) builds the
-namespaces, then starts one torchrun agent per node inside that node's namespace
-(``torchrun --nnodes N --node-rank k --master-addr <node 0's address>``, static rendezvous, so
-node k holds global ranks k·R … k·R+R−1 exactly as the layout's order places them: rank r on node
-r // R, TP then CP innermost). Each agent runs ``python -m harness`` with this job's own overrides,
-so the workers are ordinary torchrun ranks; global rank 0 writes its record into a scratch
-directory, and the driver adds the cluster's shape and writes the job's ``result.json``.
+The driver (this module, chosen by ``harness.run.launch.choose`` when not under a launcher)
+builds the namespaces, then, for each task, starts one torchrun agent per node inside that
+node's namespace (``torchrun --nnodes N --node-rank k --master-addr <node 0's address>``, static
+rendezvous, so node k holds global ranks k·R … k·R+R−1 exactly as the layout's order places
+them: rank r on node r // R, TP then CP innermost). Each agent runs ``harness.cluster.worker``,
+whose ranks join that world (``harness.run.joined.JoinedWorld``) and run the task the driver
+wrote into a scratch directory; global rank 0 writes every rank's result back there, and the
+driver hands them on with the cluster's shape (``record_fields``).
 
 Cross-node bytes per call. The job's calls (warm-up, timed, counting, verification) and its
 references all cross the links, so totals around the whole job cannot be split per strategy.
@@ -23,15 +24,17 @@ hundred bytes. Each reference gets the same figure in ``references``. ``emulate_
 the driver's own before/after total of the whole launch (rendezvous and everything else), and
 ``emulate_link_bytes`` the same per link (``n<node>``, or ``n<node>g<local>`` for rails).
 
-A rank that crashes or hangs fails the job: its agent exits non-zero (or gloo's timeout makes
-the others fail), the driver sees it, kills every agent and removes the namespaces; the driver's
-own wall-clock limit (``emulate.limit_s``) is the backstop. Ctrl-C and SIGTERM clean up too.
+A rank that crashes or hangs fails the job: its agent exits non-zero (a silent rank's watchdog
+ends it, see ``harness.run.joined``; or gloo's timeout makes the others fail), the driver sees
+it, kills every agent and removes the namespaces; the driver's own wall-clock limit
+(``emulate.limit_s``) is the backstop. Ctrl-C and SIGTERM clean up too.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -39,9 +42,10 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from harness import paths  # noqa: I001
-from harness.run.world import WorldError
+from harness.run.worlds import RankFn, WorldError
 
 LINKS_ENV = "BCB_LINK_COUNTERS"
 """JSON ``[[netns, ifname], …]``: the node end of every inter-node link (set by the driver)."""
@@ -51,6 +55,8 @@ workers one environment, so each worker sets GLOO_SOCKET_IFNAME from this itself
 NODE_ENV = "BCB_NODE"
 """The emulated node an agent was started on; workers check their rank landed there."""
 MASTER_PORT = 29500  # a fresh namespace has every port free
+TASK_FILE, RESULTS_FILE = "task.pkl", "results.pkl"
+"""In the emulated world's scratch directory: the driver's task, and rank 0's answer."""
 
 
 def link_counter() -> Callable[[], int] | None:
@@ -102,39 +108,7 @@ def _tail(path: Path, n: int = 3000) -> str:
         return ""
 
 
-def run_emulated(cfg, layout, overrides: list[str], out_dir: Path) -> dict:
-    """Run the job ``overrides`` describe on an emulated cluster; return its record (not yet
-    written). Agents' output goes to ``out_dir/emulate-node<k>.log``."""
-    from omegaconf import OmegaConf
-
-    from harness.cluster.netns import EmulateConf, Emulation, EmulationUnavailable
-
-    e = cfg.emulate
-    conf = OmegaConf.to_object(e) if OmegaConf.is_config(e) else e
-    if not isinstance(conf, EmulateConf):  # a job config composed without the schema
-        conf = EmulateConf(**conf)
-    cluster = conf.for_world(layout.world_size)
-    limit_s = float(e.limit_s) if e.limit_s is not None else 2 * float(cfg.timeout_s) + 60
-    out_dir.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix="bcastbench-emulated-"))
-    try:
-        try:
-            emu_cm = Emulation(cluster)
-            emu = emu_cm.__enter__()
-        except EmulationUnavailable as exc:
-            raise WorldError(
-                f"emulate.enabled=true but namespaces are unavailable: {exc}"
-            ) from None
-        try:
-            record = _launch(emu, cfg, overrides, scratch, out_dir, limit_s)
-        finally:
-            emu_cm.__exit__(None, None, None)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return record
-
-
-def _start_agents(emu, overrides, scratch: Path, out_dir: Path) -> tuple[list, list[Path]]:
+def _start_agents(emu, task: Path, port: int, log_dir: Path) -> tuple[list, list[Path]]:
     """One torchrun agent per node, inside its namespace; their processes and log files."""
     c = emu.cfg
     links = [
@@ -156,10 +130,9 @@ def _start_agents(emu, overrides, scratch: Path, out_dir: Path) -> tuple[list, l
             env["GLOO_SOCKET_IFNAME"] = emu.rank_ifname(node * c.ranks_per_node)
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(c.nodes)]
         argv += ["--nproc-per-node", str(c.ranks_per_node), "--node-rank", str(node)]
-        argv += ["--master-addr", emu.node_ip(0), "--master-port", str(MASTER_PORT)]
-        argv += ["--max-restarts", "0", "-m", "harness", *overrides]
-        argv += [f"hydra.run.dir={scratch}", "hydra.output_subdir=null", "hydra/job_logging=none"]
-        log = out_dir / f"emulate-node{node}.log"
+        argv += ["--master-addr", emu.node_ip(0), "--master-port", str(port)]
+        argv += ["--max-restarts", "0", "-m", "harness.cluster.worker", str(task)]
+        log = log_dir / f"emulate-node{node}.log"
         logs.append(log)
         with open(log, "wb") as f:
             procs.append(
@@ -190,31 +163,107 @@ def _wait(procs: list, logs: list[Path], deadline: float, limit_s: float) -> Non
         time.sleep(0.2)
 
 
-def _launch(emu, cfg, overrides, scratch: Path, out_dir: Path, limit_s: float) -> dict:
-    c = emu.cfg
-    before = emu.link_bytes()
-    t0 = time.monotonic()
-    procs, logs = _start_agents(emu, overrides, scratch, out_dir)
-    _wait(procs, logs, t0 + limit_s, limit_s)
-    after = emu.link_bytes()
-    per_link = {name: after[name] - before[name] for name in after}
-    path = scratch / "result.json"
-    if not path.is_file():
-        raise WorldError(f"emulated job ended without a record; node 0's log:\n{_tail(logs[0])}")
-    record = json.loads(path.read_text())
-    record.update(
-        emulate_nodes=c.nodes,
-        emulate_links=c.links,
-        emulate_rate_mbit=c.rate_mbit,
-        emulate_ranks_per_node=c.ranks_per_node,
-        emulate_bytes_calls=int(cfg.emulate.bytes_calls),
-        emulate_job_bytes=sum(per_link.values()),
-        emulate_link_bytes=per_link,
-        emulate_wall_s=time.monotonic() - t0,
-    )
-    record.setdefault("cross_node_bytes_per_call", None)
-    return record
-
-
 def _repo() -> str:
     return str(paths.REPO)
+
+
+class EmulatedWorld:
+    """A world of ``world_size`` ranks on an emulated cluster of ``conf.nodes`` nodes; its
+    agents' output goes to ``log_dir/emulate-node<k>.log``."""
+
+    def __init__(
+        self, conf, world_size: int, log_dir: Path, timeout_s: float = 120.0,
+        backend: str = "gloo", device: str = "cpu",
+    ) -> None:  # fmt: skip
+        self.conf = conf.for_world(world_size)
+        self.world_size, self.log_dir, self.timeout_s = world_size, Path(log_dir), timeout_s
+        self.backend, self.device = backend, device
+        self.limit_s = float(conf.limit_s) if conf.limit_s is not None else 2 * timeout_s + 60
+        self.start_s = 0.0
+        self._emu = None
+        self._scratch: Path | None = None
+        self._tasks = 0
+        self._fields: dict[str, Any] = {}
+
+    def start(self) -> EmulatedWorld:
+        from harness.cluster.netns import Emulation, EmulationUnavailable
+
+        t0 = time.perf_counter()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            emu = Emulation(self.conf)
+            emu.__enter__()
+        except EmulationUnavailable as exc:
+            raise WorldError(
+                f"emulate.enabled=true but namespaces are unavailable: {exc}"
+            ) from None
+        self._emu = emu
+        # Private to this driver (0700): the task pickled in it is ours, not a user's file.
+        self._scratch = Path(tempfile.mkdtemp(prefix="bcastbench-emulated-"))
+        self.start_s = time.perf_counter() - t0
+        return self
+
+    def run(self, fn: RankFn, *args: Any, what: str = "", timeout_s: float | None = None):
+        """``fn(ctx, *args)`` on every rank of the cluster; the per-rank results in rank
+        order. A failed agent, or the whole task past ``emulate.limit_s``, tears the cluster
+        down and raises WorldError naming the node, with the end of its log."""
+        if self._emu is None:
+            raise WorldError("the emulated cluster is not running (it was closed or failed)")
+        emu, scratch = self._emu, self._scratch
+        what = what or getattr(fn, "__name__", "task")
+        (scratch / RESULTS_FILE).unlink(missing_ok=True)
+        task = scratch / TASK_FILE
+        limit = timeout_s or self.timeout_s
+        task.write_bytes(pickle.dumps((fn, args, what, limit, self.backend, self.device)))
+        self._tasks += 1
+        before, t0 = emu.link_bytes(), time.monotonic()
+        try:
+            procs, logs = _start_agents(emu, task, MASTER_PORT + self._tasks, self.log_dir)
+            _wait(procs, logs, t0 + self.limit_s, self.limit_s)
+            if not (scratch / RESULTS_FILE).is_file():
+                raise WorldError(
+                    f"emulated job ended without results; node 0's log:\n{_tail(logs[0])}"
+                )
+        except BaseException:
+            self.close(kill=True)
+            raise
+        after = emu.link_bytes()
+        self._fields = self._shape(
+            {name: after[name] - before[name] for name in after}, time.monotonic() - t0
+        )
+        return pickle.loads((scratch / RESULTS_FILE).read_bytes())
+
+    def _shape(self, per_link: dict[str, int], wall_s: float) -> dict[str, Any]:
+        c = self.conf
+        return dict(
+            emulate_nodes=c.nodes,
+            emulate_links=c.links,
+            emulate_rate_mbit=c.rate_mbit,
+            emulate_ranks_per_node=c.ranks_per_node,
+            emulate_bytes_calls=int(c.bytes_calls),
+            emulate_job_bytes=sum(per_link.values()),
+            emulate_link_bytes=per_link,
+            emulate_wall_s=wall_s,
+        )
+
+    def record_fields(self) -> dict[str, Any]:
+        """The cluster's shape and what its links carried during the last task."""
+        return dict(self._fields)
+
+    @property
+    def alive(self) -> bool:
+        return self._emu is not None
+
+    @property
+    def nodes(self) -> tuple[tuple[int, ...], ...]:
+        per = self.conf.ranks_per_node
+        return tuple(tuple(range(k * per, (k + 1) * per)) for k in range(self.conf.nodes))
+
+    def close(self, kill: bool = False) -> None:
+        """Kill every agent still running and remove the namespaces and the scratch."""
+        emu, self._emu = self._emu, None
+        if emu is not None:
+            emu.__exit__(None, None, None)
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None

@@ -1,5 +1,6 @@
-"""A world whose ranks are Ray actors, placed in one placement group as RL frameworks place
-their workers, with torch.distributed and megatron-core groups built inside the actors.
+"""The Ray world (``RayWorld``, a ``harness.run.worlds.World``): ranks as Ray actors, placed in
+one placement group as RL frameworks place their workers, with torch.distributed and
+megatron-core groups built inside the actors.
 
 Each actor holds a ``harness.run.world.RankContext``, so the rank-side job of the forked world
 (``harness.run.runner.run_job_on_rank``) runs here unchanged: same groups, same timing, same
@@ -26,6 +27,7 @@ import psutil
 from harness import paths
 from harness.ray import reaper
 from harness.ray.netns import PrivateNetwork
+from harness.run.worlds import WorldError, group_by_node
 
 NODE_RESOURCE = "bcb_node"
 """Custom resource a multi-node cluster's node ``k`` advertises as ``bcb_node<k>``: bundles ask
@@ -220,6 +222,12 @@ class RankActor:
 
         return ray.util.get_node_ip_address()
 
+    def node_id(self) -> str:
+        """The Ray node this actor runs on (its host)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def free_port(self) -> int:
         with socket.socket() as s:
             s.bind((self.node_ip(), 0))
@@ -295,6 +303,7 @@ class RayWorld:
         self.world_size = world_size
         self.actors: list = []
         self.rank_pids: list[int] = []
+        self._nodes: tuple[tuple[int, ...], ...] = ()
         self.started_pids: set[int] = set()
         """Processes this world's private cluster started (raylet, GCS, workers): close()
         waits for each of them to end and kills any that does not, by pid."""
@@ -343,8 +352,6 @@ class RayWorld:
         return env
 
     def _connect(self, ray) -> None:
-        from harness.run.world import WorldError
-
         if ray.is_initialized():
             raise WorldError(
                 "a Ray session is already open in this process; a RayWorld opens and closes "
@@ -432,8 +439,6 @@ class RayWorld:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from harness.run.world import WorldError
-
         bundles = [self._bundle(r) for r in range(self.world_size)]
         self._pg = placement_group(bundles, strategy=self.conf.placement)
         try:
@@ -470,6 +475,12 @@ class RayWorld:
         self.rank_pids = self.collect(
             refs, "joining the torch.distributed world", c.start_timeout_s
         )
+        node_ids = self.collect(
+            [a.node_id.remote() for a in self.actors],
+            "asking each rank for its node",
+            c.start_timeout_s,
+        )
+        self._nodes = group_by_node(node_ids)
 
     def _ifname(self, rank: int) -> str | None:
         """Rank ``rank``'s interface when ``socket_ifname`` names one per rank, else None."""
@@ -484,6 +495,14 @@ class RayWorld:
     @property
     def alive(self) -> bool:
         return bool(self.actors) and self._connected
+
+    @property
+    def nodes(self) -> tuple[tuple[int, ...], ...]:
+        """The ranks on each Ray node (by the node id of each rank's actor)."""
+        return self._nodes
+
+    def record_fields(self) -> dict[str, Any]:
+        return {}
 
     def close(self, kill: bool = False) -> None:
         """Leave the world, kill the actors, remove the placement group, and (for a private
@@ -545,8 +564,6 @@ class RayWorld:
     def submit(self, fn: Callable[..., Any], per_rank_args: Sequence[Sequence[Any]]) -> list:
         """Start ``fn(ctx, *per_rank_args[r])`` on every rank r; return the ObjectRefs. An
         ObjectRef among the arguments reaches the rank as its value (Ray fetches it)."""
-        from harness.run.world import WorldError
-
         if not self.alive:
             raise WorldError("the Ray world is not running (it was closed or failed)")
         if len(per_rank_args) != self.world_size:
@@ -559,8 +576,6 @@ class RayWorld:
         """Every rank's answer in rank order. A rank that fails or dies, or that reports no
         progress for ``timeout_s`` (as in a forked world: the limit is on silence, not on the
         job's length), tears the world down and raises WorldError naming it and its phase."""
-        from harness.run.world import WorldError
-
         ray = self._ray
         limit = timeout_s or self.conf.timeout_s
         rank_of = {ref: r for r, ref in enumerate(refs)}

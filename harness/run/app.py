@@ -3,15 +3,15 @@
     launcher (detected once per process) → validate (once) → job spec → launch → summarize
     → record (atomically, into the job's output directory)
 
-The launchers (``harness.run.launch``): a forked local world, a world a launcher started this
-process in (torchrun, a submitit job, a plain ``srun`` step: every task runs this whole task
-with one shared output directory and only global rank 0 writes the record and the log), or an
-emulated multi-node cluster (``emulate.enabled=true``), or a world of Ray actors (``world=ray``,
-where ``ray.dispatch`` makes the job time dispatch from the driver too). A job of a sweep that
-fails (a rank crashed, hung or ended with wrong data) leaves a record saying so (``status:
-failed``, the error), the next job still runs and the failure is counted
-(``harness.run.progress``); a single run that fails ends the command with the error and leaves
-no record.
+The worlds (``harness.run.launch``, chosen once by ``launch.detect``): a forked local world, a
+world a launcher started this process in (torchrun, a submitit job, a plain ``srun`` step: every
+task runs this whole task with one shared output directory and only global rank 0 writes the
+record and the log), or an emulated multi-node cluster (``emulate.enabled=true``), or a world of
+Ray actors (``world=ray``, where ``ray.dispatch`` makes the job time dispatch from the driver
+too). A job of a sweep that fails (a rank crashed, hung or ended with wrong data) leaves a
+record saying so (``status: failed``, the error), the next job still runs and the failure is
+counted (``harness.run.progress``); a single run that fails ends the command with the error and
+leaves no record.
 """
 
 from __future__ import annotations
@@ -110,21 +110,15 @@ def spec_of(cfg, layout) -> JobSpec:
 
 
 def _launch(launch: launchers.Launch, cfg, spec: JobSpec, out_dir: Path):
-    if launch.kind == launchers.JOINED:
-        return launchers.run_joined(cfg, spec, launch)
-    if launch.kind == launchers.EMULATED:
-        overrides = list(HydraConfig.get().overrides.task)
-        return launchers.run_emulated(cfg, spec, overrides, out_dir)
-    if spec.world == launchers.RAY:
-        return launchers.run_ray(cfg, spec)
-    return launchers.run_forked(cfg, spec)
+    world_spec = launchers.world_spec(cfg, spec.layout, launch, out_dir)
+    return launchers.run_job(launchers.open_world(world_spec), spec, world_spec.timeout_s)
 
 
 def run(cfg) -> dict | None:
     """Run one job; returns its record (None on ranks other than a joined world's rank 0)."""
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
-    launch = launchers.current(emulate=bool(cfg.emulate.enabled))
+    launch = launchers.current(emulate=bool(cfg.emulate.enabled), world=str(cfg.world))
     launchers.quiet_other_ranks(launch)
     layout = validate(cfg, launch.world_size)
     if launch.kind != launchers.JOINED:
@@ -137,7 +131,8 @@ def run(cfg) -> dict | None:
         if ran.record is not None:
             record = {**ran.record, "command": records.environment()["command"]}
         else:
-            record = records.build(spec, summarize(spec, ran.results), ran.world_start_s)
+            summary = summarize(spec, ran.results)
+            record = {**records.build(spec, summary, ran.world_start_s), **ran.fields}
     except JOB_FAILURES as exc:
         if hydra_cfg.mode != RunMode.MULTIRUN or not launch.writes_records:
             raise  # a single run: the command's error says what failed; no record

@@ -1,37 +1,44 @@
-"""Who runs a job's ranks, decided once per process, and how each launcher runs one job.
+"""Which world runs a job's ranks, decided in one place (``detect``), and the job run on it.
 
-Three launchers, one question each answers: *where are the ranks?*
+Four worlds, one question each answers: *where are the ranks?* (each a
+``harness.run.worlds.World``):
 
 * ``forked``: nobody launched us as a rank, so this process forks a local world
-  (``harness.run.world``) and the ranks serve the job; the driver gets every rank's result.
+  (``harness.run.world.ForkedWorld``) and the ranks serve the job; the driver gets every
+  rank's result.
 * ``joined``: a launcher already started this process as one rank of a world (``torchrun``, a
   submitit job of several tasks, or a plain ``srun`` step of several tasks); every rank runs the
-  job and global rank 0 gets every rank's result.
+  job and global rank 0 gets every rank's result (``harness.run.joined.JoinedWorld``).
 * ``ray`` (``world=ray``): like ``forked``, but the ranks are Ray actors in a placement group
-  (``harness.ray.world``); with ``ray.dispatch`` set, the job times Ray dispatch plus the
-  broadcast instead (``harness.ray.dispatch``) and hands back a finished record.
+  (``harness.ray.world.RayWorld``); with ``ray.dispatch`` set, the job times Ray dispatch plus
+  the broadcast instead (``harness.ray.dispatch``) and hands back a finished record.
 * ``emulated``: ``emulate.enabled=true`` and not already a rank: the driver builds an emulated
   multi-node cluster and runs the job there as a joined world one level down
-  (``harness.cluster.launch``); its rank 0 summarizes, and the driver returns that record with
-  the cluster's shape added.
+  (``harness.cluster.launch.EmulatedWorld``); the record gets the cluster's shape added.
 
-``detect`` is a pure function of the environment (tested from plain dicts); ``current`` calls
-it once per process, before anything here exports the variables ``env://`` needs.
+``detect`` is a pure function of the environment and the two config choices (``world``,
+``emulate.enabled``), tested from plain dicts; ``current`` reads the environment once per
+process, before anything here exports the variables ``env://`` needs. ``world_spec`` reads the
+config into the typed ``WorldSpec`` a world is made from, ``open_world`` reuses the live world
+of that spec or starts one (``harness.run.worlds.REGISTRY``), and ``run_job`` runs the job on it.
 """
 
 from __future__ import annotations
 
 import atexit
-import datetime
 import functools
 import logging
 import os
-import re
-import subprocess
-import time
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import astuple, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from harness.run.worlds import REGISTRY, Reused, World
+
+if TYPE_CHECKING:  # annotations only: both import more than choosing a world needs
+    from harness.cluster.netns import EmulateConf
+    from harness.ray.world import RayConf
 
 FORKED, JOINED, EMULATED, RAY = "forked", "joined", "emulated", "ray"
 
@@ -44,11 +51,11 @@ class Launch:
     """Where this job's ranks come from."""
 
     kind: str
-    """forked | joined | emulated."""
+    """forked | joined | emulated | ray."""
     via: str
-    """local (forked), torchrun | submitit | srun (joined), emulated."""
+    """local (forked), torchrun | submitit | srun (joined), emulated, ray."""
     rank: int = 0
-    """This process's global rank (0 for the drivers of forked and emulated jobs)."""
+    """This process's global rank (0 for the drivers of forked, emulated and Ray jobs)."""
     world_size: int | None = None
     """The world a joined launcher started; None where the layout decides the world."""
 
@@ -58,82 +65,55 @@ class Launch:
         return self.rank == 0
 
 
-def _int(env: Mapping[str, str], key: str, default: int) -> int:
+def env_int(env: Mapping[str, str], key: str, default: int) -> int:
     value = env.get(key, "")
     return int(value) if value.isdigit() else default
 
 
-def detect(env: Mapping[str, str], emulate: bool = False) -> Launch:
-    """The launcher, from environment variables alone (nothing is exported or imported).
-
-    torchrun's variables win (a torchrun inside an allocation is still torchrun), then a
-    submitit job of two or more tasks, then a plain ``srun`` step of two or more tasks; a
-    one-task job of either runs a local world like a plain run."""
+def _launched(env: Mapping[str, str]) -> Launch | None:
+    """The world a launcher started this process in, or None. torchrun's variables win (a
+    torchrun inside an allocation is still torchrun), then a submitit job of two or more tasks,
+    then a plain ``srun`` step of two or more tasks; a one-task job of either is no world."""
     if "TORCHELASTIC_RUN_ID" in env or {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= env.keys():
-        return Launch(JOINED, "torchrun", _int(env, "RANK", 0), _int(env, "WORLD_SIZE", 1))
+        return Launch(JOINED, "torchrun", env_int(env, "RANK", 0), env_int(env, "WORLD_SIZE", 1))
     executor = env.get("SUBMITIT_EXECUTOR", "")
     if executor:
-        tasks = _int(env, _SUBMITIT_TASKS.get(executor, ""), 1)
+        tasks = env_int(env, _SUBMITIT_TASKS.get(executor, ""), 1)
         if tasks >= 2:
-            return Launch(JOINED, "submitit", _int(env, _SUBMITIT_RANK.get(executor, ""), 0), tasks)
+            rank = env_int(env, _SUBMITIT_RANK.get(executor, ""), 0)
+            return Launch(JOINED, "submitit", rank, tasks)
     elif "SLURM_STEP_ID" in env:
-        tasks = _int(env, "SLURM_STEP_NUM_TASKS", 1)
+        tasks = env_int(env, "SLURM_STEP_NUM_TASKS", 1)
         if tasks >= 2:
-            return Launch(JOINED, "srun", _int(env, "SLURM_PROCID", 0), tasks)
+            return Launch(JOINED, "srun", env_int(env, "SLURM_PROCID", 0), tasks)
+    return None
+
+
+def detect(env: Mapping[str, str], emulate: bool = False, world: str = FORKED) -> Launch:
+    """The one choice of world, from environment variables (nothing is exported or imported)
+    and the config's ``emulate.enabled`` and ``world``: a launched world first (its ranks run
+    the job whatever the config asks; validation refuses ``world=ray`` there), then the
+    emulated cluster, then Ray, then a forked local world."""
+    launched = _launched(env)
+    if launched is not None:
+        return launched
     if emulate:
         return Launch(EMULATED, "emulated")
+    if world == RAY:
+        return Launch(RAY, "ray")
     return Launch(FORKED, "local")
 
 
 @functools.cache
-def _this_process() -> Launch:
-    return detect(dict(os.environ))
+def _environment() -> tuple[tuple[str, str], ...]:
+    return tuple(os.environ.items())
 
 
-def current(emulate: bool = False) -> Launch:
-    """This process's launcher: the environment is read on the first call only (later calls,
-    a sweep's next job included, see the same answer); ``emulate`` turns a would-be forked
-    world into an emulated one, and leaves a rank that already is one alone."""
-    here = _this_process()
-    return replace(here, kind=EMULATED, via="emulated") if emulate and here.kind == FORKED else here
-
-
-# -- joining a world a launcher started ------------------------------------------------------
-def export_rendezvous(launch: Launch, env=os.environ) -> None:
-    """Export RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT for ``env://`` where the launcher
-    did not (submitit, srun); torchrun already did."""
-    if launch.via == "submitit" and "RANK" not in env:
-        import submitit
-
-        # One rank per task: every task already is a process of the world, nothing to spawn.
-        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-    elif launch.via == "srun" and "RANK" not in env:
-        env.update(_srun_rendezvous(env, launch.world_size or 1))
-
-
-def _srun_rendezvous(env, tasks: int) -> dict[str, str]:
-    """The step's first node as MASTER_ADDR and a port every task derives alike from the job
-    and step ids (jobs and steps sharing a node get different ones)."""
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
-    hosts = subprocess.run(
-        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=False
-    ).stdout.split()
-    if not hosts:
-        raise RuntimeError(
-            f"srun step of {tasks} tasks: cannot expand SLURM_STEP_NODELIST={nodelist!r} with "
-            "`scontrol show hostnames`; set MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE yourself "
-            "or launch through torchrun"
-        )
-    per_node = re.match(r"\d+", env.get("SLURM_STEP_TASKS_PER_NODE", ""))
-    step = _int(env, "SLURM_STEP_ID", 0)
-    return dict(
-        RANK=env["SLURM_PROCID"],
-        WORLD_SIZE=str(tasks),
-        LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
-        LOCAL_WORLD_SIZE=per_node.group(0) if per_node else str(tasks),
-        MASTER_ADDR=hosts[0],
-        MASTER_PORT=str(20000 + (_int(env, "SLURM_JOB_ID", 0) * 16 + step) % 20000),
-    )
+def current(emulate: bool = False, world: str = FORKED) -> Launch:
+    """This process's world (``detect``): the environment is read on the first call only
+    (later calls, a sweep's next job included, see the same environment, whatever a joined
+    rank exported since)."""
+    return detect(dict(_environment()), emulate=emulate, world=world)
 
 
 def quiet_other_ranks(launch: Launch) -> None:
@@ -159,77 +139,160 @@ def prompt_slurm_failures() -> None:
     slurm.SlurmJob.watcher._delay_s = float(os.environ.get("BCASTBENCH_SLURM_POLL_S", "10"))
 
 
-# -- the three launchers ---------------------------------------------------------------------
+# -- the typed spec a world is made from, and the one cache of live worlds ------------------
+@dataclass(frozen=True)
+class WorldSpec:
+    """Everything a world is made from, read from the validated config once."""
+
+    launch: Launch
+    """The choice (``detect``): its kind names the world."""
+    world_size: int
+    backend: str = "gloo"
+    device: str = "cpu"
+    timeout_s: float = 120.0
+    """No progress for this long fails the job (every world; see ``harness.run.worlds``)."""
+    ray: RayConf | None = None
+    """A Ray world's settings (with the job's backend, device and timeout)."""
+    emulate: EmulateConf | None = None
+    """An emulated cluster's settings."""
+    log_dir: Path | None = None
+    """Where an emulated cluster's agents write their logs (the job's output directory)."""
+
+    @property
+    def kind(self) -> str:
+        return self.launch.kind
+
+    @property
+    def reuse_key(self) -> tuple:
+        """What makes a live world reusable for this spec: its kind and shape, a Ray world's
+        settings (not the job's dispatch mode: the world serves every mode), an emulated
+        cluster's settings and log directory (one cluster per job). Not the timeout: each job
+        passes its own."""
+        key = (self.kind, self.world_size, self.backend, self.device)
+        if self.kind == RAY:
+            return (*key, astuple(replace(self.ray, dispatch="none")))
+        if self.kind == EMULATED:
+            return (*key, astuple(self.emulate), str(self.log_dir))
+        return key
+
+
+def world_spec(cfg, layout, launch: Launch, out_dir: Path | None = None) -> WorldSpec:
+    """The ``WorldSpec`` of a validated job config on ``launch``'s world."""
+    extra: dict[str, Any] = {}
+    if launch.kind == RAY:
+        from harness.run.config import ray_conf
+
+        extra["ray"] = ray_conf(cfg)
+    if launch.kind == EMULATED:
+        from omegaconf import OmegaConf
+
+        from harness.cluster.netns import EmulateConf
+
+        conf = OmegaConf.to_object(cfg.emulate) if OmegaConf.is_config(cfg.emulate) else cfg.emulate
+        if not isinstance(conf, EmulateConf):  # a job config composed without the schema
+            conf = EmulateConf(**conf)
+        extra.update(emulate=conf, log_dir=out_dir)
+    return WorldSpec(
+        launch, layout.world_size, cfg.backend.name, cfg.backend.device, float(cfg.timeout_s),
+        **extra,
+    )  # fmt: skip
+
+
+def _forked(spec: WorldSpec) -> World:
+    from harness.run.world import ForkedWorld
+
+    return ForkedWorld(spec.world_size, spec.backend, spec.device, spec.timeout_s)
+
+
+def _joined(spec: WorldSpec) -> World:
+    from harness.run.joined import JoinedWorld
+
+    atexit.unregister(leave_joined)  # once, however many times a process joins
+    atexit.register(leave_joined)
+    return JoinedWorld(spec.launch, spec.backend, spec.device, spec.timeout_s)
+
+
+def _ray(spec: WorldSpec) -> World:
+    from harness.ray.world import RayWorld
+
+    return RayWorld(spec.world_size, replace(spec.ray, dispatch="none"))
+
+
+def _emulated(spec: WorldSpec) -> World:
+    from harness.cluster.launch import EmulatedWorld
+
+    return EmulatedWorld(
+        spec.emulate, spec.world_size, spec.log_dir, spec.timeout_s, spec.backend, spec.device
+    )
+
+
+KINDS: dict[str, Callable[[WorldSpec], World]] = {
+    FORKED: _forked, JOINED: _joined, RAY: _ray, EMULATED: _emulated,
+}  # fmt: skip
+"""How each kind of world is made from its spec (imported when chosen: the forked world
+imports megatron-core as it loads, Ray is an optional extra)."""
+ALONE = {JOINED, RAY, EMULATED}
+"""Kinds a process holds one of at most: one default process group, one Ray session, one
+emulated cluster (its signal handlers and namespaces)."""
+
+
+def open_world(spec: WorldSpec) -> World:
+    """The live world for ``spec``, reused across a sweep's jobs, or a new one started."""
+    return REGISTRY.get(
+        spec.reuse_key, lambda: KINDS[spec.kind](spec).start(), alone=spec.kind in ALONE
+    )
+
+
+def reused_world(spec: WorldSpec) -> Reused:
+    """A handle on the registry's world for ``spec`` that outlives a torn-down world: each
+    task goes to the live one, started again when an earlier task tore it down (a test
+    session's worlds)."""
+    return REGISTRY.reused(
+        spec.reuse_key, lambda: KINDS[spec.kind](spec).start(), alone=spec.kind in ALONE,
+        timeout_s=spec.timeout_s,
+    )  # fmt: skip
+
+
+def forked_spec(world_size: int, timeout_s: float = 120.0) -> WorldSpec:
+    """A forked gloo world of ``world_size`` ranks on CPU, as a plain ``bcastbench run`` of
+    that size gets (tests and the pytest plugin share it with in-process jobs)."""
+    return WorldSpec(Launch(FORKED, "local"), world_size, timeout_s=timeout_s)
+
+
+# -- the job on a world ----------------------------------------------------------------------
 @dataclass
 class Ran:
-    """What a launcher hands back on the process that writes the record."""
+    """What a world hands back on the process that writes the record."""
 
     results: list[dict] | None = None
     """Every rank's result of ``runner.run_job_on_rank``, in rank order."""
     world_start_s: float = 0.0
     """Seconds spent starting (or joining) the world for this job; 0 for a reused world."""
     record: dict | None = None
-    """A finished record instead of results (the emulated launcher's rank 0 made it)."""
+    """A finished record instead of results (Ray dispatch made it)."""
+    fields: dict = field(default_factory=dict)
+    """What the record takes from the world (``World.record_fields``)."""
 
 
-def run_forked(cfg, spec) -> Ran:
-    """Start (or reuse, within one sweep) a forked world of the layout's size; run the job."""
+def run_job(world: World, spec, timeout_s: float) -> Ran | None:
+    """Run the job ``spec`` (a ``runner.JobSpec``) on ``world``: the rank-side job on every
+    rank, or (``ray.dispatch``) dispatch from the driver's global batch. None on a joined
+    world's ranks other than 0."""
     from harness.run.records import layout_name
     from harness.run.runner import run_job_on_rank
-    from harness.run.world import get_world
 
-    world = get_world(spec.layout.world_size, spec.backend, spec.device, float(cfg.timeout_s))
     start_s, world.start_s = world.start_s, 0.0  # paid once; later jobs on it started nothing
+    if spec.dispatch != "none":
+        return _run_dispatch(world, spec, timeout_s, start_s)
     what = f"job {spec.strategy} on {layout_name(spec.layout)}"
-    return Ran(world.run(run_job_on_rank, spec, what=what), start_s)
+    results = world.run(run_job_on_rank, spec, what=what, timeout_s=timeout_s)
+    return None if results is None else Ran(results, start_s, fields=world.record_fields())
 
 
-_RAY: dict = {}
-"""The Ray world of this process (one at most: a process holds one Ray session), kept across a
-sweep's jobs while its size and settings match, closed at exit."""
-
-
-def ray_world(world_size: int, conf):
-    """Start (or reuse) this process's Ray world of ``world_size`` ranks and ``conf``
-    (``RayConf``; its ``dispatch`` is ignored: the world serves every mode); a world of another
-    shape, or one a failed job tore down, is closed and replaced."""
-    import atexit
-
-    from harness.ray.world import RayWorld
-
-    key = (world_size, replace(conf, dispatch="none"))
-    world = _RAY.get("world")
-    if world is not None and world.alive and _RAY.get("key") == key:
-        return world
-    close_ray()
-    world = _RAY["world"] = RayWorld(world_size, key[1]).start()
-    _RAY["key"] = key
-    atexit.register(close_ray)
-    return world
-
-
-def close_ray(kill: bool = False) -> None:
-    """Close this process's Ray world, if any: Ray shut down, every process it started gone
-    (``kill``: at once, for an interrupted command, without waiting for ranks to leave)."""
-    world = _RAY.pop("world", None)
-    _RAY.pop("key", None)
-    if world is not None:
-        world.close(kill=kill)
-
-
-def run_ray(cfg, spec) -> Ran:
-    """The job on a Ray world: the forked world's rank-side job, or (``ray.dispatch``) dispatch
-    from the driver's global batch through ``harness.ray.dispatch.run_dispatch``."""
-    from harness.run.config import ray_conf
-    from harness.run.records import build_dispatch, layout_name
-    from harness.run.runner import run_job_on_rank
-
-    world = ray_world(spec.layout.world_size, ray_conf(cfg))
-    start_s, world.start_s = world.start_s, 0.0  # paid once; later jobs on it started nothing
-    if spec.dispatch == "none":
-        what = f"job {spec.strategy} on {layout_name(spec.layout)}"
-        return Ran(world.run(run_job_on_rank, spec, what=what), start_s)
+def _run_dispatch(world: World, spec, timeout_s: float, start_s: float) -> Ran:
+    """Ray dispatch (``harness.ray.dispatch.run_dispatch``) on a Ray world."""
     from harness.ray.dispatch import DispatchSpec, run_dispatch
+    from harness.run.records import build_dispatch
 
     mode = f"leader:{spec.strategy}" if spec.dispatch == "leader" else "all_ranks"
     fields = ("payload", "batch_size", "seq_len", "broadcast_non_tensor", "seed", "iters")
@@ -238,73 +301,52 @@ def run_ray(cfg, spec) -> Ran:
         (mode,),
         **{name: getattr(spec, name) for name in fields},
         warmup=spec.warmup,
-        timeout_s=float(cfg.timeout_s),
+        timeout_s=timeout_s,
         options=dict(spec.options),
     )
     return Ran(record=build_dispatch(spec, run_dispatch(world, dispatch), start_s))
 
 
-def run_joined(cfg, spec, launch: Launch) -> Ran | None:
-    """Every rank of a launched world runs this; rank 0 gets all ranks' results, the others
-    None. The emulated cluster's link counter, when this rank runs on one, rides along as the
-    context's hook."""
-    import torch.distributed as dist
-
-    from harness.cluster.launch import adopt_worker_env, link_counter
-    from harness.run.runner import run_job_on_rank
-    from harness.run.world import RankContext, _device_for
-
-    t0 = time.perf_counter()
-    export_rendezvous(launch)
-    adopt_worker_env()  # no-op unless started by the emulated-cluster driver
-    if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=float(cfg.timeout_s) + 5)
-        dist.init_process_group(spec.backend, timeout=timeout)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    ctx = _JOINED.get("ctx")
-    if ctx is None or ctx.world_size != world:
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        device = _device_for(spec.backend, spec.device, local)
-        ctx = _JOINED["ctx"] = RankContext(
-            rank, world, spec.backend, device, link_counter=link_counter()
-        )
-        if not _JOINED.get("leaves"):
-            atexit.register(leave_joined)
-            _JOINED["leaves"] = True
-    start_s = time.perf_counter() - t0
-    mine = run_job_on_rank(ctx, spec)
-    gathered = [None] * world if rank == 0 else None
-    group = dist.new_group(backend="gloo") if spec.backend != "gloo" else None
-    dist.gather_object(mine, gathered, dst=0, group=group)
-    if group is not None:  # one per job: a sweep would otherwise pile up transport threads
-        dist.destroy_process_group(group)
-    return Ran(gathered, start_s) if rank == 0 else None
+# -- names the rest of the harness and its tests call -----------------------------------------
+def ray_world(world_size: int, conf) -> World:
+    """This process's Ray world of ``world_size`` ranks and ``conf`` (``RayConf``), from the
+    registry as a ``world=ray`` job would open it."""
+    return open_world(WorldSpec(Launch(RAY, "ray"), world_size, conf.backend, conf.device,
+                                conf.timeout_s, ray=conf))  # fmt: skip
 
 
-_JOINED: dict = {}
-"""The joined world's RankContext, kept across a sweep's jobs in one process."""
+def close_ray(kill: bool = False) -> None:
+    """Close this process's Ray world, if any: Ray shut down, every process it started gone
+    (``kill``: at once, for an interrupted command, without waiting for ranks to leave)."""
+    REGISTRY.close_kind(RAY, kill=kill)
+
+
+class _KindView(Mapping):
+    """``{"world": the live world of one kind}``: the old ``_RAY`` holder's shape, over the
+    registry."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def _live(self) -> dict:
+        worlds = [w for k, w in REGISTRY.worlds.items() if k[0] == self.kind]
+        return {"world": worlds[-1]} if worlds else {}
+
+    def __getitem__(self, key):
+        return self._live()[key]
+
+    def __iter__(self):
+        return iter(self._live())
+
+    def __len__(self) -> int:
+        return len(self._live())
+
+
+_RAY = _KindView(RAY)
 
 
 def leave_joined() -> None:
-    """Destroy this rank's process groups before the interpreter ends (registered at exit by
-    the first joined job). Left to the interpreter's teardown, a gloo group can be destroyed
-    while one of its threads is still joinable, and the rank aborts with ``terminate called
-    without an active exception`` after a job that succeeded; torchrun then reports the whole
-    run failed."""
-    import torch.distributed as dist
-
-    ctx = _JOINED.pop("ctx", None)
-    try:
-        if ctx is not None:
-            ctx.release_groups()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception as exc:  # noqa: BLE001 - the job's record is written; say, do not raise
-        logging.getLogger("bcastbench").warning("leaving the joined world: %s", exc)
-
-
-def run_emulated(cfg, spec, overrides: list[str], out_dir: Path) -> Ran:
-    """The whole job on an emulated multi-node cluster (``harness.cluster.launch``)."""
-    from harness.cluster.launch import run_emulated as launch_on_cluster
-
-    return Ran(record=launch_on_cluster(cfg, spec.layout, overrides, out_dir))
+    """Leave the joined world, if this process joined one: its process groups destroyed
+    before the interpreter ends (registered at exit by the first joined job; see
+    ``JoinedWorld.close``)."""
+    REGISTRY.close_kind(JOINED)

@@ -1,9 +1,11 @@
-"""Persistent multi-process worlds: start N real ranks once, then run many jobs on them.
+"""The forked world (``ForkedWorld``, a ``harness.run.worlds.World``): N real ranks forked
+from the driver once, then many jobs on them; and the rank side every world shares
+(``RankContext``: who a rank is, its phase reports, its megatron-core groups).
 
 Starting a gloo world of 8 costs seconds of imports and rendezvous, so sweeps and tests reuse
-one world per (world size, backend). Ranks are forked from the driver after the heavy imports,
-report their progress, and are killed as a group when anything fails: no rank outlives its
-driver.
+one world per (world size, backend, device) through ``harness.run.worlds.REGISTRY``. Ranks are
+forked from the driver after the heavy imports, report their progress, and are killed as a
+group when anything fails: no rank outlives its driver.
 """
 
 from __future__ import annotations
@@ -38,12 +40,8 @@ from harness.run.lean_import import parallel_state  # noqa: E402
 ps = parallel_state()
 from tensordict import TensorDict  # noqa: E402, F401
 
+from harness.run.worlds import REGISTRY, WorldError  # noqa: E402, F401 - WorldError's old home
 from strategies import ProcessGroups, Unsupported  # noqa: E402
-
-
-class WorldError(RuntimeError):
-    """A rank failed, crashed or stopped responding; the message names the rank and phase."""
-
 
 PHASE_BYTES = 240
 """Room for one rank's phase on a ``PhaseBoard`` (UTF-8; longer phases are cut)."""
@@ -350,8 +348,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class World:
-    """N ranks started once with torch.multiprocessing (fork), serving tasks until closed."""
+class ForkedWorld:
+    """N ranks started once with torch.multiprocessing (fork), serving tasks until closed; all
+    on this machine, so one node."""
 
     def __init__(
         self,
@@ -374,7 +373,7 @@ class World:
         self.start_s = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------
-    def start(self) -> World:
+    def start(self) -> ForkedWorld:
         t0 = time.perf_counter()
         self._job = 0  # the ranks' "ready" answers carry job 0
         mp = tmp.get_context("fork")
@@ -413,6 +412,13 @@ class World:
     def alive(self) -> bool:
         return self._ctx is not None and all(p.is_alive() for p in self._ctx.processes)
 
+    @property
+    def nodes(self) -> tuple[tuple[int, ...], ...]:
+        return (tuple(range(self.world_size)),)
+
+    def record_fields(self) -> dict[str, Any]:
+        return {}
+
     def close(self, kill: bool = False) -> None:
         if self._ctx is None:
             return
@@ -436,7 +442,7 @@ class World:
         self._ctx = None
         _LIVE.discard(self)
 
-    def __enter__(self) -> World:
+    def __enter__(self) -> ForkedWorld:
         return self.start() if self._ctx is None else self
 
     def __exit__(self, *exc) -> None:
@@ -608,28 +614,19 @@ class _Answers:
         return len(self.results) + len(self.errors) >= self.world_size
 
 
-_LIVE: set[World] = set()
-_CACHE: dict[tuple, World] = {}
+World = ForkedWorld
+"""The forked world under the name its callers know (tests, calibration)."""
 
+_LIVE: set[ForkedWorld] = set()
+"""Every started forked world, cached or not: at exit none may keep its ranks."""
 
-def get_world(
-    world_size: int, backend: str = "gloo", device: str = "cpu", timeout_s: float = 120.0
-) -> World:
-    """A running world of this shape, reused across jobs of one process (sweeps, tests)."""
-    key = (world_size, backend, device)
-    world = _CACHE.get(key)
-    if world is not None and world.alive:
-        world.timeout_s = timeout_s
-        return world
-    world = World(world_size, backend, device, timeout_s).start()
-    _CACHE[key] = world
-    return world
+_CACHE = REGISTRY.worlds
+"""The registry's worlds under this module's old name (tests close the ones a job started)."""
 
 
 def close_all() -> None:
     for world in list(_LIVE):
         world.close(kill=True)
-    _CACHE.clear()
 
 
 atexit.register(close_all)

@@ -1,12 +1,17 @@
-"""Tier 1: which launcher runs a job, read from plain environment dicts (nothing exported), and
-the name a record gives a layout."""
+"""Tier 1: which world runs a job, read from plain environment dicts and the config's two
+choices (nothing exported), the node a joined rank is on, what makes a live world reusable,
+the registry that keeps them, and the name a record gives a layout."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from harness.run.launch import EMULATED, FORKED, JOINED, Launch, detect
+from harness.ray.world import RayConf
+from harness.run.launch import EMULATED, FORKED, JOINED, RAY, Launch, WorldSpec, detect, forked_spec
 from harness.run.records import layout_name
+from harness.run.worlds import WorldRegistry, group_by_node
 from strategies.core.layout import SEED_ORDER, Layout
 
 
@@ -60,6 +65,80 @@ from strategies.core.layout import SEED_ORDER, Layout
 def test_detect(env, emulate, expected):
     assert detect(env, emulate=emulate) == expected
     assert detect(env, emulate=emulate).writes_records == (expected.rank == 0)
+
+
+def test_world_ray_is_chosen_where_no_launcher_or_emulation_is():
+    assert detect({}, world=RAY) == Launch(RAY, "ray")
+    assert detect({}, emulate=True, world=RAY).kind == EMULATED  # validation refuses this
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2"}
+    assert detect(torchrun, world=RAY).kind == JOINED  # a launched rank is a rank
+
+
+@pytest.mark.parametrize(
+    "env, via, node",
+    [
+        ({"GROUP_RANK": "1", "RANK": "0", "LOCAL_WORLD_SIZE": "4"}, "torchrun", 1),
+        ({"RANK": "5", "LOCAL_WORLD_SIZE": "4"}, "torchrun", 1),  # a bare env:// world
+        ({"SLURM_NODEID": "3", "SLURM_LOCALID": "1"}, "srun", 3),
+        ({"SUBMITIT_EXECUTOR": "slurm", "SLURM_NODEID": "2"}, "submitit", 2),
+        ({"SUBMITIT_EXECUTOR": "local", "SLURM_NODEID": "2"}, "submitit", 0),
+    ],
+)
+def test_a_joined_rank_knows_its_node_from_its_launcher(env, via, node):
+    from harness.run.joined import node_of
+
+    assert node_of(env, via) == node
+
+
+def test_ranks_are_grouped_by_node_in_node_order():
+    assert group_by_node(["b", "b", "a", "a"]) == ((0, 1), (2, 3))
+    assert group_by_node([0, 1, 0, 1]) == ((0, 2), (1, 3))  # srun's cyclic distribution
+    assert group_by_node([]) == ()
+
+
+def test_what_makes_a_world_reusable():
+    assert forked_spec(4, timeout_s=6).reuse_key == forked_spec(4, timeout_s=120).reuse_key
+    assert forked_spec(4).reuse_key != forked_spec(8).reuse_key
+    ray = WorldSpec(Launch(RAY, "ray"), 4, ray=RayConf(timeout_s=120))
+    # The Ray world serves every dispatch mode; a job's int timeout is the conf's float one.
+    same = replace(ray, ray=RayConf(timeout_s=120.0, dispatch="leader", placement="STRICT_PACK"))
+    assert same.reuse_key == ray.reuse_key
+    assert replace(ray, ray=RayConf(num_cpus=4)).reuse_key != ray.reuse_key
+
+
+class _Ranks:
+    """The smallest thing the registry keeps: starts, is alive until closed."""
+
+    def __init__(self) -> None:
+        self.alive, self.closed_with = False, None
+
+    def start(self) -> _Ranks:
+        self.alive = True
+        return self
+
+    def close(self, kill: bool = False) -> None:
+        self.alive, self.closed_with = False, kill
+
+
+def test_the_registry_reuses_live_worlds_and_replaces_dead_ones():
+    registry = WorldRegistry()
+    first = registry.get(("forked", 4), lambda: _Ranks().start())
+    assert registry.get(("forked", 4), lambda: _Ranks().start()) is first
+    other = registry.get(("forked", 8), lambda: _Ranks().start())
+    assert first.alive and other.alive, "worlds of other keys are kept side by side"
+    first.alive = False  # a failed job tore it down
+    fresh = registry.get(("forked", 4), lambda: _Ranks().start())
+    assert fresh is not first and first.closed_with is True
+    one = registry.get(("ray", 4), lambda: _Ranks().start(), alone=True)
+    two = registry.get(("ray", 8), lambda: _Ranks().start(), alone=True)
+    assert not one.alive and one.closed_with is False and two.alive, "one Ray world at a time"
+    handle = registry.reused(("forked", 2), lambda: _Ranks().start())
+    assert not handle.alive, "a handle starts nothing until asked"
+    started = handle.start().world
+    started.alive = False
+    assert not handle.alive and handle.start().world is not started
+    registry.close_all()
+    assert registry.worlds == {} and not (fresh.alive or other.alive or two.alive)
 
 
 @pytest.mark.parametrize(

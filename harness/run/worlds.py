@@ -1,0 +1,171 @@
+"""What every world of ranks offers (``World``), and the one place a process keeps its live
+worlds between jobs (``REGISTRY``): a new kind of world is one class that fills the protocol.
+
+The implementations: ``harness.run.world.ForkedWorld`` (ranks forked from the driver),
+``harness.run.joined.JoinedWorld`` (this process is one rank of a world torchrun, srun or
+submitit started), ``harness.ray.world.RayWorld`` (ranks as Ray actors) and
+``harness.cluster.launch.EmulatedWorld`` (a joined world on emulated nodes, driven from
+here). ``harness.run.launch.choose`` decides which one a job runs on. Nothing here imports
+torch: the protocol and the registry are cheap to import.
+"""
+
+from __future__ import annotations
+
+import atexit
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+RankFn = Callable[..., Any]
+"""A task run on every rank: ``fn(ctx, *args)`` with ctx a ``harness.run.world.RankContext``;
+it and its arguments must pickle (forked, Ray and emulated worlds send them to the ranks)."""
+
+
+class WorldError(RuntimeError):
+    """A rank failed, crashed or stopped responding; the message names the rank and phase."""
+
+
+@runtime_checkable
+class World(Protocol):
+    """Ranks that serve tasks until closed.
+
+    ``timeout_s`` means the same in every world: a rank that reports no progress (a new phase
+    through ``RankContext.report``) for that long fails the job, however long the job is.
+    """
+
+    world_size: int
+    start_s: float
+    """Seconds the last ``start`` took; the launcher charges it to one job and zeroes it."""
+
+    def start(self) -> World:
+        """Bring the ranks up (collective on every rank); returns the world itself."""
+        ...
+
+    def run(
+        self, fn: RankFn, *args: Any, what: str = "", timeout_s: float | None = None
+    ) -> list[Any] | None:
+        """``fn(ctx, *args)`` on every rank; the per-rank results in rank order, on the
+        process that drives the world (a joined world's other ranks get None). A rank's error,
+        death or silence raises ``WorldError`` naming the rank and its phase (``what`` says
+        which task), and a world that may be out of step is torn down."""
+        ...
+
+    @property
+    def alive(self) -> bool:
+        """Whether the world can run another task (False once closed or torn down)."""
+        ...
+
+    def close(self, kill: bool = False) -> None:
+        """End the ranks (``kill``: at once, without waiting for them to leave)."""
+        ...
+
+    @property
+    def nodes(self) -> tuple[tuple[int, ...], ...]:
+        """The ranks that share a host, one tuple per node in node order (after ``start``)."""
+        ...
+
+    def record_fields(self) -> dict[str, Any]:
+        """Fields a job's record takes from the world that ran it (the emulated cluster's
+        shape and link bytes); empty for most worlds."""
+        ...
+
+
+def group_by_node(node_of_rank: Sequence[Hashable]) -> tuple[tuple[int, ...], ...]:
+    """The ranks of each node, nodes in the order their first rank appears:
+    ``group_by_node(["a", "a", "b", "b"]) == ((0, 1), (2, 3))``."""
+    by_node: dict[Hashable, list[int]] = {}
+    for rank, node in enumerate(node_of_rank):
+        by_node.setdefault(node, []).append(rank)
+    return tuple(tuple(ranks) for ranks in by_node.values())
+
+
+class WorldRegistry:
+    """The live worlds of this process, one per key: the key is what makes a world reusable
+    (``(kind, world_size, ...)``, its first item the kind), so a sweep's jobs and a test
+    session's tests share worlds instead of starting their own. A world that a failed job
+    tore down is closed and started again on the next ``get``."""
+
+    def __init__(self) -> None:
+        self.worlds: dict[Hashable, World] = {}
+
+    def get(self, key: tuple, start: Callable[[], World], alone: bool = False) -> World:
+        """The live world under ``key``, or the one ``start()`` returns (started), kept.
+        ``alone``: a process holds one world of this kind at most (one Ray session, one
+        default process group), so a live one under another key is closed first."""
+        world = self.worlds.get(key)
+        if world is not None and world.alive:
+            return world
+        self.close(key, kill=True)
+        if alone:
+            self.close_kind(key[0], kill=False)
+        world = start()
+        self.worlds[key] = world
+        return world
+
+    def peek(self, key: tuple) -> World | None:
+        """The world under ``key``, live or not, without starting one."""
+        return self.worlds.get(key)
+
+    def reused(
+        self, key: tuple, start: Callable[[], World], alone: bool = False,
+        timeout_s: float | None = None,
+    ) -> Reused:  # fmt: skip
+        """A handle that runs each task on the live world under ``key`` (see ``Reused``)."""
+        return Reused(self, key, start, alone, timeout_s)
+
+    def close(self, key: tuple, kill: bool = False) -> None:
+        world = self.worlds.pop(key, None)
+        if world is not None:
+            world.close(kill=kill or not world.alive)
+
+    def close_kind(self, kind: str, kill: bool = False) -> None:
+        for key in [k for k in self.worlds if k[0] == kind]:
+            self.close(key, kill=kill)
+
+    def close_all(self, kill: bool = False) -> None:
+        # Newest first: a Ray world started after a forked one may hold ranks that fork too.
+        for key in reversed(list(self.worlds)):
+            self.close(key, kill=kill)
+
+
+class Reused:
+    """A world of the registry held across tests: every ``run`` goes to the live world under
+    its key, started again when an earlier task tore it down; ``alive`` says whether the
+    current one still is (and starts nothing). Other attributes are the current world's. A
+    task without a ``timeout_s`` of its own gets the handle's: the live world may have been
+    started for a job with another limit."""
+
+    def __init__(
+        self, registry: WorldRegistry, key: tuple, start: Callable[[], World],
+        alone: bool = False, timeout_s: float | None = None,
+    ) -> None:  # fmt: skip
+        self._registry, self._key, self._start = registry, key, start
+        self._alone, self._timeout_s = alone, timeout_s
+
+    @property
+    def world(self) -> World:
+        return self._registry.get(self._key, self._start, alone=self._alone)
+
+    def start(self) -> Reused:
+        """Start the world now unless it is live (the handle itself is returned)."""
+        self._registry.get(self._key, self._start, alone=self._alone)
+        return self
+
+    def run(self, fn: RankFn, *args: Any, what: str = "", timeout_s: float | None = None):
+        return self.world.run(fn, *args, what=what, timeout_s=timeout_s or self._timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        current = self._registry.peek(self._key)
+        return current is not None and current.alive
+
+    def close(self, kill: bool = False) -> None:
+        self._registry.close(self._key, kill=kill)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.world, name)
+
+
+REGISTRY = WorldRegistry()
+"""This process's live worlds: the run path (``harness.run.launch.open_world``), the test
+session's worlds (tests/conftest.py) and the pytest plugin's (``harness.pytest_plugin``)."""
+atexit.register(REGISTRY.close_all)

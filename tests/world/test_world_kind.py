@@ -1,0 +1,125 @@
+"""A new kind of world is one class: this file defines its own (one rank, run in this process)
+and runs a real job through the run path's job step, the registry and the record.
+
+The world fills ``harness.run.worlds.World`` and nothing else: no launcher, runner or record
+code knows about it.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.run import launch, records
+from harness.run.runner import JobSpec, summarize
+from harness.run.world import RankContext
+from harness.run.worlds import RankFn, World, WorldError, WorldRegistry
+from strategies.core.layout import Layout
+
+
+class InProcessWorld:
+    """One rank, this process: a gloo world of one over an in-memory store, torn down (its
+    groups and megatron-core's state with it) at close, so the session's forked worlds fork
+    from a process with no process group."""
+
+    world_size = 1
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        self.timeout_s, self.start_s = timeout_s, 0.0
+        self.ctx: RankContext | None = None
+
+    def start(self) -> InProcessWorld:
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        dist.init_process_group(
+            "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+        self.ctx = RankContext(0, 1, "gloo", torch.device("cpu"))
+        return self
+
+    def run(
+        self, fn: RankFn, *args: Any, what: str = "", timeout_s: float | None = None
+    ) -> list[Any]:
+        if self.ctx is None:
+            raise WorldError("the in-process world is not running")
+        try:
+            return [fn(self.ctx, *args)]
+        except Exception as exc:
+            phase = self.ctx.board.phase if self.ctx.board is not None else what
+            self.close()
+            raise WorldError(f"rank 0 failed in {what} while {phase!r}: {exc}") from exc
+
+    @property
+    def alive(self) -> bool:
+        return self.ctx is not None
+
+    def close(self, kill: bool = False) -> None:
+        ctx, self.ctx = self.ctx, None
+        if ctx is not None:
+            ctx.release_groups()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    @property
+    def nodes(self) -> tuple[tuple[int, ...], ...]:
+        return ((0,),)
+
+    def record_fields(self) -> dict[str, Any]:
+        return {"world": "in-process"}
+
+
+class _Board:
+    """Where the rank's phases land (``RankContext.board``): the last one, for the error."""
+
+    phase = "starting"
+
+    def write(self, rank: int, job: int, step: int, phase: str) -> None:
+        self.phase = phase
+
+
+SPEC = JobSpec("header", Layout(), batch_size=2, seq_len=32, iters=2, warmup=1, references=())
+
+
+@pytest.fixture
+def registry():
+    worlds = WorldRegistry()
+    try:
+        yield worlds
+    finally:
+        worlds.close_all()
+
+
+def _start() -> InProcessWorld:
+    world = InProcessWorld().start()
+    world.ctx.board = _Board()
+    return world
+
+
+def test_the_toy_world_fills_the_protocol():
+    assert isinstance(InProcessWorld(), World)
+
+
+def test_a_real_job_runs_on_the_toy_world_and_is_recorded(registry):
+    world = registry.get(("in-process", 1), _start)
+    assert registry.get(("in-process", 1), _start) is world, "a live world is reused"
+    assert world.nodes == ((0,),)
+    ran = launch.run_job(world, SPEC, timeout_s=60.0)
+    record = {**records.build(SPEC, summarize(SPEC, ran.results), ran.world_start_s), **ran.fields}
+    assert record["status"] == "ok" and record["correct"] is True, record
+    assert record["world_size"] == 1 and record["p50_us"] > 0
+    assert record["world"] == "in-process"  # the world's own fields reach the record
+
+
+def test_a_failing_rank_is_named_and_the_registry_starts_a_fresh_world(registry):
+    world = registry.get(("in-process", 1), _start)
+    bad = JobSpec("no_such_strategy", Layout(), batch_size=2, seq_len=32, iters=1, warmup=0)
+    with pytest.raises(WorldError, match="rank 0 failed in job no_such_strategy"):
+        launch.run_job(world, bad, timeout_s=60.0)
+    assert not world.alive
+    again = registry.get(("in-process", 1), _start)
+    assert again is not world and again.alive
+    ran = launch.run_job(again, SPEC, timeout_s=60.0)
+    assert summarize(SPEC, ran.results)["strategies"]["header"]["p50_us"] > 0
