@@ -1,7 +1,10 @@
 """Calibrate the cost model's Ray terms on a local Ray world: the driver's put, each actor's
 get, and the per-actor call overhead, fitted as α + n·β; written to ``conf/ray/local.yaml``.
 
-    bcastbench ray-calibrate [--ranks 4] [--reps 7] [--out conf/ray/local.yaml]
+    bcastbench ray-calibrate [ranks=4] [reps=7] [out=conf/ray/local.yaml] [dry_run=true]
+
+Configured through ``conf/ray_calibrate.yaml`` (schema ``RayCalibrateConf``); the points and
+the fit also go to ``calibration.json`` in the Hydra job's directory (``results/ray/calibrate/``).
 
 What is timed is what a dispatch call pays (``harness.ray.dispatch``): chunking the global
 batch and ``ray.put`` of each chunk (a DataProto, or the floor's flat uint8 array), every rank's
@@ -12,19 +15,35 @@ pricing lives in ``harness.model.ray_dispatch``; this module only measures.
 
 from __future__ import annotations
 
-import argparse
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from harness import paths
-from harness.errors import program
 
 SIZES = (4, 48, 192, 704)
 """rl_rollout rows per chunk at seq_len 512: from tens of KiB to the 16 MiB the tables use."""
 SEQ_LEN = 512
 OUT = paths.CONF_DIR / "ray" / "local.yaml"
+MODULE = "harness.ray.calibrate"
+"""Where ``bcastbench ray-calibrate`` lives (its printed name: ``harness.errors.program``)."""
+
+
+@dataclass
+class RayCalibrateConf:
+    """Root config of ``conf/ray_calibrate.yaml``."""
+
+    ranks: int = 4
+    """Actors of the local Ray world; the call overhead is fitted over 1..ranks of them and
+    every get runs on all of them at once."""
+    reps: int = 7
+    """Repetitions of each timing; the median counts."""
+    out: str | None = None
+    """Ray cost preset to write; null: ``conf/ray/local.yaml`` (``ray=local``)."""
+    dry_run: bool = False
+    """Measure and print the fit, write no preset (the job's calibration.json still)."""
 
 
 def _noop(ctx) -> int:
@@ -118,13 +137,14 @@ def fitted(points: dict[str, list]) -> dict[str, float]:
     return conf
 
 
-def _yaml(conf: dict[str, float], points: dict[str, list], ranks: int, secs: float) -> str:
+def _yaml(conf: dict[str, float], points: dict[str, list], ranks: int, secs: float,
+          command: str) -> str:  # fmt: skip
     import socket
 
     import yaml
 
     lines = [
-        "# Written by `bcastbench ray-calibrate`; do not edit by hand, run it again.",
+        f"# Written by `{command}`; do not edit by hand, run it again.",
         f"# {time.strftime('%Y-%m-%dT%H:%M:%S')} on {socket.gethostname()}, local Ray world of "
         f"{ranks} actors, {len(SIZES)} sizes ({secs:.0f} s). Values measured here.",
         "# points (bytes or actors -> ms, median):",
@@ -135,23 +155,67 @@ def _yaml(conf: dict[str, float], points: dict[str, list], ranks: int, secs: flo
     return "\n".join(lines) + "\n" + body
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    from harness.files import write_atomic
-    from harness.ray.world import RayConf, RayWorld
+def check(cfg) -> None:
+    """The values a calibration reads, checked before Ray starts (``command.run_app``)."""
+    from harness.ray.world import RayUnavailable, import_ray
+    from harness.run.config import ConfigError
 
-    p = argparse.ArgumentParser(prog=program("harness.ray.calibrate"), description=__doc__)
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--out", type=Path, default=OUT)
-    args = p.parse_args(argv)
+    if cfg.ranks < 1:
+        raise ConfigError(f"ranks must be >= 1, got {cfg.ranks}")
+    if cfg.reps < 1:
+        raise ConfigError(f"reps must be >= 1, got {cfg.reps}")
+    if cfg.out is not None and Path(cfg.out).suffix not in (".yaml", ".yml"):
+        raise ConfigError(f"out must name a .yaml file, got {cfg.out!r}")
+    try:
+        import_ray()
+    except RayUnavailable as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def task(cfg) -> dict[str, float]:
+    """One Hydra job: measure on this process's local Ray world, fit, write the preset and
+    the job's ``calibration.json``."""
+    from harness.files import write_atomic, write_json
+    from harness.ray.world import RayConf
+    from harness.run import launch
+    from harness.tool import job_command, job_dir
+
     t0 = time.perf_counter()
-    with RayWorld(args.ranks, RayConf(num_cpus=2, object_store_mb=512)) as world:
-        points = measure(world, args.reps)
+    world = launch.ray_world(cfg.ranks, RayConf(num_cpus=2, object_store_mb=512))
+    points = measure(world, cfg.reps)
     conf = fitted(points)
-    write_atomic(args.out, _yaml(conf, points, args.ranks, time.perf_counter() - t0))
-    print(f"wrote {args.out}: {conf}")
+    command = job_command(MODULE)
+    out = None if cfg.dry_run else Path(cfg.out or OUT)
+    if out is not None:
+        write_atomic(out, _yaml(conf, points, cfg.ranks, time.perf_counter() - t0, command))
+    record = {
+        "kind": "ray_calibration",
+        "ranks": cfg.ranks,
+        "reps": cfg.reps,
+        "fit": conf,
+        "points": points,
+        "preset": None if out is None else str(out),
+        "command": command,
+    }
+    write_json(job_dir() / "calibration.json", record)
+    print(f"wrote {out}: {conf}" if out is not None else f"fit (dry run, not written): {conf}")
     return conf
 
 
+def register() -> None:
+    """The schema in Hydra's ConfigStore (``conf/ray_calibrate.yaml`` names it)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="ray_calibrate_schema", node=RayCalibrateConf)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``bcastbench ray-calibrate [overrides]``; a bad value exits 2 with one line."""
+    from harness.model.command import run_app
+
+    register()
+    return run_app(MODULE, "ray_calibrate", task, check, argv)
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
