@@ -22,7 +22,7 @@ from strategies.core.header_format import (
     read_header,
     read_prefix,
 )
-from strategies.core.packer import pack
+from strategies.core.packer import Packer
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.unpacker import unpack
 
@@ -53,7 +53,7 @@ class ScatterAllgather(Strategy):
             )
         self.header_bytes = header_bytes
         self.max_bytes = max_bytes
-        self._pack_buf: torch.Tensor | None = None
+        self.packer = Packer()  # leader: the send buffer and the last structure's layout
         self._headers: dict = {}  # receiver: the last header decoded, by its bytes
         self.last_header = None
         """The header of the last batch that arrived (on every rank alike; ``auto`` decides
@@ -99,7 +99,8 @@ class ScatterAllgather(Strategy):
         if n == 1:
             full = mine
         else:
-            # The leader already holds everything but must still take part in the collective.
+            # The leader already holds everything but must still take part in the collective
+            # (which writes its own bytes back: its packer's buffer still holds this header).
             full = (
                 buf[: c * n] if g.is_leader else torch.empty(c * n, dtype=torch.uint8, device=dev)
             )
@@ -115,14 +116,13 @@ class ScatterAllgather(Strategy):
         whole chunks."""
         g = self.groups
         nt = batch.non_tensor_batch if wants_non_tensor(batch) else None
-        buf, header = pack(batch.batch, nt, out=self._pack_buf, rank=g.rank)
-        total = header.total_bytes
-        need = max(chunk_bytes(total, g.tp_cp_size) * g.tp_cp_size, self.header_bytes)
-        if buf.numel() < need:  # room for the last chunk's padding and the header broadcast
-            grown = torch.empty(need * 5 // 4, dtype=torch.uint8, device=g.device)
-            grown[:total].copy_(buf[:total])
-            buf = grown
-        self._pack_buf = buf
+        n = g.tp_cp_size
+
+        def room(total: int) -> int:  # the last chunk's padding and the header broadcast
+            return max(chunk_bytes(total, n) * n, self.header_bytes)
+
+        buf, header, fill = self.packer.pack(batch.batch, nt, min_capacity=room, rank=g.rank)
+        fill(header.total_bytes)
         return buf, header
 
     @classmethod

@@ -105,8 +105,10 @@ class PackedStrategy(Strategy):
     def complete(self, batch: DataProto, buf, header: Header, total: int, direct=()) -> DataProto:
         """End of a call on every rank: agree on the next size, then unpack."""
         g = self.groups
-        self.wire.finish(self.wire.next_expect(total) if g.is_leader else header.next_expect)
+        nxt = self.wire.next_expect(total) if g.is_leader else header.next_expect
+        self.wire.finish(nxt, total)
         self.last_header = header
+        self._direct = []  # the call's leaves are the caller's again: hold none across calls
         if not g.is_leader:
             self.finish_receiver(batch, buf, header, direct)
         return batch
@@ -149,7 +151,7 @@ class PackedStrategy(Strategy):
         return parts, shape
 
     def _pack(self, batch: DataProto) -> tuple[torch.Tensor, Header, int]:
-        checked = self._checked
+        checked, self._checked = self._checked, None  # held for this call only
         if checked is not None and checked[0] is batch.batch:
             _, parts, shape = checked  # leader_view's, for this very batch
         else:  # a batch the protocol made (a failure batch): nothing to check

@@ -7,6 +7,7 @@ buffer's capacity may exceed the message; the message is ``buffer[:header.total_
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +26,12 @@ from strategies.core.header_format import (
 )
 from strategies.core.parts import Part, encode_non_tensor, message_parts, nbytes_of, structure
 from strategies.core.trace import WORK
+
+RECENT_PACKS = 4
+"""A held buffer is sized for the largest of this many recent messages, not the largest ever."""
+SHRINK_ABOVE = 2
+"""A held buffer more than this many times the largest recent need is released and made again
+at the size of the one being packed: peak memory follows the recent batches."""
 
 
 def layout_entries(
@@ -112,13 +119,14 @@ class Packer:
         self._header: _HeaderBytes | None = None
         self._header_in: torch.Tensor | None = None  # the buffer that holds _header's bytes
         self._views: _Views | None = None
+        self.recent_needs: deque[int] = deque(maxlen=RECENT_PACKS)  # bytes each pack needed
 
     def pack(
         self,
         batch: TensorDict,
         non_tensor_batch: dict[str, np.ndarray] | None,
         next_expect: int | Callable[[int], int] = 0,
-        min_capacity: int = 0,
+        min_capacity: int | Callable[[int], int] = 0,
         rank: int = 0,
         direct: frozenset[int] = frozenset(),
         parts: list[Part] | None = None,
@@ -130,7 +138,8 @@ class Packer:
         are described in the header but not packed (the caller sends them); ``parts`` are the
         batch's ``message_parts`` (and ``shape`` its ``structure``) when the caller has them
         already. ``next_expect`` may be a function of the message's total bytes (the wire's
-        guess for the next call), so the remembered header carries it."""
+        guess for the next call), so the remembered header carries it, and ``min_capacity``
+        too (the room a caller needs past the message)."""
         blob = None
         if non_tensor_batch is not None:
             blob = encode_non_tensor(non_tensor_batch)
@@ -145,7 +154,8 @@ class Packer:
         header_len = raw.numel()
         total = header_len + data_bytes
         device = batch.device if batch.device is not None else _leaf_device(parts)
-        out = self._room_for(max(total, min_capacity), device)
+        room = min_capacity(total) if callable(min_capacity) else min_capacity
+        out = self._room_for(max(total, room), device)
         if self._header_in is not out:  # a buffer that holds these header bytes keeps them
             out[:header_len].copy_(raw)
             self._header_in = out
@@ -161,10 +171,18 @@ class Packer:
         return out, header, fill
 
     def _room_for(self, capacity: int, device: torch.device) -> torch.Tensor:
-        """The buffer, reallocated when it is too small or elsewhere; a new buffer gets 1/4
-        spare capacity, so slowly growing batches do not reallocate every call."""
+        """The buffer, reallocated when it is too small or elsewhere, or more than
+        ``SHRINK_ABOVE`` times the largest of the recent needs (``RECENT_PACKS``, this one
+        included) once it has been held across a pack (a buffer handed in is used as it is);
+        a new buffer gets 1/4 spare capacity, so slowly growing batches do not reallocate
+        every call."""
+        held = bool(self.recent_needs)
+        self.recent_needs.append(capacity)
         out = self.buffer
-        if out is None or out.numel() < capacity or out.device != device:
+        oversized = held and out is not None and out.numel() > SHRINK_ABOVE * max(self.recent_needs)
+        if out is None or out.numel() < capacity or out.device != device or oversized:
+            # Released before the new one is made (views of it included): one at a time.
+            self.buffer = out = self._header_in = self._views = None
             out = torch.empty(capacity + capacity // 4, dtype=torch.uint8, device=device)
             self.buffer = out
         return out

@@ -4,10 +4,16 @@ Receivers cannot size a buffer before they know the message, which normally cost
 header broadcast. Here every rank instead posts a first broadcast of ``expect`` bytes, a size
 all ranks agree on because it came in the previous call's header; the leader packs the header
 and as much data as fits into it. A message that does not fit sends its remainder in a second
-broadcast, and the header of every call tells all ranks the size to expect next time.
+broadcast, sized from the header, and the header of every call tells all ranks the size to
+expect next time: the smallest of the last ``RECENT_CALLS`` messages. A small batch within that
+many calls of another small one posts the small size whatever came between, and a large one
+after small ones pays one broadcast more, never a large first message; only a stream that had
+settled on one large size (``RECENT_CALLS`` calls in a row) posts it for a small batch, once.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -27,6 +33,11 @@ PAGE = 4096
 # while more only queue, each paying its own round (the floor's chunks2 method shows the same).
 PIPELINE_MIN_BYTES = 4 << 20
 SEGMENTS = 2
+RECENT_CALLS = 4
+"""The first message is sized for the smallest of this many recent messages: a stream that
+alternates shapes (long and short sequences, a small eval batch between training batches)
+posts its small size, and a stream that settles on one shape posts that shape again within
+this many calls."""
 
 
 def segments(first: int) -> list[tuple[int, int]]:
@@ -58,12 +69,21 @@ class Wire:
         self.eager_max_bytes = eager_max_bytes
         self.max_bytes = max_bytes
         self.expect = initial_bytes
+        self.recent: deque[int] = deque(maxlen=RECENT_CALLS)  # the last calls' message bytes
         self._headers: dict = {}  # last decoded header, by its raw bytes
 
     def next_expect(self, total: int) -> int:
-        """Leader's guess for the next call: this size plus 1/64 headroom (at most 64 KiB),
-        page-rounded. Every byte of headroom is sent each call, so it stays small; a batch
-        that outgrows it costs one extra broadcast once."""
+        """Leader's size for the next call's first message, from this message's ``total`` and
+        the last ones': the smallest of the last ``RECENT_CALLS`` (``fits``). Pure: a replayed
+        call computes the same value."""
+        window = (*self.recent, total)[-RECENT_CALLS:]
+        return min(self.fits(n) for n in window)
+
+    def fits(self, total: int) -> int:
+        """The first message that holds a ``total``-byte message: plus 1/64 headroom (at most
+        64 KiB), page-rounded. Every byte of headroom is sent each call, so it stays small; a
+        batch that outgrows it costs one extra broadcast. Above ``eager_max_bytes``: the
+        initial size (the rest follows, sized from the header)."""
         if total > self.eager_max_bytes:
             return self.initial_bytes
         guess = total + min(total // 64, 64 << 10)
@@ -116,8 +136,10 @@ class Wire:
             buf = full
         return buf, read_header(buf, self.max_bytes, self.rank, self._headers, prefix)
 
-    def finish(self, next_expect: int) -> None:
-        """Every rank of the replica adopts the size the leader announced, at the end of a call."""
+    def finish(self, next_expect: int, total: int) -> None:
+        """End of a call on every rank of the replica: remember this message's ``total`` and
+        adopt the size the leader announced."""
+        self.recent.append(total)
         nxt = next_expect
         if nxt < PAGE or nxt > self.eager_max_bytes:
             nxt = self.initial_bytes

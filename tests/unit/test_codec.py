@@ -41,11 +41,11 @@ from strategies.core.header_format import (
     peek_total,
     read_header,
 )
-from strategies.core.packer import Packer, layout_entries, pack
+from strategies.core.packer import RECENT_PACKS, SHRINK_ABOVE, Packer, layout_entries, pack
 from strategies.core.parts import decode_non_tensor, encode_non_tensor
 from strategies.core.trace import WORK
 from strategies.core.unpacker import unpack
-from strategies.core.wire import PAGE, Wire
+from strategies.core.wire import PAGE, RECENT_CALLS, Wire
 
 FAST = settings(
     max_examples=60,
@@ -393,12 +393,52 @@ def test_wire_next_expect_and_finish():
     headroom = min(n // 64, 64 << 10)  # small: every byte of headroom is sent every call
     assert guess % PAGE == 0 and n + headroom <= guess < n + headroom + PAGE
     assert wire.next_expect((1 << 20) + 1) == 64 << 10  # too large to post eagerly
-    wire.finish(1 << 30)
+    wire.finish(1 << 30, 100)
     assert wire.expect == 64 << 10
-    wire.finish(8192)
+    wire.finish(8192, 100)
     assert wire.expect == 8192
     with pytest.raises(ValueError, match="initial_bytes must be >= 4096"):
         Wire(torch.device("cpu"), 0, initial_bytes=100)
+
+
+def test_wire_sizes_the_first_message_for_the_smallest_recent_call():
+    """No carry-over: after a large message the next first message is sized for the smallest
+    of the last RECENT_CALLS, so alternating shapes post the small one; a stream that stays
+    large posts its size again once the small one has left the window."""
+    wire = Wire(torch.device("cpu"), 0)
+    large, small = 22 << 20, 70 << 10
+    for total in (large, small):
+        wire.finish(wire.next_expect(total), total)
+    assert wire.next_expect(large) == wire.fits(small) < 2 * small  # small after large: small
+    for _ in range(RECENT_CALLS - 1):
+        wire.finish(wire.next_expect(large), large)
+        assert wire.expect == wire.fits(small)  # each large call pays one broadcast more
+    wire.finish(wire.next_expect(large), large)
+    assert wire.expect == wire.fits(large)  # settled on large: one broadcast again
+
+
+def test_a_held_buffer_shrinks_back_after_a_large_batch():
+    """Peak memory follows the recent batches: a buffer sized for one large batch is made
+    again at the small size once RECENT_PACKS small batches have passed, and a stream that
+    alternates keeps the large one (no reallocation per call)."""
+    packer = Packer()
+    large = TensorDict({"x": torch.arange(1 << 18)}, batch_size=[1 << 18])  # 2 MiB
+    small = TensorDict({"x": torch.arange(64)}, batch_size=[64])
+    for td in (large, small, large, small):
+        buf, header, fill = packer.pack(td, None)
+        fill(header.total_bytes)
+        assert torch.equal(unpack(buf, header)[0]["x"], td["x"])
+    big_capacity = packer.buffer.numel()
+    assert big_capacity >= large["x"].numel() * 8  # alternating: the large buffer stays
+    for _ in range(RECENT_PACKS):
+        buf, header, fill = packer.pack(small, None)
+        fill(header.total_bytes)
+        assert torch.equal(unpack(buf, header)[0]["x"], small["x"])
+    need = header.total_bytes
+    assert packer.buffer.numel() <= SHRINK_ABOVE * need < big_capacity
+    buf, header, fill = packer.pack(large, None)  # and it grows again when needed
+    fill(header.total_bytes)
+    assert torch.equal(unpack(buf, header)[0]["x"], large["x"])
 
 
 # -- leaves that travel on their own (strategies/direct.py) -------------------------------------

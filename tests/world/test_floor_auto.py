@@ -15,6 +15,7 @@ from strategies.auto import choose, layout_of_groups
 from strategies.core.layout import SEED_ORDER, Layout
 from strategies.core.plan import spec_of
 from strategies.core.trace import Recorder
+from strategies.core.wire import RECENT_CALLS
 from strategies.floor import Floor
 
 pytestmark = pytest.mark.world
@@ -104,7 +105,9 @@ def _auto_job(ctx, layout: Layout, sizes: list[int], flag: bool) -> dict:
 @pytest.mark.parametrize("flag", [False, True], ids=["tensors_only", "non_tensor"])
 def test_auto_is_exact_agrees_and_follows_its_choice(request, layout, flag):
     world = request.getfixturevalue("world4" if layout.world_size == 4 else "world8")
-    sizes = [2, 2, 40, 40, 40, 1]  # a shape change serves one call with the previous choice
+    # A shape change serves one call with the previous choice; the wire's first message is
+    # steady once the last RECENT_CALLS calls were all of this shape.
+    sizes = [2, 2] + [40] * (RECENT_CALLS + 2) + [1]
     results = world.run(_auto_job, layout, sizes, flag)
     by_rank = {r["rank"]: r for r in results}
     for r in results:
@@ -112,9 +115,9 @@ def test_auto_is_exact_agrees_and_follows_its_choice(request, layout, flag):
         leader = by_rank[layout.group_of("tp-cp-pp", r["rank"])[0]]
         assert r["digests"] == leader["digests"], r["rank"]
         assert r["choices"] == results[0]["choices"]  # every rank, every call: one decision
-    # Call i + 1 is served by the choice made from call i's batch; in steady state (same
-    # shape twice before) its collectives are that strategy's plan.
-    for i in (3, 4):
+    # Call i + 1 is served by the choice made from call i's batch; in steady state (the last
+    # RECENT_CALLS calls of this shape) its collectives are that strategy's plan.
+    for i in (RECENT_CALLS + 2, RECENT_CALLS + 3):
         spec = results[0]["specs"][i]
         chosen = results[0]["choices"][i - 1]
         assert chosen == choose(layout, spec)
