@@ -2,9 +2,12 @@
 rank holds its chunk", for ``all_ranks`` (one object per replica, every rank gets it) and
 ``leader`` (the object to each replica's leader, then a broadcast strategy), without running.
 
-    bcastbench ray-model example [--cluster h200_ib]     # the 16,384-GPU answer
-    bcastbench ray-model validate results/reference_ray/emulated_node.json \
-        --cluster emulated                                                  # per-cell error
+    bcastbench ray-model [cluster=h200_ib] [ray=local]      # the 16,384-GPU answer
+    bcastbench ray-model task=validate \
+        'records=[results/reference_ray/emulated_node.json]'     # per-cell error
+
+Configured through ``conf/ray_model.yaml`` (schema ``RayModelConf``; ``cluster/`` and ``ray/``
+groups); what it prints also goes to ``ray_model_<task>.json`` in the Hydra job's directory.
 
 One call is priced as the sum of its phases, as ``harness.ray.dispatch`` runs them:
 
@@ -19,20 +22,18 @@ One call is priced as the sum of its phases, as ``harness.ray.dispatch`` runs th
   receiving rank then copies n bytes host→device.
 - **broadcast** (``leader`` only): the strategy's own price (``harness.model.predict``).
 
-The Ray terms (put, get, call) are fitted on a local Ray world by ``python -m
-harness.ray.calibrate`` into ``conf/ray/local.yaml`` (``RayCostConf``); links, host cores and
+The Ray terms (put, get, call) are fitted on a local Ray world by ``bcastbench
+ray-calibrate`` into ``conf/ray/local.yaml`` (``RayCostConf``); links, host cores and
 device copies come from the cluster preset (``harness.model.cluster.ClusterConf``).
 """
 
 from __future__ import annotations
 
-import argparse
 from collections import Counter
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from harness import paths
-from harness.errors import program
 from harness.model.cluster import GB, US, ClusterConf, ClusterError, check_number, load_cluster
 
 CONF_DIR = paths.CONF_DIR / "ray"
@@ -399,30 +400,96 @@ def format_scan(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+TASKS = ("example", "validate")
+
+
+@dataclass
+class RayModelConf:
+    """Root config of ``conf/ray_model.yaml``."""
+
+    task: str = "example"
+    """``example``: all_ranks against leader + broadcast at 16,384 GPUs on ``cluster``;
+    ``validate``: the measured dispatch ``records`` against the model, per cell."""
+    records: list[str] = field(default_factory=list)
+    """``task=validate``: JSON lists of dispatch records (``bcastbench ray-dispatch`` or
+    ``ray-emulated``'s ``out=``/``dispatch.json``); each names the cluster it ran on."""
+    cluster: ClusterConf = field(default_factory=ClusterConf)
+    """``task=example``: the machine room to price on; ``conf/cluster/``."""
+    ray: RayCostConf = field(default_factory=RayCostConf)
+    """Ray's put, get and call costs; ``conf/ray/`` (written by ``bcastbench ray-calibrate``)."""
+
+
+def register() -> None:
+    """The schema in Hydra's ConfigStore (``conf/ray_model.yaml`` names it)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="ray_model_schema", node=RayModelConf)
+
+
+def _records(paths_: list[str]) -> list[dict]:
+    """Every dispatch record of the files in ``paths_`` (each a JSON list), read-only."""
     import json
 
-    p = argparse.ArgumentParser(prog=program(MODULE), description=__doc__.split("\n\n")[0])
-    p.add_argument("--ray", default="local", help="conf/ray preset or YAML path")
-    sub = p.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("example", help="all_ranks vs leader + broadcast at 16,384 GPUs")
-    ex.add_argument("--cluster", default="h200_ib")
-    val = sub.add_parser("validate", help="measured dispatch records against the model")
-    val.add_argument("records", nargs="+", type=Path, help="JSON lists of dispatch records")
-    args = p.parse_args(argv)
-    try:
-        ray = load_ray_costs(args.ray)
-        if args.command == "example":
-            rows = example_scan(load_cluster(args.cluster), ray)
-            print(format_scan(rows) + "\n\n" + example_answer(rows) + "\n\nAssumptions:")
-            print("\n".join(f"- {a}" for a in ASSUMPTIONS))
-        else:
-            records = [rec for path in args.records for rec in json.loads(path.read_text())]
-            print(format_compare(compare(records, ray)))
-    except (ClusterError, ValueError, OSError) as exc:
-        print(f"{program(MODULE)}: {exc}")
-        return 2
-    return 0
+    out = []
+    for path in paths_:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ClusterError(f"records: cannot read {path}: {exc}") from None
+        if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+            raise ClusterError(f"records: {path} is not a JSON list of dispatch records")
+        out += data
+    return out
+
+
+def check(cfg) -> None:
+    """The values a job reads, checked before any job runs (``command.run_app``)."""
+    from omegaconf import OmegaConf
+
+    if cfg.task not in TASKS:
+        raise ClusterError(f"task must be one of {list(TASKS)}, got {cfg.task!r}")
+    if cfg.task == "validate" and not cfg.records:
+        raise ClusterError("task=validate needs records=[FILE,...] (dispatch record lists)")
+    if cfg.task == "example" and cfg.records:
+        raise ClusterError("records are read by task=validate; task=example prices, reads none")
+    OmegaConf.to_object(cfg.ray)  # RayCostConf checks its numbers
+    OmegaConf.to_object(cfg.cluster)
+    if cfg.task == "validate":
+        for rec in _records(list(cfg.records)):
+            missing = {"dp", "pp", "tp", "cp", "order", "modes", "payload"} - set(rec)
+            if missing:
+                raise ClusterError(f"records: a record lacks {sorted(missing)}")
+
+
+def task(cfg) -> dict:
+    """One Hydra job: print the example's scan or the validation table; record it."""
+    from omegaconf import OmegaConf
+
+    from harness.files import write_json
+    from harness.tool import job_command, job_dir
+
+    ray = OmegaConf.to_object(cfg.ray)
+    if cfg.task == "example":
+        rows = example_scan(OmegaConf.to_object(cfg.cluster), ray)
+        answer = example_answer(rows)
+        print(format_scan(rows) + "\n\n" + answer + "\n\nAssumptions:")
+        print("\n".join(f"- {a}" for a in ASSUMPTIONS))
+        record = {"rows": rows, "answer": answer.splitlines(), "assumptions": list(ASSUMPTIONS)}
+    else:
+        rows = compare(_records(list(cfg.records)), ray)
+        print(format_compare(rows))
+        record = {"rows": rows, "records": list(cfg.records)}
+    record = {"kind": f"ray_model_{cfg.task}", **record, "command": job_command(MODULE)}
+    write_json(job_dir() / f"ray_model_{cfg.task}.json", record)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``bcastbench ray-model [overrides]``; a bad value exits 2 with one line."""
+    from harness.model.command import run_app
+
+    register()
+    return run_app(MODULE, "ray_model", task, check, argv)
 
 
 if __name__ == "__main__":
