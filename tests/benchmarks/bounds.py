@@ -68,3 +68,17 @@ jobs that time them all together. Full mode holds auto to 5 %; short mode's few 
 shared cores swing more than that between two identical strategies (auto served by direct
 measured 0.77-1.51x direct in the same 16-iteration job), so it catches only a wrong pick:
 scatter_allgather, the slowest candidate on one host, is 1.8-3.2x the best there."""
+
+
+ALTERNATING = {"large": 128, "small": 2}
+"""The alternating gate's shapes: rl_rollout batch sizes at seq_len 512 (23,552 bytes per
+sample plus texts): 128 -> about 2.9 MiB, 2 -> about 46 KiB, cycled call by call."""
+
+ALTERNATING_STRATEGIES = ("header", "flat", "auto")
+"""The header family: strategies on the wire (``strategies.core.wire``), the state a call
+after a call of another size can inherit (its speculative first message, its buffers)."""
+
+VS_STEADY = 1.2
+"""Largest allowed p50 of a shape inside the alternating sequence / the same shape's
+steady-state p50 (that shape alone, after one untimed call of it), both timed in the same job,
+median over rounds (issue 22: a call pays for the shape it is sent, not the one before)."""
