@@ -1,7 +1,7 @@
 """Which strategy wins depends on the cluster's NIC layout: measure it on an emulated cluster.
 
-    bcastbench emulated-table                      # run both jobs, write the table
-    bcastbench emulated-table --from results/emulated   # re-read earlier records
+    bcastbench emulated-table                       # run both jobs, write the table
+    bcastbench emulated-table source=results/reference_emulated   # re-read earlier records
 
 Two jobs run on the emulated 2-node cluster (harness.cluster.launch; tp=2 inside a node, pp=2 across
 1 Gbit/s links, rl_rollout 720 × 512 ≈ 16 MiB): one with one link per node, one with one link
@@ -12,21 +12,28 @@ its counting phase gives the bytes one call sent across nodes. Beside each measu
 model's price of the strategy's plan on ``conf/cluster/emulated.yaml`` / ``emulated_rails.yaml``
 and the predicted / measured ratio; a strategy is "link-bound" when the model puts more than
 half its time on the inter-node link. The markdown table goes to ``<dir>/report.md``.
+
+Configured through ``conf/emulated_table.yaml`` (schema ``EmulatedTableConf``; the ``payload/``
+group): ``<dir>`` is ``out``, or the Hydra job's directory (``results/emulated/<time>``); the
+table's rows and the command that made them also go to the job's ``emulated_table.json``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import paths  # noqa: I001
-from harness.errors import program
 from harness.files import write_atomic, write_json
+from harness.run.config import PayloadConf
 from harness.run.machine import other_cores, snapshot
+
+MODULE = "harness.cluster.table"
+"""Where ``bcastbench emulated-table`` lives (its printed name: ``harness.errors.program``)."""
 
 STRATEGIES = ("pickled", "header", "flat", "pp_first", "scatter_allgather", "auto")
 """What each job times; ``auto`` is the job's strategy (it alone takes an option: the cost
@@ -41,13 +48,14 @@ TIE = 0.05
 REPO = paths.REPO
 
 
-def run_jobs(out: Path, iters: int, warmup: int, batch_size: int, seq_len: int) -> None:
+def run_jobs(out: Path, iters: int, warmup: int, batch_size: int, seq_len: int,
+             payload: str = "rl_rollout") -> None:  # fmt: skip
     """One harness job per link layout, each on its own emulated cluster."""
     for links in LINKS:
         argv = [sys.executable, "-m", "harness", f"strategy={AUTO}", "layout=tp2pp2"]
         argv += [f"+strategy.options.cluster={LINKS[links]}"]
         argv += [f"references=[{','.join(s for s in STRATEGIES if s != AUTO)}]"]
-        argv += ["payload=rl_rollout", f"payload.batch_size={batch_size}"]
+        argv += [f"payload={payload}", f"payload.batch_size={batch_size}"]
         argv += [f"payload.seq_len={seq_len}", f"iters={iters}", f"warmup={warmup}"]
         argv += ["emulate.enabled=true", "emulate.nodes=2", "emulate.rate_mbit=1000"]
         argv += [f"emulate.links={links}", f"hydra.run.dir={out / links}"]
@@ -100,7 +108,8 @@ def predicted_cross_bytes(plan, ranks_per_node: int) -> int:
     return total
 
 
-def predictions(batch_size: int, seq_len: int, seed: int = 0) -> dict[str, dict[str, dict]]:
+def predictions(batch_size: int, seq_len: int, seed: int = 0,
+                payload: str = "rl_rollout") -> dict[str, dict[str, dict]]:  # fmt: skip
     """{links: {strategy: {total_s, link_bound, cross_bytes}}} from each strategy's plan."""
     import strategies
     from harness.model.cluster import load_cluster
@@ -110,7 +119,7 @@ def predictions(batch_size: int, seq_len: int, seed: int = 0) -> dict[str, dict[
     from strategies.core.plan import spec_of
 
     layout = Layout(tp=2, pp=2)
-    spec = spec_of(payloads.make("rl_rollout", batch_size, seq_len, seed, None))
+    spec = spec_of(payloads.make(payload, batch_size, seq_len, seed, None))
     out: dict[str, dict[str, dict]] = {}
     for links, preset in LINKS.items():
         cluster = load_cluster(preset)
@@ -160,10 +169,17 @@ def load_records(root: Path) -> dict[str, dict]:
     return recs
 
 
+def _payload(record: dict) -> str:
+    """The payload a job's record ran (its name; records name it so)."""
+    name = record.get("payload", "rl_rollout")
+    return name if isinstance(name, str) else "rl_rollout"
+
+
 def compare(root: Path) -> list[dict]:
     """Measured p50 and predicted time of every strategy of both jobs under ``root``."""
     recs = load_records(root)
-    preds = predictions(recs["node"]["batch_size"], recs["node"]["seq_len"])
+    first = recs["node"]
+    preds = predictions(first["batch_size"], first["seq_len"], payload=_payload(first))
     return [
         dict(
             links=links,
@@ -239,7 +255,7 @@ def _section(root: Path, links: str, rec: dict, preds: dict[str, dict]) -> tuple
 def table(root: Path) -> str:
     recs = load_records(root)
     first = recs["node"]
-    preds = predictions(first["batch_size"], first["seq_len"])
+    preds = predictions(first["batch_size"], first["seq_len"], payload=_payload(first))
     lines = [
         "# Emulated 2-node cluster: 1 Gbit/s links, tp=2 in a node, pp=2 across",
         "",
@@ -263,33 +279,90 @@ def table(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog=program("harness.cluster.table"), description=__doc__.splitlines()[0]
-    )
-    ap.add_argument("--from", dest="src", help="read records from this dir (node/, gpu/)")
-    ap.add_argument("--out", default="results/emulated", help="where jobs and report.md go")
-    ap.add_argument("--iters", type=int, default=7)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--batch-size", type=int, default=720)
-    ap.add_argument("--seq-len", type=int, default=512)
-    args = ap.parse_args(argv)
-    for name in ("iters", "batch_size", "seq_len"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        ap.error(f"--warmup must be >= 0, got {args.warmup}")
-    root = Path(args.src or args.out)
-    if args.src is None:
-        run_jobs(root, args.iters, args.warmup, args.batch_size, args.seq_len)
-    try:
-        text = table(root)
-    except (FileNotFoundError, KeyError) as exc:
-        ap.error(f"--from {root}: not a cluster table directory ({exc})")
+@dataclass
+class EmulatedTableConf:
+    """Root config of ``conf/emulated_table.yaml``."""
+
+    payload: PayloadConf = field(default_factory=PayloadConf)
+    """Both jobs' batch (a generated payload); reuses ``conf/payload/``."""
+    iters: int = 7
+    """Timed rounds of each job (every strategy once per round, interleaved)."""
+    warmup: int = 1
+    """Untimed rounds first."""
+    source: str | None = None
+    """Re-read the records of an earlier table's directory (``node/``, ``gpu/``) and write its
+    report.md again; nothing runs. null: run both jobs (needs root)."""
+    out: str | None = None
+    """Where the two jobs and report.md go; null: the Hydra job's directory."""
+
+
+def register() -> None:
+    """The schema in Hydra's ConfigStore (``conf/emulated_table.yaml`` names it)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="emulated_table_schema", node=EmulatedTableConf)
+
+
+def check(cfg) -> None:
+    """The values a table reads, checked before any job runs (``command.run_app``)."""
+    from harness.cluster.netns import unavailable_reason
+    from harness.run import payloads
+    from harness.run.config import ConfigError
+
+    if cfg.payload.name not in payloads.PAYLOADS:
+        raise ConfigError(
+            f"payload.name: {cfg.payload.name!r} is not generated; valid: "
+            f"{sorted(payloads.PAYLOADS)}"
+        )
+    p = cfg.payload
+    for key, value, least in (("iters", cfg.iters, 1), ("warmup", cfg.warmup, 0),
+                              ("payload.batch_size", p.batch_size, 1),
+                              ("payload.seq_len", p.seq_len, 1)):  # fmt: skip
+        if value < least:
+            raise ConfigError(f"{key} must be >= {least}, got {value}")
+    if cfg.source is not None:
+        try:
+            first = load_records(Path(cfg.source))["node"]
+            first["batch_size"], first["seq_len"]  # noqa: B018 - what the table reads first
+        except (FileNotFoundError, KeyError, ValueError) as exc:
+            raise ConfigError(
+                f"source={cfg.source}: not a cluster table directory ({exc})"
+            ) from None
+        return
+    reason = unavailable_reason()
+    if reason is not None:
+        raise ConfigError(f"the emulated cluster cannot be built here: {reason}")
+
+
+def task(cfg) -> str:
+    """One Hydra job: both jobs (or ``source``'s records), the table, its report.md."""
+    from harness.tool import job_command, job_dir
+
+    root = Path(cfg.source or cfg.out or job_dir())
+    if cfg.source is None:
+        p = cfg.payload
+        run_jobs(root, cfg.iters, cfg.warmup, p.batch_size, p.seq_len, p.name)
+    text = table(root)
     write_atomic(root / "report.md", text)
+    command = job_command(MODULE)
+    record = {
+        "kind": "emulated_table",
+        "root": str(root),
+        "rows": compare(root),
+        "command": command,
+    }
+    write_json(job_dir() / "emulated_table.json", record)
     print(text)
     print(f"report: {root / 'report.md'}")
-    return 0
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``bcastbench emulated-table [overrides]``; a bad value exits 2 with one line."""
+    from harness.model.command import run_app
+
+    register()
+    return run_app(MODULE, "emulated_table", task, check, argv)
 
 
 if __name__ == "__main__":

@@ -208,13 +208,13 @@ def test_cluster_table_bad_value_exits_2(tmp_path, capsys):
     from harness.cluster.table import main
 
     for argv, message in (
-        (["--from", str(tmp_path)], "not a cluster table directory"),
-        (["--from", str(tmp_path), "--iters", "0"], "--iters must be >= 1"),
+        ([f"source={tmp_path}"], "not a cluster table directory"),
+        ([f"source={tmp_path}", "iters=0"], "iters must be >= 1"),
     ):
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         err = capsys.readouterr().err.strip().splitlines()
-        assert exit_.value.code == 2 and message in err[-1], err
+        assert exit_.value.code == 2 and len(err) == 1 and message in err[0], err
 
 
 def test_model_modules_import_from_their_homes():
