@@ -4,9 +4,15 @@
     bcastbench bench [--quick]             the named bench sweep (conf/sweep/bench.yaml), then
                                            the report
     bcastbench predict|calibrate|extrapolate [overrides]   the cost model's Hydra apps
+    bcastbench ray-dispatch|ray-emulated [overrides]       Ray dispatch, measured
+    bcastbench ray-calibrate|ray-model [overrides]         Ray dispatch's cost model
+    bcastbench emulated-table [overrides]                  the emulated-cluster table
     bcastbench report|collect|validate DIR                 read a run or sweep directory
-    bcastbench emulated-table [...]        the emulated-cluster table
     bcastbench gpu-check                   the CUDA checks on a single-GPU machine
+
+Every ``[overrides]`` subcommand is a Hydra app configured through ``conf/<name>.yaml``
+(``ray-dispatch`` reads ``conf/ray_dispatch.yaml``), sweeps with ``-m``, and shows its config
+with ``--cfg job``.
 
 Arguments that do not start with a subcommand's name go to ``run``, so ``bcastbench
 strategy=flat`` and ``python -m harness strategy=flat`` are the same job. Every subcommand
@@ -44,11 +50,26 @@ SUBCOMMANDS = {
     "report": ("harness.report.build", "DIR: report.md and figures of a run or sweep"),
     "collect": ("harness.report.collect", "DIR: one CSV row per job of a run or sweep"),
     "validate": ("harness.model.validate", "DIR: the cost model against a measured sweep"),
-    "emulated-table": ("harness.cluster.table", "the emulated-cluster comparison table"),
-    "ray-dispatch": ("harness.ray.dispatch", "Ray dispatch modes side by side on a Ray world"),
-    "ray-emulated": ("harness.ray.emulated", "Ray dispatch across emulated nodes (root)"),
-    "ray-calibrate": ("harness.ray.calibrate", "fit Ray's put/get/call costs (conf/ray/)"),
-    "ray-model": ("harness.model.ray_dispatch", "the Ray dispatch model: validate | example"),
+    "emulated-table": (
+        "harness.cluster.table",
+        "strategies on both emulated link layouts vs the model (conf/emulated_table.yaml)",
+    ),
+    "ray-dispatch": (
+        "harness.ray.dispatch",
+        "Ray dispatch modes side by side on a Ray world (conf/ray_dispatch.yaml)",
+    ),
+    "ray-emulated": (
+        "harness.ray.emulated",
+        "Ray dispatch across emulated nodes, root (conf/ray_emulated.yaml)",
+    ),
+    "ray-calibrate": (
+        "harness.ray.calibrate",
+        "fit Ray's put/get/call costs into conf/ray/ (conf/ray_calibrate.yaml)",
+    ),
+    "ray-model": (
+        "harness.model.ray_dispatch",
+        "the Ray dispatch model: task=example | task=validate (conf/ray_model.yaml)",
+    ),
     "gpu-check": ("harness.run.gpu_check", "the CUDA checks on a single-GPU machine"),
 }
 
