@@ -1,0 +1,142 @@
+"""The Hydra-configured tools (``bcastbench ray-dispatch``, ``ray-emulated``, ``ray-calibrate``,
+``ray-model``, ``emulated-table``): each shows its config with ``--cfg job``, refuses a bad
+value with one line and exit 2 before anything starts, and the ones that need no world run for
+real here, writing their record into the job's directory with the command that reruns it.
+
+The Ray tool's real run is in tests/world/test_ray_tools.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+
+import pytest
+
+from harness.paths import REPO
+from harness.run import cli
+
+TOOLS = ("ray-dispatch", "ray-emulated", "ray-calibrate", "ray-model", "emulated-table")
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """Every way these tools start a world, a cluster or a job, made to fail the test."""
+    from harness.cluster import table
+    from harness.ray import emulated
+    from harness.run import launch
+
+    def started(*args, **kwargs):
+        raise AssertionError("a world, cluster or job started")
+
+    monkeypatch.setattr(launch, "ray_world", started)
+    monkeypatch.setattr(emulated, "cluster", started)
+    monkeypatch.setattr(table, "run_jobs", started)
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_cfg_job_shows_the_config(tool, nothing_starts, capsys):
+    assert cli.main([tool, "--cfg", "job"]) == 0
+    out = capsys.readouterr().out
+    key = {"ray-calibrate": "reps:", "ray-model": "task: example"}.get(tool, "payload:")
+    assert key in out, out
+
+
+@pytest.mark.parametrize(
+    "tool,argv,message",
+    [
+        ("ray-dispatch", ["modes=[leader:nope]"], "unknown strategy 'nope'"),
+        ("ray-dispatch", ["-m", "payload.batch_size=4,0"], "payload.batch_size must be >= 1"),
+        ("ray-dispatch", ["layout=nope"], "Could not find 'layout/nope'"),
+        ("ray-dispatch", ["ray.dispatch=leader"], "modes= says what runs"),
+        ("ray-dispatch", ["batch_size=4"], "Key 'batch_size' not in 'RayDispatchConf'"),
+        ("ray-emulated", ["emulate.nodes=3"], "emulate.nodes=3 does not divide the world of 4"),
+        ("ray-emulated", ["ray.address=auto"], "ray.address: set by ray-emulated"),
+        ("ray-emulated", ["emulate.links=rails"], "emulate.links must be node or gpu"),
+        ("ray-calibrate", ["ranks=0"], "ranks must be >= 1"),
+        ("ray-calibrate", ["out=costs.txt"], "out must name a .yaml file"),
+        ("ray-model", ["task=fit"], "task must be one of ['example', 'validate']"),
+        ("ray-model", ["task=validate"], "task=validate needs records=[FILE,...]"),
+        ("ray-model", ["ray.put_call_us=-1"], "put_call_us must be finite and >= 0"),
+        ("emulated-table", ["iters=0"], "iters must be >= 1"),
+        ("emulated-table", ["source=/nonexistent"], "not a cluster table directory"),
+    ],
+)
+def test_bad_value_is_one_line_and_exit_2(tool, argv, message, nothing_starts, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([tool, *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert err.startswith(f"bcastbench {tool}: error:") and "Traceback" not in err
+
+
+def test_emulated_refuses_where_namespaces_cannot_be_made(monkeypatch, nothing_starts, capsys):
+    from harness.ray import emulated
+
+    monkeypatch.setattr(emulated, "_namespaces_unavailable", lambda: "they need root")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["ray-emulated"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and err.endswith("cannot be built here: they need root"), err
+
+
+def test_driver_overrides_compose_as_ray_dispatch():
+    """What ray-emulated hands its driver is ray-dispatch's config, value for value."""
+    from hydra import compose, initialize_config_dir
+
+    from harness.paths import CONF_DIR
+    from harness.ray import dispatch, emulated
+
+    dispatch.register()
+    emulated.register()
+    job = ["layout.order=tp-cp-ep-dp-pp", "modes=[leader:flat,all_ranks]", "+options.x=a b:c"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        emu = compose("ray_emulated", overrides=job)
+        driver = compose("ray_dispatch", overrides=emulated.driver_overrides(emu))
+    for key in ("layout", "payload", "modes", "iters", "warmup", "options"):
+        assert driver[key] == emu[key], key
+    assert driver.options == {"x": "a b:c"}
+
+
+def _json(path):
+    return json.loads(path.read_text())
+
+
+def test_ray_model_validate_and_example_record_their_command(tmp_path, monkeypatch):
+    from harness.model import ray_dispatch
+
+    (first, *_) = _json(REPO / "results" / "reference_ray" / "local.json")
+    first["modes"] = {m: first["modes"][m] for m in ("leader:header", "all_ranks")}
+    records = tmp_path / "one.json"
+    records.write_text(json.dumps([first]))
+    argv = ["task=validate", f"records=[{records}]"]
+    assert cli.main(["ray-model", *argv, f"hydra.run.dir={tmp_path / 'v'}"]) == 0
+    out = _json(tmp_path / "v" / "ray_model_validate.json")
+    assert [r["mode"] for r in out["rows"]] == ["leader:header", "all_ranks"]
+    assert out["command"] == shlex.join(["bcastbench", "ray-model", *argv])
+
+    # The example's scan cut to two cells: the command's path, not the 32-cell pricing.
+    scan = ray_dispatch.example_scan
+    monkeypatch.setattr(
+        ray_dispatch, "example_scan", lambda c, r: scan(c, r, dps=(1, 16), batches=(8,))
+    )
+    assert cli.main(["ray-model", "cluster=h200_ib", f"hydra.run.dir={tmp_path / 'e'}"]) == 0
+    out = _json(tmp_path / "e" / "ray_model_example.json")
+    assert [r["gpus"] for r in out["rows"]] == [128, 2048] and out["assumptions"]
+    assert out["command"] == "bcastbench ray-model cluster=h200_ib"
+
+
+def test_emulated_table_rereads_a_table_directory(tmp_path):
+    source = tmp_path / "table"
+    for links in ("node", "gpu"):
+        (source / links).mkdir(parents=True)
+        for name in ("result.json", "machine.json"):
+            shutil.copy(REPO / "results" / "reference_emulated" / links / name, source / links)
+    job = tmp_path / "job"
+    assert cli.main(["emulated-table", f"source={source}", f"hydra.run.dir={job}"]) == 0
+    assert "Verdict:" in (source / "report.md").read_text()
+    out = _json(job / "emulated_table.json")
+    assert {r["links"] for r in out["rows"]} == {"node", "gpu"}
+    assert out["command"] == f"bcastbench emulated-table source={source}"
