@@ -20,8 +20,9 @@ time; each rank's result is checked bit for bit (``harness.run.verify``) after t
     bcastbench ray-dispatch -m layout=tp2pp2,tp2pp2dp2 payload.batch_size=48,704
 
 Configured through ``conf/ray_dispatch.yaml`` (schema ``RayDispatchConf``); each job writes its
-record to ``dispatch.json`` in its Hydra job directory (``results/ray/dispatch/...``), and
-``out=FILE`` collects every job's record in one list.
+record to ``dispatch.json`` in its Hydra job directory (``results/ray/dispatch/...``), a sweep
+lists all of them in its directory's ``dispatch.json`` (``bcastbench report <sweep dir>`` reads
+it), and ``out=FILE`` collects them in one more list.
 """
 
 from __future__ import annotations
@@ -412,8 +413,8 @@ def _record(spec, drv, modes, times, link, refused) -> dict:
 MODULE = "harness.ray.dispatch"
 """Where ``bcastbench ray-dispatch`` lives (its printed name: ``harness.errors.program``)."""
 RECORDS = "dispatch.json"
-"""Each job's record, a JSON list of one, in the job's directory (``harness.report`` reads
-such lists)."""
+"""Each job's record, a JSON list of one, in the job's directory; a sweep's list of all of them
+in the sweep's directory (``harness.tool.write_records``; ``harness.report`` reads such lists)."""
 
 
 def format_table(record: dict) -> str:
@@ -540,9 +541,8 @@ def task(cfg) -> dict:
     """One Hydra job: time the modes on this process's Ray world of the layout's size (started
     by the first job of that size, reused by the next ones: ``harness.run.launch.ray_world``),
     print the table, write the record."""
-    from harness.files import write_json
     from harness.run import launch
-    from harness.tool import job_command, job_dir
+    from harness.tool import job_command, write_records
 
     spec = spec_of_job(cfg)
     world = launch.ray_world(spec.layout.world_size, ray_conf(cfg))
@@ -553,10 +553,8 @@ def task(cfg) -> dict:
     record["world_start_s"] = start_s
     record["command"] = job_command(MODULE)
     print(format_table(record) + "\n", flush=True)
-    write_json(job_dir() / RECORDS, [record])
     _DONE.append(record)
-    if cfg.out:
-        write_json(cfg.out, _DONE)
+    write_records(RECORDS, _DONE, cfg.out)
     return record
 
 

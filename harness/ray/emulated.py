@@ -275,10 +275,9 @@ _DONE: list[dict] = []
 
 def task(cfg) -> dict:
     """One Hydra job: the cluster of its shape (reused across a sweep), the driver, the record."""
-    from harness.files import write_json
     from harness.ray.dispatch import RECORDS, format_table
     from harness.run.config import layout_of
-    from harness.tool import job_command, job_dir
+    from harness.tool import job_command, job_dir, write_records
 
     emulate = emulate_conf(cfg, layout_of(cfg).world_size)
     emu, scratch = cluster(emulate, int(cfg.ray.num_cpus), int(cfg.ray.object_store_mb))
@@ -297,10 +296,8 @@ def task(cfg) -> dict:
     each = "node" if emulate.links == "node" else "rank (rails)"
     print(f"emulated: {emulate.nodes} nodes, one {emulate.rate_mbit} Mbit/s link per {each}")
     print(format_table(record) + "\n", flush=True)
-    write_json(job / RECORDS, [record])
     _DONE.append(record)
-    if cfg.out:
-        write_json(cfg.out, _DONE)
+    write_records(RECORDS, _DONE, cfg.out)
     return record
 
 

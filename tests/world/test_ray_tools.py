@@ -1,6 +1,6 @@
 """``bcastbench ray-dispatch`` for real on a 2-rank local Ray world: a two-job sweep, both jobs
-on one world (the second starts nothing), each record verified, written to its job directory
-and to ``out``, with the command that reruns that job. Skipped when ray is not installed.
+on one world (the second starts nothing), each record verified, written to its job directory,
+the sweep's list and ``out``, with the command that reruns that job. Skipped without ray.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def test_ray_dispatch_sweep_shares_one_world(tmp_path):
     finally:
         launch.close_ray()
     records = json.loads(out.read_text())
+    assert json.loads((tmp_path / "dispatch.json").read_text()) == records  # the sweep's list
     assert [r["batch_size"] for r in records] == [2, 4]
     for rec, path in zip(records, sorted(tmp_path.glob("*/dispatch.json"))):
         assert json.loads(path.read_text()) == [rec]
