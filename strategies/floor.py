@@ -77,7 +77,8 @@ class Floor(Strategy):
 
     def transfer(self, batch: DataProto) -> DataProto:
         g = self.groups
-        if g.replica_ranks == (g.rank,):
+        if g.replica_ranks == (g.rank,):  # a replica of one rank: what it holds is received
+            self.received = self.sent
             return batch
         buf = self.sent if g.is_leader else None
         for group, ranks in self._hops():

@@ -321,30 +321,6 @@ def close_ray(kill: bool = False) -> None:
     REGISTRY.close_kind(RAY, kill=kill)
 
 
-class _KindView(Mapping):
-    """``{"world": the live world of one kind}``: the old ``_RAY`` holder's shape, over the
-    registry."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-
-    def _live(self) -> dict:
-        worlds = [w for k, w in REGISTRY.worlds.items() if k[0] == self.kind]
-        return {"world": worlds[-1]} if worlds else {}
-
-    def __getitem__(self, key):
-        return self._live()[key]
-
-    def __iter__(self):
-        return iter(self._live())
-
-    def __len__(self) -> int:
-        return len(self._live())
-
-
-_RAY = _KindView(RAY)
-
-
 def leave_joined() -> None:
     """Leave the joined world, if this process joined one: its process groups destroyed
     before the interpreter ends (registered at exit by the first joined job; see

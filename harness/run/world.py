@@ -620,10 +620,6 @@ World = ForkedWorld
 _LIVE: set[ForkedWorld] = set()
 """Every started forked world, cached or not: at exit none may keep its ranks."""
 
-_CACHE = REGISTRY.worlds
-"""The registry's worlds under this module's old name (tests close the ones a job started)."""
-
-
 def close_all() -> None:
     for world in list(_LIVE):
         world.close(kill=True)

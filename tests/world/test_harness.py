@@ -140,12 +140,12 @@ def test_ctrl_c_leaves_no_rank_and_no_half_record(tmp_path):
 @pytest.fixture
 def forked_worlds_closed():
     """Close the worlds a test's in-process job forked (the session's worlds stay)."""
-    from harness.run import world
+    from harness.run.worlds import REGISTRY
 
-    before = set(world._CACHE)
+    before = set(REGISTRY.worlds)
     yield
-    for key in set(world._CACHE) - before:
-        world._CACHE.pop(key).close()
+    for key in set(REGISTRY.worlds) - before:
+        REGISTRY.close(key)
 
 
 @pytest.mark.smoke

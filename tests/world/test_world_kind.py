@@ -80,7 +80,9 @@ class _Board:
         self.phase = phase
 
 
-SPEC = JobSpec("header", Layout(), batch_size=2, seq_len=32, iters=2, warmup=1, references=())
+SPEC = JobSpec(
+    "header", Layout(), batch_size=2, seq_len=32, iters=2, warmup=1, references=("floor", "pickled")
+)
 
 
 @pytest.fixture
