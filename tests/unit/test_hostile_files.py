@@ -416,7 +416,7 @@ def test_hostile_input_is_one_line_exit_2_and_harmless(case, places, capsys):
     capsys.readouterr()
     start = time.monotonic()
     try:
-        _validate_recorded(node)
+        _validate_recorded(node, node.batch_size)
         status = 0
     except ConfigError as exc:
         status = cli._exit_status(exc)
@@ -477,12 +477,13 @@ def test_every_reader_refuses_the_same_pickle(tmp_path):
     rec = evil_memmap(tmp_path / "rec", marker)
     node = OmegaConf.merge(OmegaConf.structured(PayloadConf), {"name": "file", "path": str(rec)})
     with pytest.raises(ConfigError, match="needs io.open"):
-        _validate_recorded(node)
+        _validate_recorded(node, node.batch_size)
     one_line_error(lambda: payloads.make("file", 4, 16, 0, None, str(rec), False))
     text, _ = one_line_error(lambda: recorded.load(rec, flags=recorded.SCHEMA_FLAGS))
     assert "--trust" in text and not marker.exists()
     trusted = {"path": str(tagged_memmap(tmp_path / "t")), "trust": True}
-    _validate_recorded(OmegaConf.merge(node, trusted))
+    trusted_node = OmegaConf.merge(node, trusted)
+    _validate_recorded(trusted_node, trusted_node.batch_size)
 
 
 def test_trust_lifts_only_the_pickle_refusal(tmp_path):
