@@ -3,7 +3,7 @@
 A Hydra app (``conf/calibrate.yaml``: ``world=4 reps=21 short=false dry_run=false max_load=null
 out=conf/cluster/local.yaml``). Times broadcast, scatter and all_gather on a real gloo world
 (groups of 2 and of the whole world), host pickle/unpickle/memcpy rates, the fixed per-call host
-costs (pickle.dumps/loads, codec pack/unpack on tiny ``rl_rollout`` batches, see
+costs (pickle.dumps/loads, pack/unpack (strategies.core.packer, unpacker) on tiny ``rl_rollout`` batches, see
 ``per_call_costs``), fits α, β per collective in the model's own form
 (``formulas.coefficients``) and writes the cluster file atomically, with the world size and core
 count it ran on (``calibrated_ranks``, ``cpu_cores``: the oversubscription factor's reference).
@@ -216,7 +216,7 @@ def _device_rates(nbytes: int, reps: int) -> dict[str, float]:
 def _time_per_call(ctx, reps):
     """Fixed per-call host costs, timed inside the calibration world the way strategies call
     them (so under the same sharing of the cores as the collectives' α and β): per tiny
-    ``PER_CALL_PAYLOAD`` batch, the leader validates + packs (``codec.pack``, non-tensor data
+    ``PER_CALL_PAYLOAD`` batch, the leader validates + packs (``packer.pack``, non-tensor data
     included), broadcasts, every receiver decodes the header and unpacks; then the leader
     pickles the TensorDict, broadcasts it, every receiver unpickles it. Returns, per rank,
     ``{kind: [(seconds, bytes, blob_bytes), ...]}`` (bytes: what the model charges by size)."""

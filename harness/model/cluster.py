@@ -129,9 +129,9 @@ class ClusterConf:
     unpickle_call_us: float = 0.0
     """Fixed host cost of one ``pickle.loads`` of a batch object, on top of its bytes, µs."""
     pack_call_us: float = 0.0
-    """Fixed host cost of one pack of header + flat buffer (``strategies.core.codec.pack``), µs."""
+    """Fixed host cost of one pack of header + flat buffer (``strategies.core.packer.pack``), µs."""
     unpack_call_us: float = 0.0
-    """Fixed host cost of one header decode + unpack into views (``codec.unpack``), µs."""
+    """Fixed host cost of one header decode + unpack into views (``strategies.core.unpacker.unpack``), µs."""
     cpu_cores: int = 0
     """Cores the ranks of one machine share (a CPU world time-slices them); 0 = every rank has
     its own device and host cores (GPU clusters): no oversubscription factor."""

@@ -121,7 +121,7 @@ def scaled_spec(
 
 
 def _scaled_header(big, leaves, sizes, batch_size: int, non_tensor: int):
-    """(header length, message bytes, padded non-tensor bytes) of the header ``codec.pack``
+    """(header length, message bytes, padded non-tensor bytes) of the header ``packer.pack``
     writes for ``leaves`` at ``batch_size`` rows, offsets and padding recomputed."""
     from strategies.core.header_format import Entry, align, encode_header
 
