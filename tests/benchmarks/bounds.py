@@ -78,7 +78,11 @@ ALTERNATING_STRATEGIES = ("header", "flat", "auto")
 """The header family: strategies on the wire (``strategies.core.wire``), the state a call
 after a call of another size can inherit (its speculative first message, its buffers)."""
 
-VS_STEADY = 1.2
+VS_STEADY = {"full": 1.2, "short": 2.0}
 """Largest allowed p50 of a shape inside the alternating sequence / the same shape's
 steady-state p50 (that shape alone, after one untimed call of it), both timed in the same job,
-median over rounds (issue 22: a call pays for the shape it is sent, not the one before)."""
+median over rounds (issue 22: a call pays for the shape it is sent, not the one before). Full
+mode holds the issue's 20 %. Short mode's few calls per shape on shared cores move a stateless
+raw broadcast (the floor) by about that much between the sequence and the steady rounds, so it
+catches only the structural fault: a small call that pays for the large one before it costs a
+multiple of its steady state, not a fraction more."""
