@@ -465,8 +465,8 @@ RAY_TIE = 0.10
 
 
 def load_dispatch_records(root: Path | str) -> list[dict]:
-    """Every dispatch record in the JSON lists directly under ``root`` (what ``python -m
-    harness.ray.dispatch --json`` and ``harness.ray.emulated --json`` write), then those of a
+    """Every dispatch record in the JSON lists directly under ``root`` (the ``dispatch.json``
+    a ``bcastbench ray-dispatch`` or ``ray-emulated`` sweep writes), then those of a
     ``bcastbench run world=ray ray.dispatch=...`` sweep's result.json files, merged into one
     record per setting (``_merge_hydra_dispatch``)."""
     import json
