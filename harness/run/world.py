@@ -620,6 +620,7 @@ World = ForkedWorld
 _LIVE: set[ForkedWorld] = set()
 """Every started forked world, cached or not: at exit none may keep its ranks."""
 
+
 def close_all() -> None:
     for world in list(_LIVE):
         world.close(kill=True)

@@ -126,7 +126,8 @@ def test_bcastbench_run_world_ray_broadcast_and_dispatch(ray_world, tmp_path):
          "ray.object_store_mb=256", f"hydra.sweep.dir={tmp_path}"]
     )  # fmt: skip
     assert status == 0
-    assert [w for k, w in REGISTRY.worlds.items() if k[0] == "ray"] == [ray_world], ( "the sweep must reuse the running Ray world"
+    assert [w for k, w in REGISTRY.worlds.items() if k[0] == "ray"] == [ray_world], (
+        "the sweep must reuse the running Ray world"
     )
     recs = [json.loads(p.read_text()) for p in sorted(tmp_path.rglob("result.json"))]
     by_scope = {(r["scope"], r.get("dispatch")): r for r in recs}
