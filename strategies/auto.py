@@ -2,8 +2,13 @@
 
 The recommendation table as code: for the layout, the payload's bytes and leaves and a cluster
 preset (``cluster``, default ``local``: the preset calibrated on the machine the harness runs
-on), every candidate's ``plan`` is priced by ``harness.model.pricing.price`` and the cheapest
+on), every candidate's ``plan`` is priced by ``strategies.core.pricing.price`` and the cheapest
 serves the call (``choose``). ``choice`` holds the strategy that serves the next call.
+
+The pricing and the presets it reads sit in ``strategies.core`` (``pricing``, ``cluster``,
+``formulas``) rather than in the harness: they are pure arithmetic over plans and layouts, and
+with them below this module ``strategies.get("auto", groups)`` works for a user who imports
+only the strategies (the harness's cost model prices the same plans with the same function).
 
 Who decides, without an extra collective: every rank decides the same way from the same
 bytes. At the end of each call every rank of the replica holds the header the leader sent
@@ -26,11 +31,13 @@ from dataclasses import replace
 from functools import cache
 
 import strategies
+from strategies.core.cluster import load_cluster
 from strategies.core.contract import DataProto, Strategy, Unsupported, failure_in
 from strategies.core.header_format import align
 from strategies.core.layout import Layout
 from strategies.core.packed import PackedStrategy
 from strategies.core.plan import PayloadSpec, Plan, bytes_per_dtype
+from strategies.core.pricing import price
 
 CANDIDATES = ("flat", "direct", "header", "pp_first", "scatter_allgather")
 """The built-ins auto chooses among, in order of preference when the model cannot tell them
@@ -120,8 +127,6 @@ def choose(
 
 @cache
 def _choose(layout, spec: PayloadSpec, cluster, candidates: tuple[str, ...]) -> str:
-    from harness.model.pricing import price
-
     conf = _cluster(cluster) if isinstance(cluster, str) else cluster
     priced: dict[str, float] = {}
     for name in candidates:
@@ -144,8 +149,6 @@ def pick(priced: dict[str, float]) -> str:
 
 @cache
 def _cluster(name: str):
-    from harness.model.cluster import load_cluster
-
     return load_cluster(name)
 
 

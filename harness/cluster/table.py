@@ -89,7 +89,7 @@ def predicted_cross_bytes(plan, ranks_per_node: int) -> int:
     """Payload bytes one call of ``plan`` sends between nodes, as gloo moves them: a broadcast
     along its binomial tree's edges, a scatter straight from the root, an all-gather around a
     ring in group order."""
-    from harness.model.formulas import tree_rounds
+    from strategies.core.formulas import tree_rounds
 
     def node(r: int) -> int:
         return r // ranks_per_node
@@ -112,11 +112,11 @@ def predictions(batch_size: int, seq_len: int, seed: int = 0,
                 payload: str = "rl_rollout") -> dict[str, dict[str, dict]]:  # fmt: skip
     """{links: {strategy: {total_s, link_bound, cross_bytes}}} from each strategy's plan."""
     import strategies
-    from harness.model.cluster import load_cluster
-    from harness.model.pricing import price
     from harness.run import payloads
+    from strategies.core.cluster import load_cluster
     from strategies.core.layout import Layout
     from strategies.core.plan import spec_of
+    from strategies.core.pricing import price
 
     layout = Layout(tp=2, pp=2)
     spec = spec_of(payloads.make(payload, batch_size, seq_len, seed, None))
@@ -261,7 +261,7 @@ def table(root: Path) -> str:
         "",
         "Measured: `bcastbench emulated-table` (harness.cluster.launch, gloo on CPU, p50 of",
         "the slowest rank per iteration, every strategy interleaved in one job per link",
-        "layout). Predicted: each strategy's plan priced by harness.model.pricing on",
+        "layout). Predicted: each strategy's plan priced by strategies.core.pricing on",
         "conf/cluster/emulated.yaml (one link per node) and emulated_rails.yaml (one per rank).",
         "Bytes are wire bytes per call that crossed nodes (S = payload; predicted = plan's",
         f"payload bytes × {WIRE:.4f}).",

@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from harness.files import write_atomic
-from harness.model.cluster import CONF_DIR, GB, US, ClusterConf, LinkConf, load_cluster
-from harness.model.formulas import (
+from strategies.core.cluster import CONF_DIR, GB, US, ClusterConf, LinkConf, load_cluster
+from strategies.core.formulas import (
     ALLGATHER_ALGORITHMS,
     BROADCAST_ALGORITHMS,
     SCATTER_ALGORITHMS,

@@ -22,8 +22,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from harness.model.formulas import ClusterError
     from harness.run.config import ConfigError
+    from strategies.core.formulas import ClusterError
     from strategies.core.layout import LayoutError
 
     return (HydraException, OmegaConfBaseException, ClusterError, ConfigError, LayoutError)

@@ -5,7 +5,7 @@
 
 A Hydra app (``conf/extrapolate.yaml``) on the same ``cluster/``, ``layout/`` and ``payload/``
 groups as ``harness.model.predict``. Nothing runs: every strategy's plan is priced by
-``harness.model.pricing`` (via ``harness.model.predict``) for a fixed payload (default
+``strategies.core.pricing`` (via ``harness.model.predict``) for a fixed payload (default
 rl_rollout, B=512, S=4096, an RL step's global batch slice per replica) on layouts tp × cp inside
 a node, pp ∈ {1, 2, 4, …, layout.pp} stages and dp filling the world. Writes
 ``extrapolation.csv``, ``extrapolation.png`` and ``extrapolation.md`` (a recommendation table),
@@ -37,8 +37,8 @@ import pandas as pd  # noqa: E402
 from harness import paths  # noqa: E402
 from harness.errors import program  # noqa: E402
 from harness.files import write_atomic, write_csv, write_figure  # noqa: E402
-from harness.model.cluster import ClusterConf, load_cluster  # noqa: E402
 from harness.run.config import LayoutConf, PayloadConf  # noqa: E402
+from strategies.core.cluster import ClusterConf, load_cluster  # noqa: E402
 
 MODULE = "harness.model.extrapolate"
 """Where this command lives; its printed name comes from ``harness.errors.program``."""
@@ -272,7 +272,7 @@ def _markdown(cluster: ClusterConf, title: str, sentences, sizes, spec_args, df)
         [
             f"# PREDICTED broadcast latency vs world size — {cluster.name}",
             "",
-            f"**PREDICTED by the α–β cost model (`harness/model/pricing.py`), not measured.** "
+            f"**PREDICTED by the α–β cost model (`strategies/core/pricing.py`), not measured.** "
             f"{title}. Generated {datetime.date.today().isoformat()} by `{program(MODULE)} "
             f"cluster={cluster.name}`.",
             "",

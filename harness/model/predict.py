@@ -4,7 +4,7 @@
         payload=rl_rollout payload.batch_size=512 payload.seq_len=4096
     python -m harness.model.predict -m layout.dp=8,64,128 ...   # one prediction.json per job
 
-Each strategy's ``plan(layout, spec)`` is priced by ``harness.model.pricing.price``; the app prints
+Each strategy's ``plan(layout, spec)`` is priced by ``strategies.core.pricing.price``; the app prints
 the ranking, the winner and why (which link and which α/β term decide it), and writes
 ``prediction.json`` atomically into the job directory (``results/predict/...``). The payload is
 never built at its real size: ``scaled_spec`` builds it at small B and scales (every leaf has
@@ -27,9 +27,9 @@ logging.getLogger("megatron").setLevel(logging.WARNING)
 
 from hydra.core.config_store import ConfigStore  # noqa: E402
 
-from harness.model.cluster import ClusterConf  # noqa: E402
-from harness.model.pricing import Prediction  # noqa: E402
 from harness.run.config import LayoutConf, PayloadConf  # noqa: E402
+from strategies.core.cluster import ClusterConf  # noqa: E402
+from strategies.core.pricing import Prediction  # noqa: E402
 
 CONF = str(paths.CONF_DIR)
 MODULE = "harness.model.predict"
@@ -55,7 +55,7 @@ class PredictConf:
     payload: PayloadConf = field(default_factory=PayloadConf)
     """Batch description; reuses ``conf/payload/`` (the batch is sized, never sent)."""
     cluster: ClusterConf = field(default_factory=ClusterConf)
-    """Machine room to price on; ``conf/cluster/`` (``harness.model.cluster.ClusterConf``)."""
+    """Machine room to price on; ``conf/cluster/`` (``strategies.core.cluster.ClusterConf``)."""
     strategies: list[str] = field(default_factory=list)
     """Strategies to price; empty = every selectable one (``strategies.names()``)."""
     quiet: bool = False
@@ -200,7 +200,7 @@ def price_strategy(name: str, layout, spec, cluster) -> Prediction:
     from dataclasses import replace
 
     import strategies
-    from harness.model.pricing import price
+    from strategies.core.pricing import price
 
     cls = strategies.get_class(name)
     if not replicas_independent(layout, cluster.gpus_per_node):

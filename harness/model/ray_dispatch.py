@@ -24,7 +24,7 @@ One call is priced as the sum of its phases, as ``harness.ray.dispatch`` runs th
 
 The Ray terms (put, get, call) are fitted on a local Ray world by ``bcastbench
 ray-calibrate`` into ``conf/ray/local.yaml`` (``RayCostConf``); links, host cores and
-device copies come from the cluster preset (``harness.model.cluster.ClusterConf``).
+device copies come from the cluster preset (``strategies.core.cluster.ClusterConf``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from harness import paths
-from harness.model.cluster import GB, US, ClusterConf, ClusterError, check_number, load_cluster
+from strategies.core.cluster import GB, US, ClusterConf, ClusterError, check_number, load_cluster
 
 CONF_DIR = paths.CONF_DIR / "ray"
 MODULE = "harness.model.ray_dispatch"

@@ -49,7 +49,7 @@ POINT = ["payload", "seq_len", "layout", "batch_size"]  # one ranking per (layou
 
 def calibration_world(cluster_name: str) -> tuple[int | None, str]:
     """World size and header line of a calibrated preset (``# ... gloo world of N ...``)."""
-    from harness.model.cluster import preset_path
+    from strategies.core.cluster import preset_path
 
     path = preset_path(cluster_name)
     try:
@@ -63,11 +63,11 @@ def calibration_world(cluster_name: str) -> tuple[int | None, str]:
 def price_records(df: pd.DataFrame, cluster_name: str) -> pd.DataFrame:
     """One row per measured, supported record with predicted and measured times (µs)."""
     import strategies
-    from harness.model.cluster import load_cluster
-    from harness.model.pricing import price
     from harness.run import payloads
+    from strategies.core.cluster import load_cluster
     from strategies.core.layout import Layout
     from strategies.core.plan import spec_of
+    from strategies.core.pricing import price
 
     cluster = load_cluster(cluster_name)
     specs: dict = {}
@@ -389,7 +389,7 @@ def _oversub_rows(v: pd.DataFrame) -> list[str]:
 
 
 def markdown(v: pd.DataFrame, r: pd.DataFrame, m: dict, ctx: dict, sweep: Path, cluster: str):
-    from harness.model.cluster import load_cluster
+    from strategies.core.cluster import load_cluster
 
     _, calib = calibration_world(cluster)
     c = load_cluster(cluster)
@@ -453,8 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cluster", default="local", help="cluster preset or YAML (default local)")
     args = ap.parse_args(argv)
     from harness.errors import USAGE_EXIT
-    from harness.model.cluster import ClusterError
     from harness.report.collect import records_dir_problem
+    from strategies.core.cluster import ClusterError
 
     problem = records_dir_problem(args.sweep)
     if problem:  # a wrong directory is the caller's mistake, as in report and collect: exit 2

@@ -28,11 +28,11 @@ def test_bench_price_16k_rank_tree_plan(benchmark):
     """gloo's tree priced round by round across nodes, for every group of a 16,384-rank world."""
     from dataclasses import replace
 
-    from harness.model.cluster import load_cluster
-    from harness.model.pricing import price
     from strategies import get_class
+    from strategies.core.cluster import load_cluster
     from strategies.core.layout import Layout
     from strategies.core.plan import PayloadSpec
+    from strategies.core.pricing import price
 
     layout = Layout(dp=128, pp=8, tp=8, cp=2)
     spec = PayloadSpec(tensor_bytes=64 << 20, n_tensors=8, header_bytes=4096, pickle_bytes=0)

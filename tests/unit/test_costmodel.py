@@ -1,4 +1,4 @@
-"""Tier-1 tests of the cost model (no process group): harness.model.formulas, .cluster and
+"""Tier-1 tests of the cost model (no process group): strategies.core.formulas, .cluster and
 .pricing.
 
 Hand-made plans are priced against the α–β formulas; the emulated presets are checked against
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.model.cluster import (
+from strategies.core.cluster import (
     CONF_DIR,
     ClusterConf,
     ClusterError,
@@ -23,10 +23,10 @@ from harness.model.cluster import (
     load_cluster,
     register_configs,
 )
-from harness.model.formulas import ceil_log2, coefficients, tree_rounds
-from harness.model.pricing import HostCalls, has_forwarder, host_calls, lower_bound_s, price
+from strategies.core.formulas import ceil_log2, coefficients, tree_rounds
 from strategies.core.layout import Layout
 from strategies.core.plan import Comm, LocalWork, Plan
+from strategies.core.pricing import HostCalls, has_forwarder, host_calls, lower_bound_s, price
 
 MIB = 2**20
 INTRA = LinkConf(alpha_us=10, bandwidth_gbytes_per_s=100)  # α 1e-5 s, β 1e-11 s/B

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from harness.model.cluster import load_cluster
 from harness.model.predict import (
     CONF,
     EXAMPLE,
@@ -23,11 +22,12 @@ from harness.model.predict import (
     run,
     scaled_spec,
 )
-from harness.model.pricing import price
 from harness.run import payloads
 from strategies import Unsupported, get_class, has_plan, names
+from strategies.core.cluster import load_cluster
 from strategies.core.layout import Layout
 from strategies.core.plan import spec_of
+from strategies.core.pricing import price
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "model_sweep"
@@ -218,10 +218,12 @@ def test_cluster_table_bad_value_exits_2(tmp_path, capsys):
 
 
 def test_model_modules_import_from_their_homes():
-    from harness.model import cluster, formulas, pricing
+    from harness import paths
+    from strategies.core import cluster, formulas, pricing
 
     assert cluster.ClusterError is formulas.ClusterError
-    assert pricing.price.__module__ == "harness.model.pricing"
+    assert cluster.CONF_DIR == paths.CONF_DIR / "cluster"  # the presets auto reads, the harness's
+    assert pricing.price.__module__ == "strategies.core.pricing"
     assert callable(formulas.coefficients) and callable(cluster.load_cluster)
     for module in ("predict", "calibrate", "extrapolate", "validate"):
         import importlib

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from harness.model.cluster import ClusterConf, ClusterError, LinkConf, load_cluster
 from harness.model.ray_dispatch import (
     RayCostConf,
     example_answer,
@@ -15,6 +14,7 @@ from harness.model.ray_dispatch import (
     price_leader,
     replica_nodes,
 )
+from strategies.core.cluster import ClusterConf, ClusterError, LinkConf, load_cluster
 from strategies.core.layout import Layout
 
 MIB = 2**20

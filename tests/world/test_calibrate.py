@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.model.cluster import load_cluster
-from harness.model.formulas import coefficients
+from strategies.core.cluster import load_cluster
+from strategies.core.formulas import coefficients
 
 MIB = 2**20
 

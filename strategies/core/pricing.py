@@ -13,8 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from harness.model.cluster import ClusterConf
-from harness.model.formulas import COLLECTIVES, ceil_log2, coefficients, tree_rounds
+from strategies.core.cluster import ClusterConf
+from strategies.core.formulas import COLLECTIVES, ceil_log2, coefficients, tree_rounds
 from strategies.core.layout import Layout
 from strategies.core.plan import Comm, LocalWork, Plan
 

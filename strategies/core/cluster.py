@@ -1,5 +1,8 @@
 """A machine room as the cost model sees it: links, nodes, host rates; loading the presets.
 
+Here, below ``auto``, rather than in the harness: ``auto`` prices plans on a preset, so the
+schema, its checks and the preset files it reads sit where a strategy may import them.
+
 ``ClusterConf`` is both the schema of ``conf/cluster/*.yaml`` (Hydra structured config) and the
 type the pricing code reads. Units live here and only here: the fields hold the units vendors
 and nccl-tests quote (µs, GB/s = 1e9 bytes/s), as the YAML does; the read-only properties give
@@ -16,8 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from harness import paths
-from harness.model.formulas import (
+from strategies.core.formulas import (
     ALLGATHER_ALGORITHMS,
     BROADCAST_ALGORITHMS,
     COLLECTIVES,
@@ -28,7 +30,10 @@ from harness.model.formulas import (
 
 GB = 1e9  # GB/s here is the nccl-tests unit, 1e9 bytes/s (not Gbit/s, not GiB/s)
 US = 1e-6
-CONF_DIR = paths.CONF_DIR / "cluster"
+CONF_DIR = (Path(__file__).resolve().parents[2] / "harness" / "conf" / "cluster").resolve()
+"""The presets, ``conf/cluster/``: this distribution ships the Hydra tree as ``harness/conf``
+(a link to the checkout's ``conf/``, package data in a wheel), which ``harness.paths.CONF_DIR``
+names for the harness; the strategies read it as files, without importing the harness."""
 
 __all__ = ["CONF_DIR", "GB", "ClusterConf", "ClusterError", "LinkConf", "load_cluster"]
 
