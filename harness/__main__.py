@@ -1,4 +1,4 @@
-"""``python -m harness``: the ``bcastbench`` command (``harness.run.cli``); with no subcommand it
+"""``python -m harness``: the ``bcastbench`` command (``harness.commands.cli``); with no subcommand it
 runs one job, or a Hydra sweep with ``-m``."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import sys
 
 
 def main() -> None:
-    from harness.run.cli import main as cli
+    from harness.commands.cli import main as cli
 
     sys.exit(cli())
 

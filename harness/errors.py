@@ -1,7 +1,7 @@
 """How every bcastbench command reports a user's mistake: one line, the program's name, exit 2.
 
-Shared by the job app's CLI (``harness.run.cli``) and the cost model's Hydra apps
-(``harness.model.command``), so a bad value reads the same whichever command took it.
+Shared by the job app's CLI (``harness.commands.cli``) and the cost model's Hydra apps
+(``harness.commands.hydra_app``), so a bad value reads the same whichever command took it.
 """
 
 from __future__ import annotations

@@ -155,7 +155,8 @@ def _no_launch(*_args, **_kwargs):
 def run_cli(argv: list[str], capsys, monkeypatch) -> tuple[int, list[str], float]:
     """``bcastbench ARGV`` in process: its exit status, its stderr lines, its time. Starting
     ranks is forbidden: every input here must stop at validation."""
-    from harness.run import app, cli
+    from harness.commands import cli
+    from harness.run import app
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")

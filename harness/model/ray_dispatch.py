@@ -30,15 +30,13 @@ device copies come from the cluster preset (``strategies.core.cluster.ClusterCon
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from harness import paths
-from strategies.core.cluster import GB, US, ClusterConf, ClusterError, check_number, load_cluster
+from strategies.core.cluster import GB, US, ClusterConf, ClusterError, check_number
 
 CONF_DIR = paths.CONF_DIR / "ray"
-MODULE = "harness.model.ray_dispatch"
-"""Where this command lives; its printed name comes from ``harness.errors.program``."""
 LEADER_STRATEGIES = ("header", "flat", "direct", "pp_first", "pickled", "scatter_allgather")
 """Broadcast strategies the leader path is priced with (the header family and the seed)."""
 EXAMPLE_DPS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -233,8 +231,7 @@ def price_leader(layout, nbytes: float, cluster: ClusterConf, ray: RayCostConf,
 def price_mode(mode: str, layout, spec, cluster: ClusterConf, ray: RayCostConf,
                host_cores: int | None = None) -> DispatchCost:  # fmt: skip
     """Any dispatch mode of ``harness.ray.dispatch`` on ``layout`` with a chunk of ``spec``."""
-    from harness.cluster.table import predicted_cross_bytes
-    from harness.model.predict import price_strategy
+    from harness.model.predict import predicted_cross_bytes, price_strategy
 
     nbytes = spec.tensor_bytes + spec.non_tensor_bytes
     kind, _, rest = mode.partition(":")
@@ -252,69 +249,6 @@ def price_mode(mode: str, layout, spec, cluster: ClusterConf, ray: RayCostConf,
     return price_leader(layout, nbytes, cluster, ray, rest, pred.total_s, cross, host_cores)
 
 
-# -- against measurements --------------------------------------------------------------------
-def _record_cluster(record: dict) -> ClusterConf:
-    """The preset a dispatch record ran on: the emulated cluster (links and ranks per node as
-    recorded) or the local world."""
-    if "emulate_nodes" not in record:
-        return load_cluster("local")
-    preset = "emulated" if record.get("emulate_links", "node") == "node" else "emulated_rails"
-    return replace(load_cluster(preset), gpus_per_node=int(record["emulate_ranks_per_node"]))
-
-
-def compare(records: list[dict], ray: RayCostConf) -> list[dict]:
-    """Measured p50 beside the model for every mode of every dispatch record, one row each.
-    The records ran on the calibration host, so its cores bound every rank's sharing."""
-    from harness.model.predict import layout_of  # noqa: F401  (megatron warnings quieted)
-    from harness.run import payloads
-    from strategies.core.layout import Layout
-    from strategies.core.plan import spec_of
-
-    rows = []
-    for rec in records:
-        layout = Layout(**{k: rec[k] for k in ("dp", "pp", "tp", "cp", "order")})
-        spec = spec_of(payloads.make(rec["payload"], rec["batch_size"], rec["seq_len"], 0, None))
-        cluster = _record_cluster(rec)
-        for mode, row in rec["modes"].items():
-            cost = price_mode(mode, layout, spec, cluster, ray, ray.calibrated_cores or None)
-            measured_s = row["p50_us"] / 1e6
-            rows.append({
-                "cluster": cluster.name,
-                "layout": rec["layout"].split(" ")[0],
-                "payload_bytes": rec["payload_bytes"],
-                "mode": mode,
-                "measured_ms": measured_s * 1e3,
-                "predicted_ms": cost.total_s * 1e3,
-                "error": cost.total_s / measured_s - 1,
-                "measured_cross_mb": (row.get("cross_node_bytes_per_call") or 0) / 1e6,
-                "predicted_cross_mb": cost.cross_node_bytes / 1e6,
-            })  # fmt: skip
-    return rows
-
-
-def format_compare(rows: list[dict]) -> str:
-    """The per-cell table and the median absolute error."""
-    import numpy as np
-
-    lines = [
-        f"{'cluster':<16}{'layout':<22}{'MiB':>7}  {'mode':<26}{'measured ms':>12}"
-        f"{'model ms':>10}{'error':>8}{'MB crossed':>12}{'model MB':>10}"
-    ]
-    for r in rows:
-        lines.append(
-            f"{r['cluster']:<16}{r['layout']:<22}{r['payload_bytes'] / 2**20:>7.2f}  "
-            f"{r['mode']:<26}{r['measured_ms']:>12.1f}{r['predicted_ms']:>10.1f}"
-            f"{r['error']:>+8.0%}{r['measured_cross_mb']:>12.2f}{r['predicted_cross_mb']:>10.2f}"
-        )
-    for cluster in sorted({r["cluster"] for r in rows}):
-        errors = [abs(r["error"]) for r in rows if r["cluster"] == cluster]
-        lines.append(f"{cluster}: median |error| over {len(errors)} cells: {np.median(errors):.1%}")
-    if rows:
-        median = float(np.median([abs(r["error"]) for r in rows]))
-        lines.append(f"all: median |error| over {len(rows)} cells: {median:.1%}")
-    return "\n".join(lines)
-
-
 # -- the 16,384-GPU question -----------------------------------------------------------------
 ASSUMPTIONS = (
     "the driver's node serves every pull (the object's owner); no pull is served from "
@@ -329,42 +263,6 @@ ASSUMPTIONS = (
     "leader + broadcast takes the best of the header family and pickled as priced by "
     "harness.model.predict on the same cluster",
 )
-
-
-def example_scan(cluster: ClusterConf, ray: RayCostConf, seq_len: int = 4096,
-                 dps=EXAMPLE_DPS, batches=EXAMPLE_BATCHES) -> list[dict]:  # fmt: skip
-    """``all_ranks`` against the best leader + broadcast for the example's replica shape
-    (tp8·cp2·pp8 = 128 ranks) at each DP degree and rows per replica."""
-    from harness.model.predict import EXAMPLE, price_strategy, scaled_spec
-    from strategies.core.layout import Layout
-
-    shape = {k.split("=")[0].split(".")[1]: int(k.split("=")[1])
-             for k in EXAMPLE if k.startswith("layout.")}  # fmt: skip
-    out = []
-    for batch in batches:
-        spec = scaled_spec("rl_rollout", batch, seq_len)
-        nbytes = spec.tensor_bytes + spec.non_tensor_bytes
-        for dp in dps:
-            layout = Layout(**{**shape, "dp": dp})
-            leader = {}
-            for name in LEADER_STRATEGIES:
-                try:
-                    bcast_s = price_strategy(name, layout, spec, cluster).total_s
-                except Exception as exc:  # strategies.Unsupported: not a candidate here
-                    if type(exc).__name__ != "Unsupported":
-                        raise
-                    continue
-                leader[name] = price_leader(layout, nbytes, cluster, ray, name, bcast_s).total_s
-            best = min(leader, key=leader.get)
-            all_s = price_all_ranks(layout, nbytes, cluster, ray).total_s
-            out.append({
-                "dp": dp, "nodes": layout.world_size // cluster.gpus_per_node,
-                "gpus": layout.world_size, "batch_size": batch, "payload_bytes": nbytes,
-                "all_ranks_ms": all_s * 1e3, "leader": best, "leader_ms": leader[best] * 1e3,
-                "all_ranks_wins": all_s < (1 - TIE) * leader[best],
-                "tie": abs(all_s / leader[best] - 1) <= TIE,
-            })  # fmt: skip
-    return out
 
 
 def example_answer(rows: list[dict]) -> str:
@@ -398,99 +296,3 @@ def format_scan(rows: list[dict]) -> str:
             f"{r['all_ranks_ms']:>14.1f}{best:>28}{mark}"
         )
     return "\n".join(lines)
-
-
-TASKS = ("example", "validate")
-
-
-@dataclass
-class RayModelConf:
-    """Root config of ``conf/ray_model.yaml``."""
-
-    task: str = "example"
-    """``example``: all_ranks against leader + broadcast at 16,384 GPUs on ``cluster``;
-    ``validate``: the measured dispatch ``records`` against the model, per cell."""
-    records: list[str] = field(default_factory=list)
-    """``task=validate``: JSON lists of dispatch records (``bcastbench ray-dispatch`` or
-    ``ray-emulated``'s ``out=``/``dispatch.json``); each names the cluster it ran on."""
-    cluster: ClusterConf = field(default_factory=ClusterConf)
-    """``task=example``: the machine room to price on; ``conf/cluster/``."""
-    ray: RayCostConf = field(default_factory=RayCostConf)
-    """Ray's put, get and call costs; ``conf/ray/`` (written by ``bcastbench ray-calibrate``)."""
-
-
-def register() -> None:
-    """The schema in Hydra's ConfigStore (``conf/ray_model.yaml`` names it)."""
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="ray_model_schema", node=RayModelConf)
-
-
-def _records(paths_: list[str]) -> list[dict]:
-    """Every dispatch record of the files in ``paths_`` (each a JSON list), read-only."""
-    import json
-
-    out = []
-    for path in paths_:
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise ClusterError(f"records: cannot read {path}: {exc}") from None
-        if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-            raise ClusterError(f"records: {path} is not a JSON list of dispatch records")
-        out += data
-    return out
-
-
-def check(cfg) -> None:
-    """The values a job reads, checked before any job runs (``command.run_app``)."""
-    from omegaconf import OmegaConf
-
-    if cfg.task not in TASKS:
-        raise ClusterError(f"task must be one of {list(TASKS)}, got {cfg.task!r}")
-    if cfg.task == "validate" and not cfg.records:
-        raise ClusterError("task=validate needs records=[FILE,...] (dispatch record lists)")
-    if cfg.task == "example" and cfg.records:
-        raise ClusterError("records are read by task=validate; task=example prices, reads none")
-    OmegaConf.to_object(cfg.ray)  # RayCostConf checks its numbers
-    OmegaConf.to_object(cfg.cluster)
-    if cfg.task == "validate":
-        for rec in _records(list(cfg.records)):
-            missing = {"dp", "pp", "tp", "cp", "order", "modes", "payload"} - set(rec)
-            if missing:
-                raise ClusterError(f"records: a record lacks {sorted(missing)}")
-
-
-def task(cfg) -> dict:
-    """One Hydra job: print the example's scan or the validation table; record it."""
-    from omegaconf import OmegaConf
-
-    from harness.files import write_json
-    from harness.tool import job_command, job_dir
-
-    ray = OmegaConf.to_object(cfg.ray)
-    if cfg.task == "example":
-        rows = example_scan(OmegaConf.to_object(cfg.cluster), ray)
-        answer = example_answer(rows)
-        print(format_scan(rows) + "\n\n" + answer + "\n\nAssumptions:")
-        print("\n".join(f"- {a}" for a in ASSUMPTIONS))
-        record = {"rows": rows, "answer": answer.splitlines(), "assumptions": list(ASSUMPTIONS)}
-    else:
-        rows = compare(_records(list(cfg.records)), ray)
-        print(format_compare(rows))
-        record = {"rows": rows, "records": list(cfg.records)}
-    record = {"kind": f"ray_model_{cfg.task}", **record, "command": job_command(MODULE)}
-    write_json(job_dir() / f"ray_model_{cfg.task}.json", record)
-    return record
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``bcastbench ray-model [overrides]``; a bad value exits 2 with one line."""
-    from harness.model.command import run_app
-
-    register()
-    return run_app(MODULE, "ray_model", task, check, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

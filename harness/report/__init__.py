@@ -1,5 +1,6 @@
 """From records to readers: one table of every job (``collect``), the report's tables, figures
-and text (``tables``, ``figures``, ``markdown``) and the command that writes them (``build``).
+and text (``tables``, ``figures``, ``markdown``), and measured Ray dispatch beside the model
+(``ray_model``); ``bcastbench report`` (``harness.commands.report``) writes them.
 
 ``from harness import report; report.plot_latency(df)`` (the notebook's spelling) works for every
 public name of those modules, imported on first use so that a caller of ``collect`` alone does
@@ -26,7 +27,6 @@ _HOMES = {
         "COST_COLUMNS", "caveat", "commands_markdown", "cost_markdown",
         "recommendation_markdown", "results_markdown", "write_report",
     ),
-    "build": ("main",),
 }  # fmt: skip
 _WHERE = {name: module for module, names in _HOMES.items() for name in names}
 
@@ -34,10 +34,10 @@ _WHERE = {name: module for module, names in _HOMES.items() for name in names}
 def __getattr__(name: str):
     if name in _WHERE:
         return getattr(importlib.import_module(f"harness.report.{_WHERE[name]}"), name)
-    if name in _HOMES or name == "collect":
+    if name in _HOMES or name in ("collect", "ray_model"):
         return importlib.import_module(f"harness.report.{name}")
     raise AttributeError(f"module 'harness.report' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted([*_WHERE, *_HOMES, "collect"])
+    return sorted([*_WHERE, *_HOMES, "collect", "ray_model"])

@@ -554,7 +554,8 @@ def _ray_model(records: list[dict]) -> dict:
     """{(panel, payload, mode): (model ms, error)} from harness.model.ray_dispatch; {} when the
     Ray costs are not calibrated."""
     try:
-        from harness.model.ray_dispatch import compare, load_ray_costs
+        from harness.model.ray_dispatch import load_ray_costs
+        from harness.report.ray_model import compare
 
         ray = load_ray_costs()
     except Exception:

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from harness.report import collect
+from harness.units import human_bytes
 
 BASELINE = "pickled"
 """Every job times this beside the strategy under test; speedups are over it."""
@@ -284,18 +285,6 @@ def floor_method_text(row) -> str:
     parts = [f"{floor_method_words(first[0])} (in {first[1]} of {jobs_text(jobs)})"]
     parts += [f"{floor_method_words(m)} ({n} of {jobs})" for m, n in rest]
     return ", ".join(parts)
-
-
-# -- labels ---------------------------------------------------------------------------------
-def human_bytes(n: float) -> str:
-    """Binary units, as the sweep names its sizes (69 KiB, 2.9 MiB)."""
-    if n is None or (isinstance(n, float) and math.isnan(n)):
-        return "?"
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            value = n / scale
-            return f"{value:.1f} {unit}" if value < 10 else f"{value:.0f} {unit}"
-    return f"{int(n)} B"
 
 
 def unique_values(df: pd.DataFrame, col: str) -> str:

@@ -10,7 +10,7 @@ record and the log), or an emulated multi-node cluster (``emulate.enabled=true``
 Ray actors (``world=ray``, where ``ray.dispatch`` makes the job time dispatch from the driver
 too). A job of a sweep that fails (a rank crashed, hung or ended with wrong data) leaves a
 record saying so (``status: failed``, the error), the next job still runs and the failure is
-counted (``harness.run.progress``); a single run that fails ends the command with the error and
+counted (``harness.report.progress``); a single run that fails ends the command with the error and
 leaves no record.
 """
 
@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from harness.run import launch as launchers
 from harness.run import payloads, records
 from harness.run.config import strategy_of, validate, workload_of
-from harness.run.progress import job_line
+from harness.run.records import job_line
 from harness.run.runner import JobSpec, summarize
 from harness.run.verify import VerificationError
 from harness.run.world import WorldError
@@ -58,7 +58,7 @@ def _warn_oversubscribed(layout) -> None:
 
 def _to_job_log(line: str) -> None:
     """A sweep job's line into its own ``bcastbench.log`` only: the sweep already prints one
-    line per job on the terminal (``harness.run.progress``)."""
+    line per job on the terminal (``harness.report.progress``)."""
     entry = log.makeRecord(log.name, logging.INFO, __file__, 0, line, None, None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):

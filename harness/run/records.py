@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from harness import files, paths
+from harness.units import human_bytes
 from strategies.core.layout import DEFAULT_ORDER
 
 REPO = paths.REPO
@@ -393,3 +394,29 @@ def write_atomic(path: Path, record: dict) -> Path:
     """A record as JSON with every field (``complete``), never half-written, readable by others
     (``harness.files``)."""
     return files.write_json(path, complete(record))
+
+
+def job_line(rec) -> str:
+    """One job in one line: what ran (strategy, layout, payload size) and how it did (p50,
+    ``vs_floor``, the speedup over ``pickled`` measured in the same job), or why it did not."""
+    if not isinstance(rec, dict):
+        return f"FAILED: {str(rec)[:160]}"
+    # A dispatch job is named by its mode (leader:<strategy>, all_ranks): it has no baseline.
+    who = f"{rec.get('mode') or rec.get('strategy')} {rec.get('layout')}"
+    if rec.get("status") == "failed":
+        return f"{who}  FAILED: {str(rec.get('error'))[:160]}"
+    if rec.get("supported") is False:
+        return f"{who}  UNSUPPORTED: {str(rec.get('error'))[:120]}"
+    what = f"{rec.get('payload')} b{rec.get('batch_size')} {human_bytes(rec['payload_bytes'])}"
+    if rec.get("workload"):  # a varying workload: its name, and bytes are a mean per call
+        what = f"{rec.get('payload')} {rec['workload']} {human_bytes(rec['payload_bytes'])}/call"
+    line = f"{who}  {what}  p50 {rec['p50_us'] / 1000:.2f} ms"
+    if rec.get("vs_floor"):
+        line += f"  vs_floor {rec['vs_floor']:.2f}"
+        if rec.get("floor_method"):
+            line += f" ({rec['floor_method']})"
+    if rec.get("vs_baseline") and not rec.get("mode") and rec.get("strategy") != "pickled":
+        line += f"  {1 / rec['vs_baseline']:.1f}x faster than pickled"
+    if rec.get("auto_choice"):
+        line += f"  (auto chose {rec['auto_choice']})"
+    return line

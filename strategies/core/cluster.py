@@ -69,7 +69,7 @@ class LinkConf:
 
     @classmethod
     def from_si(cls, alpha_s: float, beta_s_per_byte: float) -> LinkConf:
-        """The link a fit in SI units describes (``harness.model.calibrate``)."""
+        """The link a fit in SI units describes (``harness.commands.calibrate``)."""
         return cls(alpha_s / US, 1.0 / (beta_s_per_byte * GB))
 
     def check(self, where: str) -> None:
@@ -141,7 +141,7 @@ class ClusterConf:
     """Cores the ranks of one machine share (a CPU world time-slices them); 0 = every rank has
     its own device and host cores (GPU clusters): no oversubscription factor."""
     calibrated_ranks: int = 0
-    """Ranks of the world the α/β and host figures were measured on (``harness.model.calibrate``);
+    """Ranks of the world the α/β and host figures were measured on (``harness.commands.calibrate``);
     0 = not calibrated here."""
 
     def __post_init__(self) -> None:

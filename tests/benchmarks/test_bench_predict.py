@@ -1,4 +1,4 @@
-"""pytest-benchmark cases for the cost model's promise: ``harness.model.predict`` answers for one
+"""pytest-benchmark cases for the cost model's promise: ``harness.commands.predict`` answers for one
 16,384-GPU layout in well under a second (issue 6), and ``pricing.price`` prices a plan of
 thousands of collectives. Times are recorded in the benchmark JSON and compared across runs
 with ``pytest-benchmark compare``; they are not asserted, because an absolute time on a shared
@@ -14,7 +14,7 @@ import pytest
 def test_bench_predict_one_layout(benchmark):
     from hydra import compose, initialize_config_dir
 
-    from harness.model.predict import CONF, EXAMPLE, run
+    from harness.commands.predict import CONF, EXAMPLE, run
 
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose(config_name="predict", overrides=[*EXAMPLE, "quiet=true"])

@@ -1,4 +1,4 @@
-"""Ray dispatch across two emulated nodes (harness.ray.emulated): one Ray node per network
+"""Ray dispatch across two emulated nodes (harness.commands.ray_emulated): one Ray node per network
 namespace, ranks pinned per node, pipeline stages on different nodes. Both dispatch modes
 deliver every chunk bit for bit; the link counters show what crosses: ``all_ranks`` moves the
 chunk to the far node once however many ranks there read it, while ``leader:header`` (the seed's
@@ -47,7 +47,7 @@ def test_two_node_dispatch_crosses_once_per_node_with_all_ranks(tmp_path):
         _skip('ray is not installed (pip install "ray==2.60.0")')
     import json
 
-    from harness.ray import emulated
+    from harness.commands import ray_emulated as emulated
 
     before = _ray_processes()  # another session's Ray (if any) is not ours to judge
     argv = ["layout=tp2pp2", "payload.batch_size=96", "payload.seq_len=512"]

@@ -7,7 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
-from harness.cluster import table
+from harness.commands import emulated_table as table
 
 REFERENCE = Path(__file__).resolve().parents[2] / "results" / "reference_emulated"
 

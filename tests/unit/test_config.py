@@ -78,7 +78,7 @@ def test_presets_compose():
 )
 def test_cli_bad_config_is_one_line_and_exit_2(argv, says, tmp_path, capsys, monkeypatch):
     """In process (the subprocess test below checks the real command once)."""
-    from harness.run import cli
+    from harness.commands import cli
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
@@ -92,7 +92,7 @@ def test_cli_bad_config_is_one_line_and_exit_2(argv, says, tmp_path, capsys, mon
 
 def test_sweep_is_validated_before_its_first_job(tmp_path, capsys, monkeypatch):
     """The third combination is invalid: the sweep starts no job and writes nothing."""
-    from harness.run import cli
+    from harness.commands import cli
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")

@@ -12,11 +12,11 @@ from harness import errors
 
 def test_program_name_follows_how_the_command_was_called(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bcastbench predict", "layout.dp=2"])
-    assert errors.program("harness.model.predict") == "bcastbench predict"
+    assert errors.program("harness.commands.predict") == "bcastbench predict"
     monkeypatch.setattr(sys, "argv", ["/usr/bin/bcastbench", "x"])
-    assert errors.program("harness.model.predict") == "/usr/bin/bcastbench"
-    monkeypatch.setattr(sys, "argv", ["/repo/harness/model/predict.py"])
-    assert errors.program("harness.model.predict") == "python -m harness.model.predict"
+    assert errors.program("harness.commands.predict") == "/usr/bin/bcastbench"
+    monkeypatch.setattr(sys, "argv", ["/repo/harness/commands/predict.py"])
+    assert errors.program("harness.commands.predict") == "python -m harness.commands.predict"
 
 
 def test_usage_error_is_one_line_with_the_cause(capsys):
@@ -38,25 +38,24 @@ def test_one_place_for_the_helpers():
     """The CLI and the cost model's apps use harness.errors' helpers, not copies of them."""
     import inspect
 
-    from harness.model import command
-    from harness.run import cli
+    from harness.commands import hydra_app, run
 
-    for module in (command, cli):
+    for module in (hydra_app, run):
         source = inspect.getsource(module)
         assert "def one_line" not in source and "harness.errors" in source, module.__name__
 
 
 @pytest.mark.parametrize("via_cli", [True, False])
 def test_cost_model_errors_name_the_program_as_called(via_cli, capsys, monkeypatch):
-    from harness.run import cli
+    from harness.commands import cli
 
-    monkeypatch.setattr(sys, "argv", ["/repo/harness/model/predict.py"])
-    from harness.model.predict import main
+    monkeypatch.setattr(sys, "argv", ["/repo/harness/commands/predict.py"])
+    from harness.commands.predict import main
 
     with pytest.raises(SystemExit) as exit_:
         cli.main(["predict", "layout.dp=0"]) if via_cli else main(["layout.dp=0"])
     status = exit_.value.code
     err = capsys.readouterr().err.strip()
     assert status == 2 and len(err.splitlines()) == 1, err
-    prog = "bcastbench predict" if via_cli else "python -m harness.model.predict"
+    prog = "bcastbench predict" if via_cli else "python -m harness.commands.predict"
     assert err.startswith(f"{prog}: error: "), err

@@ -403,7 +403,7 @@ def _check_refusal(case, status, err, took, snapshot_before, places, within=QUIC
 @pytest.mark.parametrize("case", list(CASES))
 def test_hostile_input_is_one_line_exit_2_and_harmless(case, places, capsys):
     """The job's validation of the payload, and the CLI's printer for what it raises."""
-    from harness.run import cli
+    from harness.commands import run as cli
     from harness.run.config import ConfigError, PayloadConf, _validate_recorded
 
     payload, build, extra, _ = CASES[case]

@@ -1,5 +1,5 @@
 """The report and the analysis notebook on a small committed sweep (tests/fixtures/sweep):
-``harness.report.main`` (``harness.report.build``) writes report.md and every figure; the notebook runs headless."""
+``bcastbench report`` (``harness.commands.report.main``) writes report.md and every figure; the notebook runs headless."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from harness import report
+from harness.commands import report as report_command
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "fixtures" / "sweep"
@@ -32,7 +33,7 @@ def test_fixture_is_small_and_has_a_refused_record():
 
 
 def test_report_main_writes_report_and_figures(sweep: Path, capsys):
-    assert report.main([str(sweep)]) == 0
+    assert report_command.main([str(sweep)]) == 0
     text = (sweep / "report.md").read_text()
     assert "## Recommendation" in text
     assert "| layout | payload range (measured sizes) | winner (lowest vs_floor) |" in text
@@ -126,7 +127,7 @@ def test_runs_that_differ_in_any_setting_are_never_merged(sweep: Path):
     for word in ("backend=nccl", "payload=pretrain", "order=tp-cp-ep-pp-dp"):
         assert word in labels
     # The report still builds, one panel and one results table per setting.
-    assert report.main([str(sweep)]) == 0
+    assert report_command.main([str(sweep)]) == 0
     assert "backend=nccl" in (sweep / "report.md").read_text()
 
 
@@ -146,6 +147,5 @@ def test_split_modules_and_the_lazy_package_agree():
     assert report.plot_latency is figures.plot_latency
     assert report.write_report is markdown.write_report
     assert report.strategy_table is tables.strategy_table
-    assert report.main.__module__ == "harness.report.build"
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         report.nope  # noqa: B018

@@ -1,6 +1,6 @@
-"""Tier-1 tests of the prediction tools (no process group): harness.model.predict (Hydra app, scaled
-payload specs, one-replica pricing), harness.model.validate on a small recorded sweep, and
-harness.model.extrapolate on a couple of world sizes.
+"""Tier-1 tests of the prediction tools (no process group): harness.commands.predict (Hydra app, scaled
+payload specs, one-replica pricing), harness.commands.validate on a small recorded sweep, and
+harness.commands.extrapolate on a couple of world sizes.
 """
 
 from __future__ import annotations
@@ -13,15 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.model.predict import (
-    CONF,
-    EXAMPLE,
-    predict_all,
-    price_strategy,
-    replicas_independent,
-    run,
-    scaled_spec,
-)
+from harness.commands.predict import CONF, EXAMPLE, run, scaled_spec
+from harness.model.predict import predict_all, price_strategy, replicas_independent
 from harness.run import payloads
 from strategies import Unsupported, get_class, has_plan, names
 from strategies.core.cluster import load_cluster
@@ -68,7 +61,7 @@ def test_compose_two_layouts_as_a_multirun_would():
 
 def test_multirun_writes_one_prediction_per_job(tmp_path):
     cmd = [
-        sys.executable, "-m", "harness.model.predict", "-m", "layout.dp=1,2", "layout.tp=2",
+        sys.executable, "-m", "harness.commands.predict", "-m", "layout.dp=1,2", "layout.tp=2",
         "layout.pp=2", "payload.batch_size=4", "payload.seq_len=64", "quiet=true",
         f"hydra.sweep.dir={tmp_path}",
     ]  # fmt: skip
@@ -136,7 +129,7 @@ def test_predict_all_marks_unsupported():
 
 # -- validate_model --------------------------------------------------------------------------
 def test_validate_model_on_fixture(tmp_path):
-    from harness.model.validate import validate
+    from harness.commands.validate import validate
 
     sweep = tmp_path / "sweep"
     shutil.copytree(FIXTURE, sweep)
@@ -163,7 +156,7 @@ def test_validate_model_on_fixture(tmp_path):
 
 # -- extrapolate -----------------------------------------------------------------------------
 def test_extrapolate_small(tmp_path):
-    from harness.model.extrapolate import run as extrapolate
+    from harness.commands.extrapolate import run as extrapolate
 
     out = extrapolate("h200_ib", tmp_path, batch_size=64, seq_len=1024, pps=(1, 2),
                       max_world=32, quiet=True)  # fmt: skip
@@ -195,7 +188,7 @@ def test_extrapolate_small(tmp_path):
 def test_bad_value_prints_one_line_and_exits_2(module, argv, message, capsys):
     import importlib
 
-    main = importlib.import_module(f"harness.model.{module}").main
+    main = importlib.import_module(f"harness.commands.{module}").main
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2
@@ -205,7 +198,7 @@ def test_bad_value_prints_one_line_and_exits_2(module, argv, message, capsys):
 
 
 def test_cluster_table_bad_value_exits_2(tmp_path, capsys):
-    from harness.cluster.table import main
+    from harness.commands.emulated_table import main
 
     for argv, message in (
         ([f"source={tmp_path}"], "not a cluster table directory"),
@@ -228,11 +221,11 @@ def test_model_modules_import_from_their_homes():
     for module in ("predict", "calibrate", "extrapolate", "validate"):
         import importlib
 
-        assert callable(importlib.import_module(f"harness.model.{module}").main)
+        assert callable(importlib.import_module(f"harness.commands.{module}").main)
 
 
 def test_extrapolate_is_a_hydra_app(tmp_path):
-    from harness.model.extrapolate import main, pipeline_depths
+    from harness.commands.extrapolate import main, pipeline_depths
 
     assert pipeline_depths(8) == (1, 2, 4, 8) and pipeline_depths(6) == (1, 2, 4, 6)
     argv = ["layout.tp=8", "layout.pp=2", "payload.batch_size=64", "payload.seq_len=1024",

@@ -97,7 +97,7 @@ def test_example_answer_names_node_counts_or_never():
 
 
 def _record(p50_ms: dict[str, float], batch_size: int = 48) -> dict:
-    """A dispatch record as harness.ray.emulated writes it (two nodes, one link each)."""
+    """A dispatch record as harness.commands.ray_emulated writes it (two nodes, one link each)."""
     modes = {
         m: {"p50_us": v * 1e3, "p90_us": v * 1.1e3, "cross_node_bytes_per_call": 1e6}
         for m, v in p50_ms.items()
@@ -112,7 +112,7 @@ def _record(p50_ms: dict[str, float], batch_size: int = 48) -> dict:
 
 
 def test_compare_prices_every_measured_mode():
-    from harness.model.ray_dispatch import compare
+    from harness.report.ray_model import compare
 
     rec = _record({"leader:header": 40, "all_ranks": 30, "leader:floor": 30, "all_ranks:raw": 25})
     rows = compare([rec], RAY)

@@ -225,7 +225,8 @@ class NoPlan(strategies.Strategy):
 
 
 def test_plan_is_optional_and_predict_names_who_has_none():
-    from harness.model.predict import predict_all, scaled_spec
+    from harness.commands.predict import scaled_spec
+    from harness.model.predict import predict_all
     from strategies.core.cluster import load_cluster
     from strategies.core.layout import Layout
 

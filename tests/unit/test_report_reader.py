@@ -16,7 +16,8 @@ matplotlib.use("Agg")
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 
-from harness.report import build, collect, figures, markdown, tables  # noqa: E402
+from harness.commands import report as build  # noqa: E402
+from harness.report import collect, figures, markdown, tables  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "sweep"
 ONE_JOB = "3_header_tp2pp2_b32"
@@ -128,7 +129,7 @@ def test_report_names_the_command_that_regenerates_it(tmp_path):
     root = _copy(tmp_path)
     text = markdown.write_report(root).read_text()
     assert f"`bcastbench report {root}`" in text
-    assert "harness.report.build" not in text
+    assert "harness.commands.report" not in text
 
 
 # -- figures ---------------------------------------------------------------------------------
@@ -177,7 +178,7 @@ def test_speedup_heatmap_keeps_its_text_inside_the_figure(tmp_path, strategies):
 
 # -- a directory with no records -------------------------------------------------------------
 def _validate_main(argv):
-    from harness.model.validate import main
+    from harness.commands.validate import main
 
     return main(argv)
 
@@ -196,7 +197,7 @@ def test_a_directory_without_records_is_one_line_and_exit_2(tmp_path, capsys, co
 
 
 def test_report_help_names_bcastbench_report(capsys, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["/repo/harness/report/build.py"])
+    monkeypatch.setattr(sys, "argv", ["/repo/harness/commands/report.py"])
     with pytest.raises(SystemExit):
         build.main(["--help"])
     assert capsys.readouterr().out.startswith("usage: bcastbench report")

@@ -72,7 +72,7 @@ def test_failed_jobs_are_left_out_and_counted(tmp_path):
 
 
 def test_report_of_only_failed_jobs_is_one_line_and_exit_1(tmp_path, capsys):
-    from harness.report.build import main
+    from harness.commands.report import main
 
     _record(tmp_path, "a", status="failed")
     _record(tmp_path, "b", strategy="flat", status="failed")
@@ -112,7 +112,7 @@ def test_ray_settings_are_checked_before_ray_starts(overrides, says):
 
 
 def test_missing_ray_is_one_line_naming_the_install(monkeypatch, capsys, tmp_path):
-    from harness.run import cli
+    from harness.commands import cli
 
     monkeypatch.setitem(sys.modules, "ray", types.ModuleType("ray"))  # not Ray: no init
     assert cli.main(["world=ray", f"hydra.run.dir={tmp_path}"]) == 2

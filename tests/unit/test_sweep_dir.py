@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from harness.run import cli
+from harness.commands import cli
 from harness.run.sweep_dir import LOCK, claim, release
 
 

@@ -14,8 +14,8 @@ import shutil
 
 import pytest
 
+from harness.commands import cli
 from harness.paths import REPO
-from harness.run import cli
 
 TOOLS = ("ray-dispatch", "ray-emulated", "ray-calibrate", "ray-model", "emulated-table")
 
@@ -23,8 +23,8 @@ TOOLS = ("ray-dispatch", "ray-emulated", "ray-calibrate", "ray-model", "emulated
 @pytest.fixture
 def nothing_starts(monkeypatch):
     """Every way these tools start a world, a cluster or a job, made to fail the test."""
-    from harness.cluster import table
-    from harness.ray import emulated
+    from harness.commands import emulated_table as table
+    from harness.commands import ray_emulated as emulated
     from harness.run import launch
 
     def started(*args, **kwargs):
@@ -73,7 +73,7 @@ def test_bad_value_is_one_line_and_exit_2(tool, argv, message, nothing_starts, c
 
 
 def test_emulated_refuses_where_namespaces_cannot_be_made(monkeypatch, nothing_starts, capsys):
-    from harness.ray import emulated
+    from harness.commands import ray_emulated as emulated
 
     monkeypatch.setattr(emulated, "_namespaces_unavailable", lambda: "they need root")
     with pytest.raises(SystemExit) as exit_:
@@ -86,8 +86,9 @@ def test_driver_overrides_compose_as_ray_dispatch():
     """What ray-emulated hands its driver is ray-dispatch's config, value for value."""
     from hydra import compose, initialize_config_dir
 
+    from harness.commands import ray_dispatch as dispatch
+    from harness.commands import ray_emulated as emulated
     from harness.paths import CONF_DIR
-    from harness.ray import dispatch, emulated
 
     dispatch.register()
     emulated.register()
@@ -105,7 +106,7 @@ def _json(path):
 
 
 def test_ray_model_validate_and_example_record_their_command(tmp_path, monkeypatch):
-    from harness.model import ray_dispatch
+    from harness.commands import ray_model as ray_dispatch
 
     (first, *_) = _json(REPO / "results" / "reference_ray" / "local.json")
     first["modes"] = {m: first["modes"][m] for m in ("leader:header", "all_ranks")}

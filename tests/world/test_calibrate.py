@@ -15,7 +15,7 @@ MIB = 2**20
 
 @pytest.mark.world
 def test_calibrate_short_world_of_two(tmp_path: Path):
-    from harness.model.calibrate import SHORT_SIZES, calibrate
+    from harness.commands.calibrate import SHORT_SIZES, calibrate
 
     out = tmp_path / "local.yaml"
     cluster, fits, samples = calibrate(

@@ -153,7 +153,7 @@ def test_one_job_in_process_records_its_shape(tmp_path, monkeypatch, forked_worl
     """The smoke test of `make test-fast`: one small job through `bcastbench run` (in process:
     launcher, validation, a forked world, summary, record). ``layout=tp2pp2 layout.tp=1`` is
     recorded as the shape it ran, pp2, not as the preset's name."""
-    from harness.run import cli
+    from harness.commands import cli
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
@@ -208,7 +208,7 @@ def test_a_recorded_batch_is_recorded_with_its_real_shape(
     seq_len default, and the job runs on the recording's rows."""
     from tensordict import TensorDict
 
-    from harness.run import cli
+    from harness.commands import cli
     from harness.run.recorded import save
     from strategies import DataProto
 

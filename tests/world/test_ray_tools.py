@@ -24,7 +24,8 @@ def _values(overrides: list[str]) -> dict:
 
 
 def test_ray_dispatch_sweep_shares_one_world(tmp_path):
-    from harness.run import cli, launch
+    from harness.commands import cli
+    from harness.run import launch
 
     job = ["layout=tp2pp2", "layout.pp=1", "payload.seq_len=64", "iters=2", "warmup=1"]
     job += ["modes=[leader:header,all_ranks]", "ray.object_store_mb=128"]

@@ -117,7 +117,7 @@ def test_bcastbench_run_world_ray_broadcast_and_dispatch(ray_world, tmp_path):
     the module's Ray world (reused, not restarted), each verified and recorded with its scope."""
     import json
 
-    from harness.run import cli
+    from harness.commands import cli
     from harness.run.worlds import REGISTRY
 
     status = cli.main(

@@ -22,12 +22,19 @@ from pathlib import Path
 import numpy as np
 
 from harness import paths
+from harness.commands.hydra_app import run_app
+from harness.commands.tool import job_command, job_dir
+from harness.files import write_atomic, write_json
+from harness.ray.dispatch import chunk, flat_bytes
+from harness.ray.world import RayConf, RayUnavailable, import_ray
+from harness.run import launch, payloads
+from harness.run.config import ConfigError
 
 SIZES = (4, 48, 192, 704)
 """rl_rollout rows per chunk at seq_len 512: from tens of KiB to the 16 MiB the tables use."""
 SEQ_LEN = 512
 OUT = paths.CONF_DIR / "ray" / "local.yaml"
-MODULE = "harness.ray.calibrate"
+MODULE = "harness.commands.ray_calibrate"
 """Where ``bcastbench ray-calibrate`` lives (its printed name: ``harness.errors.program``)."""
 
 
@@ -106,8 +113,6 @@ def _fit(x: list[float], y: list[float]) -> tuple[float, float]:
 
 def measure(world, reps: int) -> dict[str, list]:
     """Every timing the fit needs: {term: [(bytes or actors, seconds), ...]}."""
-    from harness.ray.dispatch import chunk, flat_bytes
-    from harness.run import payloads
 
     out: dict[str, list] = {k: [] for k in ("put", "put_raw", "get", "get_raw", "call")}
     for rows in SIZES:
@@ -157,8 +162,6 @@ def _yaml(conf: dict[str, float], points: dict[str, list], ranks: int, secs: flo
 
 def check(cfg) -> None:
     """The values a calibration reads, checked before Ray starts (``command.run_app``)."""
-    from harness.ray.world import RayUnavailable, import_ray
-    from harness.run.config import ConfigError
 
     if cfg.ranks < 1:
         raise ConfigError(f"ranks must be >= 1, got {cfg.ranks}")
@@ -175,10 +178,6 @@ def check(cfg) -> None:
 def task(cfg) -> dict[str, float]:
     """One Hydra job: measure on this process's local Ray world, fit, write the preset and
     the job's ``calibration.json``."""
-    from harness.files import write_atomic, write_json
-    from harness.ray.world import RayConf
-    from harness.run import launch
-    from harness.tool import job_command, job_dir
 
     t0 = time.perf_counter()
     world = launch.ray_world(cfg.ranks, RayConf(num_cpus=2, object_store_mb=512))
@@ -211,7 +210,6 @@ def register() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``bcastbench ray-calibrate [overrides]``; a bad value exits 2 with one line."""
-    from harness.model.command import run_app
 
     register()
     return run_app(MODULE, "ray_calibrate", task, check, argv)

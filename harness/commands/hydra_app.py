@@ -15,16 +15,15 @@ from typing import Any
 
 from harness import paths
 from harness.errors import program, usage_error
+from harness.run.config import ConfigError
+from strategies.core.formulas import ClusterError
+from strategies.core.layout import LayoutError
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """What a bad override or value raises (as opposed to a bug, which keeps its traceback)."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
-
-    from harness.run.config import ConfigError
-    from strategies.core.formulas import ClusterError
-    from strategies.core.layout import LayoutError
 
     return (HydraException, OmegaConfBaseException, ClusterError, ConfigError, LayoutError)
 

@@ -1,7 +1,7 @@
-"""Check the cost model against a measured sweep: ``python -m harness.model.validate <sweep dir>``.
+"""Check the cost model against a measured sweep: ``python -m harness.commands.validate <sweep dir>``.
 
 For every record of the sweep, the strategy's plan (and the floor's) is priced on a calibrated
-cluster (default ``local``, what ``harness.model.calibrate`` wrote where it ran) with the exact
+cluster (default ``local``, what ``harness.commands.calibrate`` wrote where it ran) with the exact
 spec of the record's batch, and compared with the measured p50. Writes, into the sweep dir:
 ``model_validation.csv`` (one row per record), ``model_validation.md`` (metrics, per-point
 ranking agreement and why it fails where it does) and ``model_validation.png`` (predicted vs
@@ -34,12 +34,22 @@ import sys
 import warnings
 from pathlib import Path
 
+import pandas as pd
+
+import strategies
+from harness.errors import USAGE_EXIT, program
+from harness.files import write_atomic, write_csv, write_figure
+from harness.report import collect
+from harness.report.collect import records_dir_problem
+from harness.run import payloads
+from strategies.core.cluster import ClusterError, load_cluster, preset_path
+from strategies.core.layout import Layout
+from strategies.core.plan import spec_of
+from strategies.core.pricing import price
+
+# Megatron's import-time warnings say nothing about a price (a strategy may import it).
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron.*")
 logging.getLogger("megatron").setLevel(logging.WARNING)
-
-import pandas as pd  # noqa: E402
-
-from harness.files import write_atomic, write_csv, write_figure  # noqa: E402
 
 TARGET_MEDIAN_ERR = 0.25
 TARGET_AGREEMENT = 0.90
@@ -49,7 +59,6 @@ POINT = ["payload", "seq_len", "layout", "batch_size"]  # one ranking per (layou
 
 def calibration_world(cluster_name: str) -> tuple[int | None, str]:
     """World size and header line of a calibrated preset (``# ... gloo world of N ...``)."""
-    from strategies.core.cluster import preset_path
 
     path = preset_path(cluster_name)
     try:
@@ -62,12 +71,6 @@ def calibration_world(cluster_name: str) -> tuple[int | None, str]:
 
 def price_records(df: pd.DataFrame, cluster_name: str) -> pd.DataFrame:
     """One row per measured, supported record with predicted and measured times (µs)."""
-    import strategies
-    from harness.run import payloads
-    from strategies.core.cluster import load_cluster
-    from strategies.core.layout import Layout
-    from strategies.core.plan import spec_of
-    from strategies.core.pricing import price
 
     cluster = load_cluster(cluster_name)
     specs: dict = {}
@@ -389,7 +392,6 @@ def _oversub_rows(v: pd.DataFrame) -> list[str]:
 
 
 def markdown(v: pd.DataFrame, r: pd.DataFrame, m: dict, ctx: dict, sweep: Path, cluster: str):
-    from strategies.core.cluster import load_cluster
 
     _, calib = calibration_world(cluster)
     c = load_cluster(cluster)
@@ -404,7 +406,7 @@ def markdown(v: pd.DataFrame, r: pd.DataFrame, m: dict, ctx: dict, sweep: Path, 
         "",
         f"Backend {ctx['backend']}, machine {ctx['machine']}, sweep of {ctx['date']}, torch "
         f"{ctx['torch']}; cluster `{cluster}` ({calib or 'no calibration header'}; {basis}). "
-        f"Validated {datetime.date.today().isoformat()} by `python -m harness.model.validate`.",
+        f"Validated {datetime.date.today().isoformat()} by `python -m harness.commands.validate`.",
         "",
         *_metric_rows(m),
         "",
@@ -422,7 +424,6 @@ def markdown(v: pd.DataFrame, r: pd.DataFrame, m: dict, ctx: dict, sweep: Path, 
 
 def validate(sweep: Path | str, cluster: str = "local", quiet: bool = False) -> dict:
     """Price every record of ``sweep``; write csv, md and png into it; return the metrics."""
-    from harness.report import collect
 
     sweep = Path(sweep)
     df = collect.load(sweep)
@@ -446,15 +447,11 @@ def validate(sweep: Path | str, cluster: str = "local", quiet: bool = False) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from harness.errors import program
 
-    ap = argparse.ArgumentParser(prog=program("harness.model.validate"), description=__doc__)
+    ap = argparse.ArgumentParser(prog=program("harness.commands.validate"), description=__doc__)
     ap.add_argument("sweep", help="a sweep directory with result.json records")
     ap.add_argument("--cluster", default="local", help="cluster preset or YAML (default local)")
     args = ap.parse_args(argv)
-    from harness.errors import USAGE_EXIT
-    from harness.report.collect import records_dir_problem
-    from strategies.core.cluster import ClusterError
 
     problem = records_dir_problem(args.sweep)
     if problem:  # a wrong directory is the caller's mistake, as in report and collect: exit 2

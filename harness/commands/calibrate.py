@@ -1,4 +1,4 @@
-"""Fit the cost model's α and β to the machine it runs on: ``python -m harness.model.calibrate``.
+"""Fit the cost model's α and β to the machine it runs on: ``python -m harness.commands.calibrate``.
 
 A Hydra app (``conf/calibrate.yaml``: ``world=4 reps=21 short=false dry_run=false max_load=null
 out=conf/cluster/local.yaml``). Times broadcast, scatter and all_gather on a real gloo world
@@ -28,7 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
+from harness.commands.hydra_app import run_app
 from harness.files import write_atomic
+from harness.run import payloads
+from harness.run.machine import other_cores, other_cores_now, snapshot
+from harness.run.world import World
 from strategies.core.cluster import CONF_DIR, GB, US, ClusterConf, LinkConf, load_cluster
 from strategies.core.formulas import (
     ALLGATHER_ALGORITHMS,
@@ -37,8 +41,11 @@ from strategies.core.formulas import (
     ClusterError,
     coefficients,
 )
+from strategies.core.header_format import DEFAULT_MAX_BYTES, read_header
+from strategies.core.packer import pack
+from strategies.core.unpacker import unpack
 
-MODULE = "harness.model.calibrate"
+MODULE = "harness.commands.calibrate"
 """Where this command lives; its printed name comes from ``harness.errors.program``."""
 
 KIB = 1024
@@ -222,8 +229,6 @@ def _time_per_call(ctx, reps):
     ``{kind: [(seconds, bytes, blob_bytes), ...]}`` (bytes: what the model charges by size)."""
     import torch.distributed as dist
 
-    from harness.run import payloads
-
     name, sizes, seq_len = PER_CALL_PAYLOAD
     batches = [payloads.make(name, b, seq_len, 0) for b in sizes]
     out: dict[str, list] = {"pack": [], "unpack": [], "pickle": [], "unpickle": []}
@@ -244,10 +249,6 @@ def _pack_round(rank: int, dp, i: int, bufs: dict, cache: dict) -> tuple:
     """One pack → broadcast → unpack of ``dp``: ``(kind, seconds, bytes, non-tensor bytes)``."""
     import torch
     import torch.distributed as dist
-
-    from strategies.core.header_format import DEFAULT_MAX_BYTES, read_header
-    from strategies.core.packer import pack
-    from strategies.core.unpacker import unpack
 
     nt = dp.non_tensor_batch if dp.broadcast_non_tensor else None
     _, header = pack(dp.batch, nt)  # sizes every rank knows
@@ -421,7 +422,6 @@ def write_cluster_yaml(cluster: ClusterConf, path: Path, header: str) -> None:
 # Driver
 # --------------------------------------------------------------------------------------------
 def _refuse_when_busy(max_load: float | None) -> None:
-    from harness.run.machine import other_cores_now
 
     if max_load is None:
         return
@@ -444,7 +444,7 @@ def _measure(world, group_sizes, sizes, reps: int, host_bytes: int):
 
 def _file_header(world_size: int, group_sizes, n_sizes: int, reps: int, report: str) -> str:
     return (
-        "Written by `bcastbench calibrate` (python -m harness.model.calibrate); do not edit by "
+        "Written by `bcastbench calibrate` (python -m harness.commands.calibrate); do not edit by "
         "hand, run it again.\n"
         f"{datetime.datetime.now().isoformat(timespec='seconds')} on "
         f"{platform.node()} ({os.cpu_count()} cores), gloo world of {world_size}, "
@@ -467,8 +467,6 @@ def calibrate(
     """Measure, fit, and (unless ``out`` is None) write the ``local`` cluster file.
     ``max_load``: refuse to start while other work uses more than this many cores (measured
     from /proc/stat over one second, see harness.run.machine)."""
-    from harness.run.machine import other_cores, snapshot
-    from harness.run.world import World
 
     if world_size < 2:
         raise ClusterError(f"world: calibration needs at least 2 ranks, got {world_size}")
@@ -591,8 +589,7 @@ def register() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m harness.model.calibrate [world=4] [reps=21] [short=true] [dry_run=true] ...``"""
-    from harness.model.command import run_app
+    """``python -m harness.commands.calibrate [world=4] [reps=21] [short=true] [dry_run=true] ...``"""
 
     register()
     return run_app(MODULE, "calibrate", task, check, argv)

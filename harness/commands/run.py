@@ -1,22 +1,5 @@
-"""``bcastbench``: one command, a subcommand per job to be done.
-
-    bcastbench run [Hydra overrides]       one job, or a sweep with -m (also `python -m harness`)
-    bcastbench bench [--quick]             the named bench sweep (conf/sweep/bench.yaml), then
-                                           the report
-    bcastbench predict|calibrate|extrapolate [overrides]   the cost model's Hydra apps
-    bcastbench ray-dispatch|ray-emulated [overrides]       Ray dispatch, measured
-    bcastbench ray-calibrate|ray-model [overrides]         Ray dispatch's cost model
-    bcastbench emulated-table [overrides]                  the emulated-cluster table
-    bcastbench report|collect|validate DIR                 read a run or sweep directory
-    bcastbench gpu-check                   the CUDA checks on a single-GPU machine
-
-Every ``[overrides]`` subcommand is a Hydra app configured through ``conf/<name>.yaml``
-(``ray-dispatch`` reads ``conf/ray_dispatch.yaml``), sweeps with ``-m``, and shows its config
-with ``--cfg job``.
-
-Arguments that do not start with a subcommand's name go to ``run``, so ``bcastbench
-strategy=flat`` and ``python -m harness strategy=flat`` are the same job. Every subcommand
-module exposes ``main(argv) -> int``; this file only dispatches.
+"""``bcastbench run`` (and ``bcastbench`` with no subcommand): the Hydra job app, one job or a
+``-m`` sweep, its endings turned into exit statuses.
 
 A bad config, name or value prints one line naming the field and what is valid and exits 2
 (no traceback); a failed job exits 1 with its error; Ctrl-C prints where the records written so
@@ -26,92 +9,39 @@ far are and exits 130.
 from __future__ import annotations
 
 import atexit
-import importlib
 import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
 from harness import paths
 from harness.errors import usage_error
+from harness.report.progress import STATE
+from harness.run import app, launch
+from harness.run.app import JOB_FAILURES
+from harness.run.config import BenchConf, ConfigError, register
+from harness.run.lean_import import quiet_megatron
+from harness.run.sweep import check_sweep, sweep_dir
+from harness.run.sweep_dir import claim, release
 
 FAILED_EXIT, INTERRUPTED_EXIT = 1, 130
+
+
 PASSTHROUGH = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve"}
 """Hydra's own options that show things instead of running jobs."""
-
-SUBCOMMANDS = {
-    "run": (None, "one job, or a sweep with -m (Hydra overrides; `run --help` shows the config)"),
-    "bench": ("harness.run.bench", "the bench sweep (conf/sweep/bench.yaml), then its report"),
-    "predict": ("harness.model.predict", "predict every strategy's time on a cluster"),
-    "calibrate": ("harness.model.calibrate", "fit the cost model to this cluster"),
-    "extrapolate": ("harness.model.extrapolate", "predicted latency from 8 to 16k GPUs"),
-    "schema": ("harness.run.schema", "FILE -o schema.yaml: a recorded batch's shape, no data"),
-    "report": ("harness.report.build", "DIR: report.md and figures of a run or sweep"),
-    "collect": ("harness.report.collect", "DIR: one CSV row per job of a run or sweep"),
-    "validate": ("harness.model.validate", "DIR: the cost model against a measured sweep"),
-    "emulated-table": (
-        "harness.cluster.table",
-        "strategies on both emulated link layouts vs the model (conf/emulated_table.yaml)",
-    ),
-    "ray-dispatch": (
-        "harness.ray.dispatch",
-        "Ray dispatch modes side by side on a Ray world (conf/ray_dispatch.yaml)",
-    ),
-    "ray-emulated": (
-        "harness.ray.emulated",
-        "Ray dispatch across emulated nodes, root (conf/ray_emulated.yaml)",
-    ),
-    "ray-calibrate": (
-        "harness.ray.calibrate",
-        "fit Ray's put/get/call costs into conf/ray/ (conf/ray_calibrate.yaml)",
-    ),
-    "ray-model": (
-        "harness.model.ray_dispatch",
-        "the Ray dispatch model: task=example | task=validate (conf/ray_model.yaml)",
-    ),
-    "gpu-check": ("harness.run.gpu_check", "the CUDA checks on a single-GPU machine"),
-}
-
-
-def usage() -> str:
-    width = max(map(len, SUBCOMMANDS))
-    lines = [f"  {name:<{width}}  {what}" for name, (_, what) in SUBCOMMANDS.items()]
-    return (
-        "usage: bcastbench <subcommand> [args...]   (no subcommand: run)\n\n"
-        "subcommands:\n" + "\n".join(lines) + "\n\n`bcastbench <subcommand> --help` for each."
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Dispatch ``argv`` (default: the command line) to a subcommand; its exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["-h"], ["--help"], ["help"]):
-        print(usage())
-        return 0
-    if argv and argv[0] in SUBCOMMANDS:
-        name, argv = argv[0], argv[1:]
-    else:
-        name = "run"
-    module, _ = SUBCOMMANDS[name]
-    # Hydra apps read sys.argv, and the commands name themselves from it; a caller that
-    # dispatches in process (a test, a notebook) gets its own argv back afterwards.
-    saved = sys.argv
-    try:
-        if module is None:
-            return run(argv)
-        sys.argv = [f"bcastbench {name}", *argv]
-        status = importlib.import_module(module).main(argv)
-        # A command that hands back what it made (records, a fit) has succeeded.
-        return status if isinstance(status, int) else 0
-    finally:
-        sys.argv = saved
 
 
 def _scratch_for_other_ranks(argv: list[str]) -> list[str]:
     """Under torchrun every rank runs this command; only global rank 0 owns the output
     directory, so the others get a scratch one (removed at exit) and no log file."""
-    from harness.run import launch
 
     here = launch.current()
     if here.kind != launch.JOINED or here.via != "torchrun" or here.writes_records:
@@ -125,15 +55,8 @@ def run(argv: list[str]) -> int:
     """``bcastbench run``: the Hydra job app, with errors turned into one line and an exit
     status (``HYDRA_FULL_ERROR`` makes Hydra hand its exceptions to us instead of printing
     them with a stack)."""
-    from harness.run.lean_import import quiet_megatron
 
     quiet_megatron()
-    import hydra
-
-    from harness.run import launch
-    from harness.run.config import register
-    from harness.run.progress import STATE
-    from harness.run.sweep_dir import claim, release
 
     register()
     if any("hydra/launcher=" in arg for arg in argv):
@@ -143,9 +66,6 @@ def run(argv: list[str]) -> int:
     root = None
     sweeping = {"-m", "--multirun"} & set(argv) and not PASSTHROUGH & set(argv)
     if sweeping:
-        from harness.run.config import ConfigError
-        from harness.run.sweep import check_sweep, sweep_dir
-
         overrides = [a for a in argv if not a.startswith("-")]
         try:
             STATE.total = check_sweep(overrides)
@@ -171,16 +91,15 @@ def run(argv: list[str]) -> int:
 
 def _run_app(decorated) -> int:
     """Hydra's app, its endings sorted into exit statuses."""
-    from harness.run.progress import STATE
 
     try:
         decorated(task)()
     except SystemExit as exc:  # --help, or a job's one-line config error
         return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     except KeyboardInterrupt:
-        from harness.run.launch import close_ray
-
-        close_ray(kill=True)  # a Ray world's ranks may be mid-job: no clean leave to wait for
+        launch.close_ray(
+            kill=True
+        )  # a Ray world's ranks may be mid-job: no clean leave to wait for
         print(
             f"\nbcastbench: interrupted; records written so far: {STATE.records}", file=sys.stderr
         )
@@ -204,8 +123,6 @@ def _quoted(value: str) -> str:
 
 def task(cfg):
     """The Hydra task (module level, so a submitit launcher pickles it by reference)."""
-    from harness.run import app
-    from harness.run.config import ConfigError
 
     try:
         return app.run(cfg)
@@ -223,8 +140,6 @@ def _remove_unused_run_dir() -> None:
     """A single run refused by validation leaves no folder behind: Hydra made the run folder
     (its .hydra/ and an empty log) before the task started. Removed only when it holds
     nothing else and the log is empty, so a folder the user named and filled stays."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
 
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN:
@@ -247,10 +162,6 @@ def _remove_unused_run_dir() -> None:
 
 def _valid_keys(exc: BaseException) -> str:
     """For an override of a key the schema lacks, the keys its node does have."""
-    from omegaconf import DictConfig, OmegaConf
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
-
-    from harness.run.config import BenchConf
 
     missing = (ConfigKeyError, ConfigAttributeError)
     cause = exc if isinstance(exc, missing) else exc.__cause__
@@ -269,11 +180,6 @@ def _valid_keys(exc: BaseException) -> str:
 
 def _exit_status(exc: BaseException) -> int:
     """One line for a bad config (2), the error for a failed job (1); a bug keeps its stack."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from harness.run.app import JOB_FAILURES
-    from harness.run.config import ConfigError
 
     if isinstance(exc, ConfigError | HydraException | OmegaConfBaseException):
         return usage_error("bcastbench", exc, _valid_keys(exc))
@@ -281,3 +187,8 @@ def _exit_status(exc: BaseException) -> int:
         print(f"bcastbench: {type(exc).__name__}: {exc}", file=sys.stderr)
         return FAILED_EXIT
     raise exc
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``bcastbench run [overrides]``: the job app's exit status."""
+    return run(list(sys.argv[1:] if argv is None else argv))

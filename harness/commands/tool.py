@@ -2,7 +2,7 @@
 ``ray-calibrate``, ``ray-model``, ``emulated-table``) share inside a job: where it writes, and
 the command line that runs that job again.
 
-They run through ``harness.model.command.run_app``, as the cost model's commands do: every job
+They run through ``harness.commands.hydra_app.run_app``, as the cost model's commands do: every job
 of a ``-m`` sweep is checked before the first starts, a bad value is one line and exit 2.
 """
 
@@ -11,6 +11,9 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 from typing import Any
+
+from harness.errors import program
+from harness.files import write_json
 
 
 def job_dir() -> Path:
@@ -25,8 +28,6 @@ def job_command(module: str) -> str:
     (``harness.errors.program``) and the job's own overrides, a sweep's values filled in, each
     quoted for the shell. Hydra's own settings (``hydra.*``) are left out."""
     from hydra.core.hydra_config import HydraConfig
-
-    from harness.errors import program
 
     return " ".join([program(module), *map(shlex.quote, HydraConfig.get().overrides.task)])
 
@@ -58,8 +59,6 @@ def write_records(name: str, done: list[dict], out: str | None) -> None:
     all of them in ``out`` when set. Each written atomically (``harness.files``)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-
-    from harness.files import write_json
 
     write_json(job_dir() / name, done[-1:])
     hydra = HydraConfig.get()

@@ -7,7 +7,7 @@ from the links' counters.
     bcastbench ray-emulated -m payload.batch_size=48,704 emulate.links=node,gpu
 
 Configured through ``conf/ray_emulated.yaml``: ``bcastbench ray-dispatch``'s config
-(``harness.ray.dispatch.RayDispatchConf``) plus ``emulate`` (``harness.cluster.netns.EmulateConf``:
+(``harness.commands.ray_dispatch.RayDispatchConf``) plus ``emulate`` (``harness.cluster.netns.EmulateConf``:
 nodes, rate_mbit, links, bytes_calls, limit_s); ``ray.num_cpus`` and ``ray.object_store_mb`` are
 each node's. Each job runs the driver, ``bcastbench ray-dispatch`` with the job's values, inside
 node 0's namespace, attached to the cluster, and writes its record (the cluster's shape added)
@@ -43,12 +43,16 @@ from pathlib import Path
 
 from harness import paths
 from harness.cluster.launch import LINKS_ENV
-from harness.cluster.netns import EmulateConf
-from harness.ray.dispatch import RayDispatchConf
+from harness.cluster.netns import EmulateConf, Emulation, unavailable_reason
+from harness.commands import ray_dispatch as dispatch
+from harness.commands.hydra_app import run_app
+from harness.commands.ray_dispatch import RECORDS, RayDispatchConf, format_table
+from harness.commands.tool import job_command, job_dir, override, write_records
 from harness.ray.world import NODE_RESOURCE, cluster_auth, private_cluster_dir
+from harness.run.config import ConfigError, layout_of
 from harness.run.world import WorldError
 
-MODULE = "harness.ray.emulated"
+MODULE = "harness.commands.ray_emulated"
 """Where ``bcastbench ray-emulated`` lives (its printed name: ``harness.errors.program``)."""
 RAY_PORT = 6379  # a fresh namespace has every port free
 READY_LINE = "Ray runtime started"
@@ -160,15 +164,12 @@ def emulate_conf(cfg, world_size: int) -> EmulateConf:
 
 @cache
 def _namespaces_unavailable() -> str | None:
-    from harness.cluster.netns import unavailable_reason
 
     return unavailable_reason()
 
 
 def check(cfg) -> None:
     """``ray-dispatch``'s checks, the cluster's shape, and that namespaces can be made here."""
-    from harness.ray import dispatch
-    from harness.run.config import ConfigError, layout_of
 
     dispatch.check(cfg)
     given = [f"ray.{k}" for k in SET_HERE if cfg.ray[k] != getattr(RayEmulatedConf().ray, k)]
@@ -195,7 +196,6 @@ _CLUSTER: dict = {}
 
 def cluster(emulate: EmulateConf, cpus_per_node: int, object_store_mb: int):
     """(Emulation, scratch dir) of a running cluster of this shape, started if need be."""
-    from harness.cluster.netns import Emulation
 
     key = (tuple(sorted(asdict(emulate).items())), cpus_per_node, object_store_mb)
     if _CLUSTER.get("key") == key:
@@ -226,8 +226,6 @@ def driver_overrides(cfg) -> list[str]:
     """The job's ``ray-dispatch`` values as overrides for the driver (not the cluster's)."""
     from omegaconf import OmegaConf
 
-    from harness.tool import override
-
     c = OmegaConf.to_container(cfg, resolve=True)
     out = [override(f"{node}.{k}", v) for node in ("layout", "payload") for k, v in c[node].items()]
     out += [override(k, c[k]) for k in ("modes", "iters", "warmup")]
@@ -240,7 +238,6 @@ def driver_overrides(cfg) -> list[str]:
 def _drive(emu, overrides: list[str], scratch: Path, job: Path, calls: int, limit_s: float):
     """The driver: ``bcastbench ray-dispatch`` inside node 0's namespace, attached to the
     cluster, ranks pinned per node, gloo on each node's link; its records."""
-    from harness.tool import override
 
     out = scratch / "records.json"
     out.unlink(missing_ok=True)
@@ -275,9 +272,6 @@ _DONE: list[dict] = []
 
 def task(cfg) -> dict:
     """One Hydra job: the cluster of its shape (reused across a sweep), the driver, the record."""
-    from harness.ray.dispatch import RECORDS, format_table
-    from harness.run.config import layout_of
-    from harness.tool import job_command, job_dir, write_records
 
     emulate = emulate_conf(cfg, layout_of(cfg).world_size)
     emu, scratch = cluster(emulate, int(cfg.ray.num_cpus), int(cfg.ray.object_store_mb))
@@ -303,8 +297,6 @@ def task(cfg) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """``bcastbench ray-emulated [overrides]``; a bad value exits 2 with one line."""
-    from harness.model.command import run_app
-    from harness.ray import dispatch
 
     dispatch.register()
     register()

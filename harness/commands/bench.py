@@ -16,7 +16,10 @@ import time
 from pathlib import Path
 
 from harness import paths
+from harness.commands import report
+from harness.commands.run import run
 from harness.errors import USAGE_EXIT
+from harness.report.progress import STATE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,18 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     sweep = "bench_quick" if args.quick else "bench"
     overrides = ["-m", f"sweep={sweep}", *extra, f"hydra.sweep.dir={out}"]
     print("bcastbench bench: bcastbench run", " ".join(overrides), flush=True)
-    from harness.run import cli
 
     t0 = time.monotonic()
-    rc = cli.run(overrides)
+    rc = run(overrides)
     sweep_s = time.monotonic() - t0
     if rc == USAGE_EXIT or not out.is_dir():  # refused before any job (its line said why)
         return rc
-    from harness.run.progress import STATE
 
     if STATE.done > STATE.failed:
-        from harness.report import build as report
-
         report.main([str(out)])
     else:
         print(f"bcastbench bench: every job failed; no report (see {out / 'results.csv'})")

@@ -1,10 +1,10 @@
-"""Predicted broadcast latency from 8 to 16,384 GPUs: ``python -m harness.model.extrapolate``.
+"""Predicted broadcast latency from 8 to 16,384 GPUs: ``python -m harness.commands.extrapolate``.
 
-    python -m harness.model.extrapolate [cluster=h200_ib] [layout.tp=8] [layout.cp=1]
+    python -m harness.commands.extrapolate [cluster=h200_ib] [layout.tp=8] [layout.cp=1]
         [layout.pp=8] [payload.batch_size=512] [cluster.memcpy_gbytes_per_s=...] [max_world=...]
 
 A Hydra app (``conf/extrapolate.yaml``) on the same ``cluster/``, ``layout/`` and ``payload/``
-groups as ``harness.model.predict``. Nothing runs: every strategy's plan is priced by
+groups as ``harness.commands.predict``. Nothing runs: every strategy's plan is priced by
 ``strategies.core.pricing`` (via ``harness.model.predict``) for a fixed payload (default
 rl_rollout, B=512, S=4096, an RL step's global batch slice per replica) on layouts tp × cp inside
 a node, pp ∈ {1, 2, 4, …, layout.pp} stages and dp filling the world. Writes
@@ -29,21 +29,28 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
+
+from harness import paths
+from harness.commands import emulated_table as table
+from harness.commands.hydra_app import run_app
+from harness.commands.predict import check as check_prediction
+from harness.commands.predict import scaled_spec
+from harness.errors import program
+from harness.files import write_atomic, write_csv, write_figure
+from harness.model.predict import predict_all
+from harness.run.config import ConfigError, LayoutConf, PayloadConf
+from strategies.core.cluster import ClusterConf, load_cluster
+from strategies.core.layout import Layout
+
+# Megatron's import-time warnings say nothing about a price (a strategy may import it).
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron.*")
 logging.getLogger("megatron").setLevel(logging.WARNING)
 
-import pandas as pd  # noqa: E402
-
-from harness import paths  # noqa: E402
-from harness.errors import program  # noqa: E402
-from harness.files import write_atomic, write_csv, write_figure  # noqa: E402
-from harness.run.config import LayoutConf, PayloadConf  # noqa: E402
-from strategies.core.cluster import ClusterConf, load_cluster  # noqa: E402
-
-MODULE = "harness.model.extrapolate"
+MODULE = "harness.commands.extrapolate"
 """Where this command lives; its printed name comes from ``harness.errors.program``."""
 EMULATED_RECORDS = paths.REPO / "results" / "reference_emulated"
-"""Where ``harness.cluster.table`` keeps its committed emulated-cluster records."""
+"""Where ``harness.commands.emulated_table`` keeps its committed emulated-cluster records."""
 PLAIN = ("header", "flat", "pickled")  # the "plain broadcast" side of the SC'21 comparison
 MIN_WORLD, MAX_WORLD = 8, 16384
 
@@ -51,7 +58,6 @@ MIN_WORLD, MAX_WORLD = 8, 16384
 def layouts(tp: int, cp: int, pps: list[int], max_world: int = MAX_WORLD):
     """(world, Layout) for every power-of-two world from 8 to ``max_world`` that tp·cp·pp
     divides, dp filling it."""
-    from strategies.core.layout import Layout
 
     world = MIN_WORLD
     while world <= max_world:
@@ -64,7 +70,6 @@ def layouts(tp: int, cp: int, pps: list[int], max_world: int = MAX_WORLD):
 
 def sweep(cluster, spec, tp: int, cp: int, pps: list[int], max_world: int) -> pd.DataFrame:
     """One row per (world, pp, strategy) with predicted seconds and the dominant term."""
-    from harness.model.predict import predict_all
 
     rows = []
     for world, layout in layouts(tp, cp, pps, max_world):
@@ -110,8 +115,6 @@ def crossover(df: pd.DataFrame, column: str) -> dict:
 def size_crossover(cluster, payload: str, seq_len: int, tp: int, cp: int, pp: int, top: int):
     """Smallest B (powers of two up to ``top``) at which scatter_allgather beats the best plain
     broadcast at this pp (smallest world: dp=1), on the whole call and on the network part."""
-    from harness.model.predict import predict_all, scaled_spec
-    from strategies.core.layout import Layout
 
     layout = Layout(pp=pp, tp=tp, cp=cp)
     found: dict[str, tuple[int, int] | None] = {"total_s": None, "comm_s": None}
@@ -131,7 +134,6 @@ def emulated_check(root: Path = EMULATED_RECORDS) -> list[str]:
     """The emulated-cluster records under ``root`` (tp=2 inside a node, pp=2 across a shaped
     link, written by ``bcastbench emulated-table``) beside what the model predicts for
     them: the one place the SC'21 effect is measured rather than predicted."""
-    from harness.cluster import table
 
     try:
         rows = table.compare(root)
@@ -309,7 +311,6 @@ def run(
     quiet: bool = False,
 ) -> dict:
     """Price every strategy on every world, find the crossovers, write csv, png and md."""
-    from harness.model.predict import scaled_spec
 
     t0 = time.perf_counter()
     cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster
@@ -369,8 +370,6 @@ def pipeline_depths(max_pp: int) -> tuple[int, ...]:
 
 
 def check(cfg) -> None:
-    from harness.model.predict import check as check_prediction
-    from harness.run.config import ConfigError
 
     check_prediction(cfg)
     per_replica = cfg.layout.tp * cfg.layout.cp
@@ -406,7 +405,6 @@ def register() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from harness.model.command import run_app
 
     register()
     return run_app(MODULE, "extrapolate", task, check, argv)

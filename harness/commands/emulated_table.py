@@ -27,12 +27,22 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import paths  # noqa: I001
+import strategies
+from harness import paths
+from harness.cluster.netns import unavailable_reason
+from harness.commands.hydra_app import run_app
+from harness.commands.tool import job_command, job_dir
 from harness.files import write_atomic, write_json
-from harness.run.config import PayloadConf
+from harness.model.predict import predicted_cross_bytes
+from harness.run import payloads
+from harness.run.config import ConfigError, PayloadConf
 from harness.run.machine import other_cores, snapshot
+from strategies.core.cluster import load_cluster
+from strategies.core.layout import Layout
+from strategies.core.plan import spec_of
+from strategies.core.pricing import price
 
-MODULE = "harness.cluster.table"
+MODULE = "harness.commands.emulated_table"
 """Where ``bcastbench emulated-table`` lives (its printed name: ``harness.errors.program``)."""
 
 STRATEGIES = ("pickled", "header", "flat", "pp_first", "scatter_allgather", "auto")
@@ -85,38 +95,9 @@ def measured(record: dict) -> dict[str, dict]:
     return rows
 
 
-def predicted_cross_bytes(plan, ranks_per_node: int) -> int:
-    """Payload bytes one call of ``plan`` sends between nodes, as gloo moves them: a broadcast
-    along its binomial tree's edges, a scatter straight from the root, an all-gather around a
-    ring in group order."""
-    from strategies.core.formulas import tree_rounds
-
-    def node(r: int) -> int:
-        return r // ranks_per_node
-
-    total = 0
-    for c in plan.comms:
-        if c.kind == "broadcast":
-            edges = [e for rnd in tree_rounds(c.ranks, c.root) for e in rnd]
-            total += c.nbytes * sum(node(a) != node(b) for a, b in edges)
-        elif c.kind == "scatter":
-            total += c.nbytes * sum(node(r) != node(c.root) for r in c.ranks)
-        elif c.kind == "all_gather":
-            p = len(c.ranks)
-            ring = zip(c.ranks, c.ranks[1:] + c.ranks[:1])
-            total += c.nbytes * (p - 1) // p * sum(node(a) != node(b) for a, b in ring)
-    return total
-
-
 def predictions(batch_size: int, seq_len: int, seed: int = 0,
                 payload: str = "rl_rollout") -> dict[str, dict[str, dict]]:  # fmt: skip
     """{links: {strategy: {total_s, link_bound, cross_bytes}}} from each strategy's plan."""
-    import strategies
-    from harness.run import payloads
-    from strategies.core.cluster import load_cluster
-    from strategies.core.layout import Layout
-    from strategies.core.plan import spec_of
-    from strategies.core.pricing import price
 
     layout = Layout(tp=2, pp=2)
     spec = spec_of(payloads.make(payload, batch_size, seq_len, seed, None))
@@ -305,9 +286,6 @@ def register() -> None:
 
 def check(cfg) -> None:
     """The values a table reads, checked before any job runs (``command.run_app``)."""
-    from harness.cluster.netns import unavailable_reason
-    from harness.run import payloads
-    from harness.run.config import ConfigError
 
     if cfg.payload.name not in payloads.PAYLOADS:
         raise ConfigError(
@@ -336,7 +314,6 @@ def check(cfg) -> None:
 
 def task(cfg) -> str:
     """One Hydra job: both jobs (or ``source``'s records), the table, its report.md."""
-    from harness.tool import job_command, job_dir
 
     root = Path(cfg.source or cfg.out or job_dir())
     if cfg.source is None:
@@ -359,7 +336,6 @@ def task(cfg) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``bcastbench emulated-table [overrides]``; a bad value exits 2 with one line."""
-    from harness.model.command import run_app
 
     register()
     return run_app(MODULE, "emulated_table", task, check, argv)

@@ -14,6 +14,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from harness.errors import USAGE_EXIT
+from harness.report.collect import records_dir_problem, unfinished_writes
+from harness.report.figures import FIGURES
+from harness.report.markdown import load_dispatch_records, write_ray_report, write_report
+from harness.report.tables import load
+
 PROG = "bcastbench report"
 FAILED_EXIT = 1
 """Every job under the directory failed: nothing to report, and not the caller's mistake."""
@@ -26,11 +32,6 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never open a window
-    from harness.errors import USAGE_EXIT
-    from harness.report.collect import records_dir_problem, unfinished_writes
-    from harness.report.figures import FIGURES
-    from harness.report.markdown import load_dispatch_records, write_ray_report, write_report
-    from harness.report.tables import load
 
     for tmp in unfinished_writes(args.root) if Path(args.root).is_dir() else []:
         print(

@@ -18,7 +18,8 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from harness import files
-from harness.report.tables import human_bytes
+from harness.report.collect import load, summary_table
+from harness.run.records import job_line
 
 
 @dataclass
@@ -38,38 +39,10 @@ STATE = SweepState()
 
 def write_table(root: Path) -> Path | None:
     """``root/results.csv`` from every record under ``root`` (None while there is none)."""
-    from harness.report.collect import load
-
     df = load(root)
     if df.empty:
         return None
     return files.write_csv(root / "results.csv", df)
-
-
-def job_line(rec) -> str:
-    """One job in one line: what ran (strategy, layout, payload size) and how it did (p50,
-    ``vs_floor``, the speedup over ``pickled`` measured in the same job), or why it did not."""
-    if not isinstance(rec, dict):
-        return f"FAILED: {str(rec)[:160]}"
-    # A dispatch job is named by its mode (leader:<strategy>, all_ranks): it has no baseline.
-    who = f"{rec.get('mode') or rec.get('strategy')} {rec.get('layout')}"
-    if rec.get("status") == "failed":
-        return f"{who}  FAILED: {str(rec.get('error'))[:160]}"
-    if rec.get("supported") is False:
-        return f"{who}  UNSUPPORTED: {str(rec.get('error'))[:120]}"
-    what = f"{rec.get('payload')} b{rec.get('batch_size')} {human_bytes(rec['payload_bytes'])}"
-    if rec.get("workload"):  # a varying workload: its name, and bytes are a mean per call
-        what = f"{rec.get('payload')} {rec['workload']} {human_bytes(rec['payload_bytes'])}/call"
-    line = f"{who}  {what}  p50 {rec['p50_us'] / 1000:.2f} ms"
-    if rec.get("vs_floor"):
-        line += f"  vs_floor {rec['vs_floor']:.2f}"
-        if rec.get("floor_method"):
-            line += f" ({rec['floor_method']})"
-    if rec.get("vs_baseline") and not rec.get("mode") and rec.get("strategy") != "pickled":
-        line += f"  {1 / rec['vs_baseline']:.1f}x faster than pickled"
-    if rec.get("auto_choice"):
-        line += f"  (auto chose {rec['auto_choice']})"
-    return line
 
 
 class Progress(Callback):
@@ -121,8 +94,6 @@ class Progress(Callback):
             write_table(STATE.records)
 
     def on_multirun_end(self, config, **kwargs) -> None:
-        from harness.report.collect import load, summary_table
-
         root = Path(str(config.hydra.sweep.dir))
         df = load(root)
         if not df.empty:

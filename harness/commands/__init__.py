@@ -1,0 +1,7 @@
+"""The commands, the top layer: ``bcastbench`` and its subcommands (``cli`` dispatches by module
+name, so ``bcastbench --help`` imports none of them), each a module with ``main(argv)``.
+
+Below them, in the order imports may go (pyproject's ``[tool.importlinter]``): the report, the
+job and its worlds (``harness.run``, ``harness.ray``, ``harness.cluster``), the cost model's
+pricing (``harness.model``), the utilities, and the strategies.
+"""

@@ -1,0 +1,179 @@
+"""``bcastbench ray-dispatch``: the dispatch modes (``harness.ray.dispatch``) side by side on a
+Ray world, as a Hydra app.
+
+    bcastbench ray-dispatch layout=tp2pp2 payload=rl_rollout payload.batch_size=32 \
+        'modes=[leader:header,leader:pickled,all_ranks]' iters=5
+    bcastbench ray-dispatch -m layout=tp2pp2,tp2pp2dp2 payload.batch_size=48,704
+
+Configured through ``conf/ray_dispatch.yaml`` (schema ``RayDispatchConf``); each job writes its
+record to ``dispatch.json`` in its Hydra job directory (``results/ray/dispatch/...``), a sweep
+lists all of them in its directory's ``dispatch.json`` (``bcastbench report <sweep dir>`` reads
+it), and ``out=FILE`` collects them in one more list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from harness.commands.hydra_app import run_app
+from harness.commands.tool import job_command, write_records
+from harness.ray.dispatch import ALL_RANKS, FLOORS, DispatchSpec, run_dispatch
+from harness.ray.world import RayConf, RayUnavailable, import_ray
+from harness.run import launch, payloads
+from harness.run.config import ConfigError, LayoutConf, PayloadConf, RayNode, layout_of
+
+# -- command line --------------------------------------------------------------------------
+MODULE = "harness.commands.ray_dispatch"
+"""Where ``bcastbench ray-dispatch`` lives (its printed name: ``harness.errors.program``)."""
+
+
+RECORDS = "dispatch.json"
+"""Each job's record, a JSON list of one, in the job's directory; a sweep's list of all of them
+in the sweep's directory (``harness.commands.tool.write_records``; ``harness.report`` reads such lists)."""
+
+
+def format_table(record: dict) -> str:
+    """One line per mode: p50, p90 and the p50 ratio to each floor measured in the same job."""
+    floors = [f for f in FLOORS.values() if f in record["modes"]]
+    head = f"{'mode':<28}{'p50 ms':>10}{'p90 ms':>10}" + "".join(f"{'/' + f:>16}" for f in floors)
+    lines = [
+        f"{record['layout']}, {record['payload']} batch {record['batch_size']}/replica, "
+        f"{record['payload_bytes'] / 2**20:.2f} MiB per replica, scope {record['scope']}",
+        head,
+    ]
+    for name, row in record["modes"].items():
+        ratios = "".join(f"{row['vs_floors'][f]:>16.2f}" for f in floors)
+        line = f"{name:<28}{row['p50_us'] / 1e3:>10.2f}{row['p90_us'] / 1e3:>10.2f}{ratios}"
+        if "cross_node_bytes_per_call" in row:
+            line += f"   {row['cross_node_bytes_per_call'] / 1e6:.2f} MB crossed/call"
+        lines.append(line)
+    lines += [f"{name}: unsupported ({why})" for name, why in record["unsupported"].items()]
+    return "\n".join(lines)
+
+
+@dataclass
+class RayDispatchConf:
+    """Root config of ``conf/ray_dispatch.yaml``: one job times ``modes`` on one layout and
+    batch; a ``-m`` sweep runs one job per combination on one Ray world per world size."""
+
+    layout: LayoutConf = field(default_factory=LayoutConf)
+    """Parallel shape (world size = dp·pp·tp·cp); reuses ``conf/layout/``."""
+    payload: PayloadConf = field(default_factory=PayloadConf)
+    """What the driver generates per replica: ``payload.batch_size`` rows each, so the global
+    batch has ``batch_size * dp``; reuses ``conf/payload/`` (generated payloads only)."""
+    modes: list[str] = field(default_factory=lambda: ["leader:header", "leader:pickled", ALL_RANKS])
+    """Dispatch modes (``leader:<strategy>``, ``leader:floor``, ``all_ranks``,
+    ``all_ranks:raw``); each family's floor is added when missing."""
+    iters: int = 5
+    """Timed calls per mode, interleaved with the first mode rotating."""
+    warmup: int = 2
+    """Untimed calls per mode first."""
+    link_bytes_calls: int = 0
+    """Emulated clusters: untimed calls per mode whose node-link bytes are counted; 0 skips."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Options of every leader mode's strategy (``strategies.get(name, groups, **options)``)."""
+    ray: RayNode = field(default_factory=RayNode)
+    """The Ray world (``harness.ray.world.RayConf``'s fields: address, num_cpus, placement,
+    ...); ``ray.timeout_s`` also bounds one dispatch call. ``ray.dispatch`` is
+    ``bcastbench run``'s and must stay ``none`` here: ``modes`` says what runs."""
+    out: str | None = None
+    """Also write every record of this command so far to this file (a JSON list)."""
+
+
+def register() -> None:
+    """The schema in Hydra's ConfigStore (``conf/ray_dispatch.yaml`` names it)."""
+
+    ConfigStore.instance().store(name="ray_dispatch_schema", node=RayDispatchConf)
+
+
+def ray_conf(cfg):
+    """The runtime ``RayConf`` of ``cfg.ray``."""
+
+    return RayConf(**OmegaConf.to_container(cfg.ray, resolve=True))
+
+
+def spec_of_job(cfg) -> DispatchSpec:
+    """The ``DispatchSpec`` of one job's config."""
+
+    p = cfg.payload
+    return DispatchSpec(
+        layout_of(cfg),
+        tuple(cfg.modes),
+        p.name,
+        int(p.batch_size),
+        int(p.seq_len),
+        p.broadcast_non_tensor,
+        int(p.seed),
+        iters=int(cfg.iters),
+        warmup=int(cfg.warmup),
+        timeout_s=float(cfg.ray.timeout_s),
+        link_bytes_calls=int(cfg.link_bytes_calls),
+        options=OmegaConf.to_container(cfg.options, resolve=True),
+    )
+
+
+def check(cfg) -> None:
+    """Every value a dispatch job reads, checked before any job runs (``command.run_app``)."""
+
+    if cfg.payload.name not in payloads.PAYLOADS:
+        raise ConfigError(
+            f"payload.name: {cfg.payload.name!r} is not generated; the driver builds the "
+            f"global batch, valid: {sorted(payloads.PAYLOADS)}"
+        )
+    for key, least in (("payload.batch_size", 1), ("payload.seq_len", 1), ("iters", 1),
+                       ("warmup", 0), ("link_bytes_calls", 0)):  # fmt: skip
+        value = OmegaConf.select(cfg, key)
+        if value < least:
+            raise ConfigError(f"{key} must be >= {least}, got {value}")
+    try:
+        spec_of_job(cfg).parsed_modes()
+        conf = ray_conf(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if conf.dispatch != "none":
+        raise ConfigError(
+            f"ray.dispatch={conf.dispatch} is bcastbench run's setting; here modes= says what "
+            "runs (leave ray.dispatch=none)"
+        )
+    try:
+        import_ray()
+    except RayUnavailable as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def task(cfg) -> dict:
+    """One Hydra job: time the modes on this process's Ray world of the layout's size (started
+    by the first job of that size, reused by the next ones: ``harness.run.launch.ray_world``),
+    print the table, write the record."""
+
+    spec = spec_of_job(cfg)
+    world = launch.ray_world(spec.layout.world_size, ray_conf(cfg))
+    start_s, world.start_s = world.start_s, 0.0  # paid once, by the job that started it
+    if start_s:
+        print(f"Ray world of {world.world_size} ranks started in {start_s:.1f} s", flush=True)
+    record = run_dispatch(world, spec)
+    record["world_start_s"] = start_s
+    record["command"] = job_command(MODULE)
+    print(format_table(record) + "\n", flush=True)
+    _DONE.append(record)
+    write_records(RECORDS, _DONE, cfg.out)
+    return record
+
+
+_DONE: list[dict] = []
+"""Every record this process's jobs made, for ``out`` (a sweep's jobs share one process)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``bcastbench ray-dispatch [overrides]``; a bad value exits 2 with one line."""
+
+    register()
+    return run_app(MODULE, "ray_dispatch", task, check, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
