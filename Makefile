@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml Makefile
 lint: $(STAMP)
 	$(BIN)/ruff check strategies harness tests examples
 	$(BIN)/ruff format --check strategies harness tests examples
+	$(BIN)/lint-imports
 
 # The benchmark gate (tests/benchmarks, short mode) runs inside the suite and leaves its
 # pytest-benchmark JSON in results/ci/.
