@@ -136,6 +136,11 @@ def run(cfg) -> dict | None:
     except JOB_FAILURES as exc:
         if hydra_cfg.mode != RunMode.MULTIRUN or not launch.writes_records:
             raise  # a single run: the command's error says what failed; no record
+        if launch.kind == launchers.JOINED:
+            # A joined rank cannot tell its own failure from a peer's (a crashed peer reaches
+            # it as a collective error), so it writes no record blaming itself; the launcher
+            # (torchrun, srun) reports which rank exited and fails the job.
+            raise
         record = records.complete(records.failed(spec, exc))
         records.write_atomic(out_dir / "result.json", record)
         _to_job_log(job_line(record))
