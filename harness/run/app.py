@@ -136,7 +136,7 @@ def run(cfg) -> dict | None:
     except JOB_FAILURES as exc:
         if hydra_cfg.mode != RunMode.MULTIRUN or not launch.writes_records:
             raise  # a single run: the command's error says what failed; no record
-        if launch.kind == launchers.JOINED:
+        if launch.kind == launchers.JOINED and isinstance(exc, WorldError):
             # A joined rank cannot tell its own failure from a peer's (a crashed peer reaches
             # it as a collective error), so it writes no record blaming itself; the launcher
             # (torchrun, srun) reports which rank exited and fails the job.
