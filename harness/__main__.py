@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import sys
 
+from harness.commands.cli import main as cli
+
 
 def main() -> None:
-    from harness.commands.cli import main as cli
 
     sys.exit(cli())
 

@@ -18,6 +18,10 @@ Fixtures:
 After the tests, a terminal section lists every test that ran jobs: the strategy's p50 per call,
 the floor, ``vs_floor`` and ``vs_baseline`` (medians over its jobs), the figures a gate asserts
 on; assert on the ratios, never on absolute times.
+
+The harness is imported inside the fixtures, not at the top: pytest loads this plugin into every
+session of every project that installs bcastbench, and a session that asks for no fixture here
+should not pay for torch.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+
+from harness.paths import CONF_DIR
 
 
 @dataclass(frozen=True)
@@ -63,8 +69,8 @@ def bcastbench_world():
     """A factory: ``bcastbench_world(n)`` is a running gloo world of n ranks (one per n)."""
     import torch
 
-    from harness.run.launch import forked_spec, open_world
-    from harness.run.worlds import REGISTRY
+    from harness.run.launch import forked_spec, open_world  # lean: module docstring
+    from harness.run.worlds import REGISTRY  # lean: module docstring
 
     # Worlds fork this process: keep it single-threaded, or a fork after an OpenMP region can
     # deadlock a rank.
@@ -87,8 +93,7 @@ def layout_named(layout: Any):
     """A ``Layout`` from a conf/layout name (``"tp2pp2"``), a dict of fields, or a Layout."""
     import yaml
 
-    from harness.paths import CONF_DIR
-    from strategies.core.layout import Layout
+    from strategies.core.layout import Layout  # lean: module docstring
 
     if isinstance(layout, Layout):
         return layout
@@ -105,8 +110,12 @@ def layout_named(layout: Any):
 def bcastbench_job(request, bcastbench_world, bcastbench_mode):
     """A function running one verified job and returning its summary (see module docstring).
     Every summary is also kept for the terminal section under this test's name."""
-    import strategies
-    from harness.run.runner import JobSpec, run_job_on_rank, summarize
+    import strategies  # lean: module docstring
+    from harness.run.runner import (
+        JobSpec,
+        run_job_on_rank,
+        summarize,
+    )  # lean: module docstring
 
     def job(strategy: str, layout: Any = "tp2pp2", options: dict | None = None, **spec) -> dict:
         options = dict(options or {})
@@ -116,7 +125,7 @@ def bcastbench_job(request, bcastbench_world, bcastbench_mode):
         spec.setdefault("iters", bcastbench_mode.iters)
         spec.setdefault("warmup", bcastbench_mode.warmup)
         if spec.get("payload_path"):  # as every rank can open it (a schema by its bare name)
-            from harness.run.payloads import path_of
+            from harness.run.payloads import path_of  # lean: module docstring
 
             spec["payload_path"] = path_of(spec.get("payload", ""), spec["payload_path"])
         job_spec = JobSpec(strategy, the_layout, options=options, **spec)
@@ -136,7 +145,7 @@ def _check_recorded(spec) -> None:
     """A recorded payload (payload="file" | "schema", payload_path=...) is read once here, by
     the loader every command uses, so a bad or unsafe file fails the test with its one-line
     reason before any rank starts (as ``bcastbench run`` refuses it before any rank)."""
-    from harness.run import payloads, recorded, schema
+    from harness.run import payloads, recorded, schema  # lean: module docstring
 
     if spec.payload not in payloads.RECORDED:
         return
@@ -152,7 +161,7 @@ def _check_recorded(spec) -> None:
 
 
 def _layout_text(layout) -> str:
-    from harness.run.records import layout_name
+    from harness.run.records import layout_name  # lean: module docstring
 
     return layout_name(layout)
 
@@ -292,7 +301,7 @@ def summary_lines(jobs: dict[str, list[dict]]) -> list[str]:
     the floor's, ``vs_floor`` and ``vs_baseline``; then what the columns mean."""
     # Here, not at the top: the plugin loads in every pytest session of a user's machine,
     # and the report's tables bring pandas with them.
-    from harness.report.tables import human_bytes
+    from harness.report.tables import human_bytes  # lean: module docstring
 
     header = ["test", "strategy", "layout", "payload", "jobs", "p50 ms/call", "floor ms",
               "vs_floor", "vs_baseline", "collectives/call"]  # fmt: skip
@@ -343,7 +352,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
 def _flat(strategy: str, summary: dict) -> dict:
     """The strategy's own figures at the top level, with the references' p50 and ratios."""
     # Here, not at the top: the plugin loads in every pytest session, and records bring torch.
-    from harness.run.records import vs_floor
+    from harness.run.records import vs_floor  # lean: module docstring
 
     if "unsupported" in summary:
         pytest.skip(f"{strategy} refuses this layout: {summary['unsupported']}")

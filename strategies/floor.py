@@ -26,6 +26,7 @@ import torch.distributed as dist
 from strategies.core.contract import DataProto, Strategy, wants_non_tensor
 from strategies.core.parts import as_bytes, encode_non_tensor, message_parts
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.pp_first import leader_pp_groups
 
 METHODS = ("one", "chunks", "seed_hops", "pp_first")
 CHUNKS = (2, 4)
@@ -110,8 +111,6 @@ class Floor(Strategy):
         if method == "seed_hops":
             hops = layout.seed_hop_groups()
         elif method == "pp_first":
-            from strategies.pp_first import leader_pp_groups
-
             hops = [leader_pp_groups(layout)] if layout.pp > 1 else []
             hops += [layout.groups("tp-cp")] if layout.tp_cp > 1 else []
         else:

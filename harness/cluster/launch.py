@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import paths  # noqa: I001
+from harness.cluster.netns import Emulation, EmulationUnavailable
 from harness.run.worlds import RankFn, WorldError
 
 LINKS_ENV = "BCB_LINK_COUNTERS"
@@ -186,7 +187,6 @@ class EmulatedWorld:
         self._fields: dict[str, Any] = {}
 
     def start(self) -> EmulatedWorld:
-        from harness.cluster.netns import Emulation, EmulationUnavailable
 
         t0 = time.perf_counter()
         self.log_dir.mkdir(parents=True, exist_ok=True)

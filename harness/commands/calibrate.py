@@ -467,7 +467,6 @@ def calibrate(
     """Measure, fit, and (unless ``out`` is None) write the ``local`` cluster file.
     ``max_load``: refuse to start while other work uses more than this many cores (measured
     from /proc/stat over one second, see harness.run.machine)."""
-
     if world_size < 2:
         raise ClusterError(f"world: calibration needs at least 2 ranks, got {world_size}")
     t0 = time.perf_counter()
@@ -590,7 +589,6 @@ def register() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m harness.commands.calibrate [world=4] [reps=21] [short=true] [dry_run=true] ...``"""
-
     register()
     return run_app(MODULE, "calibrate", task, check, argv)
 

@@ -98,7 +98,6 @@ def measured(record: dict) -> dict[str, dict]:
 def predictions(batch_size: int, seq_len: int, seed: int = 0,
                 payload: str = "rl_rollout") -> dict[str, dict[str, dict]]:  # fmt: skip
     """{links: {strategy: {total_s, link_bound, cross_bytes}}} from each strategy's plan."""
-
     layout = Layout(tp=2, pp=2)
     spec = spec_of(payloads.make(payload, batch_size, seq_len, seed, None))
     out: dict[str, dict[str, dict]] = {}
@@ -286,7 +285,6 @@ def register() -> None:
 
 def check(cfg) -> None:
     """The values a table reads, checked before any job runs (``command.run_app``)."""
-
     if cfg.payload.name not in payloads.PAYLOADS:
         raise ConfigError(
             f"payload.name: {cfg.payload.name!r} is not generated; valid: "
@@ -314,7 +312,6 @@ def check(cfg) -> None:
 
 def task(cfg) -> str:
     """One Hydra job: both jobs (or ``source``'s records), the table, its report.md."""
-
     root = Path(cfg.source or cfg.out or job_dir())
     if cfg.source is None:
         p = cfg.payload
@@ -336,7 +333,6 @@ def task(cfg) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``bcastbench emulated-table [overrides]``; a bad value exits 2 with one line."""
-
     register()
     return run_app(MODULE, "emulated_table", task, check, argv)
 

@@ -58,7 +58,6 @@ MIN_WORLD, MAX_WORLD = 8, 16384
 def layouts(tp: int, cp: int, pps: list[int], max_world: int = MAX_WORLD):
     """(world, Layout) for every power-of-two world from 8 to ``max_world`` that tp·cp·pp
     divides, dp filling it."""
-
     world = MIN_WORLD
     while world <= max_world:
         for pp in pps:
@@ -70,7 +69,6 @@ def layouts(tp: int, cp: int, pps: list[int], max_world: int = MAX_WORLD):
 
 def sweep(cluster, spec, tp: int, cp: int, pps: list[int], max_world: int) -> pd.DataFrame:
     """One row per (world, pp, strategy) with predicted seconds and the dominant term."""
-
     rows = []
     for world, layout in layouts(tp, cp, pps, max_world):
         for name, p in predict_all(layout, spec, cluster).items():
@@ -115,7 +113,6 @@ def crossover(df: pd.DataFrame, column: str) -> dict:
 def size_crossover(cluster, payload: str, seq_len: int, tp: int, cp: int, pp: int, top: int):
     """Smallest B (powers of two up to ``top``) at which scatter_allgather beats the best plain
     broadcast at this pp (smallest world: dp=1), on the whole call and on the network part."""
-
     layout = Layout(pp=pp, tp=tp, cp=cp)
     found: dict[str, tuple[int, int] | None] = {"total_s": None, "comm_s": None}
     b = 1
@@ -134,7 +131,6 @@ def emulated_check(root: Path = EMULATED_RECORDS) -> list[str]:
     """The emulated-cluster records under ``root`` (tp=2 inside a node, pp=2 across a shaped
     link, written by ``bcastbench emulated-table``) beside what the model predicts for
     them: the one place the SC'21 effect is measured rather than predicted."""
-
     try:
         rows = table.compare(root)
     except FileNotFoundError as exc:
@@ -311,7 +307,6 @@ def run(
     quiet: bool = False,
 ) -> dict:
     """Price every strategy on every world, find the crossovers, write csv, png and md."""
-
     t0 = time.perf_counter()
     cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster
     spec = scaled_spec(payload, batch_size, seq_len)

@@ -92,7 +92,6 @@ def scaled_spec(
     bytes are affine in B (per-object framing is fixed, the rest per sample), so they are
     extrapolated from B=1 and B=b0 and marked inexact.
     """
-
     if batch_size < 1:
         raise ValueError(f"payload.batch_size must be positive, got {batch_size}")
     b0 = min(batch_size, base_batch)
@@ -127,7 +126,6 @@ def scaled_spec(
 def _scaled_header(big, leaves, sizes, batch_size: int, non_tensor: int):
     """(header length, message bytes, padded non-tensor bytes) of the header ``packer.pack``
     writes for ``leaves`` at ``batch_size`` rows, offsets and padding recomputed."""
-
     entries, offset = [], 0
     for (key, t), n in zip(leaves, sizes):
         key = key if isinstance(key, tuple) else (key,)
@@ -145,7 +143,6 @@ def _scaled_header(big, leaves, sizes, batch_size: int, non_tensor: int):
 
 def layout_of(cfg):
     """The ``Layout`` of ``cfg.layout`` (a prediction need not be buildable by megatron-core)."""
-
     c = cfg.layout
     return Layout(dp=int(c.dp), pp=int(c.pp), tp=int(c.tp), cp=int(c.cp), order=str(c.order))
 
@@ -159,7 +156,6 @@ def cluster_of(cfg) -> ClusterConf:
 
 def check(cfg) -> None:
     """Every value a prediction job reads, checked before any job runs (``command.run_app``)."""
-
     layout_of(cfg)
     cluster_of(cfg)
     if cfg.payload.name not in payloads.PAYLOADS:
@@ -241,7 +237,6 @@ def task(cfg) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m harness.commands.predict [overrides]``; a bad value exits 2 with one line."""
-
     register()
     # Multirun jobs share one process: nothing to tear down between them.
     return run_app(MODULE, "predict", task, check, argv)

@@ -113,7 +113,6 @@ def _fit(x: list[float], y: list[float]) -> tuple[float, float]:
 
 def measure(world, reps: int) -> dict[str, list]:
     """Every timing the fit needs: {term: [(bytes or actors, seconds), ...]}."""
-
     out: dict[str, list] = {k: [] for k in ("put", "put_raw", "get", "get_raw", "call")}
     for rows in SIZES:
         batch = payloads.make("rl_rollout", rows, SEQ_LEN, 0, None)
@@ -162,7 +161,6 @@ def _yaml(conf: dict[str, float], points: dict[str, list], ranks: int, secs: flo
 
 def check(cfg) -> None:
     """The values a calibration reads, checked before Ray starts (``command.run_app``)."""
-
     if cfg.ranks < 1:
         raise ConfigError(f"ranks must be >= 1, got {cfg.ranks}")
     if cfg.reps < 1:
@@ -178,7 +176,6 @@ def check(cfg) -> None:
 def task(cfg) -> dict[str, float]:
     """One Hydra job: measure on this process's local Ray world, fit, write the preset and
     the job's ``calibration.json``."""
-
     t0 = time.perf_counter()
     world = launch.ray_world(cfg.ranks, RayConf(num_cpus=2, object_store_mb=512))
     points = measure(world, cfg.reps)
@@ -210,7 +207,6 @@ def register() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``bcastbench ray-calibrate [overrides]``; a bad value exits 2 with one line."""
-
     register()
     return run_app(MODULE, "ray_calibrate", task, check, argv)
 

@@ -21,7 +21,8 @@ from omegaconf import OmegaConf
 
 from harness.commands.hydra_app import run_app
 from harness.commands.tool import job_command, write_records
-from harness.ray.dispatch import ALL_RANKS, FLOORS, DispatchSpec, run_dispatch
+from harness.ray.dispatch import DispatchSpec, run_dispatch
+from harness.ray.modes import ALL_RANKS, FLOORS
 from harness.ray.world import RayConf, RayUnavailable, import_ray
 from harness.run import launch, payloads
 from harness.run.config import ConfigError, LayoutConf, PayloadConf, RayNode, layout_of
@@ -86,19 +87,16 @@ class RayDispatchConf:
 
 def register() -> None:
     """The schema in Hydra's ConfigStore (``conf/ray_dispatch.yaml`` names it)."""
-
     ConfigStore.instance().store(name="ray_dispatch_schema", node=RayDispatchConf)
 
 
 def ray_conf(cfg):
     """The runtime ``RayConf`` of ``cfg.ray``."""
-
     return RayConf(**OmegaConf.to_container(cfg.ray, resolve=True))
 
 
 def spec_of_job(cfg) -> DispatchSpec:
     """The ``DispatchSpec`` of one job's config."""
-
     p = cfg.payload
     return DispatchSpec(
         layout_of(cfg),
@@ -118,7 +116,6 @@ def spec_of_job(cfg) -> DispatchSpec:
 
 def check(cfg) -> None:
     """Every value a dispatch job reads, checked before any job runs (``command.run_app``)."""
-
     if cfg.payload.name not in payloads.PAYLOADS:
         raise ConfigError(
             f"payload.name: {cfg.payload.name!r} is not generated; the driver builds the "
@@ -149,7 +146,6 @@ def task(cfg) -> dict:
     """One Hydra job: time the modes on this process's Ray world of the layout's size (started
     by the first job of that size, reused by the next ones: ``harness.run.launch.ray_world``),
     print the table, write the record."""
-
     spec = spec_of_job(cfg)
     world = launch.ray_world(spec.layout.world_size, ray_conf(cfg))
     start_s, world.start_s = world.start_s, 0.0  # paid once, by the job that started it
@@ -170,7 +166,6 @@ _DONE: list[dict] = []
 
 def main(argv: list[str] | None = None) -> int:
     """``bcastbench ray-dispatch [overrides]``; a bad value exits 2 with one line."""
-
     register()
     return run_app(MODULE, "ray_dispatch", task, check, argv)
 

@@ -170,7 +170,6 @@ def _namespaces_unavailable() -> str | None:
 
 def check(cfg) -> None:
     """``ray-dispatch``'s checks, the cluster's shape, and that namespaces can be made here."""
-
     dispatch.check(cfg)
     given = [f"ray.{k}" for k in SET_HERE if cfg.ray[k] != getattr(RayEmulatedConf().ray, k)]
     if given:
@@ -196,7 +195,6 @@ _CLUSTER: dict = {}
 
 def cluster(emulate: EmulateConf, cpus_per_node: int, object_store_mb: int):
     """(Emulation, scratch dir) of a running cluster of this shape, started if need be."""
-
     key = (tuple(sorted(asdict(emulate).items())), cpus_per_node, object_store_mb)
     if _CLUSTER.get("key") == key:
         return _CLUSTER["emu"], _CLUSTER["scratch"]
@@ -238,7 +236,6 @@ def driver_overrides(cfg) -> list[str]:
 def _drive(emu, overrides: list[str], scratch: Path, job: Path, calls: int, limit_s: float):
     """The driver: ``bcastbench ray-dispatch`` inside node 0's namespace, attached to the
     cluster, ranks pinned per node, gloo on each node's link; its records."""
-
     out = scratch / "records.json"
     out.unlink(missing_ok=True)
     per_node = emu.cfg.ranks_per_node
@@ -272,7 +269,6 @@ _DONE: list[dict] = []
 
 def task(cfg) -> dict:
     """One Hydra job: the cluster of its shape (reused across a sweep), the driver, the record."""
-
     emulate = emulate_conf(cfg, layout_of(cfg).world_size)
     emu, scratch = cluster(emulate, int(cfg.ray.num_cpus), int(cfg.ray.object_store_mb))
     job = job_dir()
@@ -297,7 +293,6 @@ def task(cfg) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """``bcastbench ray-emulated [overrides]``; a bad value exits 2 with one line."""
-
     dispatch.register()
     register()
     return run_app(MODULE, "ray_emulated", task, check, argv)

@@ -98,13 +98,11 @@ class RayModelConf:
 
 def register() -> None:
     """The schema in Hydra's ConfigStore (``conf/ray_model.yaml`` names it)."""
-
     ConfigStore.instance().store(name="ray_model_schema", node=RayModelConf)
 
 
 def _records(paths_: list[str]) -> list[dict]:
     """Every dispatch record of the files in ``paths_`` (each a JSON list), read-only."""
-
     out = []
     for path in paths_:
         try:
@@ -119,7 +117,6 @@ def _records(paths_: list[str]) -> list[dict]:
 
 def check(cfg) -> None:
     """The values a job reads, checked before any job runs (``command.run_app``)."""
-
     if cfg.task not in TASKS:
         raise ClusterError(f"task must be one of {list(TASKS)}, got {cfg.task!r}")
     if cfg.task == "validate" and not cfg.records:
@@ -137,7 +134,6 @@ def check(cfg) -> None:
 
 def task(cfg) -> dict:
     """One Hydra job: print the example's scan or the validation table; record it."""
-
     ray = OmegaConf.to_object(cfg.ray)
     if cfg.task == "example":
         rows = example_scan(OmegaConf.to_object(cfg.cluster), ray)
@@ -156,7 +152,6 @@ def task(cfg) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """``bcastbench ray-model [overrides]``; a bad value exits 2 with one line."""
-
     register()
     return run_app(MODULE, "ray_model", task, check, argv)
 

@@ -42,7 +42,6 @@ PASSTHROUGH = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "-
 def _scratch_for_other_ranks(argv: list[str]) -> list[str]:
     """Under torchrun every rank runs this command; only global rank 0 owns the output
     directory, so the others get a scratch one (removed at exit) and no log file."""
-
     here = launch.current()
     if here.kind != launch.JOINED or here.via != "torchrun" or here.writes_records:
         return argv
@@ -55,7 +54,6 @@ def run(argv: list[str]) -> int:
     """``bcastbench run``: the Hydra job app, with errors turned into one line and an exit
     status (``HYDRA_FULL_ERROR`` makes Hydra hand its exceptions to us instead of printing
     them with a stack)."""
-
     quiet_megatron()
 
     register()
@@ -91,7 +89,6 @@ def run(argv: list[str]) -> int:
 
 def _run_app(decorated) -> int:
     """Hydra's app, its endings sorted into exit statuses."""
-
     try:
         decorated(task)()
     except SystemExit as exc:  # --help, or a job's one-line config error
@@ -123,7 +120,6 @@ def _quoted(value: str) -> str:
 
 def task(cfg):
     """The Hydra task (module level, so a submitit launcher pickles it by reference)."""
-
     try:
         return app.run(cfg)
     except ConfigError as exc:
@@ -140,7 +136,6 @@ def _remove_unused_run_dir() -> None:
     """A single run refused by validation leaves no folder behind: Hydra made the run folder
     (its .hydra/ and an empty log) before the task started. Removed only when it holds
     nothing else and the log is empty, so a folder the user named and filled stays."""
-
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN:
         return
@@ -162,7 +157,6 @@ def _remove_unused_run_dir() -> None:
 
 def _valid_keys(exc: BaseException) -> str:
     """For an override of a key the schema lacks, the keys its node does have."""
-
     missing = (ConfigKeyError, ConfigAttributeError)
     cause = exc if isinstance(exc, missing) else exc.__cause__
     key = getattr(cause, "full_key", None) if isinstance(cause, missing) else None
@@ -180,7 +174,6 @@ def _valid_keys(exc: BaseException) -> str:
 
 def _exit_status(exc: BaseException) -> int:
     """One line for a bad config (2), the error for a failed job (1); a bug keeps its stack."""
-
     if isinstance(exc, ConfigError | HydraException | OmegaConfBaseException):
         return usage_error("bcastbench", exc, _valid_keys(exc))
     if isinstance(exc, JOB_FAILURES):

@@ -59,7 +59,6 @@ POINT = ["payload", "seq_len", "layout", "batch_size"]  # one ranking per (layou
 
 def calibration_world(cluster_name: str) -> tuple[int | None, str]:
     """World size and header line of a calibrated preset (``# ... gloo world of N ...``)."""
-
     path = preset_path(cluster_name)
     try:
         text = path.read_text()
@@ -71,7 +70,6 @@ def calibration_world(cluster_name: str) -> tuple[int | None, str]:
 
 def price_records(df: pd.DataFrame, cluster_name: str) -> pd.DataFrame:
     """One row per measured, supported record with predicted and measured times (µs)."""
-
     cluster = load_cluster(cluster_name)
     specs: dict = {}
     rows = []
@@ -424,7 +422,6 @@ def markdown(v: pd.DataFrame, r: pd.DataFrame, m: dict, ctx: dict, sweep: Path, 
 
 def validate(sweep: Path | str, cluster: str = "local", quiet: bool = False) -> dict:
     """Price every record of ``sweep``; write csv, md and png into it; return the metrics."""
-
     sweep = Path(sweep)
     df = collect.load(sweep)
     if df.empty:

@@ -39,7 +39,6 @@ def replicas_independent(layout, gpus_per_node: int) -> bool:
     """True when pricing one DP replica prices them all exactly: no node holds ranks of two
     replicas (so no NIC is shared between replicas) and every replica has the same shape
     relative to its nodes (same node offsets, same slots, in group order)."""
-
     if layout.dp == 1:
         return False  # nothing to save
     ranks = np.asarray(layout.replica_groups())
@@ -54,7 +53,6 @@ def replicas_independent(layout, gpus_per_node: int) -> bool:
 def _one_replica_plan(cls, layout, spec):
     """The plan of replica 0 of ``layout``, built on a 2-replica copy of the layout (so a
     strategy that refuses DP > 1 still refuses) and moved onto replica 0's global ranks."""
-
     small = replace(layout, dp=2)
     plan = cls.plan(small, spec)
     move = dict(zip(small.replica_groups()[0], layout.replica_groups()[0]))
@@ -75,9 +73,6 @@ def price_strategy(name: str, layout, spec, cluster) -> Prediction:
     (``replicas_independent``) one replica is planned and priced and the group counts scaled,
     which is exact and ~dp× faster (a 16k-rank layout of per-tensor broadcasts has 28k comms).
     Raises ``strategies.Unsupported`` when the strategy refuses the layout."""
-
-    import strategies
-
     cls = strategies.get_class(name)
     if not replicas_independent(layout, cluster.gpus_per_node):
         # check=False: the test-suite checks plans against real runs; the O(ranks) check
@@ -99,7 +94,6 @@ def price_strategy(name: str, layout, spec, cluster) -> Prediction:
 def predict_all(layout, spec, cluster, names: list[str] | None = None) -> dict[str, Any]:
     """``{strategy: Prediction | str}`` (a string says why a strategy cannot serve the layout),
     plus the floor under ``"floor"``."""
-
     out: dict[str, Any] = {}
     # auto is priced as what it picks (``auto_pick``), not as a plan of its own.
     for name in [*(n for n in names or strategies.names() if n != "auto"), "floor"]:
@@ -117,7 +111,6 @@ def predict_all(layout, spec, cluster, names: list[str] | None = None) -> dict[s
 def auto_pick(preds: dict[str, Any]) -> str | None:
     """What ``auto`` would pick from these predictions (``strategies.auto.pick``: the model's
     fastest candidate, ties within ``TIE`` broken by its order), or None if none serves."""
-
     priced = {
         n: p.total_s for n, p in preds.items() if n in CANDIDATES and isinstance(p, Prediction)
     }

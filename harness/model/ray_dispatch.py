@@ -33,7 +33,9 @@ from collections import Counter
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import strategies
 from harness import paths
+from harness.model.predict import predicted_cross_bytes, price_strategy
 from strategies.core.cluster import GB, US, ClusterConf, ClusterError, check_number
 
 CONF_DIR = paths.CONF_DIR / "ray"
@@ -231,8 +233,6 @@ def price_leader(layout, nbytes: float, cluster: ClusterConf, ray: RayCostConf,
 def price_mode(mode: str, layout, spec, cluster: ClusterConf, ray: RayCostConf,
                host_cores: int | None = None) -> DispatchCost:  # fmt: skip
     """Any dispatch mode of ``harness.ray.dispatch`` on ``layout`` with a chunk of ``spec``."""
-    from harness.model.predict import predicted_cross_bytes, price_strategy
-
     nbytes = spec.tensor_bytes + spec.non_tensor_bytes
     kind, _, rest = mode.partition(":")
     if kind == "all_ranks":
@@ -242,8 +242,6 @@ def price_mode(mode: str, layout, spec, cluster: ClusterConf, ray: RayCostConf,
     pred = price_strategy(rest, layout, spec, cluster)
     cross = 0.0
     if layout.world_size <= 4096:  # the plan walk is O(ranks); the example asks for time only
-        import strategies
-
         plan = strategies.get_class(rest).plan(layout, spec)
         cross = float(predicted_cross_bytes(plan, cluster.gpus_per_node))
     return price_leader(layout, nbytes, cluster, ray, rest, pred.total_s, cross, host_cores)

@@ -29,54 +29,17 @@ import numpy as np
 import torch
 
 import strategies
+from harness.cluster.launch import link_counter
+from harness.ray.modes import ALL_RANKS, FLOORS, LEADER, Mode
 from harness.run import payloads
 from harness.run.records import vs_floor
 from harness.run.verify import VerificationError, compare, digest, tensor_digest
 from harness.run.world import WorldError
 from strategies import DataProto
 from strategies.core.layout import Layout
+from strategies.floor import raw_parts
 
 SCOPE = "dispatch+broadcast"
-LEADER, ALL_RANKS = "leader", "all_ranks"
-FLOORS = {LEADER: "leader:floor", ALL_RANKS: "all_ranks:raw"}
-
-
-@dataclass(frozen=True)
-class Mode:
-    """One way to get the chunks to the ranks, parsed from ``leader:<strategy>`` or
-    ``all_ranks[:raw]``."""
-
-    kind: str
-    """``leader`` or ``all_ranks``."""
-    strategy: str | None = None
-    """The broadcast strategy after a leader dispatch (``floor`` for the raw floor)."""
-    raw: bool = False
-    """True for a floor: the same bytes as one flat uint8 array, no DataProto."""
-
-    @property
-    def name(self) -> str:
-        if self.kind == LEADER:
-            return f"{LEADER}:{self.strategy}"
-        return FLOORS[ALL_RANKS] if self.raw else ALL_RANKS
-
-    @classmethod
-    def parse(cls, text: str) -> Mode:
-        kind, _, rest = text.strip().partition(":")
-        if kind == LEADER:
-            if rest == "floor":
-                return cls(LEADER, "floor", raw=True)
-            if rest not in strategies.names():
-                raise ValueError(
-                    f"dispatch mode {text!r}: unknown strategy {rest!r}; after 'leader:' name one "
-                    f"of {sorted(strategies.names())} or 'floor'"
-                )
-            return cls(LEADER, rest)
-        if kind == ALL_RANKS and rest in ("", "raw"):
-            return cls(ALL_RANKS, raw=rest == "raw")
-        raise ValueError(
-            f"dispatch mode {text!r}: expected 'leader:<strategy>', 'leader:floor', 'all_ranks' "
-            "or 'all_ranks:raw'"
-        )
 
 
 @dataclass(frozen=True)
@@ -136,8 +99,6 @@ def chunk(batch: DataProto, dp: int) -> list[DataProto]:
 def flat_bytes(chunk_: DataProto) -> np.ndarray:
     """The floor's bytes of one chunk as one array (``strategies.floor.raw_parts``: exactly
     what the floor's receivers are sized for)."""
-    from strategies.floor import raw_parts
-
     parts = raw_parts(chunk_)
     return torch.cat(parts).numpy() if parts else np.empty(0, dtype=np.uint8)
 
@@ -315,8 +276,6 @@ def _verify(drv: _Driver, mode: Mode, out: list) -> list[str]:
 def _link_bytes(world, drv: _Driver, modes: list[Mode]) -> dict[str, float]:
     """Node-link bytes per call of each mode on an emulated cluster (untimed back-to-back
     calls between two reads of the links' counters); {} elsewhere."""
-    from harness.cluster.launch import link_counter
-
     read = link_counter()
     if read is None or drv.spec.link_bytes_calls <= 0:
         return {}

@@ -25,8 +25,10 @@ from typing import Any, Literal
 import psutil
 
 from harness import paths
+from harness.cluster.launch import LINKS_ENV, link_counter
 from harness.ray import reaper
 from harness.ray.netns import PrivateNetwork
+from harness.run.world import RankContext, _device_for, rendezvous_store, where
 from harness.run.worlds import WorldError, group_by_node
 
 NODE_RESOURCE = "bcb_node"
@@ -211,8 +213,6 @@ class RankActor:
         is: inside a collective or outside any)."""
         import sys
 
-        from harness.run.world import where
-
         frame = sys._current_frames().get(self._task_thread) if self._task_thread else None
         stack = where(frame) if frame is not None else "idle"
         return self.board.phase, time.monotonic() - self.board.since, stack
@@ -238,8 +238,6 @@ class RankActor:
         this rank's own ``GLOO_SOCKET_IFNAME`` (its rail), over the actors' common one."""
         import torch.distributed as dist
 
-        from harness.run.world import RankContext, _device_for, rendezvous_store
-
         os.environ.update(
             RANK=str(self.rank),
             WORLD_SIZE=str(self.world_size),
@@ -258,7 +256,6 @@ class RankActor:
             world_size=self.world_size,
             timeout=timeout,
         )
-        from harness.cluster.launch import link_counter
 
         # None off an emulated cluster; there, the rank-side job counts link bytes with it.
         counter = link_counter()
@@ -345,7 +342,6 @@ class RayWorld:
         elif self.conf.address == "local" and not self.conf.socket_ifname:
             # A private cluster is this machine alone: gloo's pairs stay on loopback.
             env["GLOO_SOCKET_IFNAME"] = "lo"
-        from harness.cluster.launch import LINKS_ENV
 
         if os.environ.get(LINKS_ENV):  # the emulated cluster's link counters, for the ranks
             env[LINKS_ENV] = os.environ[LINKS_ENV]

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.files import write_csv
+from harness.errors import USAGE_EXIT
+from harness.files import MODE, write_csv
 
 COLUMNS = [
     "status", "scope", "strategy", "mode", "layout", "world_size", "dp", "pp", "tp", "cp", "payload", "workload", "batch_size",
@@ -97,8 +98,6 @@ def recover(root: Path | str) -> tuple[list[Path], list[Path]]:
     """Each unfinished write that holds a whole record (it was flushed before the rename
     that did not happen) renamed into place and made readable; the rest left as they are.
     Returns (recovered records, temporaries left)."""
-    from harness.files import MODE
-
     recovered, left = [], []
     for tmp in unfinished_writes(root):
         try:
@@ -116,7 +115,6 @@ def recover(root: Path | str) -> tuple[list[Path], list[Path]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from harness.errors import USAGE_EXIT
 
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].replace("``", ""))
     ap.add_argument("root", help="a run or sweep directory (every result.json below it)")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.files import write_atomic
-from harness.report.figures import save_figures
+from harness.files import write_atomic, write_figure
+from harness.report.figures import RAY_FIGURE, dispatch_frame, plot_ray_dispatch, save_figures
 from harness.report.tables import (
     BASELINE,
     RSS_GROWTH,
@@ -528,8 +528,6 @@ def _ray_winner(modes: dict[str, float]) -> str:
 def ray_dispatch_markdown(records: list[dict]) -> str:
     """The measured table (p50, cross-node MB, the model's figure and its error) and, per
     layout, cluster and payload, which of all_ranks and leader + broadcast wins."""
-    from harness.report.figures import dispatch_frame
-
     df = dispatch_frame(records)
     model = _ray_model(records)
     rows, wins = [], []
@@ -554,13 +552,14 @@ def _ray_model(records: list[dict]) -> dict:
     """{(panel, payload, mode): (model ms, error)} from harness.model.ray_dispatch; {} when the
     Ray costs are not calibrated."""
     try:
+        # Here, for Ray records only: pricing them builds payloads (torch); a report of
+        # broadcast records imports neither.
         from harness.model.ray_dispatch import load_ray_costs
         from harness.report.ray_model import compare
 
         ray = load_ray_costs()
     except Exception:
         return {}
-    from harness.report.figures import dispatch_frame
 
     panels = dispatch_frame(records)[["panel", "payload_bytes", "mode"]]
     rows = compare(records, ray)
@@ -572,9 +571,6 @@ def _ray_model(records: list[dict]) -> dict:
 
 def write_ray_report(root: Path | str) -> Path:
     """``ray_report.md`` and the Ray figure for the dispatch records under ``root``."""
-    from harness.files import write_figure
-    from harness.report.figures import RAY_FIGURE, plot_ray_dispatch
-
     root = Path(root)
     records = load_dispatch_records(root)
     if not records:

@@ -55,7 +55,6 @@ def compare(records: list[dict], ray: RayCostConf) -> list[dict]:
 
 def format_compare(rows: list[dict]) -> str:
     """The per-cell table and the median absolute error."""
-
     lines = [
         f"{'cluster':<16}{'layout':<22}{'MiB':>7}  {'mode':<26}{'measured ms':>12}"
         f"{'model ms':>10}{'error':>8}{'MB crossed':>12}{'model MB':>10}"

@@ -14,8 +14,11 @@ from omegaconf import MISSING, OmegaConf
 
 import strategies
 from harness.cluster.netns import EmulateConf
-from harness.ray.world import RayConf
-from harness.run import payloads
+from harness.paths import CONF_DIR
+from harness.ray.modes import LEADER, Mode
+from harness.ray.world import RayConf, RayUnavailable, import_ray
+from harness.run import payloads, recorded, schema, workload
+from harness.run.records import layout_name
 from strategies.core.layout import Layout, LayoutError
 
 
@@ -185,8 +188,6 @@ def shape_name(layout_node) -> str:
     (``layout=tp2pp2 layout.tp=8 layout.pp=8`` is ``tp8pp8``, not the preset's name). A layout
     that is not valid yet names itself ``invalid-layout``; ``validate`` says why before
     anything is written there."""
-    from harness.run.records import layout_name
-
     try:
         return layout_name(Layout(**OmegaConf.to_container(layout_node, resolve=True)))
     except (LayoutError, TypeError, ValueError):
@@ -206,8 +207,6 @@ def _register_installed_strategies(cs: ConfigStore) -> None:
     """``strategy=<name>`` for every registered strategy without a YAML entry (those installed
     through the ``bcastbench.strategies`` entry point): Hydra finds config-group options in the
     ConfigStore as in ``conf/strategy/``."""
-    from harness.paths import CONF_DIR
-
     for name in strategies.names(include_floor=True):
         if not (CONF_DIR / "strategy" / f"{name}.yaml").exists():
             cs.store(group="strategy", name=name, node=StrategyConf(name=name))
@@ -338,8 +337,6 @@ def _seq_lens(cfg, work) -> list[tuple[str, int]]:
 def workload_of(cfg, layout: Layout, seq_len: int | None):
     """The job's ``harness.run.workload.Workload`` (``seq_len``: the job's own, the
     recording's for a recorded payload); ConfigError, one line, for a bad one."""
-    from harness.run import workload
-
     node = OmegaConf.to_container(cfg.payload, resolve=True)
     problem = None
     try:
@@ -355,8 +352,6 @@ def _validate_recorded(payload, batch_size: int) -> None:
     workload): a recording is read once here (a
     schema checked whole and one row replayed), so a bad file stops the job before any rank
     starts."""
-    from harness.run import recorded, schema
-
     if not payload.get("path"):
         raise ConfigError(f"payload.path: payload={payload.name} needs payload.path=<file>")
     max_bytes = payload.get("max_bytes")
@@ -407,8 +402,6 @@ def ray_conf(cfg) -> RayConf:
 def _validate_ray(cfg, joined: bool) -> None:
     """``world=ray`` and ``ray.dispatch``: the values, where they can run, and Ray itself,
     checked before any cluster starts."""
-    from harness.ray.world import RayUnavailable, import_ray
-
     if cfg.world not in ("forked", "ray"):
         raise ConfigError(f"world must be forked or ray, got {cfg.world!r}")
     try:
@@ -434,7 +427,6 @@ def _validate_ray(cfg, joined: bool) -> None:
 
 
 def _validate_dispatch(cfg) -> None:
-    from harness.ray.dispatch import LEADER, Mode
 
     if cfg.payload.name not in payloads.PAYLOADS:
         raise ConfigError(

@@ -34,10 +34,14 @@ from dataclasses import astuple, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness.cluster.netns import EmulateConf
+from harness.ray.dispatch import DispatchSpec, run_dispatch
+from harness.run.config import ray_conf
+from harness.run.records import build_dispatch, layout_name
+from harness.run.runner import run_job_on_rank
 from harness.run.worlds import REGISTRY, Reused, World
 
-if TYPE_CHECKING:  # annotations only: both import more than choosing a world needs
-    from harness.cluster.netns import EmulateConf
+if TYPE_CHECKING:  # an annotation only; the Ray world is imported when one is opened
     from harness.ray.world import RayConf
 
 FORKED, JOINED, EMULATED, RAY = "forked", "joined", "emulated", "ray"
@@ -180,13 +184,9 @@ def world_spec(cfg, layout, launch: Launch, out_dir: Path | None = None) -> Worl
     """The ``WorldSpec`` of a validated job config on ``launch``'s world."""
     extra: dict[str, Any] = {}
     if launch.kind == RAY:
-        from harness.run.config import ray_conf
-
         extra["ray"] = ray_conf(cfg)
     if launch.kind == EMULATED:
         from omegaconf import OmegaConf
-
-        from harness.cluster.netns import EmulateConf
 
         conf = OmegaConf.to_object(cfg.emulate) if OmegaConf.is_config(cfg.emulate) else cfg.emulate
         if not isinstance(conf, EmulateConf):  # a job config composed without the schema
@@ -199,13 +199,13 @@ def world_spec(cfg, layout, launch: Launch, out_dir: Path | None = None) -> Worl
 
 
 def _forked(spec: WorldSpec) -> World:
-    from harness.run.world import ForkedWorld
+    from harness.run.world import ForkedWorld  # imported when opened: it imports this module
 
     return ForkedWorld(spec.world_size, spec.backend, spec.device, spec.timeout_s)
 
 
 def _joined(spec: WorldSpec) -> World:
-    from harness.run.joined import JoinedWorld
+    from harness.run.joined import JoinedWorld  # imported when opened: it imports this module
 
     atexit.unregister(leave_joined)  # once, however many times a process joins
     atexit.register(leave_joined)
@@ -213,13 +213,13 @@ def _joined(spec: WorldSpec) -> World:
 
 
 def _ray(spec: WorldSpec) -> World:
-    from harness.ray.world import RayWorld
+    from harness.ray.world import RayWorld  # imported when opened: it imports this module
 
     return RayWorld(spec.world_size, replace(spec.ray, dispatch="none"))
 
 
 def _emulated(spec: WorldSpec) -> World:
-    from harness.cluster.launch import EmulatedWorld
+    from harness.cluster.launch import EmulatedWorld  # imported when opened: it imports this module
 
     return EmulatedWorld(
         spec.emulate, spec.world_size, spec.log_dir, spec.timeout_s, spec.backend, spec.device
@@ -278,9 +278,6 @@ def run_job(world: World, spec, timeout_s: float) -> Ran | None:
     """Run the job ``spec`` (a ``runner.JobSpec``) on ``world``: the rank-side job on every
     rank, or (``ray.dispatch``) dispatch from the driver's global batch. None on a joined
     world's ranks other than 0."""
-    from harness.run.records import layout_name
-    from harness.run.runner import run_job_on_rank
-
     start_s, world.start_s = world.start_s, 0.0  # paid once; later jobs on it started nothing
     if spec.dispatch != "none":
         return _run_dispatch(world, spec, timeout_s, start_s)
@@ -291,9 +288,6 @@ def run_job(world: World, spec, timeout_s: float) -> Ran | None:
 
 def _run_dispatch(world: World, spec, timeout_s: float, start_s: float) -> Ran:
     """Ray dispatch (``harness.ray.dispatch.run_dispatch``) on a Ray world."""
-    from harness.ray.dispatch import DispatchSpec, run_dispatch
-    from harness.run.records import build_dispatch
-
     mode = f"leader:{spec.strategy}" if spec.dispatch == "leader" else "all_ranks"
     fields = ("payload", "batch_size", "seq_len", "broadcast_non_tensor", "seed", "iters")
     dispatch = DispatchSpec(

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from harness.run import recorded, schema
 from strategies import NON_TENSOR_FLAG, DataProto
 
 VOCAB = 151_936  # Qwen2's vocabulary, as in ROLL's and verl's examples
@@ -123,8 +124,6 @@ def recorded_seq_len(
 ) -> int | None:
     """The tokens per row of a recorded payload as its batch has them (``payload.seq_len`` does
     not apply to one): a recording's widest 2-D leaf, a schema's from one replayed row."""
-    from harness.run import recorded
-
     return recorded.seq_len_of(make(name, 1, 1, seed, None, path, trust, max_bytes))
 
 
@@ -134,8 +133,6 @@ def path_of(name: str, path: str | None) -> str | None:
     if name not in RECORDED or not path:
         return None
     from pathlib import Path
-
-    from harness.run import schema
 
     resolved = schema.resolve(path) if name == "schema" else Path(path).expanduser()
     return str(resolved.resolve())
@@ -154,12 +151,8 @@ def make(
     """The batch a replica leader holds: generated, or read from ``path`` (payload=file,
     payload=schema) within ``max_bytes`` (None: the loader's default limit)."""
     if name == "file":
-        from harness.run import recorded
-
         return recorded.make(path, batch_size, trust, broadcast_non_tensor, max_bytes)
     if name == "schema":
-        from harness.run import schema
-
         return schema.make(path, batch_size, seed, broadcast_non_tensor, max_bytes)
     try:
         fn = PAYLOADS[name]

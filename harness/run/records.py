@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from harness import files, paths
+from harness.ray.modes import FLOORS, LEADER
 from harness.units import human_bytes
 from strategies.core.layout import DEFAULT_ORDER
 
@@ -254,8 +255,6 @@ def build_dispatch(spec, timed: dict, world_start_s: float = 0.0) -> dict:
     """The record of a dispatch job from ``harness.ray.dispatch.run_dispatch``'s record: the
     job's mode flat (p50, its raw floor, vs_floor) and every mode measured in the job under
     ``modes``, the shape the Ray report reads."""
-    from harness.ray.dispatch import FLOORS, LEADER
-
     mode = f"{LEADER}:{spec.strategy}" if spec.dispatch == LEADER else "all_ranks"
     job = _job_fields(spec)
     if mode not in timed["modes"]:  # the leader's strategy refused the layout

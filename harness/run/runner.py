@@ -22,6 +22,7 @@ from harness.run.verify import VerificationError, compare, digest, tensor_digest
 from harness.run.workload import CallShape, Workload, constant
 from strategies.core.layout import Layout
 from strategies.core.trace import Recorder
+from strategies.floor import Floor, raw_parts
 
 
 @dataclass(frozen=True)
@@ -236,8 +237,6 @@ def _order(spec: JobSpec) -> tuple[list[str], dict[str, dict]]:
     """The strategy under test, then its references; a ``floor`` reference stands for every
     raw method the layout allows (``Floor.variants``: ``floor`` is one broadcast, the others
     are labelled ``floor:<method>``), all timed in the same rounds so the fastest is the floor."""
-    from strategies.floor import Floor
-
     options = {spec.strategy: dict(spec.options)}
     for name in spec.references:
         if name == "floor" and spec.strategy != "floor":
@@ -434,8 +433,6 @@ def _link_bytes_phase(ctx, spec: JobSpec, job: Prepared, counter) -> dict[str, f
 
 def _payload_bytes(full) -> int:
     """What the floor sends (``strategies.floor.raw_parts``)."""
-    from strategies.floor import raw_parts
-
     return sum(p.numel() for p in raw_parts(full))
 
 

@@ -17,13 +17,12 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from harness import paths
+from harness.errors import one_line
 from harness.run.config import ConfigError, register, validate
 
 
 def describe(exc: BaseException) -> str:
     """An error from composing or checking a config, as one line."""
-    from harness.errors import one_line
-
     return one_line(exc)
 
 

@@ -17,6 +17,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, is_tensor_coll
 
 from strategies.core.completion import Replay, distinct_groups, marks, posted_since
 from strategies.core.groups import MegatronView, check_order, derive_replicas
+from strategies.core.layout import Layout
 from strategies.core.trace import WORK
 
 NON_TENSOR_FLAG = "_broadcast_non_tensor_batch"
@@ -533,7 +534,6 @@ def _megatron_view(ps, rank: int) -> MegatronView:
 
 
 def _check_against_order(order: str, views, replicas) -> None:
-    from strategies.core.layout import Layout
 
     v = views[0]
     cp = len(v.cp)

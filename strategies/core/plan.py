@@ -10,6 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from strategies.core.contract import wants_non_tensor
+from strategies.core.header_format import encode_header
+from strategies.core.packer import layout_entries
+from strategies.core.parts import encode_non_tensor, message_parts, nbytes_of
+
 CommKind = Literal["broadcast", "scatter", "all_gather"]
 
 
@@ -116,11 +121,6 @@ def spec_of(dp) -> PayloadSpec:
     """The exact PayloadSpec of a leader's DataProto (header size as ``encode_header`` writes it, with
     its 64-byte leaf padding folded in; pickle size measured)."""
     import pickle
-
-    from strategies.core.contract import wants_non_tensor
-    from strategies.core.header_format import encode_header
-    from strategies.core.packer import layout_entries
-    from strategies.core.parts import encode_non_tensor, message_parts, nbytes_of
 
     # A jagged leaf counts as its parts and a non-tensor leaf as its pickle (the packed message).
     leaves = [(key, t) for key, _, _, t in message_parts(dp.batch)]
