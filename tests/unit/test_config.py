@@ -123,6 +123,21 @@ def test_named_sweeps_expand_every_selectable_strategy():
     assert (bench.iters, bench.warmup, bench.payload.seq_len) == (8, 2, 512)
 
 
+def test_the_real_step_sweep_is_a_varying_workload_on_uneven_replicas():
+    """conf/sweep/real_step.yaml: every selectable strategy on tp2pp2dp2, each call padded to
+    its own seq_len and the two replicas handed a drawn, uneven split of the rows."""
+    import strategies
+    from harness.run.sweep import check_sweep, sweep_jobs
+
+    assert {j[1] for j in sweep_jobs(["sweep=real_step"])} == {
+        f"strategy={n}" for n in strategies.names()
+    }
+    assert check_sweep(["sweep=real_step"]) == len(strategies.names())
+    step = cfg_of("sweep=real_step", "layout=tp2pp2dp2")
+    assert step.payload.dp_split == "drawn" and step.payload.draws >= 1
+    assert len({entry["seq_len"] for entry in step.payload.cycle}) > 1
+
+
 def test_cli_exits_2_with_one_line_and_no_traceback(tmp_path):
     res = harness(
         "strategy=header", "layout=tp2cp2", "payload.seq_len=511", f"hydra.run.dir={tmp_path}"
