@@ -1,13 +1,8 @@
 """The cost model's price of Ray dispatch: from "the driver holds the global batch" to "every
 rank holds its chunk", for ``all_ranks`` (one object per replica, every rank gets it) and
 ``leader`` (the object to each replica's leader, then a broadcast strategy), without running.
-
-    bcastbench ray-model [cluster=h200_ib] [ray=local]      # the 16,384-GPU answer
-    bcastbench ray-model task=validate \
-        'records=[results/reference_ray/emulated_node.json]'     # per-cell error
-
-Configured through ``conf/ray_model.yaml`` (schema ``RayModelConf``; ``cluster/`` and ``ray/``
-groups); what it prints also goes to ``ray_model_<task>.json`` in the Hydra job's directory.
+``bcastbench ray-model`` (``harness.commands.ray_model``) asks it the 16,384-GPU question and
+sets it beside measured records (``harness.report.ray_model``).
 
 One call is priced as the sum of its phases, as ``harness.ray.dispatch`` runs them:
 
