@@ -50,10 +50,35 @@ def _scratch_for_other_ranks(argv: list[str]) -> list[str]:
     return [*argv, f"hydra.run.dir={scratch}", "hydra.output_subdir=null", "hydra/job_logging=none"]
 
 
+HYDRA_MODES = {
+    "-r": "--run", "--run": "--run", "-m": "--multirun", "--multirun": "--multirun",
+    "-c": "--cfg", "--cfg": "--cfg", "-i": "--info", "--info": "--info",
+    "-sc": "--shell-completion", "--shell-completion": "--shell-completion",
+}  # fmt: skip
+"""Hydra's mutually exclusive modes, by every spelling of their flag."""
+
+
+def _modes_clash(argv: list[str]) -> str | None:
+    """What is wrong when ``argv`` asks Hydra for more than one mode (it would raise a bare
+    ValueError with its stack), else None."""
+    given = sorted(
+        {HYDRA_MODES[a.split("=", 1)[0]] for a in argv if a.split("=", 1)[0] in HYDRA_MODES}
+    )
+    if len(given) < 2:
+        return None
+    return (
+        f"{' and '.join(given)} given together; a command runs one of --run, --multirun, "
+        "--cfg, --info, --shell-completion (one job's config: drop -m and add --cfg job)"
+    )
+
+
 def run(argv: list[str]) -> int:
     """``bcastbench run``: the Hydra job app, with errors turned into one line and an exit
     status (``HYDRA_FULL_ERROR`` makes Hydra hand its exceptions to us instead of printing
     them with a stack)."""
+    clash = _modes_clash(argv)
+    if clash is not None:
+        return usage_error("bcastbench", ValueError(clash))
     quiet_megatron()
 
     register()

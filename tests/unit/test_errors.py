@@ -59,3 +59,17 @@ def test_cost_model_errors_name_the_program_as_called(via_cli, capsys, monkeypat
     assert status == 2 and len(err.splitlines()) == 1, err
     prog = "bcastbench predict" if via_cli else "python -m harness.commands.predict"
     assert err.startswith(f"{prog}: error: "), err
+
+
+@pytest.mark.parametrize(
+    "modes", [["-m", "--cfg", "job"], ["--multirun", "-c", "job"], ["-m", "--info"]]
+)
+def test_two_hydra_modes_are_one_line_and_exit_2(modes, capsys):
+    """Hydra refuses a sweep with --cfg (or --info) by raising a bare ValueError with its stack;
+    the command says what clashes in one line, before anything is composed."""
+    from harness.commands import cli
+
+    status = cli.main([*modes, "strategy=header,flat"])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("bcastbench: error: ") and "given together" in err
