@@ -25,7 +25,14 @@ from harness.ray.dispatch import DispatchSpec, run_dispatch
 from harness.ray.modes import ALL_RANKS, FLOORS
 from harness.ray.world import RayConf, RayUnavailable, import_ray
 from harness.run import launch, payloads
-from harness.run.config import ConfigError, LayoutConf, PayloadConf, RayNode, layout_of
+from harness.run.config import (
+    ConfigError,
+    LayoutConf,
+    PayloadConf,
+    RayNode,
+    check_size,
+    layout_of,
+)
 
 # -- command line --------------------------------------------------------------------------
 MODULE = "harness.commands.ray_dispatch"
@@ -126,6 +133,9 @@ def check(cfg) -> None:
         value = OmegaConf.select(cfg, key)
         if value < least:
             raise ConfigError(f"{key} must be >= {least}, got {value}")
+    p, dp = cfg.payload, layout_of(cfg).dp
+    # The driver builds the global batch of every replica: dp × batch_size rows.
+    check_size(p.name, int(p.batch_size) * dp, int(p.seq_len), p.get("max_bytes"), "the driver")
     try:
         spec_of_job(cfg).parsed_modes()
         conf = ray_conf(cfg)

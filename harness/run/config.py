@@ -19,6 +19,7 @@ from harness.ray.modes import LEADER, Mode
 from harness.ray.world import RayConf, RayUnavailable, import_ray
 from harness.run import payloads, recorded, schema, workload
 from harness.run.records import layout_name
+from harness.units import human_bytes
 from strategies.core.layout import Layout, LayoutError
 
 
@@ -101,10 +102,10 @@ class PayloadConf:
     trust: bool = False
     """payload=file: allow arbitrary unpickling (only for a file you trust)."""
     max_bytes: int | None = None
-    """payload=file | schema: the most bytes the recording, or the batch of batch_size rows it
-    gives, may take; checked from the file's sizes and the schema's shapes before anything is
-    allocated. null: a quarter of this machine's physical memory
-    (``harness.run.recorded.default_max_bytes``)."""
+    """The most bytes one leader's batch may take in any call: a generated payload's from its
+    shapes (``harness.run.payloads.payload_bytes``), a recording's or a schema's from the
+    file's sizes and shapes, all checked before anything is allocated. null: a quarter of
+    this machine's physical memory (``harness.run.recorded.default_max_bytes``)."""
     cycle: Any = None
     """Overrides of batch_size and seq_len (seq_len not for a recorded payload) cycled call
     by call, e.g. ``[{batch_size: 768}, {batch_size: 3}]``; the floor and pickled are timed on
@@ -307,10 +308,15 @@ def _validate_payload(cfg, layout: Layout) -> None:
         value = cfg.payload[key]
         if value < 1:
             raise ConfigError(f"payload.{key} must be positive, got {value}")
+    max_bytes = cfg.payload.get("max_bytes")
+    if max_bytes is not None and (isinstance(max_bytes, bool) or max_bytes < 1):
+        raise ConfigError(f"payload.max_bytes must be a positive integer or null, got {max_bytes}")
     recorded = cfg.payload.name in payloads.RECORDED
     work = workload_of(cfg, layout, None if recorded else int(cfg.payload.seq_len))
     if recorded:
         _validate_recorded(cfg.payload, max(s.batch_size for s in work.period))
+    else:
+        _validate_generated_size(cfg.payload, work)
     if cfg.steady_iters < 0:
         raise ConfigError(f"steady_iters must be >= 0, got {cfg.steady_iters}")
     step = 2 * layout.cp
@@ -355,8 +361,6 @@ def _validate_recorded(payload, batch_size: int) -> None:
     if not payload.get("path"):
         raise ConfigError(f"payload.path: payload={payload.name} needs payload.path=<file>")
     max_bytes = payload.get("max_bytes")
-    if max_bytes is not None and (isinstance(max_bytes, bool) or max_bytes < 1):
-        raise ConfigError(f"payload.max_bytes must be a positive integer or null, got {max_bytes}")
     problem = None
     try:
         if payload.name == "schema":
@@ -369,6 +373,31 @@ def _validate_recorded(payload, batch_size: int) -> None:
         problem = str(exc)  # raised below, outside the except: one line, no context
     if problem is not None:
         raise ConfigError(problem)
+
+
+def _validate_generated_size(payload, work) -> None:
+    """Every shape the workload moves fits ``payload.max_bytes`` on its largest leader."""
+    for shape in dict.fromkeys(work.period):
+        seq_len = int(payload.seq_len) if shape.seq_len is None else shape.seq_len
+        check_size(payload.name, shape.batch_size, seq_len, payload.get("max_bytes"))
+
+
+def check_size(
+    name: str, rows: int, seq_len: int, max_bytes: int | None, holder: str = "a replica leader"
+) -> None:
+    """A generated batch of ``rows`` × ``seq_len`` fits ``max_bytes`` (None: a quarter of this
+    machine's memory) on ``holder``, priced from the shapes alone: 10**12 rows are refused in
+    one line instead of failing to allocate petabytes on every rank."""
+    limit = recorded.default_max_bytes() if max_bytes is None else int(max_bytes)
+    need = payloads.payload_bytes(name, rows, seq_len)
+    if need > limit:
+        where = "set" if max_bytes is not None else "a quarter of this machine's memory"
+        raise ConfigError(
+            f"payload {name} of {rows} rows × {seq_len} tokens takes {need} bytes "
+            f"({human_bytes(need)}) on {holder} > payload.max_bytes = {limit} "
+            f"({human_bytes(limit)}; {where}); lower batch_size or seq_len (or the cycle entry "
+            "that sets them), or raise payload.max_bytes"
+        )
 
 
 def _validate_backend(cfg, layout: Layout) -> None:

@@ -8,6 +8,7 @@ import sys
 import pytest
 from cli_support import REPO, cfg_of, harness
 
+from harness.run import payloads
 from harness.run.config import ConfigError, validate
 
 
@@ -28,6 +29,12 @@ from harness.run.config import ConfigError, validate
         (["references=[floor,nope]"], "unknown reference strategy 'nope'"),
         (["fault.kind=explode"], "fault.kind must be crash or hang"),
         (["layout.order=tp-pp-xx"], "unknown axes ['xx']"),
+        # A size claim no machine can hold is priced from the shapes, never allocated.
+        (["payload.batch_size=1000000000000"], "takes 47424000000000000 bytes (42 PiB)"),
+        (["payload.seq_len=10000000000"], "of 8 rows × 10000000000 tokens takes"),
+        (["payload.cycle=[{batch_size:2},{batch_size:99999999999}]"], "of 99999999999 rows"),
+        (["payload.max_bytes=1000", "payload.batch_size=2"], "> payload.max_bytes = 1000"),
+        (["payload.max_bytes=0"], "payload.max_bytes must be a positive integer or null"),
     ],
 )
 def test_validation_errors(overrides, message):
@@ -175,3 +182,18 @@ def test_a_world_of_more_than_two_ranks_per_cpu_is_warned_about_once(caplog, mon
         app._warn_oversubscribed(Layout(tp=8, pp=8))
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "64 ranks on 2 CPUs (32 ranks per CPU)" in warning
+
+
+@pytest.mark.parametrize("name", ["rl_rollout", "pretrain", "multimodal"])
+@pytest.mark.parametrize("rows,seq_len", [(1, 2), (3, 1024), (7, 130), (2, 6)])
+def test_a_generated_payload_is_priced_exactly_before_it_is_made(name, rows, seq_len):
+    """The bound config.validate checks is the generator's own size: tensors to the byte, the
+    text columns never above their per-row allowance."""
+
+    batch = payloads.make(name, rows, seq_len, seed=5)
+    tensors = sum(v.numel() * v.element_size() for v in batch.batch.values())
+    text = sum(len(str(x).encode()) for col in batch.non_tensor_batch.values() for x in col)
+    priced = payloads.payload_bytes(name, rows, seq_len)
+    allowance = rows * payloads.TEXT_BYTES_PER_ROW if batch.non_tensor_batch else 0
+    assert priced == tensors + allowance
+    assert text <= allowance
