@@ -13,10 +13,14 @@ from __future__ import annotations
 import atexit
 import ctypes
 import datetime
+import faulthandler
+import gc
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -149,6 +153,10 @@ class RankContext:
             ps.destroy_model_parallel()
         for group in self.cache.pop(("owned_groups", None), []):
             dist.destroy_process_group(group)
+        # Whatever still refers to the old groups in a reference cycle is freed here, at the
+        # same point of every rank's program, rather than by a collection that an allocation
+        # triggers at a different moment on each rank, in the middle of the next collective.
+        gc.collect()
 
 
 def _keep_only(groups, made: list) -> list:
@@ -217,9 +225,12 @@ def _worker(
     conns: list[Connection],
     status_conns: list[Connection],
     board: PhaseBoard | None = None,
+    stacks: str | None = None,
 ) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver owns Ctrl-C and kills us
+    if stacks is not None:
+        _dump_stacks_on_signal(os.path.join(stacks, f"rank{local_rank}.txt"))
     conn = conns[local_rank]
     for c in conns + status_conns:
         if c not in (conn, status_conns[local_rank]):
@@ -310,6 +321,18 @@ def where(frame) -> str:
     return f"outside any collective, at {stack[0].f_code.co_name} (from {at})"
 
 
+STACK_SIGNAL = signal.SIGUSR1
+"""Asks a forked rank to write every thread's Python stack to its file (``faulthandler``)."""
+
+
+def _dump_stacks_on_signal(path: str) -> None:
+    """On ``STACK_SIGNAL``, write every thread's Python stack to ``path``. faulthandler writes
+    from the signal handler without the GIL, so this names where a rank is even when its main
+    thread holds the GIL in native code and the status thread cannot answer."""
+    stream = open(path, "w")  # noqa: SIM115 - held open for the life of the rank
+    faulthandler.register(STACK_SIGNAL, file=stream, all_threads=True)
+
+
 def _answer_status(conn: Connection, main_ident: int) -> None:
     """A daemon thread that tells the driver where the main thread is, even when it is stuck."""
 
@@ -369,6 +392,7 @@ class ForkedWorld:
         self._conns: list[Connection] = []
         self._last: dict[int, tuple[int, str]] = {}
         self._board: PhaseBoard | None = None
+        self._stacks: str | None = None
         self._job = 0
         self.start_s = 0.0
 
@@ -384,6 +408,7 @@ class ForkedWorld:
         children = [b for _, b in pairs]
         status_children = [b for _, b in status]
         self._board = PhaseBoard(mp, self.world_size)
+        self._stacks = tempfile.mkdtemp(prefix="bcastbench-stacks-")
         # Gloo's own timeout sits past ours, so the driver names the hung rank first.
         self._ctx = tmp.start_processes(
             _worker,
@@ -396,6 +421,7 @@ class ForkedWorld:
                 children,
                 status_children,
                 self._board,
+                self._stacks,
             ),
             nprocs=self.world_size,
             join=False,
@@ -439,6 +465,9 @@ class ForkedWorld:
             p.join(5)
         for c in self._conns + self._status:
             c.close()
+        if self._stacks is not None:
+            shutil.rmtree(self._stacks, ignore_errors=True)
+            self._stacks = None
         self._ctx = None
         _LIVE.discard(self)
 
@@ -482,10 +511,35 @@ class ForkedWorld:
             try:
                 self._status[r].send("?")
                 # Generous: on an overloaded machine a status thread can wait seconds for the GIL.
-                out[r] = self._status[r].recv() if self._status[r].poll(10.0) else "no answer"
+                out[r] = self._status[r].recv() if self._status[r].poll(10.0) else None
             except (OSError, EOFError):
                 out[r] = "no answer (process gone)"
+            if out[r] is None:
+                out[r] = "no answer from its status thread (its main thread holds the GIL)"
         return out
+
+    def _stacks_of(self, ranks: list[int]) -> str:
+        """Every thread's Python stack of each of ``ranks``, as its faulthandler writes them on
+        ``STACK_SIGNAL``: where a rank is whose status thread cannot get the GIL."""
+        out = []
+        for rank in ranks:
+            text = ""
+            try:
+                os.kill(self._ctx.processes[rank].pid, STACK_SIGNAL)
+                path = os.path.join(self._stacks or "", f"rank{rank}.txt")
+                deadline = time.monotonic() + 3.0
+                while time.monotonic() < deadline:  # until the dump stops growing
+                    time.sleep(0.2)
+                    with open(path, errors="replace") as f:
+                        now = f.read()
+                    if now and now == text:
+                        break
+                    text = now
+            except (OSError, AttributeError):
+                pass
+            if text.strip():
+                out.append(f"\n--- stacks of rank {rank} (faulthandler) ---\n{text.strip()}")
+        return "".join(out)
 
     def _collect(self, what: str, timeout_s: float) -> list[Any]:
         """Every rank's answer to the current job, in rank order; any rank's error, death or
@@ -574,11 +628,12 @@ class ForkedWorld:
         outside = [r for r in stuck if not places[r].startswith("in collective")]
         culprit = outside[0] if outside else min(stuck, key=lambda r: self._last[r][0])
         detail = "; ".join(f"rank {r}: {self._last[r][1]!r}, {places[r]}" for r in stuck)
+        stacks = self._stacks_of([r for r in stuck if places[r].startswith("no answer from")])
         self.close(kill=True)
         raise WorldError(
             f"rank {culprit} stopped responding for {timeout_s:.0f} s while "
             f"{self._last[culprit][1]!r} ({what}), {places[culprit]}; "
-            f"all unfinished ranks: {detail}; the world was torn down"
+            f"all unfinished ranks: {detail}; the world was torn down{stacks}"
         )
 
     def _raise_failed(self, answers: _Answers, what: str) -> None:

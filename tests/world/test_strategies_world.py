@@ -5,6 +5,7 @@ a corrupting strategy is caught, and bad or oversized batches fail loudly withou
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import time
 
@@ -267,6 +268,32 @@ def test_wrong_leading_dim_raises_contract_error_without_a_hang(scratch_world, n
     assert "ContractError" in first and "rank 0" in first and "batch['bad']" in first, first
     assert "expected leading dim B=3" in first, first
     assert elapsed < ERROR_TIMEOUT_S + 10, f"took {elapsed:.1f} s to surface"
+
+
+def holds_the_gil_in_native_code(ctx, seconds: int):
+    """Rank 1 sleeps in libc with the GIL held (ctypes.PyDLL keeps it), as a rank stuck in a
+    native call that never released it; rank 0 waits for it in a collective."""
+    if ctx.rank == 1:
+        ctypes.PyDLL("libc.so.6").sleep(seconds)
+    torch.distributed.barrier()
+    return "returned"
+
+
+@pytest.mark.world
+def test_a_rank_stuck_holding_the_gil_is_named_with_its_python_stack(scratch_world):
+    """Its status thread cannot answer where it is, so the driver has its faulthandler write
+    every thread's stack: the hang names the function it is stuck in."""
+    world = scratch_world()
+    t0 = time.monotonic()
+    with pytest.raises(WorldError) as err:
+        world.run(holds_the_gil_in_native_code, 60, timeout_s=ERROR_TIMEOUT_S)
+    text = str(err.value)
+    assert text.startswith("rank 1 stopped responding for 3 s"), text
+    assert "rank 1: 'holds_the_gil_in_native_code', no answer from its status thread" in text
+    assert "--- stacks of rank 1 (faulthandler) ---" in text, text
+    assert "in holds_the_gil_in_native_code" in text.split("(faulthandler) ---")[1], text
+    assert time.monotonic() - t0 < ERROR_TIMEOUT_S + 10 + 5 + 10
+    assert not world.alive
 
 
 def takes_max_bytes(name: str) -> bool:
