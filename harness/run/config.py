@@ -308,9 +308,7 @@ def _validate_payload(cfg, layout: Layout) -> None:
         value = cfg.payload[key]
         if value < 1:
             raise ConfigError(f"payload.{key} must be positive, got {value}")
-    max_bytes = cfg.payload.get("max_bytes")
-    if max_bytes is not None and (isinstance(max_bytes, bool) or max_bytes < 1):
-        raise ConfigError(f"payload.max_bytes must be a positive integer or null, got {max_bytes}")
+    _check_max_bytes(cfg.payload)
     recorded = cfg.payload.name in payloads.RECORDED
     work = workload_of(cfg, layout, None if recorded else int(cfg.payload.seq_len))
     if recorded:
@@ -360,7 +358,7 @@ def _validate_recorded(payload, batch_size: int) -> None:
     starts."""
     if not payload.get("path"):
         raise ConfigError(f"payload.path: payload={payload.name} needs payload.path=<file>")
-    max_bytes = payload.get("max_bytes")
+    max_bytes = _check_max_bytes(payload)
     problem = None
     try:
         if payload.name == "schema":
@@ -373,6 +371,14 @@ def _validate_recorded(payload, batch_size: int) -> None:
         problem = str(exc)  # raised below, outside the except: one line, no context
     if problem is not None:
         raise ConfigError(problem)
+
+
+def _check_max_bytes(payload) -> int | None:
+    """``payload.max_bytes``: a positive integer, or None for the machine's default."""
+    max_bytes = payload.get("max_bytes")
+    if max_bytes is not None and (isinstance(max_bytes, bool) or max_bytes < 1):
+        raise ConfigError(f"payload.max_bytes must be a positive integer or null, got {max_bytes}")
+    return max_bytes
 
 
 def _validate_generated_size(payload, work) -> None:
