@@ -33,13 +33,12 @@ from harness.cluster.launch import link_counter
 from harness.ray.modes import ALL_RANKS, FLOORS, LEADER, Mode
 from harness.run import payloads
 from harness.run.records import vs_floor
-from harness.run.verify import VerificationError, compare, digest, tensor_digest
+from harness.run.rounds import Scope, interleaved, timing_stats, verdict
+from harness.run.verify import compare, digest, tensor_digest
 from harness.run.world import WorldError
 from strategies import DataProto
 from strategies.core.layout import Layout
 from strategies.floor import raw_parts
-
-SCOPE = "dispatch+broadcast"
 
 
 @dataclass(frozen=True)
@@ -294,33 +293,19 @@ def run_dispatch(world, spec: DispatchSpec) -> dict:
     spec.layout.check_world(world.world_size)
     drv = _Driver.build(spec)
     modes, refused = _setup(world, drv)
-    for _ in range(spec.warmup):
-        for mode in modes:
-            _call(world, drv, mode, False)
-    times: dict[str, list[float]] = {m.name: [] for m in modes}
-    for it in range(spec.iters):
-        k = it % len(modes)
-        for mode in modes[k:] + modes[:k]:
-            times[mode.name].append(_call(world, drv, mode, False)[0])
+    by_name = {m.name: m for m in modes}
+
+    def call(name: str, it: int, timed: bool) -> float | None:
+        seconds = _call(world, drv, by_name[name], False)[0]
+        return seconds if timed else None
+
+    times = interleaved(list(by_name), spec.warmup, spec.iters, call)
     link = _link_bytes(world, drv, modes)
     problems = []
     for mode in modes:
         problems += _verify(drv, mode, _call(world, drv, mode, True)[1])
-    if problems:
-        raise VerificationError("; ".join(problems[:10]))
+    verdict(problems)
     return _record(spec, drv, modes, times, link, refused)
-
-
-def _stats(seconds: list[float]) -> dict[str, float]:
-    t = np.asarray(seconds) * 1e6
-    return {
-        "p50_us": float(np.percentile(t, 50)),
-        "p90_us": float(np.percentile(t, 90)),
-        "p99_us": float(np.percentile(t, 99)),
-        "min_us": float(t.min()),
-        "max_us": float(t.max()),
-        "mean_us": float(t.mean()),
-    }
 
 
 def _record(spec, drv, modes, times, link, refused) -> dict:
@@ -332,7 +317,7 @@ def _record(spec, drv, modes, times, link, refused) -> dict:
             "strategy": mode.strategy,
             "raw": mode.raw,
             "floor_mode": FLOORS[mode.kind],
-            **_stats(times[mode.name]),
+            **timing_stats(times[mode.name]),
             "times_s": times[mode.name],
         }
         if mode.name in link:
@@ -343,7 +328,7 @@ def _record(spec, drv, modes, times, link, refused) -> dict:
         row["vs_floors"] = {f: row["p50_us"] / p50 for f, p50 in floors.items()}
     lay = spec.layout
     return {
-        "scope": SCOPE,
+        "scope": Scope.DISPATCH.value,
         "world": "ray",
         "layout": lay.describe(),
         **{axis: getattr(lay, axis) for axis in ("dp", "pp", "tp", "cp", "order")},

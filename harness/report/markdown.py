@@ -35,6 +35,7 @@ from harness.report.tables import (
     unique_values,
     winning_floor,
 )
+from harness.run.rounds import Scope
 
 CORE_FIELDS = ("cpu_count", "cpus", "cores")
 """Record fields that may say how many cores the machine had (the first present is used)."""
@@ -482,7 +483,7 @@ def load_dispatch_records(root: Path | str) -> list[dict]:
     )
 
 
-DISPATCH_SCOPE = "dispatch+broadcast"
+DISPATCH_SCOPE = Scope.DISPATCH.value
 _SAME_RUN = ("layout", "order", "world_size", "payload", "batch_size", "seq_len", "backend")
 
 

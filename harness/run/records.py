@@ -17,6 +17,7 @@ import torch
 
 from harness import files, paths
 from harness.ray.modes import FLOORS, LEADER
+from harness.run.rounds import Scope
 from harness.units import human_bytes
 from strategies.core.layout import DEFAULT_ORDER
 
@@ -211,7 +212,7 @@ def _job_fields(spec) -> dict:
     return {
         "strategy": None if dispatch == "all_ranks" else spec.strategy,  # no strategy runs
         "options": dict(spec.options),
-        "scope": SCOPE_BROADCAST if dispatch == "none" else SCOPE_DISPATCH,
+        "scope": (Scope.BROADCAST if dispatch == "none" else Scope.DISPATCH).value,
         **({"dispatch": dispatch} if dispatch != "none" else {}),
         "world": getattr(spec, "world", "forked"),
         "backend": spec.backend,
@@ -244,11 +245,6 @@ def _workload_fields(spec) -> dict:
         "workload": workload.label,
         "dp_split": workload.dp_split,
     }
-
-
-SCOPE_BROADCAST, SCOPE_DISPATCH = "broadcast", "dispatch+broadcast"
-"""What a job's clock covers: the broadcast from a leader that holds its batch, or everything
-from the driver holding the global batch to every rank holding its chunk (Ray dispatch)."""
 
 
 def build_dispatch(spec, timed: dict, world_start_s: float = 0.0) -> dict:

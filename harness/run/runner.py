@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 import strategies
 from harness.run import payloads
-from harness.run.verify import VerificationError, compare, digest, tensor_digest
+from harness.run.rounds import interleaved, p50_us, timing_stats, verdict
+from harness.run.verify import compare, digest, tensor_digest
 from harness.run.workload import CallShape, Workload, constant
 from strategies.core.layout import Layout
 from strategies.core.trace import Recorder
@@ -247,61 +248,62 @@ def _order(spec: JobSpec) -> tuple[list[str], dict[str, dict]]:
 
 
 def timed_rounds(ctx, spec: JobSpec, job: Prepared) -> dict[str, list[float]]:
-    """Warm-up rounds, then timed rounds that interleave every strategy, every call starting
-    from ``start_line`` and who goes first rotating; each rank times itself (seconds per call).
-    Round c moves the workload's call c (warm-up rounds count first), the same shape for every
-    strategy of the round, so the floor and pickled are timed shape by shape beside it."""
-    for it in range(spec.warmup):
-        job.use(spec.shape_of_call(it))
-        _untimed_round(ctx, job, f"warm-up {it}")
-    times: dict[str, list[float]] = {name: [] for name in job.order}
-    for it in range(spec.iters):
-        job.use(spec.shape_of_call(spec.warmup + it))
-        _timed_round(ctx, spec, job, it, times, f"timed iteration {it}", fault=True)
-    return times
+    """Warm-up rounds, then timed rounds that interleave every strategy, who goes first
+    rotating (``harness.run.rounds.interleaved``), every call starting from ``start_line``;
+    each rank times itself (seconds per call). Round c moves the workload's call c (warm-up
+    rounds count first), the same shape for every strategy of the round, so the floor and
+    pickled are timed shape by shape beside it."""
+
+    def call(name: str, it: int, timed: bool) -> float | None:
+        if not timed:
+            return _untimed_call(ctx, job, name, f"warm-up {it + spec.warmup}")
+        ctx.report(f"timed iteration {it} of {name}")
+        if name == spec.strategy:
+            _fault(spec, ctx.rank, it)
+        return _timed_call(job, name)
+
+    def round_start(c: int, timed: bool) -> None:
+        job.use(spec.shape_of_call(c))
+
+    return interleaved(job.order, spec.warmup, spec.iters, call, round_start)
 
 
 def steady_rounds(ctx, spec: JobSpec, job: Prepared) -> dict[str, list[list[float]]]:
     """A varying workload's steady state: each distinct shape alone, one untimed round (the
     call after a change of shape is the sequence's cost, not the steady one) then
     ``steady_iters`` timed rounds; seconds per call, by strategy then shape."""
-    shapes = spec.distinct_shapes()
-    out: dict[str, list[list[float]]] = {name: [[] for _ in shapes] for name in job.order}
     if spec.workload is None or not spec.workload.varying or spec.steady_iters < 1:
         return {}
-    for k, shape in enumerate(shapes):
+    out: dict[str, list[list[float]]] = {name: [] for name in job.order}
+    for k, shape in enumerate(spec.distinct_shapes()):
         job.use(shape)
-        _untimed_round(ctx, job, f"steady warm-up of shape {k}")
-        times = {name: out[name][k] for name in job.order}
-        for it in range(spec.steady_iters):
-            _timed_round(ctx, spec, job, it, times, f"steady iteration {it} of shape {k}")
+
+        def call(name: str, it: int, timed: bool, k: int = k) -> float | None:
+            if not timed:
+                return _untimed_call(ctx, job, name, f"steady warm-up of shape {k}")
+            ctx.report(f"steady iteration {it} of shape {k} of {name}")
+            return _timed_call(job, name)
+
+        for name, seconds in interleaved(job.order, 1, spec.steady_iters, call).items():
+            out[name].append(seconds)
     return out
 
 
-def _untimed_round(ctx, job: Prepared, what: str) -> None:
-    for name in job.order:
-        ctx.report(f"{what} of {name}")
-        dist.barrier()
-        job.call(name)
+def _untimed_call(ctx, job: Prepared, name: str, what: str) -> None:
+    ctx.report(f"{what} of {name}")
+    dist.barrier()
+    job.call(name)
     _sync(job.groups.device)
 
 
-def _timed_round(
-    ctx, spec: JobSpec, job: Prepared, it: int, times: dict, what: str, fault: bool = False
-) -> None:
-    """One call of every strategy, who goes first rotating with ``it`` (no strategy always
-    leads), each call timed on this rank from ``start_line``; appended to ``times``."""
-    k = it % len(job.order)
-    for name in job.order[k:] + job.order[:k]:
-        ctx.report(f"{what} of {name}")
-        if fault and name == spec.strategy:
-            _fault(spec, ctx.rank, it)
-        entry = job.full.entry_state(job.groups.is_leader)
-        start_line(job.groups)
-        t0 = time.perf_counter()
-        job.built[name].get_data_input(entry)
-        _sync(job.groups.device)
-        times[name].append(time.perf_counter() - t0)
+def _timed_call(job: Prepared, name: str) -> float:
+    """One call of ``name`` timed on this rank from ``start_line``, in seconds."""
+    entry = job.full.entry_state(job.groups.is_leader)
+    start_line(job.groups)
+    t0 = time.perf_counter()
+    job.built[name].get_data_input(entry)
+    _sync(job.groups.device)
+    return time.perf_counter() - t0
 
 
 def start_line(groups) -> None:
@@ -466,18 +468,12 @@ def _verify(name, strategy, out, leader_digest, groups, full) -> list[str]:
     return compare(expected, got, groups.rank, name)
 
 
-def _pct(values: np.ndarray, q: float) -> float:
-    return float(np.percentile(values, q)) * 1e6
-
-
 def summarize(spec: JobSpec, rank_results: list[dict]) -> dict:
     """Fold all ranks' results into one record's measured fields (max over ranks per iter)."""
     refused = [r["unsupported"] for r in rank_results if "unsupported" in r]
     if refused:
         return {"unsupported": refused[0]}
-    problems = [p for r in rank_results for lst in r["problems"].values() for p in lst]
-    if problems:
-        raise VerificationError("; ".join(problems[:10]))
+    verdict([p for r in rank_results for lst in r["problems"].values() for p in lst])
     leaders = [r for r in rank_results if r["is_leader"]]
     payload_bytes = leaders[0]["payload_bytes"]
     link_bytes = next(
@@ -489,12 +485,7 @@ def summarize(spec: JobSpec, rank_results: list[dict]) -> dict:
         per_iter = t.max(axis=0)
         skew = t.max(axis=0) - t.min(axis=0)
         per_strategy[name] = {
-            "p50_us": _pct(per_iter, 50),
-            "p90_us": _pct(per_iter, 90),
-            "p99_us": _pct(per_iter, 99),
-            "min_us": float(per_iter.min()) * 1e6,
-            "max_us": float(per_iter.max()) * 1e6,
-            "mean_us": float(per_iter.mean()) * 1e6,
+            **timing_stats(per_iter),
             "rank_skew_us": float(np.median(skew)) * 1e6,
             **_collective_counts(name, rank_results, leaders[0]),
             "peak_rss_bytes": max(r["peak_rss_bytes"][name] for r in rank_results),
@@ -545,10 +536,10 @@ def per_shape(spec: JobSpec, rank_results: list[dict]) -> list[dict]:
         figures = {}
         for name in rank_results[0]["times_s"]:
             per_iter = np.array([r["times_s"][name] for r in rank_results]).max(axis=0)
-            mine = {"p50_us": _pct(per_iter[which == k], 50) if (which == k).any() else None}
+            mine = {"p50_us": p50_us(per_iter[which == k]) if (which == k).any() else None}
             if "steady_s" in rank_results[0]:
                 steady = np.array([r["steady_s"][name][k] for r in rank_results]).max(axis=0)
-                mine["steady_p50_us"] = _pct(steady, 50)
+                mine["steady_p50_us"] = p50_us(steady)
             figures[name] = mine
         timed = {n: f for n, f in figures.items() if f["p50_us"] is not None}
         out.append(
