@@ -14,7 +14,7 @@ import pytest
 import torch
 
 # Worlds are forked from this process: keep it single-threaded from the first test on, or a
-# fork after a multi-threaded OpenMP region can deadlock a rank (see harness/run/world.py).
+# fork after a multi-threaded OpenMP region can deadlock a rank (see harness/run/forked.py).
 torch.set_num_threads(1)
 
 WORLD_TIMEOUT_S = 120.0

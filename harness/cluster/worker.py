@@ -1,5 +1,5 @@
 """One rank of an emulated cluster's task: ``python -m harness.cluster.worker <task.pkl>``, run
-by each node's torchrun agent (``harness.cluster.launch.EmulatedWorld``).
+by each node's torchrun agent (``harness.cluster.emulated.EmulatedWorld``).
 
 The rank joins the world its agents started, runs the task the driver wrote, and global rank 0
 writes every rank's result beside the task, atomically, for the driver to read.
@@ -12,7 +12,7 @@ import pickle
 import sys
 from pathlib import Path
 
-from harness.cluster.launch import RESULTS_FILE
+from harness.cluster.emulated import RESULTS_FILE
 from harness.run.joined import JoinedWorld
 from harness.run.launch import JOINED, detect
 

@@ -31,8 +31,8 @@ import numpy as np
 from harness.commands.hydra_app import run_app
 from harness.files import write_atomic
 from harness.run import payloads
+from harness.run.forked import World
 from harness.run.machine import other_cores, other_cores_now, snapshot
-from harness.run.world import World
 from strategies.core.cluster import CONF_DIR, GB, US, ClusterConf, LinkConf, load_cluster
 from strategies.core.formulas import (
     ALLGATHER_ALGORITHMS,

@@ -25,8 +25,8 @@ from harness import paths
 from harness.commands.hydra_app import run_app
 from harness.commands.tool import job_command, job_dir
 from harness.files import write_atomic, write_json
+from harness.ray.actors import RayConf, RayUnavailable, import_ray
 from harness.ray.dispatch import chunk, flat_bytes
-from harness.ray.world import RayConf, RayUnavailable, import_ray
 from harness.run import launch, payloads
 from harness.run.config import ConfigError
 

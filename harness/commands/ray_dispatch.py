@@ -21,9 +21,9 @@ from omegaconf import OmegaConf
 
 from harness.commands.hydra_app import run_app
 from harness.commands.tool import job_command, write_records
+from harness.ray.actors import RayConf, RayUnavailable, import_ray
 from harness.ray.dispatch import DispatchSpec, run_dispatch
 from harness.ray.modes import ALL_RANKS, FLOORS
-from harness.ray.world import RayConf, RayUnavailable, import_ray
 from harness.run import launch, payloads
 from harness.run.config import (
     ConfigError,
@@ -85,7 +85,7 @@ class RayDispatchConf:
     options: dict[str, Any] = field(default_factory=dict)
     """Options of every leader mode's strategy (``strategies.get(name, groups, **options)``)."""
     ray: RayNode = field(default_factory=RayNode)
-    """The Ray world (``harness.ray.world.RayConf``'s fields: address, num_cpus, placement,
+    """The Ray world (``harness.ray.actors.RayConf``'s fields: address, num_cpus, placement,
     ...); ``ray.timeout_s`` also bounds one dispatch call. ``ray.dispatch`` is
     ``bcastbench run``'s and must stay ``none`` here: ``modes`` says what runs."""
     out: str | None = None

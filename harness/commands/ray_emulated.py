@@ -42,15 +42,15 @@ from functools import cache
 from pathlib import Path
 
 from harness import paths
-from harness.cluster.launch import LINKS_ENV
+from harness.cluster.emulated import LINKS_ENV
 from harness.cluster.netns import EmulateConf, Emulation, unavailable_reason
 from harness.commands import ray_dispatch as dispatch
 from harness.commands.hydra_app import run_app
 from harness.commands.ray_dispatch import RECORDS, RayDispatchConf, format_table
 from harness.commands.tool import job_command, job_dir, override, write_records
-from harness.ray.world import NODE_RESOURCE, cluster_auth, private_cluster_dir
+from harness.ray.actors import NODE_RESOURCE, cluster_auth, private_cluster_dir
 from harness.run.config import ConfigError, layout_of
-from harness.run.world import WorldError
+from harness.run.forked import WorldError
 
 MODULE = "harness.commands.ray_emulated"
 """Where ``bcastbench ray-emulated`` lives (its printed name: ``harness.errors.program``)."""

@@ -2,7 +2,7 @@
 dispatch modes RL frameworks use (``leader`` + a broadcast strategy, or ``all_ranks``) timed from
 "the driver holds the global batch" to "every rank holds its chunk".
 
-``world`` starts the actors and their torch.distributed world; ``dispatch`` times the modes
+``actors`` starts the actors and their torch.distributed world; ``dispatch`` times the modes
 (``modes`` names them). ``bcastbench ray-dispatch``, ``ray-emulated`` (one Ray node per emulated
 cluster node) and ``ray-calibrate`` are in ``harness.commands``. Needs ``ray`` (optional).
 """

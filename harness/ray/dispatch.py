@@ -1,5 +1,5 @@
 """Dispatch inside the measured path: from "the driver holds the global batch" to "every rank of
-every replica holds its chunk", on a Ray world (``harness.ray.world``).
+every replica holds its chunk", on a Ray world (``harness.ray.actors``).
 
 Modes (``scope = "dispatch+broadcast"``; the forked world's jobs are ``"broadcast"``):
 
@@ -29,13 +29,13 @@ import numpy as np
 import torch
 
 import strategies
-from harness.cluster.launch import link_counter
+from harness.cluster.emulated import link_counter
 from harness.ray.modes import ALL_RANKS, FLOORS, LEADER, Mode
 from harness.run import payloads
+from harness.run.forked import WorldError
 from harness.run.records import vs_floor
 from harness.run.rounds import Scope, interleaved, timing_stats, verdict
 from harness.run.verify import compare, digest, tensor_digest
-from harness.run.world import WorldError
 from strategies import DataProto
 from strategies.core.layout import Layout
 from strategies.floor import raw_parts

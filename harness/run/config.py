@@ -15,8 +15,8 @@ from omegaconf import MISSING, OmegaConf
 import strategies
 from harness.cluster.netns import EmulateConf
 from harness.paths import CONF_DIR
+from harness.ray.actors import RayConf, RayUnavailable, import_ray
 from harness.ray.modes import LEADER, Mode
-from harness.ray.world import RayConf, RayUnavailable, import_ray
 from harness.run import payloads, recorded, schema, workload
 from harness.run.records import layout_name
 from harness.units import human_bytes
@@ -79,7 +79,7 @@ LayoutConf = _schema_of(
 RayNode = _schema_of(
     RayConf,
     "RayNode",
-    """The ``ray`` node: ``harness.ray.world.RayConf``'s own fields (where the Ray cluster is,
+    """The ``ray`` node: ``harness.ray.actors.RayConf``'s own fields (where the Ray cluster is,
     how ranks are placed, ``dispatch``; each documented there), read when ``world=ray``.""",
 )
 
@@ -167,7 +167,7 @@ class BenchConf:
     """Fault injection (tests)."""
     world: str = "forked"
     """Who runs the ranks when this process launches them: ``forked`` (local processes,
-    ``harness.run.world``) | ``ray`` (Ray actors in a placement group, ``harness.ray.world``;
+    ``harness.run.forked``) | ``ray`` (Ray actors in a placement group, ``harness.ray.actors``;
     needs the optional ``ray`` package). A world a launcher started (torchrun, Slurm) is
     joined whatever this says, and must leave it ``forked``."""
     ray: RayNode = field(default_factory=RayNode)

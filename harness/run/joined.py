@@ -26,9 +26,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from harness.cluster.launch import adopt_worker_env, link_counter
+from harness.cluster.emulated import adopt_worker_env, link_counter
+from harness.run.forked import RankContext, _device_for, where
 from harness.run.launch import Launch, env_int
-from harness.run.world import RankContext, _device_for, where
 from harness.run.worlds import RankFn, WorldError, group_by_node
 
 SILENT_EXIT = 124

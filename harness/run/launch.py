@@ -4,17 +4,17 @@ Four worlds, one question each answers: *where are the ranks?* (each a
 ``harness.run.worlds.World``):
 
 * ``forked``: nobody launched us as a rank, so this process forks a local world
-  (``harness.run.world.ForkedWorld``) and the ranks serve the job; the driver gets every
+  (``harness.run.forked.ForkedWorld``) and the ranks serve the job; the driver gets every
   rank's result.
 * ``joined``: a launcher already started this process as one rank of a world (``torchrun``, a
   submitit job of several tasks, or a plain ``srun`` step of several tasks); every rank runs the
   job and global rank 0 gets every rank's result (``harness.run.joined.JoinedWorld``).
 * ``ray`` (``world=ray``): like ``forked``, but the ranks are Ray actors in a placement group
-  (``harness.ray.world.RayWorld``); with ``ray.dispatch`` set, the job times Ray dispatch plus
+  (``harness.ray.actors.RayWorld``); with ``ray.dispatch`` set, the job times Ray dispatch plus
   the broadcast instead (``harness.ray.dispatch``) and hands back a finished record.
 * ``emulated``: ``emulate.enabled=true`` and not already a rank: the driver builds an emulated
   multi-node cluster and runs the job there as a joined world one level down
-  (``harness.cluster.launch.EmulatedWorld``); the record gets the cluster's shape added.
+  (``harness.cluster.emulated.EmulatedWorld``); the record gets the cluster's shape added.
 
 ``detect`` is a pure function of the environment and the two config choices (``world``,
 ``emulate.enabled``), tested from plain dicts; ``current`` reads the environment once per
@@ -42,7 +42,7 @@ from harness.run.runner import run_job_on_rank
 from harness.run.worlds import REGISTRY, Reused, World
 
 if TYPE_CHECKING:  # an annotation only; the Ray world is imported when one is opened
-    from harness.ray.world import RayConf
+    from harness.ray.actors import RayConf
 
 FORKED, JOINED, EMULATED, RAY = "forked", "joined", "emulated", "ray"
 
@@ -199,7 +199,7 @@ def world_spec(cfg, layout, launch: Launch, out_dir: Path | None = None) -> Worl
 
 
 def _forked(spec: WorldSpec) -> World:
-    from harness.run.world import ForkedWorld  # imported when opened: it imports this module
+    from harness.run.forked import ForkedWorld  # imported when opened: it imports this module
 
     return ForkedWorld(spec.world_size, spec.backend, spec.device, spec.timeout_s)
 
@@ -213,13 +213,15 @@ def _joined(spec: WorldSpec) -> World:
 
 
 def _ray(spec: WorldSpec) -> World:
-    from harness.ray.world import RayWorld  # imported when opened: it imports this module
+    from harness.ray.actors import RayWorld  # imported when opened: it imports this module
 
     return RayWorld(spec.world_size, replace(spec.ray, dispatch="none"))
 
 
 def _emulated(spec: WorldSpec) -> World:
-    from harness.cluster.launch import EmulatedWorld  # imported when opened: it imports this module
+    from harness.cluster.emulated import (
+        EmulatedWorld,  # imported when opened: it imports this module
+    )
 
     return EmulatedWorld(
         spec.emulate, spec.world_size, spec.log_dir, spec.timeout_s, spec.backend, spec.device

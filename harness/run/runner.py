@@ -1,7 +1,7 @@
 """One job on one rank: build groups, make the payload, warm up, time interleaved calls,
 count collectives, measure peak memory and verify every rank bit for bit.
 
-``run_job_on_rank`` runs identically in a forked world (``harness.run.world``) and in a joined one
+``run_job_on_rank`` runs identically in a forked world (``harness.run.forked``) and in a joined one
 (``harness.run.launch``): prepare, timed rounds, measurements, verification. ``summarize`` turns
 all ranks' results into one record's measured fields (latency per iteration = max over ranks).
 """
@@ -53,7 +53,7 @@ class JobSpec:
     fault_kind: str = "crash"
     link_bytes_calls: int = 0
     """Emulated clusters only: untimed calls per strategy whose node-link bytes are counted
-    through the rank context's ``link_counter`` hook (``harness.cluster.launch``); 0, or a
+    through the rank context's ``link_counter`` hook (``harness.cluster.emulated``); 0, or a
     context without the hook, skips the phase."""
     backend: str = "gloo"
     """Process-group backend the world runs (recorded)."""

@@ -1,10 +1,10 @@
 """What every world of ranks offers (``World``), and the one place a process keeps its live
 worlds between jobs (``REGISTRY``): a new kind of world is one class that fills the protocol.
 
-The implementations: ``harness.run.world.ForkedWorld`` (ranks forked from the driver),
+The implementations: ``harness.run.forked.ForkedWorld`` (ranks forked from the driver),
 ``harness.run.joined.JoinedWorld`` (this process is one rank of a world torchrun, srun or
-submitit started), ``harness.ray.world.RayWorld`` (ranks as Ray actors) and
-``harness.cluster.launch.EmulatedWorld`` (a joined world on emulated nodes, driven from
+submitit started), ``harness.ray.actors.RayWorld`` (ranks as Ray actors) and
+``harness.cluster.emulated.EmulatedWorld`` (a joined world on emulated nodes, driven from
 here). ``harness.run.launch.choose`` decides which one a job runs on. Nothing here imports
 torch: the protocol and the registry are cheap to import.
 """
@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 RankFn = Callable[..., Any]
-"""A task run on every rank: ``fn(ctx, *args)`` with ctx a ``harness.run.world.RankContext``;
+"""A task run on every rank: ``fn(ctx, *args)`` with ctx a ``harness.run.forked.RankContext``;
 it and its arguments must pickle (forked, Ray and emulated worlds send them to the ranks)."""
 
 

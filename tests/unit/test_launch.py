@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from harness.ray.world import RayConf
+from harness.ray.actors import RayConf
 from harness.run.launch import EMULATED, FORKED, JOINED, RAY, Launch, WorldSpec, detect, forked_spec
 from harness.run.records import layout_name
 from harness.run.worlds import WorldRegistry, group_by_node

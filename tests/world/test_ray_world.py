@@ -20,10 +20,10 @@ if not hasattr(ray, "init"):  # tests/verl_support.py registers a bare stand-in 
         'only a test stand-in for ray is loaded: pip install "ray==2.60.0"', allow_module_level=True
     )
 
+from harness.ray.actors import RayConf  # noqa: E402
 from harness.ray.dispatch import DispatchSpec, Mode, _Driver, _verify, run_dispatch  # noqa: E402
-from harness.ray.world import RayConf  # noqa: E402
+from harness.run.forked import WorldError  # noqa: E402
 from harness.run.runner import JobSpec, run_job_on_rank, summarize  # noqa: E402
-from harness.run.world import WorldError  # noqa: E402
 from strategies.core.layout import Layout  # noqa: E402
 
 TP2PP2 = Layout(pp=2, tp=2)

@@ -18,8 +18,8 @@ from tensordict import TensorDict
 
 import strategies
 from harness.run import payloads
+from harness.run.forked import World, WorldError
 from harness.run.verify import compare, digest
-from harness.run.world import World, WorldError
 from strategies.core.layout import SEED_ORDER, Layout
 from strategies.header import HeaderStrategy
 
@@ -34,7 +34,7 @@ would leave every small test batch on the packed path, so here most leaves trave
 
 class Refused(strategies.Unsupported):
     """A strategy declined a layout (NotImplementedError) or a batch (ContractError). An
-    Unsupported raised on every rank keeps the world alive (harness.run.world), which is how
+    Unsupported raised on every rank keeps the world alive (harness.run.forked), which is how
     run_contract tells an all-rank refusal from a failure on some ranks."""
 
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from harness.run import launch, records
+from harness.run.forked import ForkedWorld, RankContext
 from harness.run.runner import JobSpec, summarize
-from harness.run.world import RankContext
 from harness.run.worlds import RankFn, World, WorldError, WorldRegistry
 from strategies.core.layout import Layout
 
@@ -125,3 +125,23 @@ def test_a_failing_rank_is_named_and_the_registry_starts_a_fresh_world(registry)
     assert again is not world and again.alive
     ran = launch.run_job(again, SPEC, timeout_s=60.0)
     assert summarize(SPEC, ran.results)["strategies"]["header"]["p50_us"] > 0
+
+
+def _groups_job(ctx, layout: Layout) -> int:
+    ctx.groups_for(layout)
+    return ctx.rank
+
+
+def test_a_forked_world_started_after_an_in_process_job_does_not_hang(registry):
+    """megatron-core's destroy_model_parallel leaves a global holding a group the driver made;
+    a rank forked afterwards must neither destroy it (its destructor would join the driver's
+    threads forever) nor see megatron-core initialised."""
+    world = registry.get(("in-process", 1), _start)
+    launch.run_job(world, SPEC, timeout_s=60.0)
+    world.close()
+    forked = ForkedWorld(2, timeout_s=30).start()
+    try:
+        assert forked.run(_groups_job, Layout(tp=2)) == [0, 1]
+        assert forked.run(_groups_job, Layout(pp=2)) == [0, 1]
+    finally:
+        forked.close()

@@ -2,7 +2,7 @@
 one placement group as RL frameworks place their workers, with torch.distributed and
 megatron-core groups built inside the actors.
 
-Each actor holds a ``harness.run.world.RankContext``, so the rank-side job of the forked world
+Each actor holds a ``harness.run.forked.RankContext``, so the rank-side job of the forked world
 (``harness.run.runner.run_job_on_rank``) runs here unchanged: same groups, same timing, same
 verification. ``RayWorld.submit``/``collect`` also let a driver hand each rank its own arguments
 (Ray ObjectRefs included), which is what dispatch (``harness.ray.dispatch``) needs.
@@ -25,10 +25,10 @@ from typing import Any, Literal
 import psutil
 
 from harness import paths
-from harness.cluster.launch import LINKS_ENV, link_counter
+from harness.cluster.emulated import LINKS_ENV, link_counter
 from harness.ray import reaper
 from harness.ray.netns import PrivateNetwork
-from harness.run.world import RankContext, _device_for, rendezvous_store, where
+from harness.run.forked import RankContext, _device_for, rendezvous_store, where
 from harness.run.worlds import WorldError, group_by_node
 
 NODE_RESOURCE = "bcb_node"
@@ -553,7 +553,7 @@ class RayWorld:
         self, fn: Callable[..., Any], *args: Any, what: str = "", timeout_s: float | None = None
     ) -> list[Any]:
         """Run ``fn(ctx, *args)`` on every rank; the per-rank results in rank order (as
-        ``harness.run.world.World.run``)."""
+        ``harness.run.forked.World.run``)."""
         refs = self.submit(fn, [args] * self.world_size)
         return self.collect(refs, what or getattr(fn, "__name__", "task"), timeout_s)
 

@@ -105,7 +105,7 @@ class RankContext:
     job: int = 0
     """The driver's number for the task being run; every message back carries it."""
     link_counter: Callable[[], int] | None = None
-    """Bytes the emulated cluster's node links have sent so far (``harness.cluster.launch``),
+    """Bytes the emulated cluster's node links have sent so far (``harness.cluster.emulated``),
     or None outside one: the hook the rank-side job counts cross-node bytes with."""
     board: PhaseBoard | None = None
     """Where a forked world's rank posts its phase (shared memory the driver reads), or None:
@@ -151,12 +151,45 @@ class RankContext:
         layouts held ~200 of them per rank and its idle ranks took most of two cores."""
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
+        forget_megatron_groups()
         for group in self.cache.pop(("owned_groups", None), []):
             dist.destroy_process_group(group)
         # Whatever still refers to the old groups in a reference cycle is freed here, at the
         # same point of every rank's program, rather than by a collection that an allocation
         # triggers at a different moment on each rank, in the middle of the next collective.
         gc.collect()
+
+
+def _megatron_groups() -> dict[str, Any]:
+    """megatron-core's module globals that hold a process group (or a list or dict of them)."""
+
+    def holds(value) -> bool:
+        if isinstance(value, dist.ProcessGroup):
+            return True
+        items = value.values() if isinstance(value, dict) else value
+        return isinstance(value, (list, tuple, dict)) and any(
+            isinstance(v, dist.ProcessGroup) for v in items
+        )
+
+    return {name: value for name, value in vars(ps).items() if holds(value)}
+
+
+def forget_megatron_groups() -> list:
+    """Set to None every megatron-core global still holding a process group; returns what
+    they held. ``destroy_model_parallel`` leaves some (megatron-core 0.16 keeps
+    ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP``): forgotten here, in the process that made
+    them, they are destroyed here, where their threads run. Left set, a rank forked later
+    inherits them, and the next ``initialize_model_parallel`` there drops the last reference:
+    the destructor then joins threads that exist only in the driver, and the rank hangs."""
+    held = _megatron_groups()
+    for name in held:
+        setattr(ps, name, None)
+    return list(held.values())
+
+
+_INHERITED: list = []
+"""In a forked rank: the driver's process groups it inherited, kept referenced so that none is
+ever destroyed here (their threads are the driver's)."""
 
 
 def _keep_only(groups, made: list) -> list:
@@ -171,6 +204,7 @@ def _keep_only(groups, made: list) -> list:
     ]  # fmt: skip
     keep = [g for g in made if any(g is u for u in used)]
     ps.destroy_model_parallel()
+    forget_megatron_groups()
     for group in made:
         if not any(group is k for k in keep):
             dist.destroy_process_group(group)
@@ -228,6 +262,11 @@ def _worker(
     stacks: str | None = None,
 ) -> None:
     _die_with_parent()
+    # Everything inherited from the driver stays where it is: a collection here must never
+    # run the destructor of a process group the driver made, whose threads do not exist in
+    # this process (its destructor would join them forever).
+    gc.freeze()
+    _INHERITED.extend(forget_megatron_groups())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver owns Ctrl-C and kills us
     if stacks is not None:
         _dump_stacks_on_signal(os.path.join(stacks, f"rank{local_rank}.txt"))
@@ -409,6 +448,12 @@ class ForkedWorld:
         status_children = [b for _, b in status]
         self._board = PhaseBoard(mp, self.world_size)
         self._stacks = tempfile.mkdtemp(prefix="bcastbench-stacks-")
+        # A process group the driver dropped but megatron-core or a reference cycle still
+        # holds (an in-process job's, a test's) is destroyed here, where its threads exist, not
+        # in a rank that inherits it: there its destructor waits for the driver's threads.
+        if not ps.model_parallel_is_initialized():
+            forget_megatron_groups()
+        gc.collect()
         # Gloo's own timeout sits past ours, so the driver names the hung rank first.
         self._ctx = tmp.start_processes(
             _worker,
