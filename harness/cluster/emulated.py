@@ -15,7 +15,7 @@ driver hands them on with the cluster's shape (``record_fields``).
 
 Cross-node bytes per call. The job's calls (warm-up, timed, counting, verification) and its
 references all cross the links, so totals around the whole job cannot be split per strategy.
-Instead the runner has a dedicated, untimed phase (``runner._link_bytes_phase``): for each
+Instead the runner has a dedicated, untimed phase (``harness.run.phases.LinkBytes``): for each
 strategy in turn, global rank 0 reads every node link's tx counter, the ranks make
 ``emulate.bytes_calls`` back-to-back calls, and rank 0 reads the counters again; barriers fence
 the window. ``cross_node_bytes_per_call`` is that difference / calls: wire bytes (Ethernet, IP

@@ -126,7 +126,7 @@ def _time_collectives(ctx, group_sizes, sizes, reps):
     # Iteration-outer loop interleaves shapes, so slow drift of a shared machine hits all alike;
     # the order is shuffled each iteration (same seed on every rank) because the first call
     # after a group switch or a long idle wait runs slow; iteration 0 is the warm-up. Each call
-    # starts as the harness's timed calls do (runner.start_line): a world barrier, then one
+    # starts as the harness's timed calls do (phases.start_line): a world barrier, then one
     # over the group it times.
     for it in range(reps + 1):
         ctx.report(f"calibrate: iteration {it}")

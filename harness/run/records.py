@@ -17,6 +17,7 @@ import torch
 
 from harness import files, paths
 from harness.ray.modes import FLOORS, LEADER
+from harness.run.phases import PHASES
 from harness.run.rounds import Scope
 from harness.units import human_bytes
 from strategies.core.layout import DEFAULT_ORDER
@@ -306,6 +307,8 @@ def failed(spec, error: BaseException) -> dict:
 
 
 def _measured(spec, summary: dict) -> dict:
+    """The strategy under test's measured fields: every phase's own (``record_fields``), then
+    what is derived from them beside its floor and pickled, timed in the same rounds."""
     mine = summary["strategies"][spec.strategy]
     floor_us = summary.get("floor_p50_us")
     single_us = summary.get("floor_single_p50_us")
@@ -316,8 +319,7 @@ def _measured(spec, summary: dict) -> dict:
     work, received = mine["work_leader"], mine["work_receiver_max"]
     return {
         "payload_bytes": payload_bytes,
-        **{k: mine[k] for k in ("p50_us", "p90_us", "p99_us", "min_us", "max_us", "mean_us")},
-        "rank_skew_us": mine["rank_skew_us"],
+        **{k: mine.get(k) for phase in PHASES for k in phase.record_fields},
         "algbw_gbps": algbw,
         "busbw_gbps": algbw,  # broadcast: F = 1, all data must leave the root (nccl-tests)
         "floor_p50_us": floor_us,
@@ -327,21 +329,11 @@ def _measured(spec, summary: dict) -> dict:
         "vs_floor": vs_floor(mine["p50_us"], floor_us),
         "vs_floor_single": vs_floor(mine["p50_us"], single_us),
         "vs_baseline": mine["p50_us"] / base["p50_us"] if base else None,
-        **{k: mine[k] for k in ("collectives_per_call", "collectives_leader", "comm_bytes_leader")},
         "packed_bytes_leader": work.get("packed_bytes", 0),
         "pickled_bytes_leader": work.get("pickled_bytes", 0),
         "copied_bytes_leader": work.get("copied_bytes", 0),
         "pickled_bytes_receiver": received.get("unpickled_bytes", 0),
         "copied_bytes_receiver": received.get("copied_bytes", 0),
-        # Present when a collective count could not be established (the counts are None).
-        **{k: mine[k] for k in ("collectives_unavailable",) if k in mine},
-        **{k: mine[k] for k in ("peak_rss_bytes", "peak_rss_delta_bytes", "peak_cuda_bytes")},
-        "peak_rss_heap_released": mine.get("peak_rss_heap_released"),
-        **(
-            {"cross_node_bytes_per_call": mine["cross_node_bytes_per_call"]}
-            if "cross_node_bytes_per_call" in mine  # emulated-cluster workers
-            else {}
-        ),
         **({"auto_choice": mine["choice"]} if "choice" in mine else {}),
         "correct": True,
         "supported": True,

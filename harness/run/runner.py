@@ -1,28 +1,25 @@
-"""One job on one rank: build groups, make the payload, warm up, time interleaved calls,
-count collectives, measure peak memory and verify every rank bit for bit.
+"""One broadcast job on one rank, and its summary: what it runs (``JobSpec``), its
+preparation (groups, every shape's batch, the strategies built), then the measured phases of
+``harness.run.phases.PHASES`` (timed rounds, collectives, peak memory, verification, ...).
 
-``run_job_on_rank`` runs identically in a forked world (``harness.run.forked``) and in a joined one
-(``harness.run.launch``): prepare, timed rounds, measurements, verification. ``summarize`` turns
-all ranks' results into one record's measured fields (latency per iteration = max over ranks).
+``run_job_on_rank`` runs identically in every world (``harness.run.worlds``). ``summarize``
+turns all ranks' results into one record's measured fields (a call costs its slowest rank),
+and a varying workload's per-shape figures (``per_shape``).
 """
 
 from __future__ import annotations
 
-import os
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 import strategies
 from harness.run import payloads
-from harness.run.rounds import interleaved, p50_us, timing_stats, verdict
-from harness.run.verify import compare, digest, tensor_digest
+from harness.run.phases import PHASES, TimedRounds
+from harness.run.rounds import p50_us
 from harness.run.workload import CallShape, Workload, constant
 from strategies.core.layout import Layout
-from strategies.core.trace import Recorder
 from strategies.floor import Floor, raw_parts
 
 
@@ -84,62 +81,6 @@ class JobSpec:
         """What the job's call ``call`` moves (warm-up calls count first)."""
         period = self.period()
         return period[call % len(period)]
-
-
-def _fault(spec: JobSpec, rank: int, it: int) -> None:
-    if rank == spec.fault_rank and it == spec.fault_at_iter:
-        if spec.fault_kind == "crash":
-            os._exit(17)
-        while True:  # hang: never return, never answer
-            time.sleep(3600)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _rss_peak_reset() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM (peak RSS) for this process
-        return True
-    except OSError:
-        return False
-
-
-def _release_free_heap(full: bool = True) -> bool:
-    """Hand the heap's free pages back to the kernel (glibc ``malloc_trim``), so that what the
-    next call allocates has to fault in fresh pages and shows up in VmHWM. Without it the
-    earlier rounds' freed buffers stay resident, the call reuses them and its high-water growth
-    reads 0 whatever it allocates. False where there is no glibc to ask.
-
-    Objects in reference cycles hold memory until the collector runs: ``full`` collects every
-    generation (a tenth of a second or more in a rank that imported torch and megatron-core,
-    so once per job); otherwise only the young ones, where one call's cycles are."""
-    import ctypes
-    import gc
-
-    gc.collect(2 if full else 1)
-    try:
-        # The process's own symbols: glibc's malloc_trim where the C library is glibc.
-        ctypes.CDLL(None).malloc_trim(0)  # 0: keep no padding at the top of the heap
-        return True
-    except (OSError, AttributeError):
-        return False
-
-
-def _rss_peak() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def leader_batch(
@@ -247,189 +188,27 @@ def _order(spec: JobSpec) -> tuple[list[str], dict[str, dict]]:
     return list(options), options
 
 
-def timed_rounds(ctx, spec: JobSpec, job: Prepared) -> dict[str, list[float]]:
-    """Warm-up rounds, then timed rounds that interleave every strategy, who goes first
-    rotating (``harness.run.rounds.interleaved``), every call starting from ``start_line``;
-    each rank times itself (seconds per call). Round c moves the workload's call c (warm-up
-    rounds count first), the same shape for every strategy of the round, so the floor and
-    pickled are timed shape by shape beside it."""
-
-    def call(name: str, it: int, timed: bool) -> float | None:
-        if not timed:
-            return _untimed_call(ctx, job, name, f"warm-up {it + spec.warmup}")
-        ctx.report(f"timed iteration {it} of {name}")
-        if name == spec.strategy:
-            _fault(spec, ctx.rank, it)
-        return _timed_call(job, name)
-
-    def round_start(c: int, timed: bool) -> None:
-        job.use(spec.shape_of_call(c))
-
-    return interleaved(job.order, spec.warmup, spec.iters, call, round_start)
-
-
-def steady_rounds(ctx, spec: JobSpec, job: Prepared) -> dict[str, list[list[float]]]:
-    """A varying workload's steady state: each distinct shape alone, one untimed round (the
-    call after a change of shape is the sequence's cost, not the steady one) then
-    ``steady_iters`` timed rounds; seconds per call, by strategy then shape."""
-    if spec.workload is None or not spec.workload.varying or spec.steady_iters < 1:
-        return {}
-    out: dict[str, list[list[float]]] = {name: [] for name in job.order}
-    for k, shape in enumerate(spec.distinct_shapes()):
-        job.use(shape)
-
-        def call(name: str, it: int, timed: bool, k: int = k) -> float | None:
-            if not timed:
-                return _untimed_call(ctx, job, name, f"steady warm-up of shape {k}")
-            ctx.report(f"steady iteration {it} of shape {k} of {name}")
-            return _timed_call(job, name)
-
-        for name, seconds in interleaved(job.order, 1, spec.steady_iters, call).items():
-            out[name].append(seconds)
-    return out
-
-
-def _untimed_call(ctx, job: Prepared, name: str, what: str) -> None:
-    ctx.report(f"{what} of {name}")
-    dist.barrier()
-    job.call(name)
-    _sync(job.groups.device)
-
-
-def _timed_call(job: Prepared, name: str) -> float:
-    """One call of ``name`` timed on this rank from ``start_line``, in seconds."""
-    entry = job.full.entry_state(job.groups.is_leader)
-    start_line(job.groups)
-    t0 = time.perf_counter()
-    job.built[name].get_data_input(entry)
-    _sync(job.groups.device)
-    return time.perf_counter() - t0
-
-
-def start_line(groups) -> None:
-    """Where every timed call starts: a barrier over the world (replicas start together),
-    then one over the replica's own group (the ranks the call moves data between).
-
-    On gloo the group used last answers its next collective faster than a group that sat idle
-    while another one worked: with only the world barrier, the floor's broadcast over the
-    replica group was slower than the same broadcast in a bare world (which barriers and
-    broadcasts on one group), and not once a replica-group barrier came last
-    (``tests/benchmarks/test_bench_bare.py`` holds the harness to the bare world). A call that
-    starts on a smaller group (header's TPxCP hop) still starts on a group the barrier did not touch, as it
-    would in a real step."""
-    dist.barrier()
-    if len(groups.replica_ranks) > 1:
-        dist.barrier(group=groups.cpu_replica_group)
-
-
-def measurements(ctx, job: Prepared) -> dict[str, dict]:
-    """Untimed: one recorded call per strategy (collectives, local work), one for peak memory."""
-    device = job.groups.device
-    out: dict[str, dict] = {
-        k: {} for k in ("collectives", "work", "peak_rss_bytes", "peak_rss_delta_bytes")
-    }
-    out["peak_cuda_bytes"] = {}
-    for name in job.order:
-        ctx.report(f"counting collectives of {name}")
-        dist.barrier()
-        with Recorder() as rec:
-            job.call(name)
-        # None: the recorder could not see every path to a collective (rec.unavailable says
-        # why), so no count is reported rather than a short one.
-        out["collectives"][name] = (
-            None if rec.unavailable else [(c.kind, c.ranks, c.root, c.nbytes) for c in rec.comms]
-        )
-        out.setdefault("collectives_unavailable", {})[name] = rec.unavailable
-        out["work"][name] = dict(rec.work)
-        ctx.report(f"measuring peak memory of {name}")
-        dist.barrier()
-        released = _release_free_heap(full=name == job.order[0])
-        base = _rss_now()
-        honest = _rss_peak_reset() and released
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            cuda_base = torch.cuda.memory_allocated(device)
-        job.call(name)
-        _sync(device)
-        peak = _rss_peak()  # VmHWM since the reset: this call's high-water mark
-        out["peak_rss_bytes"][name] = peak
-        # None where VmHWM could not be reset or the free heap not released: the growth would
-        # then be the process's lifetime peak or the reused pages' 0, neither this call's.
-        out["peak_rss_delta_bytes"][name] = max(0, peak - base) if honest else None
-        out["peak_cuda_bytes"][name] = (
-            torch.cuda.max_memory_allocated(device) - cuda_base if device.type == "cuda" else 0
-        )
-    return out
-
-
-def verification(ctx, spec: JobSpec, job: Prepared) -> dict[str, list[str]]:
-    """Calls of every strategy compared bit for bit with the leader's batch: one per shape of
-    the period, in the workload's order (so a small call after a large one is checked too)."""
-    groups = job.groups
-    problems: dict[str, list[str]] = {name: [] for name in job.order}
-    for k, shape in enumerate(spec.period()):
-        job.use(shape)
-        leader_digest = digest(job.full, True) if groups.is_leader else None
-        for name in job.order:
-            ctx.report(f"verifying {name}" + (f" on call {k} of the period" if k else ""))
-            dist.barrier()
-            out = job.call(name)
-            found = _verify(name, job.built[name], out, leader_digest, groups, job.full)
-            problems[name] += [f"{p} (call {k} of the period)" if k else p for p in found]
-    return problems
-
-
 def run_job_on_rank(ctx, spec: JobSpec) -> dict:
-    """The rank-side job: prepare, timed rounds, (steady rounds,) (link bytes,) measurements
-    (on the period's first shape), verification."""
+    """The rank-side job: prepare, then every measured phase (``harness.run.phases.PHASES``)
+    that applies, each but the rounds on the period's first shape."""
     job = prepare(ctx, spec)
     if isinstance(job, dict):
         return job
-    times = timed_rounds(ctx, spec, job)
-    steady = steady_rounds(ctx, spec, job)
-    job.use(spec.period()[0])
-    # A hook only contexts on an emulated cluster carry (other contexts may lack the field).
-    counter = getattr(ctx, "link_counter", None)
-    link_bytes = (
-        _link_bytes_phase(ctx, spec, job, counter)
-        if counter is not None and spec.link_bytes_calls > 0
-        else {}
-    )
     leader = job.groups.is_leader
-    return {
+    out = {
         "rank": ctx.rank,
         "is_leader": leader,
-        "times_s": times,
-        **({"steady_s": steady} if steady else {}),
-        **measurements(ctx, job),
-        "problems": verification(ctx, spec, job),
-        "choices": {n: s.choice for n, s in job.built.items() if hasattr(s, "choice")},
         "payload_bytes": _payload_bytes(job.batches[spec.period()[0]]) if leader else None,
         "shape_bytes": [_payload_bytes(job.batches[s]) for s in spec.distinct_shapes()]
         if leader
         else None,
         "device": str(job.groups.device),
-        **({"link_bytes_per_call": link_bytes} if link_bytes else {}),
     }
-
-
-def _link_bytes_phase(ctx, spec: JobSpec, job: Prepared, counter) -> dict[str, float]:
-    """Node-link bytes per call of each strategy, on an emulated cluster: rank 0 reads the links'
-    counters (``counter``, the context's hook) around ``link_bytes_calls`` back-to-back calls of
-    one strategy. Barriers fence the window so only that strategy's traffic (and one barrier's
-    few hundred bytes) is counted."""
-    read = counter if ctx.rank == 0 else None
-    out: dict[str, float] = {}
-    for name in job.order:
-        ctx.report(f"counting link bytes of {name}")
-        dist.barrier()
-        before = read() if read is not None else 0
-        dist.barrier()
-        for _ in range(spec.link_bytes_calls):
-            job.call(name)
-        dist.barrier()
-        if read is not None:
-            out[name] = (read() - before) / spec.link_bytes_calls
+    for phase in PHASES:
+        if phase.applies(ctx, spec):
+            if not isinstance(phase, TimedRounds):
+                job.use(spec.period()[0])
+            out.update(phase.on_rank(ctx, spec, job))
     return out
 
 
@@ -438,77 +217,22 @@ def _payload_bytes(full) -> int:
     return sum(p.numel() for p in raw_parts(full))
 
 
-def _rss_now() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
-
-
-def _verify(name, strategy, out, leader_digest, groups, full) -> list[str]:
-    """Compare this rank's result with the leader's; floor compares its raw buffer."""
-    if name.split(":")[0] == "floor":
-        sent = [tensor_digest(strategy.sent) if groups.is_leader else None]
-        dist.broadcast_object_list(sent, src=groups.leader, group=groups.cpu_replica_group)
-        got = tensor_digest(strategy.received)
-        return [] if got == sent[0] else [f"{name}: rank {groups.rank}: received bytes differ"]
-    expected = [leader_digest]
-    dist.broadcast_object_list(expected, src=groups.leader, group=groups.cpu_replica_group)
-    expected = expected[0]
-    with_nt = bool(full.broadcast_non_tensor)
-    got = digest(out, with_nt)
-    if not with_nt:
-        expected = dict(expected, non_tensor=None)
-        got = dict(got, non_tensor=None)
-        if not groups.is_leader and out.non_tensor_batch:
-            return [f"{name}: rank {groups.rank}: non_tensor_batch arrived although not flagged"]
-    if out.meta_info != full.meta_info:
-        return [f"{name}: rank {groups.rank}: meta_info changed"]
-    return compare(expected, got, groups.rank, name)
-
-
 def summarize(spec: JobSpec, rank_results: list[dict]) -> dict:
-    """Fold all ranks' results into one record's measured fields (max over ranks per iter)."""
+    """Fold all ranks' results into one record's measured fields: every phase checks the job
+    (a wrong byte fails it) and folds each strategy's fields (a call costs its slowest rank)."""
     refused = [r["unsupported"] for r in rank_results if "unsupported" in r]
     if refused:
         return {"unsupported": refused[0]}
-    verdict([p for r in rank_results for lst in r["problems"].values() for p in lst])
-    leaders = [r for r in rank_results if r["is_leader"]]
-    payload_bytes = leaders[0]["payload_bytes"]
-    link_bytes = next(
-        (r["link_bytes_per_call"] for r in rank_results if "link_bytes_per_call" in r), {}
-    )
+    for phase in PHASES:
+        phase.check(spec, rank_results)
     per_strategy = {}
     for name in rank_results[0]["times_s"]:
-        t = np.array([r["times_s"][name] for r in rank_results])  # ranks × iters
-        per_iter = t.max(axis=0)
-        skew = t.max(axis=0) - t.min(axis=0)
-        per_strategy[name] = {
-            **timing_stats(per_iter),
-            "rank_skew_us": float(np.median(skew)) * 1e6,
-            **_collective_counts(name, rank_results, leaders[0]),
-            "peak_rss_bytes": max(r["peak_rss_bytes"][name] for r in rank_results),
-            "peak_rss_delta_bytes": _max_or_none(
-                r["peak_rss_delta_bytes"][name] for r in rank_results
-            ),
-            # Says a reader that this growth was measured on fresh pages (records before the
-            # free heap was released read 0 whenever a call reused freed pages).
-            "peak_rss_heap_released": all(
-                r["peak_rss_delta_bytes"][name] is not None for r in rank_results
-            ),
-            "peak_cuda_bytes": max(r["peak_cuda_bytes"][name] for r in rank_results),
-            "work_leader": leaders[0]["work"][name],
-            "work_receiver_max": _max_work(
-                r["work"][name] for r in rank_results if not r["is_leader"]
-            ),
-        }
-        if name in link_bytes:
-            per_strategy[name]["cross_node_bytes_per_call"] = link_bytes[name]
-        if name in rank_results[0].get("choices", {}):
-            per_strategy[name]["choice"] = rank_results[0]["choices"][name]
+        per_strategy[name] = {}
+        for phase in PHASES:  # a phase that did not run folds nothing
+            per_strategy[name].update(phase.fold(spec, name, rank_results))
+    leaders = [r for r in rank_results if r["is_leader"]]
     out = {
-        "payload_bytes": payload_bytes,
+        "payload_bytes": leaders[0]["payload_bytes"],
         "strategies": per_strategy,
         **best_floor(per_strategy),
         "device": rank_results[0]["device"],
@@ -574,36 +298,3 @@ def best_floor(per_strategy: dict[str, dict]) -> dict:
         "floor_method": method.partition(":")[2] or "one",
         "floor_single_p50_us": floors.get("floor"),
     }
-
-
-def _collective_counts(name: str, rank_results: list[dict], leader: dict) -> dict:
-    """Collectives per call (max over ranks) and the leader's count and bytes; None with the
-    reason where a rank's count could not be established."""
-    why = next(
-        (r.get("collectives_unavailable", {}).get(name) for r in rank_results
-         if r["collectives"][name] is None),
-        None,
-    )  # fmt: skip
-    if any(r["collectives"][name] is None for r in rank_results):
-        return dict.fromkeys(
-            ("collectives_per_call", "collectives_leader", "comm_bytes_leader")
-        ) | {"collectives_unavailable": why or "not recorded"}
-    return {
-        "collectives_per_call": max(len(r["collectives"][name]) for r in rank_results),
-        "collectives_leader": len(leader["collectives"][name]),
-        "comm_bytes_leader": sum(c[3] for c in leader["collectives"][name]),
-    }
-
-
-def _max_work(works) -> dict:
-    out: dict = {}
-    for w in works:
-        for k, v in w.items():
-            out[k] = max(out.get(k, 0), v)
-    return out
-
-
-def _max_or_none(values) -> int | None:
-    """The max over ranks of a peak-memory figure; None when any rank could not measure it."""
-    values = list(values)
-    return None if any(v is None for v in values) else max(values)

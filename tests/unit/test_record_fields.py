@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 from harness.paths import REPO
+from harness.run import phases
 from harness.run.records import FIELDS, complete
 
 
@@ -25,3 +26,19 @@ def test_complete_fills_orders_and_keeps_extras():
     assert list(rec)[: len(FIELDS)] == list(FIELDS)
     assert rec["status"] == "failed" and rec["p50_us"] is None and rec["extra_ms"] == 1
     assert complete(rec) == rec
+
+
+def test_every_measured_phase_is_listed_and_its_fields_documented():
+    """A measured phase is one class in one list: each subclass of Phase is in PHASES once, and
+    every field it hands the record is a documented record field."""
+    classes = [
+        c for c in vars(phases).values() if isinstance(c, type) and issubclass(c, phases.Phase)
+    ]
+    listed = [type(p) for p in phases.PHASES]
+    assert sorted(c.__name__ for c in classes if c is not phases.Phase) == sorted(
+        c.__name__ for c in listed
+    )
+    assert len(set(listed)) == len(listed)
+    for phase in phases.PHASES:
+        assert phase.__doc__, type(phase).__name__
+        assert set(phase.record_fields) <= set(FIELDS), type(phase).__name__

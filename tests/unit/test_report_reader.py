@@ -206,10 +206,10 @@ def test_report_help_names_bcastbench_report(capsys, monkeypatch):
 # -- the measurement behind the growth column -----------------------------------------------
 def test_growth_counts_what_a_call_allocates_even_after_the_same_call_freed_it():
     """A call that allocates what an earlier call freed reads its allocation, not the reused
-    pages' 0, once the free heap is released before VmHWM is reset (runner.measurements)."""
+    pages' 0, once the free heap is released before VmHWM is reset (phases.PeakMemory)."""
     import torch
 
-    from harness.run import runner
+    from harness.run import phases
 
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("no /proc/self/clear_refs to reset VmHWM with")
@@ -219,8 +219,8 @@ def test_growth_counts_what_a_call_allocates_even_after_the_same_call_freed_it()
         return float(torch.ones(size // 4).sum())  # every page written
 
     call(), call()  # what a warm-up and the timed rounds leave behind
-    assert runner._release_free_heap()
-    base = runner._rss_now()
-    assert runner._rss_peak_reset()
+    assert phases.release_free_heap()
+    base = phases.rss_now()
+    assert phases.rss_peak_reset()
     call()
-    assert runner._rss_peak() - base >= size * 0.9
+    assert phases.rss_peak() - base >= size * 0.9

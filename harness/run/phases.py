@@ -1,0 +1,410 @@
+"""The measured phases of a broadcast job: one class each, in one list (``PHASES``).
+
+A phase says what every rank does (``on_rank``: its answer is merged into the rank's result
+under the keys it names), how all ranks' answers become one strategy's summary fields
+(``fold``), and which of those fields a record carries (``record_fields``, documented in
+``harness.run.records.FIELDS``). ``harness.run.runner`` runs the list on every rank and folds
+it; ``harness.run.records`` copies every phase's ``record_fields``. Adding a measured phase is
+one class here, its entry in ``PHASES`` and its fields' documentation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import resource
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from harness.run.rounds import TIMING_FIELDS, interleaved, timing_stats, verdict
+from harness.run.verify import compare, digest, tensor_digest
+from strategies.core.trace import Recorder
+
+
+class Phase:
+    """One measured phase of a broadcast job (see the module docstring)."""
+
+    def applies(self, ctx, spec) -> bool:
+        """Whether the phase runs in this job on this rank's context (the same on every rank)."""
+        return True
+
+    def on_rank(self, ctx, spec, job) -> dict[str, Any]:
+        """What this rank measured: merged into its result (picklable)."""
+        raise NotImplementedError
+
+    def check(self, spec, results: list[dict]) -> None:
+        """Raise if the ranks' answers fail the job (verification); nothing by default."""
+
+    def fold(self, spec, name: str, results: list[dict]) -> dict[str, Any]:
+        """Strategy ``name``'s summary fields from every rank's result (rank order)."""
+        return {}
+
+    record_fields: tuple[str, ...] = ()
+    """The summary fields of the strategy under test a record carries as they are."""
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); a no-op on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def start_line(groups) -> None:
+    """Where every timed call starts: a barrier over the world (replicas start together),
+    then one over the replica's own group (the ranks the call moves data between).
+
+    On gloo the group used last answers its next collective faster than a group that sat idle
+    while another one worked: with only the world barrier, the floor's broadcast over the
+    replica group was slower than the same broadcast in a bare world (which barriers and
+    broadcasts on one group), and not once a replica-group barrier came last
+    (``tests/benchmarks/test_bench_bare.py`` holds the harness to the bare world). A call that
+    starts on a smaller group (header's TPxCP hop) still starts on a group the barrier did not
+    touch, as it would in a real step."""
+    dist.barrier()
+    if len(groups.replica_ranks) > 1:
+        dist.barrier(group=groups.cpu_replica_group)
+
+
+def _untimed_call(ctx, job, name: str, what: str) -> None:
+    ctx.report(f"{what} of {name}")
+    dist.barrier()
+    job.call(name)
+    sync(job.groups.device)
+
+
+def _timed_call(job, name: str) -> float:
+    """One call of ``name`` timed on this rank from ``start_line``, in seconds."""
+    entry = job.full.entry_state(job.groups.is_leader)
+    start_line(job.groups)
+    t0 = time.perf_counter()
+    job.built[name].get_data_input(entry)
+    sync(job.groups.device)
+    return time.perf_counter() - t0
+
+
+def _fault(spec, rank: int, it: int) -> None:
+    if rank == spec.fault_rank and it == spec.fault_at_iter:
+        if spec.fault_kind == "crash":
+            os._exit(17)
+        while True:  # hang: never return, never answer
+            time.sleep(3600)
+
+
+# -- timing ---------------------------------------------------------------------------------
+class TimedRounds(Phase):
+    """Warm-up rounds, then timed rounds that interleave every strategy, who goes first
+    rotating (``harness.run.rounds.interleaved``), every call starting from ``start_line``;
+    each rank times itself (seconds per call, ``times_s``). Round c moves the workload's call
+    c (warm-up rounds count first), the same shape for every strategy of the round, so the
+    floor and pickled are timed shape by shape beside it. A call costs the slowest rank."""
+
+    record_fields = (*TIMING_FIELDS, "rank_skew_us")
+
+    def on_rank(self, ctx, spec, job) -> dict[str, Any]:
+        def call(name: str, it: int, timed: bool) -> float | None:
+            if not timed:
+                return _untimed_call(ctx, job, name, f"warm-up {it + spec.warmup}")
+            ctx.report(f"timed iteration {it} of {name}")
+            if name == spec.strategy:
+                _fault(spec, ctx.rank, it)
+            return _timed_call(job, name)
+
+        def round_start(c: int, timed: bool) -> None:
+            job.use(spec.shape_of_call(c))
+
+        return {"times_s": interleaved(job.order, spec.warmup, spec.iters, call, round_start)}
+
+    def fold(self, spec, name: str, results: list[dict]) -> dict[str, Any]:
+        t = np.array([r["times_s"][name] for r in results])  # ranks × iters
+        per_call = t.max(axis=0)  # the slowest rank of each call
+        skew = per_call - t.min(axis=0)
+        return {**timing_stats(per_call), "rank_skew_us": float(np.median(skew)) * 1e6}
+
+
+class SteadyRounds(Phase):
+    """A varying workload's steady state: each distinct shape alone, one untimed round (the
+    call after a change of shape is the sequence's cost, not the steady one) then
+    ``steady_iters`` timed rounds; seconds per call by strategy then shape (``steady_s``,
+    folded per shape by ``harness.run.runner.per_shape``)."""
+
+    def applies(self, ctx, spec) -> bool:
+        return spec.workload is not None and spec.workload.varying and spec.steady_iters >= 1
+
+    def on_rank(self, ctx, spec, job) -> dict[str, Any]:
+        out: dict[str, list[list[float]]] = {name: [] for name in job.order}
+        for k, shape in enumerate(spec.distinct_shapes()):
+            job.use(shape)
+
+            def call(name: str, it: int, timed: bool, k: int = k) -> float | None:
+                if not timed:
+                    return _untimed_call(ctx, job, name, f"steady warm-up of shape {k}")
+                ctx.report(f"steady iteration {it} of shape {k} of {name}")
+                return _timed_call(job, name)
+
+            for name, seconds in interleaved(job.order, 1, spec.steady_iters, call).items():
+                out[name].append(seconds)
+        return {"steady_s": out}
+
+
+# -- what a call moves and costs besides time -------------------------------------------------
+class LinkBytes(Phase):
+    """Node-link bytes per call of each strategy, on an emulated cluster: rank 0 reads the
+    links' counters (the context's ``link_counter`` hook) around ``link_bytes_calls``
+    back-to-back calls of one strategy. Barriers fence the window so only that strategy's
+    traffic (and one barrier's few hundred bytes) is counted."""
+
+    record_fields = ("cross_node_bytes_per_call",)
+
+    def applies(self, ctx, spec) -> bool:
+        # A hook only contexts on an emulated cluster carry (other contexts may lack the field).
+        return getattr(ctx, "link_counter", None) is not None and spec.link_bytes_calls > 0
+
+    def on_rank(self, ctx, spec, job) -> dict[str, Any]:
+        read = ctx.link_counter if ctx.rank == 0 else None
+        out: dict[str, float] = {}
+        for name in job.order:
+            ctx.report(f"counting link bytes of {name}")
+            dist.barrier()
+            before = read() if read is not None else 0
+            dist.barrier()
+            for _ in range(spec.link_bytes_calls):
+                job.call(name)
+            dist.barrier()
+            if read is not None:
+                out[name] = (read() - before) / spec.link_bytes_calls
+        return {"link_bytes_per_call": out} if out else {}
+
+    def fold(self, spec, name: str, results: list[dict]) -> dict[str, Any]:
+        counted = next(
+            (r["link_bytes_per_call"] for r in results if "link_bytes_per_call" in r), {}
+        )
+        return {"cross_node_bytes_per_call": counted[name]} if name in counted else {}
+
+
+class Collectives(Phase):
+    """One recorded, untimed call per strategy: the collectives it made (kind, ranks, root,
+    bytes) and its local work (bytes packed, pickled, copied), from ``strategies.core.trace``."""
+
+    record_fields = (
+        "collectives_per_call", "collectives_leader", "comm_bytes_leader", "collectives_unavailable"
+    )  # fmt: skip
+
+    def on_rank(self, ctx, spec, job) -> dict[str, Any]:
+        out: dict[str, dict] = {"collectives": {}, "collectives_unavailable": {}, "work": {}}
+        for name in job.order:
+            ctx.report(f"counting collectives of {name}")
+            dist.barrier()
+            with Recorder() as rec:
+                job.call(name)
+            # None: the recorder could not see every path to a collective (rec.unavailable
+            # says why), so no count is reported rather than a short one.
+            out["collectives"][name] = (
+                None
+                if rec.unavailable
+                else [(c.kind, c.ranks, c.root, c.nbytes) for c in rec.comms]
+            )
+            out["collectives_unavailable"][name] = rec.unavailable
+            out["work"][name] = dict(rec.work)
+        return out
+
+    def fold(self, spec, name: str, results: list[dict]) -> dict[str, Any]:
+        leader = next(r for r in results if r["is_leader"])
+        receivers = [r["work"][name] for r in results if not r["is_leader"]]
+        return {
+            **_collective_counts(name, results, leader),
+            "work_leader": leader["work"][name],
+            "work_receiver_max": {
+                k: max(w.get(k, 0) for w in receivers) for k in {k for w in receivers for k in w}
+            },
+        }
+
+
+def _collective_counts(name: str, results: list[dict], leader: dict) -> dict:
+    """Collectives per call (max over ranks) and the leader's count and bytes; None with the
+    reason where a rank's count could not be established."""
+    if any(r["collectives"][name] is None for r in results):
+        why = next(
+            (r.get("collectives_unavailable", {}).get(name) for r in results
+             if r["collectives"][name] is None),
+            None,
+        )  # fmt: skip
+        return dict.fromkeys(
+            ("collectives_per_call", "collectives_leader", "comm_bytes_leader")
+        ) | {"collectives_unavailable": why or "not recorded"}
+    return {
+        "collectives_per_call": max(len(r["collectives"][name]) for r in results),
+        "collectives_leader": len(leader["collectives"][name]),
+        "comm_bytes_leader": sum(c[3] for c in leader["collectives"][name]),
+    }
+
+
+class PeakMemory(Phase):
+    """One untimed call per strategy between a reset of the process's peak RSS (VmHWM) and a
+    read of it, after the free heap is handed back, so the growth is this call's; CUDA's peak
+    allocation beside it on a GPU."""
+
+    record_fields = (
+        "peak_rss_bytes", "peak_rss_delta_bytes", "peak_cuda_bytes", "peak_rss_heap_released"
+    )  # fmt: skip
+
+    def on_rank(self, ctx, spec, job) -> dict[str, Any]:
+        device = job.groups.device
+        out: dict[str, dict] = {
+            k: {} for k in ("peak_rss_bytes", "peak_rss_delta_bytes", "peak_cuda_bytes")
+        }
+        for name in job.order:
+            ctx.report(f"measuring peak memory of {name}")
+            dist.barrier()
+            released = release_free_heap(full=name == job.order[0])
+            base = rss_now()
+            honest = rss_peak_reset() and released
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                cuda_base = torch.cuda.memory_allocated(device)
+            job.call(name)
+            sync(device)
+            peak = rss_peak()  # VmHWM since the reset: this call's high-water mark
+            out["peak_rss_bytes"][name] = peak
+            # None where VmHWM could not be reset or the free heap not released: the growth
+            # would then be the process's lifetime peak or the reused pages' 0, neither this
+            # call's.
+            out["peak_rss_delta_bytes"][name] = max(0, peak - base) if honest else None
+            out["peak_cuda_bytes"][name] = (
+                torch.cuda.max_memory_allocated(device) - cuda_base if device.type == "cuda" else 0
+            )
+        return out
+
+    def fold(self, spec, name: str, results: list[dict]) -> dict[str, Any]:
+        deltas = [r["peak_rss_delta_bytes"][name] for r in results]
+        return {
+            "peak_rss_bytes": max(r["peak_rss_bytes"][name] for r in results),
+            "peak_rss_delta_bytes": None if None in deltas else max(deltas),
+            # Says a reader that this growth was measured on fresh pages (records before the
+            # free heap was released read 0 whenever a call reused freed pages).
+            "peak_rss_heap_released": None not in deltas,
+            "peak_cuda_bytes": max(r["peak_cuda_bytes"][name] for r in results),
+        }
+
+
+def rss_peak_reset() -> bool:
+    """Reset this process's VmHWM (peak RSS); False where the kernel does not let it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def release_free_heap(full: bool = True) -> bool:
+    """Hand the heap's free pages back to the kernel (glibc ``malloc_trim``), so that what the
+    next call allocates has to fault in fresh pages and shows up in VmHWM. Without it the
+    earlier rounds' freed buffers stay resident, the call reuses them and its high-water growth
+    reads 0 whatever it allocates. False where there is no glibc to ask.
+
+    Objects in reference cycles hold memory until the collector runs: ``full`` collects every
+    generation (slow in a rank that imported torch and megatron-core, so once per job);
+    otherwise only the young ones, where one call's cycles are."""
+    gc.collect(2 if full else 1)
+    try:
+        # The process's own symbols: glibc's malloc_trim where the C library is glibc.
+        ctypes.CDLL(None).malloc_trim(0)  # 0: keep no padding at the top of the heap
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def rss_peak() -> int:
+    """This process's VmHWM in bytes (the lifetime peak where /proc has none)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_now() -> int:
+    """This process's resident set in bytes (0 where /proc has none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+class AutoChoice(Phase):
+    """Which strategy a choosing strategy (``auto``) serves its next call with, on each rank."""
+
+    def on_rank(self, ctx, spec, job) -> dict[str, Any]:
+        return {"choices": {n: s.choice for n, s in job.built.items() if hasattr(s, "choice")}}
+
+    def fold(self, spec, name: str, results: list[dict]) -> dict[str, Any]:
+        chosen = results[0].get("choices", {})
+        return {"choice": chosen[name]} if name in chosen else {}
+
+
+# -- correctness ------------------------------------------------------------------------------
+class Verification(Phase):
+    """Calls of every strategy compared bit for bit with the leader's batch: one per shape of
+    the period, in the workload's order (so a small call after a large one is checked too);
+    any difference fails the job naming the rank and the key."""
+
+    def on_rank(self, ctx, spec, job) -> dict[str, Any]:
+        groups = job.groups
+        problems: dict[str, list[str]] = {name: [] for name in job.order}
+        for k, shape in enumerate(spec.period()):
+            job.use(shape)
+            leader_digest = digest(job.full, True) if groups.is_leader else None
+            for name in job.order:
+                ctx.report(f"verifying {name}" + (f" on call {k} of the period" if k else ""))
+                dist.barrier()
+                out = job.call(name)
+                found = _verify(name, job.built[name], out, leader_digest, groups, job.full)
+                problems[name] += [f"{p} (call {k} of the period)" if k else p for p in found]
+        return {"problems": problems}
+
+    def check(self, spec, results: list[dict]) -> None:
+        verdict([p for r in results for found in r["problems"].values() for p in found])
+
+
+def _verify(name, strategy, out, leader_digest, groups, full) -> list[str]:
+    """Compare this rank's result with the leader's; floor compares its raw buffer."""
+    if name.split(":")[0] == "floor":
+        sent = [tensor_digest(strategy.sent) if groups.is_leader else None]
+        dist.broadcast_object_list(sent, src=groups.leader, group=groups.cpu_replica_group)
+        got = tensor_digest(strategy.received)
+        return [] if got == sent[0] else [f"{name}: rank {groups.rank}: received bytes differ"]
+    expected = [leader_digest]
+    dist.broadcast_object_list(expected, src=groups.leader, group=groups.cpu_replica_group)
+    expected = expected[0]
+    with_nt = bool(full.broadcast_non_tensor)
+    got = digest(out, with_nt)
+    if not with_nt:
+        expected = dict(expected, non_tensor=None)
+        got = dict(got, non_tensor=None)
+        if not groups.is_leader and out.non_tensor_batch:
+            return [f"{name}: rank {groups.rank}: non_tensor_batch arrived although not flagged"]
+    if out.meta_info != full.meta_info:
+        return [f"{name}: rank {groups.rank}: meta_info changed"]
+    return compare(expected, got, groups.rank, name)
+
+
+PHASES: tuple[Phase, ...] = (
+    TimedRounds(),
+    SteadyRounds(),
+    LinkBytes(),
+    Collectives(),
+    PeakMemory(),
+    Verification(),
+    AutoChoice(),
+)
+"""Every measured phase, in the order each rank runs them; every phase but the rounds starts
+on the period's first shape (auto's choice is read last: the one its last call left)."""
