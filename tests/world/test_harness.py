@@ -95,6 +95,29 @@ def test_hang_fails_within_timeout_naming_the_rank(tmp_path):
 
 
 @pytest.mark.world
+def test_a_varying_workload_on_uneven_replicas_runs_from_the_command_line(tmp_path):
+    """The CLI path of a real step: seq_len cycled per call, replicas handed 3 and 1 rows,
+    steady rounds after the sequence; the record lists each shape with its own floor, every
+    call verified on every rank."""
+    res = harness(
+        "layout=tp2pp2", "layout.pp=1", "layout.dp=2", "iters=4", "warmup=1",
+        "steady_iters=2", "payload.seq_len=64", "payload.cycle=[{seq_len:64},{seq_len:32}]",
+        "payload.dp_split=[3,1]", f"hydra.run.dir={tmp_path}",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    rec = json.loads((tmp_path / "result.json").read_text())
+    assert rec["status"] == "ok" and rec["correct"] is True, rec.get("error")
+    assert (rec["dp"], rec["tp"], rec["dp_split"]) == (2, 2, [3, 1])
+    assert rec["workload"] and rec["batch_size"] == 3
+    shapes = rec["shapes"]
+    assert sorted(s["seq_len"] for s in shapes) == [32, 64]
+    for shape in shapes:
+        assert shape["dp_rows"] == [3, 1] and shape["calls"] == 2
+        assert shape["vs_floor"] > 0 and shape["steady_p50_us"] > 0
+    assert shapes[0]["payload_bytes"] > shapes[1]["payload_bytes"] > 0  # 64 tokens, then 32
+
+
+@pytest.mark.world
 def test_torchrun_joins_the_world(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     res = subprocess.run(
