@@ -260,8 +260,9 @@ class RankActor:
         # None off an emulated cluster; there, the rank-side job counts link bytes with it.
         counter = link_counter()
         self.ctx = RankContext(
-            self.rank, self.world_size, self.backend, dev, link_counter=counter, board=self.board
-        )
+            self.rank, self.world_size, self.backend, dev, link_counter=counter, board=self.board,
+            node=f"ray node {self.node_id()}",
+        )  # fmt: skip
         return os.getpid()
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -110,6 +110,9 @@ class RankContext:
     board: PhaseBoard | None = None
     """Where a forked world's rank posts its phase (shared memory the driver reads), or None:
     phases then travel as messages."""
+    node: str | None = None
+    """This rank's host as its world knows it (Ray: the node id), or None: the launcher's
+    environment says (``strategies.core.groups.node_key``); the groups' ``node_of`` follows."""
 
     def report(self, phase: str) -> None:
         """Tell the driver what this rank is doing now (used to name a hung rank)."""
@@ -137,7 +140,7 @@ class RankContext:
                     **layout.megatron_kwargs(), create_gloo_process_groups=False
                 )
                 groups = ProcessGroups.from_megatron(
-                    order="-".join(layout.tokens), device=self.device
+                    order="-".join(layout.tokens), device=self.device, node=self.node
                 )
             self.cache["owned_groups", None] = _keep_only(groups, made)
             self.cache[key] = groups

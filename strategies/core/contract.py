@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
@@ -16,7 +16,14 @@ import torch.distributed as dist
 from tensordict import NonTensorData, NonTensorStack, TensorDict, is_tensor_collection
 
 from strategies.core.completion import Replay, distinct_groups, marks, posted_since
-from strategies.core.groups import MegatronView, check_order, derive_replicas
+from strategies.core.groups import (
+    MegatronView,
+    check_order,
+    derive_replicas,
+    node_indices,
+    node_key,
+    node_split,
+)
 from strategies.core.layout import Layout
 from strategies.core.trace import WORK
 
@@ -426,6 +433,9 @@ class ProcessGroups:
     """This rank's global rank."""
     replicas: int = 1
     """Number of DP replicas in the world (each has its own groups of the same shape)."""
+    node_of: tuple[int, ...] = ()
+    """Every global rank's node (ranks with the same number share a host and its memory),
+    ``strategies.core.groups.node_indices``; empty: unknown, taken as one node."""
 
     def __post_init__(self) -> None:
         self.cpu_tp_cp_group = self.cpu_tp_cp_group or self.tp_cp_group
@@ -444,6 +454,22 @@ class ProcessGroups:
     def tp_cp_size(self) -> int:
         return len(self.tp_cp_ranks)
 
+    @property
+    def replica_nodes(self) -> tuple[tuple[int, ...], ...]:
+        """This rank's replica split by node (``groups.node_split``): one tuple per node, the
+        leader's node first; each tuple's first rank is that node's leader."""
+        return node_split(self.replica_ranks, self.node_of)
+
+    @property
+    def node_local_ranks(self) -> tuple[int, ...]:
+        """The ranks of this rank's replica on this rank's node (in replica order)."""
+        return next(n for n in self.replica_nodes if self.rank in n)
+
+    @property
+    def node_leaders(self) -> tuple[int, ...]:
+        """One rank per node of this rank's replica, the replica leader first."""
+        return tuple(n[0] for n in self.replica_nodes)
+
     def seed_hops(self) -> list[Hop]:
         """The hops this rank takes part in, in the seed's order: TP×CP if it is on pipeline
         stage 0 and tp·cp > 1, then PP if pp > 1 (``Layout.seed_hop_groups`` for a plan)."""
@@ -459,9 +485,14 @@ class ProcessGroups:
         return len(self.pp_ranks)
 
     @classmethod
-    def from_megatron(cls, order: str | None = None, device: torch.device | None = None):
+    def from_megatron(
+        cls, order: str | None = None, device: torch.device | None = None, node: str | None = None
+    ):
         """Build from an initialized ``megatron.core.parallel_state``; every rank must call it
         (it gathers each rank's groups over the world and creates the replica groups).
+        ``node`` names this rank's host (None: ``groups.node_key`` from the launcher's
+        environment); it travels in the same gather, so which ranks share a node costs no
+        collective of its own.
 
         The replica group (all tp·cp·pp ranks of a DP replica; megatron-core builds none) is
         derived from megatron-core's own TP×CP and PP groups and checked against its DP,
@@ -478,7 +509,8 @@ class ProcessGroups:
             )
         rank = dist.get_rank()
         views: list = [None] * dist.get_world_size()
-        dist.all_gather_object(views, _megatron_view(ps, rank))
+        mine = replace(_megatron_view(ps, rank), node=node or node_key())
+        dist.all_gather_object(views, mine)
         replicas = derive_replicas(views)
         if order is not None:
             _check_against_order(order, views, replicas)
@@ -512,6 +544,7 @@ class ProcessGroups:
             cpu_replica_group=cpu_replica,
             rank=rank,
             replicas=len(set(replicas.values())),
+            node_of=node_indices([v.node for v in views]),
         )
 
 

@@ -12,6 +12,9 @@ maths here is pure (no process group), so it is tested at large world sizes with
 
 from __future__ import annotations
 
+import os
+import socket
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -35,6 +38,42 @@ class MegatronView:
     """Megatron's DP group with CP (``with_context_parallel=True``)."""
     mp: tuple[int, ...]
     """Megatron's model-parallel group (TP×PP: it leaves CP out)."""
+    node: str = ""
+    """The host this rank runs on (``node_key``): ranks with the same key share memory."""
+
+
+def node_key(env: Mapping[str, str] = os.environ) -> str:
+    """Which host this process runs on, as its launcher numbers hosts: torchrun's GROUP_RANK,
+    Slurm's SLURM_NODEID, else RANK // LOCAL_WORLD_SIZE where a launcher set both (the blocks
+    of consecutive ranks torchrun and the forked world give each host), else the host name.
+    A world that knows better (Ray's node id) passes its own key to ``from_megatron``."""
+    for name in ("GROUP_RANK", "SLURM_NODEID"):
+        if env.get(name, "").isdigit():
+            return f"node {int(env[name])}"
+    rank, per_node = env.get("RANK", ""), env.get("LOCAL_WORLD_SIZE", "")
+    if rank.isdigit() and per_node.isdigit() and int(per_node) > 0:
+        return f"node {int(rank) // int(per_node)}"
+    return f"host {socket.gethostname()}"
+
+
+def node_indices(keys: Sequence[str]) -> tuple[int, ...]:
+    """Each rank's node as a small integer (``keys[r]`` is rank r's ``node_key``), numbered in
+    the order the nodes first appear by rank."""
+    index: dict[str, int] = {}
+    return tuple(index.setdefault(k, len(index)) for k in keys)
+
+
+def node_split(ranks: Sequence[int], node_of: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """``ranks`` (a replica, in its order) split by node: one tuple per node, in the order the
+    nodes first appear in ``ranks``, each in ``ranks``' order. Its first ranks are the node
+    leaders, and the first of those is ``ranks[0]`` (the replica's leader). An empty
+    ``node_of`` means one node."""
+    if not node_of:
+        return (tuple(ranks),)
+    by_node: dict[int, list[int]] = {}
+    for r in ranks:
+        by_node.setdefault(node_of[r], []).append(r)
+    return tuple(tuple(members) for members in by_node.values())
 
 
 def _components(views: dict[int, MegatronView]) -> dict[int, frozenset[int]]:

@@ -9,7 +9,16 @@ import dataclasses
 
 import pytest
 
-from strategies.core.groups import GroupMismatch, MegatronView, check_order, derive_replicas
+from strategies import ProcessGroups
+from strategies.core.groups import (
+    GroupMismatch,
+    MegatronView,
+    check_order,
+    derive_replicas,
+    node_indices,
+    node_key,
+    node_split,
+)
 from strategies.core.layout import DEFAULT_ORDER, SEED_ORDER, Layout
 
 SHAPES = [(2, 2, 2, 1), (2, 1, 2, 2), (1, 2, 2, 1), (3, 2, 2, 2), (4, 4, 2, 1), (1, 1, 1, 1)]
@@ -101,3 +110,43 @@ def test_cp_outside_dp_cp_is_refused():
     bad = with_group(views, 0, dp_cp=(0, 4))
     with pytest.raises(GroupMismatch, match=r"rank 0: DP×CP group \[0, 4\] meets the replica"):
         derive_replicas(bad)
+
+
+# -- which ranks of a replica share a node ---------------------------------------------------
+@pytest.mark.parametrize("order", [DEFAULT_ORDER, SEED_ORDER])
+@pytest.mark.parametrize("per_node", [8, 4, 16])
+def test_a_replica_splits_by_node_at_16k_ranks(order, per_node):
+    """16,384 ranks, ``per_node`` consecutive ranks per host (torchrun's blocks): every
+    replica's node tuples are exactly its members on each host, leader's node first, each
+    led by its first member; node leaders are one per host the replica touches."""
+    layout = Layout(dp=128, pp=4, tp=8, cp=4, order=order)
+    keys = [node_key({"RANK": str(r), "LOCAL_WORLD_SIZE": str(per_node)}) for r in range(16384)]
+    node_of = node_indices(keys)
+    assert node_of == tuple(r // per_node for r in range(16384))
+    for group in layout.replica_groups()[::17]:  # a spread of the 128 replicas
+        split = node_split(group, node_of)
+        assert split[0][0] == group[0]
+        assert sorted(r for n in split for r in n) == sorted(group)
+        for members in split:
+            assert len({node_of[r] for r in members}) == 1
+            assert list(members) == [r for r in group if node_of[r] == node_of[members[0]]]
+        assert len(split) == len({r // per_node for r in group})
+
+
+def test_node_keys_follow_the_launcher_then_the_host():
+    assert node_key({"GROUP_RANK": "3", "RANK": "9", "LOCAL_WORLD_SIZE": "2"}) == "node 3"
+    assert node_key({"SLURM_NODEID": "1"}) == "node 1"
+    assert node_key({"RANK": "9", "LOCAL_WORLD_SIZE": "4"}) == "node 2"
+    assert node_key({}).startswith("host ")
+    assert node_key({"RANK": "x", "LOCAL_WORLD_SIZE": "0"}).startswith("host ")
+    assert node_split((4, 5, 6), ()) == ((4, 5, 6),)  # unknown: one node
+
+
+def test_process_groups_name_their_node_local_ranks_and_node_leaders():
+    node_of = (0, 0, 1, 1, 0, 0, 1, 1)
+    groups = ProcessGroups(
+        None, None, None, (2, 3), (2, 6), (0, 1, 2, 3, 4, 5, 6, 7), 0, 0, rank=2, node_of=node_of
+    )
+    assert groups.replica_nodes == ((0, 1, 4, 5), (2, 3, 6, 7))
+    assert groups.node_local_ranks == (2, 3, 6, 7)
+    assert groups.node_leaders == (0, 2)

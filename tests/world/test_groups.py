@@ -35,14 +35,19 @@ def megatron_groups_job(ctx, layout: Layout, order: str | None):
         ps.initialize_model_parallel(**layout.megatron_kwargs(), create_gloo_process_groups=False)
         groups = strategies.ProcessGroups.from_megatron(order=order, device=ctx.device)
     ctx.cache["groups", layout] = groups
-    return groups.replica_ranks, groups.pp_ranks, groups.tp_cp_ranks, groups.replicas
+    return (
+        groups.replica_ranks, groups.pp_ranks, groups.tp_cp_ranks, groups.replicas,
+        groups.node_of, groups.node_local_ranks, groups.node_leaders,
+    )  # fmt: skip
 
 
 @pytest.mark.world
 @pytest.mark.parametrize("layout", SEED_LAYOUTS)
 def test_groups_without_order_are_the_layouts(world8, layout):
     got = world8.run(megatron_groups_job, layout, None)
-    for rank, (replica, pp, tp_cp, replicas) in enumerate(got):
+    for rank, (replica, pp, tp_cp, replicas, node_of, local, node_leaders) in enumerate(got):
+        # A forked world is one host: every rank of a replica is node-local, one node leader.
+        assert node_of == (0,) * 8 and local == replica and node_leaders == (replica[0],)
         assert list(replica) == layout.group_of("tp-cp-pp", rank), rank
         assert list(pp) == layout.group_of("pp", rank), rank
         assert list(tp_cp) == layout.group_of("tp-cp", rank), rank
