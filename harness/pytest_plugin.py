@@ -144,10 +144,16 @@ def bcastbench_job(request, bcastbench_world, bcastbench_mode):
 def _check_recorded(spec) -> None:
     """A recorded payload (payload="file" | "schema", payload_path=...) is read once here, by
     the loader every command uses, so a bad or unsafe file fails the test with its one-line
-    reason before any rank starts (as ``bcastbench run`` refuses it before any rank)."""
+    reason before any rank starts (as ``bcastbench run`` refuses it before any rank); a
+    generated one is priced against the same limit."""
     from harness.run import payloads, recorded, schema  # lean: module docstring
+    from harness.run.config import ConfigError, check_size  # lean: module docstring
 
     if spec.payload not in payloads.RECORDED:
+        try:  # priced from its shapes, as bcastbench run prices it, before any rank allocates
+            check_size(spec.payload, spec.batch_size, spec.seq_len, spec.payload_max_bytes)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
         return
     if not spec.payload_path:
         raise ValueError(f'payload="{spec.payload}" needs payload_path=<file>')

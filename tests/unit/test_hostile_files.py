@@ -575,3 +575,17 @@ def test_the_pytest_plugin_refuses_an_unsafe_recording_before_any_rank(tmp_path)
     with pytest.raises(ValueError, match="payload.trust=true") as err:
         _check_recorded(spec)
     assert len(str(err.value).splitlines()) == 1 and not marker.exists()
+
+
+def test_the_pytest_plugin_prices_a_generated_payload_before_any_rank():
+    """A batch no machine holds (a typo'd batch_size in a user's CI) is one line before the
+    world is asked for, priced as bcastbench run prices it."""
+    from harness.pytest_plugin import _check_recorded
+    from harness.run.runner import JobSpec
+    from strategies.core.layout import Layout
+
+    spec = JobSpec("header", Layout(tp=2, pp=2), batch_size=10**12, seq_len=512)
+    with pytest.raises(ValueError, match=r"of 1000000000000 rows × 512 tokens takes") as err:
+        _check_recorded(spec)
+    assert len(str(err.value).splitlines()) == 1
+    _check_recorded(JobSpec("header", Layout(tp=2, pp=2), batch_size=2, seq_len=512))
