@@ -146,7 +146,7 @@ def _check_recorded(spec) -> None:
     the loader every command uses, so a bad or unsafe file fails the test with its one-line
     reason before any rank starts (as ``bcastbench run`` refuses it before any rank); a
     generated one is priced against the same limit."""
-    from harness.run import payloads, recorded, schema  # lean: module docstring
+    from harness.run import payloads, recording, schema  # lean: module docstring
     from harness.run.config import ConfigError, check_size  # lean: module docstring
 
     if spec.payload not in payloads.RECORDED:
@@ -162,7 +162,7 @@ def _check_recorded(spec) -> None:
             spec.payload, spec.batch_size, spec.seq_len, spec.seed, None, spec.payload_path,
             spec.payload_trust, spec.payload_max_bytes,
         )  # fmt: skip
-    except (recorded.PayloadFileError, schema.SchemaError) as exc:
+    except (recording.PayloadFileError, schema.SchemaError) as exc:
         raise ValueError(str(exc)) from None
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from harness.run import recorded, schema
+from harness.run import recording, schema
 from strategies import DataProto
 
 QUICK_S = 5.0
@@ -110,7 +110,7 @@ def torch_recording(path: Path, rows: int = 4) -> Path:
     """This project's own recording (torch.save of a DataProto with non-tensor arrays)."""
     batch = TensorDict({"input_ids": torch.arange(rows * 9).reshape(rows, 9)}, batch_size=[rows])
     uid = np.array([f"uid-{i}" for i in range(rows)], dtype=object)
-    recorded.save(DataProto(batch, {"uid": uid}, {"step": 1}), path)
+    recording.save(DataProto(batch, {"uid": uid}, {"step": 1}), path)
     return path
 
 
@@ -140,7 +140,7 @@ def one_line_error(call) -> tuple[str, float]:
     start = time.monotonic()
     try:
         call()
-    except (recorded.PayloadFileError, schema.SchemaError) as exc:
+    except (recording.PayloadFileError, schema.SchemaError) as exc:
         took = time.monotonic() - start
         text = str(exc)
         assert "\n" not in text and "Traceback" not in text, text

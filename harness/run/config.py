@@ -17,7 +17,7 @@ from harness.cluster.netns import EmulateConf
 from harness.paths import CONF_DIR
 from harness.ray.actors import RayConf, RayUnavailable, import_ray
 from harness.ray.modes import LEADER, Mode
-from harness.run import payloads, recorded, schema, workload
+from harness.run import payloads, recording, schema, workload
 from harness.run.records import layout_name
 from harness.units import human_bytes
 from strategies.core.layout import Layout, LayoutError
@@ -98,14 +98,14 @@ class PayloadConf:
     """Replica r's leader generates its batch from seed + r."""
     path: str | None = None
     """payload=file: a recorded batch; payload=schema: a schema file, or the name of one in
-    conf/schemas/ (harness/run/recorded.py, harness/run/schema.py)."""
+    conf/schemas/ (harness/run/recording.py, harness/run/schema.py)."""
     trust: bool = False
     """payload=file: allow arbitrary unpickling (only for a file you trust)."""
     max_bytes: int | None = None
     """The most bytes one leader's batch may take in any call: a generated payload's from its
     shapes (``harness.run.payloads.payload_bytes``), a recording's or a schema's from the
     file's sizes and shapes, all checked before anything is allocated. null: a quarter of
-    this machine's physical memory (``harness.run.recorded.default_max_bytes``)."""
+    this machine's physical memory (``harness.run.recording.default_max_bytes``)."""
     cycle: Any = None
     """Overrides of batch_size and seq_len (seq_len not for a recorded payload) cycled call
     by call, e.g. ``[{batch_size: 768}, {batch_size: 3}]``; the floor and pickled are timed on
@@ -364,10 +364,10 @@ def _validate_recorded(payload, batch_size: int) -> None:
         if payload.name == "schema":
             schema.check(payload.path, batch_size, max_bytes)
         else:
-            recorded.load(
+            recording.load(
                 payload.path, bool(payload.trust), max_bytes=max_bytes, batch_size=batch_size,
             )  # fmt: skip
-    except (recorded.PayloadFileError, schema.SchemaError) as exc:
+    except (recording.PayloadFileError, schema.SchemaError) as exc:
         problem = str(exc)  # raised below, outside the except: one line, no context
     if problem is not None:
         raise ConfigError(problem)
@@ -394,7 +394,7 @@ def check_size(
     """A generated batch of ``rows`` × ``seq_len`` fits ``max_bytes`` (None: a quarter of this
     machine's memory) on ``holder``, priced from the shapes alone: 10**12 rows are refused in
     one line instead of failing to allocate petabytes on every rank."""
-    limit = recorded.default_max_bytes() if max_bytes is None else int(max_bytes)
+    limit = recording.default_max_bytes() if max_bytes is None else int(max_bytes)
     need = payloads.payload_bytes(name, rows, seq_len)
     if need > limit:
         where = "set" if max_bytes is not None else "a quarter of this machine's memory"

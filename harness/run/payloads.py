@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from harness.run import recorded, schema
+from harness.run import recording, schema
 from strategies import NON_TENSOR_FLAG, DataProto
 
 VOCAB = 151_936  # Qwen2's vocabulary, as in ROLL's and verl's examples
@@ -140,7 +140,7 @@ def payload_bytes(name: str, batch_size: int, seq_len: int) -> int:
 
 RECORDED = ("file", "schema")
 """Payloads read from ``payload.path`` instead of generated: a recorded batch
-(``harness.run.recorded``) or a schema replayed with seeded data (``harness.run.schema``)."""
+(``harness.run.recording``) or a schema replayed with seeded data (``harness.run.schema``)."""
 
 
 def recorded_seq_len(
@@ -148,7 +148,7 @@ def recorded_seq_len(
 ) -> int | None:
     """The tokens per row of a recorded payload as its batch has them (``payload.seq_len`` does
     not apply to one): a recording's widest 2-D leaf, a schema's from one replayed row."""
-    return recorded.seq_len_of(make(name, 1, 1, seed, None, path, trust, max_bytes))
+    return recording.seq_len_of(make(name, 1, 1, seed, None, path, trust, max_bytes))
 
 
 def path_of(name: str, path: str | None) -> str | None:
@@ -175,7 +175,7 @@ def make(
     """The batch a replica leader holds: generated, or read from ``path`` (payload=file,
     payload=schema) within ``max_bytes`` (None: the loader's default limit)."""
     if name == "file":
-        return recorded.make(path, batch_size, trust, broadcast_non_tensor, max_bytes)
+        return recording.make(path, batch_size, trust, broadcast_non_tensor, max_bytes)
     if name == "schema":
         return schema.make(path, batch_size, seed, broadcast_non_tensor, max_bytes)
     try:

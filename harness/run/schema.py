@@ -1,6 +1,6 @@
 """The shape of a batch without its data, and seeded batches of that shape (``payload=schema``).
 
-``bcastbench schema FILE -o schema.yaml`` reads a recorded batch (``harness.run.recorded``) and
+``bcastbench schema FILE -o schema.yaml`` reads a recorded batch (``harness.run.recording``) and
 writes its keys, dtypes and shapes; for a jagged leaf the distribution of its row lengths; for
 non-tensor data the kind of its items (and the distribution of string lengths); meta_info's
 keys with their types (numbers, booleans and None keep their values: they are settings, not
@@ -26,7 +26,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from harness.files import write_atomic
 from harness.paths import CONF_DIR
-from harness.run.recorded import (
+from harness.run.recording import (
     DTYPES,
     MAX_DEPTH,
     MAX_DIMS,
@@ -374,9 +374,9 @@ def _check_keys(keys: list[tuple[str, ...]]) -> None:
 
 
 def validate(schema: dict, batch_size: int | None = None, max_bytes: int | None = None) -> int:
-    """Every field of a schema checked (kinds, dtypes from ``recorded.DTYPES``, dims, keys,
+    """Every field of a schema checked (kinds, dtypes from ``recording.DTYPES``, dims, keys,
     length percentiles); with ``batch_size``, the batch it replays to checked against
-    ``max_bytes`` (default ``recorded.default_max_bytes()``). Returns the bytes per row."""
+    ``max_bytes`` (default ``recording.default_max_bytes()``). Returns the bytes per row."""
     unknown = set(schema) - set(_TOP_FIELDS)
     if unknown:
         raise SchemaError(f"unknown fields {sorted(map(str, unknown))}; valid: {list(_TOP_FIELDS)}")
@@ -549,7 +549,7 @@ def _overwrites(out: str, source: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """``bcastbench schema FILE -o schema.yaml [--trust] [--max-bytes N]``: reads the file
-    through ``recorded.load`` (so it runs no code without ``--trust``); errors are one line and
+    through ``recording.load`` (so it runs no code without ``--trust``); errors are one line and
     exit 2."""
     parser = argparse.ArgumentParser(
         prog="bcastbench schema", description="Write a recorded batch's schema (no data)."

@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 from tensordict import TensorDict
 
 from harness.paths import CONF_DIR
-from harness.run import recorded, schema
+from harness.run import recording, schema
 from strategies import DataProto
 
 
@@ -469,7 +469,7 @@ def test_schema_command_with_trust_reads_a_pickled_leaf(tmp_path, capsys, monkey
 
 def test_every_reader_refuses_the_same_pickle(tmp_path):
     """The job's validation, a replica leader's payload (what the pytest plugin's jobs build)
-    and bcastbench schema's reader all go through recorded.load: none runs the pickle."""
+    and bcastbench schema's reader all go through recording.load: none runs the pickle."""
     from harness.run import payloads
     from harness.run.config import ConfigError, PayloadConf, _validate_recorded
 
@@ -479,7 +479,7 @@ def test_every_reader_refuses_the_same_pickle(tmp_path):
     with pytest.raises(ConfigError, match="needs io.open"):
         _validate_recorded(node, node.batch_size)
     one_line_error(lambda: payloads.make("file", 4, 16, 0, None, str(rec), False))
-    text, _ = one_line_error(lambda: recorded.load(rec, flags=recorded.SCHEMA_FLAGS))
+    text, _ = one_line_error(lambda: recording.load(rec, flags=recording.SCHEMA_FLAGS))
     assert "--trust" in text and not marker.exists()
     trusted = {"path": str(tagged_memmap(tmp_path / "t")), "trust": True}
     trusted_node = OmegaConf.merge(node, trusted)
@@ -489,17 +489,17 @@ def test_every_reader_refuses_the_same_pickle(tmp_path):
 def test_trust_lifts_only_the_pickle_refusal(tmp_path):
     marker = tmp_path / "marker"
     rec = evil_memmap(tmp_path / "rec", marker)
-    one_line_error(lambda: recorded.load(rec))
+    one_line_error(lambda: recording.load(rec))
     assert not marker.exists()
-    recorded.load(rec, trust=True)
+    recording.load(rec, trust=True)
     assert marker.exists()  # trusted: the pickle ran, as the user allowed
     tagged = tagged_memmap(tmp_path / "tagged")
-    text, _ = one_line_error(lambda: recorded.load(tagged))
+    text, _ = one_line_error(lambda: recording.load(tagged))
     assert "needs hostile_support.Tag" in text
-    got = recorded.load(tagged, trust=True)
+    got = recording.load(tagged, trust=True)
     assert got.batch.get("tag").data == Tag("mine")
     huge = _huge_shape(tmp_path, tmp_path, marker)
-    text, _ = one_line_error(lambda: recorded.load(huge, trust=True))
+    text, _ = one_line_error(lambda: recording.load(huge, trust=True))
     assert "truncated" in text  # trust never lifts a size check
 
 
@@ -508,7 +508,7 @@ def test_memmap_reader_matches_tensordicts_own_loader(tmp_path):
     tensor comes back jagged, the layout the codecs carry)."""
     rec = memmap_recording(tmp_path / "rec")
     before = snapshot(rec)
-    ours = recorded.load(rec).batch
+    ours = recording.load(rec).batch
     theirs = TensorDict.load_memmap(rec, allow_pickle=False, mode="r")
     assert snapshot(rec) == before
     for key in ("input_ids", "mask", ("nest", "logp"), "odd/key"):
@@ -525,26 +525,26 @@ def test_memmap_reader_matches_tensordicts_own_loader(tmp_path):
 
 def test_recorded_batch_reports_its_real_seq_len(tmp_path):
     rec = memmap_recording(tmp_path / "rec")
-    assert recorded.seq_len_of(recorded.load(rec)) == 9
-    assert recorded.seq_len_of(recorded.make(str(rec), 16)) == 9
+    assert recording.seq_len_of(recording.load(rec)) == 9
+    assert recording.seq_len_of(recording.make(str(rec), 16)) == 9
     only_1d = DataProto(TensorDict({"r": torch.ones(3)}, batch_size=[3]), {}, {})
-    assert recorded.seq_len_of(only_1d) is None
+    assert recording.seq_len_of(only_1d) is None
     ragged = torch.nested.nested_tensor([torch.ones(n) for n in (2, 7, 3)], layout=torch.jagged)
     jagged = DataProto(TensorDict({"ids": ragged}, batch_size=[3]), {}, {})
-    assert recorded.seq_len_of(jagged) == 7
+    assert recording.seq_len_of(jagged) == 7
     replayed = schema.make(str(CONF_DIR / "schemas" / "rl_rollout.yaml"), 2, seed=0)
-    assert recorded.seq_len_of(replayed) == 1024
+    assert recording.seq_len_of(replayed) == 1024
 
 
 def test_default_limit_is_a_quarter_of_this_machines_memory():
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    assert recorded.default_max_bytes() == physical // 4
+    assert recording.default_max_bytes() == physical // 4
 
 
 def test_schema_bytes_per_row_are_its_shapes_arithmetic():
     doc = yaml.safe_load((CONF_DIR / "schemas" / "rl_rollout.yaml").read_text())
     tensors = sum(
-        math.prod(e["shape"]) * recorded.DTYPES[e["dtype"]].itemsize for e in doc["leaves"]
+        math.prod(e["shape"]) * recording.DTYPES[e["dtype"]].itemsize for e in doc["leaves"]
     )
     strings = sum(  # a pointer, the str's own bytes and its longest text
         8 + 8 + math.ceil(e["lengths"]["percentiles"][-1]) for e in doc["non_tensor_batch"].values()

@@ -33,11 +33,11 @@ from hypothesis import strategies as st
 from verl_support import verl_dataproto
 
 from harness.paths import CONF_DIR
-from harness.run import recorded, schema
+from harness.run import recording, schema
 
 LIMIT = 1 << 20
 """The byte limit every example runs under: a missing check would show as a batch above it."""
-ERRORS = (recorded.PayloadFileError, schema.SchemaError)
+ERRORS = (recording.PayloadFileError, schema.SchemaError)
 
 EXAMPLES = settings(
     max_examples=100,
@@ -65,7 +65,7 @@ def outcome(call, watched: list[Path], marker: Path | None = None):
         event(_gist(error))
     else:
         event("loaded")
-        assert recorded.batch_bytes(result) <= LIMIT
+        assert recording.batch_bytes(result) <= LIMIT
     return result, error
 
 
@@ -76,7 +76,7 @@ def _gist(error: str) -> str:
 
 
 def load_file(path: Path, batch_size: int = 8):
-    return recorded.load(path, max_bytes=LIMIT, batch_size=batch_size)
+    return recording.load(path, max_bytes=LIMIT, batch_size=batch_size)
 
 
 def make_schema(path: Path, batch_size: int = 8):
@@ -390,7 +390,7 @@ def test_mutated_schema_through_bcastbench_run(scratch, capsys, monkeypatch, dat
     here = scratch()
     doc = json.loads(json.dumps(SEEDS[0]))
     doc["leaves"][0]["dtype"] = data.draw(
-        st.text(max_size=6).filter(lambda t: t not in recorded.DTYPES)
+        st.text(max_size=6).filter(lambda t: t not in recording.DTYPES)
     )
     path = here / "s.yaml"
     path.write_text(yaml.safe_dump(doc))

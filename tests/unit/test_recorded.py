@@ -15,7 +15,7 @@ from verl_support import verl_dataproto, verl_worker_payload
 
 import strategies
 from harness.paths import CONF_DIR
-from harness.run import payloads, recorded, schema
+from harness.run import payloads, recording, schema
 from harness.run.verify import digest
 from strategies import DataProto
 from strategies.core.contract import leaves
@@ -31,7 +31,7 @@ def same_batch(a: DataProto, b) -> None:
 def test_verl_save_to_disk_loads_without_verl_classes(tmp_path):
     dp = verl_dataproto(3, 0, True)
     dp.save_to_disk(tmp_path / "batch.pkl")
-    got = recorded.load(tmp_path / "batch.pkl")
+    got = recording.load(tmp_path / "batch.pkl")
     assert type(got) is DataProto
     same_batch(got, dp)
     assert got.meta_info == dp.meta_info
@@ -40,7 +40,7 @@ def test_verl_save_to_disk_loads_without_verl_classes(tmp_path):
 def test_verl_worker_payload_keeps_jagged_and_non_tensor_leaves(tmp_path):
     dp = verl_worker_payload(3, 1)
     dp.save_to_disk(tmp_path / "worker.pkl")
-    got = recorded.load(tmp_path / "worker.pkl")
+    got = recording.load(tmp_path / "worker.pkl")
     same_batch(got, dp)
     assert got.batch["input_ids"].is_nested
 
@@ -56,9 +56,9 @@ def test_tensordict_and_our_dataproto_formats(tmp_path, how):
         dp.batch.memmap(path)
         expected = DataProto(dp.batch, {}, {})
     else:
-        recorded.save(dp, path)
+        recording.save(dp, path)
         expected = dp
-    got = recorded.load(path)
+    got = recording.load(path)
     same_batch(got, expected)
     assert got.meta_info == expected.meta_info
 
@@ -67,7 +67,7 @@ def test_tensordict_and_our_dataproto_formats(tmp_path, how):
 def test_resample_repeats_or_trims_rows_in_order(rows):
     dp = verl_dataproto(4, 0, True)
     dp = DataProto(dp.batch, dp.non_tensor_batch, dp.meta_info)
-    out = recorded.resample(dp, rows)
+    out = recording.resample(dp, rows)
     index = torch.arange(rows) % 4
     assert out.batch.batch_size[0] == rows
     assert torch.equal(out.batch["input_ids"], dp.batch["input_ids"][index])
@@ -75,8 +75,8 @@ def test_resample_repeats_or_trims_rows_in_order(rows):
 
 
 def test_make_sets_the_non_tensor_flag_when_asked(tmp_path):
-    recorded.save(payloads.make("pretrain", 2, 16, seed=0), tmp_path / "b.pt")
-    dp = recorded.make(str(tmp_path / "b.pt"), 5, broadcast_non_tensor=True)
+    recording.save(payloads.make("pretrain", 2, 16, seed=0), tmp_path / "b.pt")
+    dp = recording.make(str(tmp_path / "b.pt"), 5, broadcast_non_tensor=True)
     assert dp.batch.batch_size[0] == 5 and dp.broadcast_non_tensor
 
 
@@ -95,8 +95,8 @@ def test_unsafe_file_is_refused_without_running_it(tmp_path, writer):
     marker = tmp_path / "ran"
     with open(tmp_path / "evil", "wb") as f:
         writer({"batch": _RunsCode(marker)}, f)
-    with pytest.raises(recorded.PayloadFileError) as err:
-        recorded.load(tmp_path / "evil")
+    with pytest.raises(recording.PayloadFileError) as err:
+        recording.load(tmp_path / "evil")
     message = str(err.value)
     assert "\n" not in message
     assert "open" in message and "payload.trust=true" in message
@@ -107,9 +107,9 @@ def test_trust_lifts_the_allow_list(tmp_path):
     td = TensorDict({"x": torch.arange(6).reshape(3, 2)}, batch_size=[3])
     with open(tmp_path / "plain.pkl", "wb") as f:
         pickle.dump({"batch": td, "meta_info": {"k": 1}}, f)  # TensorDict's own pickle
-    with pytest.raises(recorded.PayloadFileError, match="tensordict"):
-        recorded.load(tmp_path / "plain.pkl")
-    got = recorded.load(tmp_path / "plain.pkl", trust=True)
+    with pytest.raises(recording.PayloadFileError, match="tensordict"):
+        recording.load(tmp_path / "plain.pkl")
+    got = recording.load(tmp_path / "plain.pkl", trust=True)
     assert torch.equal(got.batch["x"], td["x"]) and got.meta_info == {"k": 1}
 
 
@@ -125,8 +125,8 @@ def test_bad_files_say_what_is_wrong_in_one_line(tmp_path):
         tmp_path: "not a TensorDict.memmap directory",
     }
     for path, expected in cases.items():
-        with pytest.raises(recorded.PayloadFileError) as err:
-            recorded.load(path)
+        with pytest.raises(recording.PayloadFileError) as err:
+            recording.load(path)
         assert expected in str(err.value) and "\n" not in str(err.value)
 
 

@@ -232,7 +232,7 @@ def test_a_recorded_batch_is_recorded_with_its_real_shape(
     from tensordict import TensorDict
 
     from harness.commands import cli
-    from harness.run.recorded import save
+    from harness.run.recording import save
     from strategies import DataProto
 
     td = TensorDict(
