@@ -270,6 +270,10 @@ def _worker(
     # this process (its destructor would join them forever).
     gc.freeze()
     _INHERITED.extend(forget_megatron_groups())
+    # Its other state too (the global memory buffer, ...): the rank's first
+    # initialize_model_parallel must find megatron-core uninitialised. Nothing is destroyed:
+    # the inherited groups are pinned above and their globals already None.
+    ps.destroy_model_parallel()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver owns Ctrl-C and kills us
     if stacks is not None:
         _dump_stacks_on_signal(os.path.join(stacks, f"rank{local_rank}.txt"))
@@ -440,6 +444,14 @@ class ForkedWorld:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> ForkedWorld:
+        if dist.is_initialized():
+            raise WorldError(
+                "this process already holds a torch.distributed default group (rank "
+                f"{dist.get_rank()} of {dist.get_world_size()}): ranks forked from it would "
+                "inherit it and cannot start their own world; destroy it first "
+                "(torch.distributed.destroy_process_group()), or run the job under torchrun, "
+                "where this process joins the launcher's world instead"
+            )
         t0 = time.perf_counter()
         self._job = 0  # the ranks' "ready" answers carry job 0
         mp = tmp.get_context("fork")
@@ -450,31 +462,29 @@ class ForkedWorld:
         children = [b for _, b in pairs]
         status_children = [b for _, b in status]
         self._board = PhaseBoard(mp, self.world_size)
-        self._stacks = tempfile.mkdtemp(prefix="bcastbench-stacks-")
         # A process group the driver dropped but megatron-core or a reference cycle still
         # holds (an in-process job's, a test's) is destroyed here, where its threads exist, not
         # in a rank that inherits it: there its destructor waits for the driver's threads.
         if not ps.model_parallel_is_initialized():
             forget_megatron_groups()
         gc.collect()
-        # Gloo's own timeout sits past ours, so the driver names the hung rank first.
-        self._ctx = tmp.start_processes(
-            _worker,
-            args=(
-                self.world_size,
-                _free_port(),
-                self.backend,
-                self.device,
-                self.timeout_s + 5,
-                children,
-                status_children,
-                self._board,
-                self._stacks,
-            ),
-            nprocs=self.world_size,
-            join=False,
-            start_method="fork",
-        )
+        port = _free_port()
+        self._stacks = tempfile.mkdtemp(prefix="bcastbench-stacks-")
+        try:
+            # Gloo's own timeout sits past ours, so the driver names the hung rank first.
+            self._ctx = tmp.start_processes(
+                _worker,
+                args=(
+                    self.world_size, port, self.backend, self.device, self.timeout_s + 5,
+                    children, status_children, self._board, self._stacks,
+                ),
+                nprocs=self.world_size,
+                join=False,
+                start_method="fork",
+            )  # fmt: skip
+        except BaseException:
+            self._drop_stacks()
+            raise
         for c in children + status_children:
             c.close()
         self._collect("starting the world", self.timeout_s)
@@ -493,8 +503,14 @@ class ForkedWorld:
     def record_fields(self) -> dict[str, Any]:
         return {}
 
+    def _drop_stacks(self) -> None:
+        if self._stacks is not None:
+            shutil.rmtree(self._stacks, ignore_errors=True)
+            self._stacks = None
+
     def close(self, kill: bool = False) -> None:
         if self._ctx is None:
+            self._drop_stacks()
             return
         procs = self._ctx.processes
         if not kill:
@@ -513,9 +529,7 @@ class ForkedWorld:
             p.join(5)
         for c in self._conns + self._status:
             c.close()
-        if self._stacks is not None:
-            shutil.rmtree(self._stacks, ignore_errors=True)
-            self._stacks = None
+        self._drop_stacks()
         self._ctx = None
         _LIVE.discard(self)
 
@@ -568,26 +582,34 @@ class ForkedWorld:
 
     def _stacks_of(self, ranks: list[int]) -> str:
         """Every thread's Python stack of each of ``ranks``, as its faulthandler writes them on
-        ``STACK_SIGNAL``: where a rank is whose status thread cannot get the GIL."""
-        out = []
+        ``STACK_SIGNAL``: where a rank is whose status thread cannot get the GIL. Every rank is
+        signalled first, then all dumps are read against one deadline (3 s)."""
+        paths = {}
         for rank in ranks:
-            text = ""
             try:
                 os.kill(self._ctx.processes[rank].pid, STACK_SIGNAL)
-                path = os.path.join(self._stacks or "", f"rank{rank}.txt")
-                deadline = time.monotonic() + 3.0
-                while time.monotonic() < deadline:  # until the dump stops growing
-                    time.sleep(0.2)
+                paths[rank] = os.path.join(self._stacks or "", f"rank{rank}.txt")
+            except (OSError, AttributeError):
+                continue
+        texts = dict.fromkeys(paths, "")
+        settled: set[int] = set()
+        deadline = time.monotonic() + 3.0
+        while paths and len(settled) < len(paths) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            for rank, path in paths.items():  # a dump is whole once it stops growing
+                try:
                     with open(path, errors="replace") as f:
                         now = f.read()
-                    if now and now == text:
-                        break
-                    text = now
-            except (OSError, AttributeError):
-                pass
-            if text.strip():
-                out.append(f"\n--- stacks of rank {rank} (faulthandler) ---\n{text.strip()}")
-        return "".join(out)
+                except OSError:
+                    continue
+                if now and now == texts[rank]:
+                    settled.add(rank)
+                texts[rank] = now
+        return "".join(
+            f"\n--- stacks of rank {rank} (faulthandler) ---\n{text.strip()}"
+            for rank, text in texts.items()
+            if text.strip()
+        )
 
     def _collect(self, what: str, timeout_s: float) -> list[Any]:
         """Every rank's answer to the current job, in rank order; any rank's error, death or

@@ -145,3 +145,12 @@ def test_a_forked_world_started_after_an_in_process_job_does_not_hang(registry):
         assert forked.run(_groups_job, Layout(pp=2)) == [0, 1]
     finally:
         forked.close()
+
+
+def test_a_forked_world_refuses_to_start_from_a_process_that_holds_a_world(registry):
+    """Ranks forked from a process with a default group would inherit it and fail to start
+    their own: refused in one line, before anything is forked."""
+    world = registry.get(("in-process", 1), _start)
+    assert world.alive
+    with pytest.raises(WorldError, match=r"already holds a torch.distributed default group"):
+        ForkedWorld(2, timeout_s=30).start()
