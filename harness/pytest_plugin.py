@@ -150,10 +150,15 @@ def _check_recorded(spec) -> None:
     from harness.run.config import ConfigError, check_size  # lean: module docstring
 
     if spec.payload not in payloads.RECORDED:
+        shapes = spec.distinct_shapes()
+        per_leader = [
+            [(s.rows[d], spec.seq_len if s.seq_len is None else s.seq_len) for s in shapes]
+            for d in range(len(shapes[0].rows))
+        ]
         try:  # priced from its shapes, as bcastbench run prices it, before any rank allocates
-            check_size(spec.payload, spec.batch_size, spec.seq_len, spec.payload_max_bytes)
-        except ConfigError as exc:
-            raise ValueError(str(exc)) from None
+            check_size(spec.payload, per_leader, spec.payload_max_bytes)
+        except (ConfigError, KeyError) as exc:
+            raise ValueError(str(exc).strip("'\"")) from None
         return
     if not spec.payload_path:
         raise ValueError(f'payload="{spec.payload}" needs payload_path=<file>')

@@ -30,6 +30,7 @@ from harness.run.config import (
     LayoutConf,
     PayloadConf,
     RayNode,
+    check_max_bytes,
     check_size,
     layout_of,
 )
@@ -135,7 +136,8 @@ def check(cfg) -> None:
             raise ConfigError(f"{key} must be >= {least}, got {value}")
     p, dp = cfg.payload, layout_of(cfg).dp
     # The driver builds the global batch of every replica: dp × batch_size rows.
-    check_size(p.name, int(p.batch_size) * dp, int(p.seq_len), p.get("max_bytes"), "the driver")
+    rows = int(p.batch_size) * dp
+    check_size(p.name, [[(rows, int(p.seq_len))]], check_max_bytes(p), "the driver")
     try:
         spec_of_job(cfg).parsed_modes()
         conf = ray_conf(cfg)

@@ -102,10 +102,12 @@ class PayloadConf:
     trust: bool = False
     """payload=file: allow arbitrary unpickling (only for a file you trust)."""
     max_bytes: int | None = None
-    """The most bytes one leader's batch may take in any call: a generated payload's from its
-    shapes (``harness.run.payloads.payload_bytes``), a recording's or a schema's from the
-    file's sizes and shapes, all checked before anything is allocated. null: a quarter of
-    this machine's physical memory (``harness.run.recording.default_max_bytes``)."""
+    """The most bytes a replica leader's batches may take: a generated payload's every
+    distinct shape together (a leader builds them all before the first call; priced by
+    ``harness.run.payloads.payload_bytes``), a recording's or a schema's batch from the file's
+    sizes and shapes; ``bcastbench ray-dispatch``: the driver's global batch. Checked before
+    anything is allocated. null: a quarter of this machine's physical memory
+    (``harness.run.recording.default_max_bytes``)."""
     cycle: Any = None
     """Overrides of batch_size and seq_len (seq_len not for a recorded payload) cycled call
     by call, e.g. ``[{batch_size: 768}, {batch_size: 3}]``; the floor and pickled are timed on
@@ -308,7 +310,7 @@ def _validate_payload(cfg, layout: Layout) -> None:
         value = cfg.payload[key]
         if value < 1:
             raise ConfigError(f"payload.{key} must be positive, got {value}")
-    _check_max_bytes(cfg.payload)
+    check_max_bytes(cfg.payload)
     recorded = cfg.payload.name in payloads.RECORDED
     work = workload_of(cfg, layout, None if recorded else int(cfg.payload.seq_len))
     if recorded:
@@ -358,7 +360,7 @@ def _validate_recorded(payload, batch_size: int) -> None:
     starts."""
     if not payload.get("path"):
         raise ConfigError(f"payload.path: payload={payload.name} needs payload.path=<file>")
-    max_bytes = _check_max_bytes(payload)
+    max_bytes = check_max_bytes(payload)
     problem = None
     try:
         if payload.name == "schema":
@@ -373,7 +375,7 @@ def _validate_recorded(payload, batch_size: int) -> None:
         raise ConfigError(problem)
 
 
-def _check_max_bytes(payload) -> int | None:
+def check_max_bytes(payload) -> int | None:
     """``payload.max_bytes``: a positive integer, or None for the machine's default."""
     max_bytes = payload.get("max_bytes")
     if max_bytes is not None and (isinstance(max_bytes, bool) or max_bytes < 1):
@@ -382,27 +384,49 @@ def _check_max_bytes(payload) -> int | None:
 
 
 def _validate_generated_size(payload, work) -> None:
-    """Every shape the workload moves fits ``payload.max_bytes`` on its largest leader."""
-    for shape in dict.fromkeys(work.period):
-        seq_len = int(payload.seq_len) if shape.seq_len is None else shape.seq_len
-        check_size(payload.name, shape.batch_size, seq_len, payload.get("max_bytes"))
+    """Every leader's batches fit ``payload.max_bytes`` (``check_size``)."""
+    check_size(payload.name, shapes_of(work, int(payload.seq_len)), payload.get("max_bytes"))
+
+
+def shapes_of(work, seq_len: int) -> list[list[tuple[int, int]]]:
+    """Per replica leader, the (rows, seq_len) of every distinct shape of a workload: what it
+    builds before the first call."""
+    shapes = list(dict.fromkeys(work.period))
+    return [
+        [(s.rows[d], seq_len if s.seq_len is None else s.seq_len) for s in shapes]
+        for d in range(len(shapes[0].rows))
+    ]
 
 
 def check_size(
-    name: str, rows: int, seq_len: int, max_bytes: int | None, holder: str = "a replica leader"
+    name: str,
+    per_leader: list[list[tuple[int, int]]],
+    max_bytes: int | None,
+    holder: str = "replica {d}'s leader",
 ) -> None:
-    """A generated batch of ``rows`` × ``seq_len`` fits ``max_bytes`` (None: a quarter of this
-    machine's memory) on ``holder``, priced from the shapes alone: 10**12 rows are refused in
-    one line instead of failing to allocate petabytes on every rank."""
+    """The batches each holder builds (``per_leader[d]``: (rows, seq_len) of each, all built
+    before the first call) fit ``max_bytes`` together (None: a quarter of this machine's
+    memory), priced from the shapes alone: 10**12 rows are refused in one line instead of
+    failing to allocate petabytes on every rank."""
     limit = recording.default_max_bytes() if max_bytes is None else int(max_bytes)
-    need = payloads.payload_bytes(name, rows, seq_len)
-    if need > limit:
-        where = "set" if max_bytes is not None else "a quarter of this machine's memory"
+    where = "set" if max_bytes is not None else "a quarter of this machine's memory"
+    for d, shapes in enumerate(per_leader):
+        sizes = [payloads.payload_bytes(name, rows, seq_len) for rows, seq_len in shapes]
+        need = sum(sizes)
+        if need <= limit:
+            continue
+        rows, seq_len = shapes[sizes.index(max(sizes))]
+        what = f"of {rows} rows × {seq_len} tokens"
+        if len(shapes) > 1:
+            what = (
+                f"in its {len(shapes)} shapes together (all built before the first call; the "
+                f"largest {rows} rows × {seq_len} tokens)"
+            )
         raise ConfigError(
-            f"payload {name} of {rows} rows × {seq_len} tokens takes {need} bytes "
-            f"({human_bytes(need)}) on {holder} > payload.max_bytes = {limit} "
-            f"({human_bytes(limit)}; {where}); lower batch_size or seq_len (or the cycle entry "
-            "that sets them), or raise payload.max_bytes"
+            f"payload {name} {what} takes {need} bytes ({human_bytes(need)}) on "
+            f"{holder.format(d=d)} > payload.max_bytes = {limit} ({human_bytes(limit)}; {where}); "
+            "lower batch_size or seq_len (or the cycle entries that set them), or raise "
+            "payload.max_bytes"
         )
 
 

@@ -35,7 +35,8 @@ class JobSpec:
     payload_trust: bool = False
     """payload=file: arbitrary unpickling allowed (payload.trust=true)."""
     payload_max_bytes: int | None = None
-    """payload=file | schema: the most bytes a leader's batch may take (None: the default)."""
+    """The most bytes a leader's batches may take (None: the default; ``PayloadConf.max_bytes``
+    says what each payload kind counts)."""
     batch_size: int = 8
     seq_len: int | None = 1024
     """Tokens per row; a recorded payload's own (None when it has no 2-D leaf)."""

@@ -32,7 +32,19 @@ from harness.run.config import ConfigError, validate
         # A size claim no machine can hold is priced from the shapes, never allocated.
         (["payload.batch_size=1000000000000"], "takes 47424000000000000 bytes (42 PiB)"),
         (["payload.seq_len=10000000000"], "of 8 rows × 10000000000 tokens takes"),
-        (["payload.cycle=[{batch_size:2},{batch_size:99999999999}]"], "of 99999999999 rows"),
+        (
+            ["payload.cycle=[{batch_size:2},{batch_size:99999999999}]"],
+            "in its 2 shapes together (all built before the first call; the largest 99999999999 rows",
+        ),
+        # Each shape fits, the two together do not: a leader builds both before its first call.
+        (
+            [
+                "payload.max_bytes=120000",
+                "payload.batch_size=2",
+                "payload.cycle=[{seq_len:1024},{seq_len:512}]",
+            ],
+            "takes 142592 bytes (139 KiB) on replica 0's leader > payload.max_bytes = 120000",
+        ),
         (["payload.max_bytes=1000", "payload.batch_size=2"], "> payload.max_bytes = 1000"),
         (["payload.max_bytes=0"], "payload.max_bytes must be a positive integer or null"),
     ],
