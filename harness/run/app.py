@@ -29,8 +29,8 @@ from harness.run import payloads, records
 from harness.run.config import strategy_of, validate, workload_of
 from harness.run.forked import WorldError
 from harness.run.records import job_line
+from harness.run.rounds import VerificationError
 from harness.run.runner import JobSpec, summarize
-from harness.run.verify import VerificationError
 
 JOB_FAILURES = (WorldError, VerificationError)
 """What a job that ran but did not succeed raises (as opposed to a bad config or a bug)."""

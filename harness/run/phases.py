@@ -219,7 +219,8 @@ class Collectives(Phase):
             **_collective_counts(name, results, leader),
             "work_leader": leader["work"][name],
             "work_receiver_max": {
-                k: max(w.get(k, 0) for w in receivers) for k in {k for w in receivers for k in w}
+                k: max(w.get(k, 0) for w in receivers)
+                for k in dict.fromkeys(k for w in receivers for k in w)  # first-seen order
             },
         }
 

@@ -5,7 +5,7 @@ Both job kinds are built on it. A broadcast job (``harness.run.runner``) times e
 the ranks, from the start line; a dispatch job (``harness.ray.dispatch``) times it on the
 driver, from "the driver holds the global batch" until the last rank holds its chunk. That
 difference is the job's *scope* (``Scope``); what each round does, in which order, and how
-its times become a record's p50 is the same.
+its times become a record's p50 is the same. Light (numpy only): the report reads ``Scope``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from enum import Enum
 
 import numpy as np
 
-from harness.run.verify import VerificationError
+
+class VerificationError(AssertionError):
+    """A rank ended with data that differs from its leader's; the message names rank and key."""
 
 
 class Scope(str, Enum):

@@ -12,10 +12,6 @@ from strategies.core.contract import is_non_tensor_leaf, leaves
 from strategies.core.parts import as_bytes
 
 
-class VerificationError(AssertionError):
-    """A rank ended with data that differs from its leader's; the message names rank and key."""
-
-
 def tensor_digest(t: torch.Tensor) -> str:
     raw = as_bytes(t.detach())
     return hashlib.blake2b(raw.cpu().numpy().tobytes(), digest_size=16).hexdigest()
