@@ -252,6 +252,18 @@ def _device_for(backend: str, device: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _leave_the_drivers_state() -> None:
+    """A forked rank's first act: everything inherited from the driver stays where it is. A
+    collection here must never run the destructor of a process group the driver made, whose
+    threads do not exist in this process (it would join them forever): the heap is frozen and
+    megatron-core's inherited groups pinned. Its other state goes too (the global memory
+    buffer, ...), so the rank's first initialize_model_parallel finds it uninitialised; nothing
+    is destroyed, as the groups are pinned and their globals already None."""
+    gc.freeze()
+    _INHERITED.extend(forget_megatron_groups())
+    ps.destroy_model_parallel()
+
+
 def _worker(
     local_rank: int,
     world_size: int,
@@ -265,15 +277,7 @@ def _worker(
     stacks: str | None = None,
 ) -> None:
     _die_with_parent()
-    # Everything inherited from the driver stays where it is: a collection here must never
-    # run the destructor of a process group the driver made, whose threads do not exist in
-    # this process (its destructor would join them forever).
-    gc.freeze()
-    _INHERITED.extend(forget_megatron_groups())
-    # Its other state too (the global memory buffer, ...): the rank's first
-    # initialize_model_parallel must find megatron-core uninitialised. Nothing is destroyed:
-    # the inherited groups are pinned above and their globals already None.
-    ps.destroy_model_parallel()
+    _leave_the_drivers_state()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver owns Ctrl-C and kills us
     if stacks is not None:
         _dump_stacks_on_signal(os.path.join(stacks, f"rank{local_rank}.txt"))

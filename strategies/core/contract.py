@@ -522,12 +522,7 @@ class ProcessGroups:
         if backend != "gloo":
             cpu_tp_cp = _new_groups((v.tp_cp for v in views), rank, "gloo")[0]
             cpu_pp = _new_groups((v.pp for v in views), rank, "gloo")[0]
-        if device is None:
-            device = (
-                torch.device("cuda", torch.cuda.current_device())
-                if backend == "nccl"
-                else torch.device("cpu")
-            )
+        device = _device_of(backend) if device is None else device
         mine = views[rank]
         return cls(
             tp_cp_group=tp_cp_group,
@@ -546,6 +541,15 @@ class ProcessGroups:
             replicas=len(set(replicas.values())),
             node_of=node_indices([v.node for v in views]),
         )
+
+
+def _device_of(backend: str) -> torch.device:
+    """Where a backend's received tensors live by default: this rank's GPU on NCCL."""
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if backend == "nccl"
+        else torch.device("cpu")
+    )
 
 
 def _megatron_view(ps, rank: int) -> MegatronView:
