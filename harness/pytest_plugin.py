@@ -147,16 +147,12 @@ def _check_recorded(spec) -> None:
     reason before any rank starts (as ``bcastbench run`` refuses it before any rank); a
     generated one is priced against the same limit."""
     from harness.run import payloads, recording, schema  # lean: module docstring
-    from harness.run.config import ConfigError, check_size  # lean: module docstring
+    from harness.run.config import ConfigError, check_size, per_leader  # lean: module docstring
 
     if spec.payload not in payloads.RECORDED:
-        shapes = spec.distinct_shapes()
-        per_leader = [
-            [(s.rows[d], spec.seq_len if s.seq_len is None else s.seq_len) for s in shapes]
-            for d in range(len(shapes[0].rows))
-        ]
+        shapes = per_leader(spec.distinct_shapes(), spec.seq_len)
         try:  # priced from its shapes, as bcastbench run prices it, before any rank allocates
-            check_size(spec.payload, per_leader, spec.payload_max_bytes)
+            check_size(spec.payload, shapes, spec.payload_max_bytes)
         except (ConfigError, KeyError) as exc:
             raise ValueError(str(exc).strip("'\"")) from None
         return

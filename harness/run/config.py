@@ -385,13 +385,14 @@ def check_max_bytes(payload) -> int | None:
 
 def _validate_generated_size(payload, work) -> None:
     """Every leader's batches fit ``payload.max_bytes`` (``check_size``)."""
-    check_size(payload.name, shapes_of(work, int(payload.seq_len)), payload.get("max_bytes"))
+    shapes = per_leader(list(dict.fromkeys(work.period)), int(payload.seq_len))
+    check_size(payload.name, shapes, payload.get("max_bytes"))
 
 
-def shapes_of(work, seq_len: int) -> list[list[tuple[int, int]]]:
-    """Per replica leader, the (rows, seq_len) of every distinct shape of a workload: what it
-    builds before the first call."""
-    shapes = list(dict.fromkeys(work.period))
+def per_leader(shapes, seq_len: int | None) -> list[list[tuple[int, int]]]:
+    """Per replica leader, the (rows, seq_len) of each of a workload's distinct ``shapes``
+    (``CallShape``; ``seq_len`` where a shape keeps the job's): what it builds before the
+    first call."""
     return [
         [(s.rows[d], seq_len if s.seq_len is None else s.seq_len) for s in shapes]
         for d in range(len(shapes[0].rows))

@@ -509,8 +509,7 @@ class ProcessGroups:
             )
         rank = dist.get_rank()
         views: list = [None] * dist.get_world_size()
-        mine = replace(_megatron_view(ps, rank), node=node or node_key())
-        dist.all_gather_object(views, mine)
+        dist.all_gather_object(views, replace(_megatron_view(ps, rank), node=node or node_key()))
         replicas = derive_replicas(views)
         if order is not None:
             _check_against_order(order, views, replicas)
