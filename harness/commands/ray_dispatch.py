@@ -22,9 +22,9 @@ from omegaconf import OmegaConf
 from harness.commands.hydra_app import run_app
 from harness.commands.tool import job_command, write_records
 from harness.ray.actors import RayConf, RayUnavailable, import_ray
-from harness.ray.dispatch import DispatchSpec, run_dispatch
-from harness.ray.modes import ALL_RANKS, FLOORS
-from harness.run import launch, payloads
+from harness.ray.dispatch import run_dispatch
+from harness.ray.modes import ALL_RANKS, FLOORS, Mode
+from harness.run import launch, payloads, records
 from harness.run.config import (
     ConfigError,
     LayoutConf,
@@ -34,6 +34,7 @@ from harness.run.config import (
     check_size,
     layout_of,
 )
+from harness.run.runner import JobSpec
 
 # -- command line --------------------------------------------------------------------------
 MODULE = "harness.commands.ray_dispatch"
@@ -46,7 +47,10 @@ in the sweep's directory (``harness.commands.tool.write_records``; ``harness.rep
 
 
 def format_table(record: dict) -> str:
-    """One line per mode: p50, p90 and the p50 ratio to each floor measured in the same job."""
+    """One line per mode: p50, p90 and the p50 ratio to each floor measured in the same job
+    (a job whose first mode was refused: its one line)."""
+    if record["status"] != "ok":
+        return records.job_line(record)
     floors = [f for f in FLOORS.values() if f in record["modes"]]
     head = f"{'mode':<28}{'p50 ms':>10}{'p90 ms':>10}" + "".join(f"{'/' + f:>16}" for f in floors)
     lines = [
@@ -103,22 +107,30 @@ def ray_conf(cfg):
     return RayConf(**OmegaConf.to_container(cfg.ray, resolve=True))
 
 
-def spec_of_job(cfg) -> DispatchSpec:
-    """The ``DispatchSpec`` of one job's config."""
-    p = cfg.payload
-    return DispatchSpec(
-        layout_of(cfg),
-        tuple(cfg.modes),
-        p.name,
-        int(p.batch_size),
-        int(p.seq_len),
-        p.broadcast_non_tensor,
-        int(p.seed),
+def spec_of_job(cfg) -> JobSpec:
+    """The ``JobSpec`` of one job's config: a dispatch job whose record is about its first
+    mode, with every other mode (and each family's floor) timed beside it."""
+    p, first = cfg.payload, Mode.parse(str(cfg.modes[0])) if cfg.modes else None
+    if first is None:
+        raise ConfigError("modes: name at least one dispatch mode, e.g. modes=[leader:header]")
+    conf = ray_conf(cfg)
+    return JobSpec(
+        strategy=first.strategy or "",  # all_ranks runs no strategy
+        layout=layout_of(cfg),
+        payload=p.name,
+        batch_size=int(p.batch_size),
+        seq_len=int(p.seq_len),
+        broadcast_non_tensor=p.broadcast_non_tensor,
+        seed=int(p.seed),
         iters=int(cfg.iters),
         warmup=int(cfg.warmup),
-        timeout_s=float(cfg.ray.timeout_s),
-        link_bytes_calls=int(cfg.link_bytes_calls),
         options=OmegaConf.to_container(cfg.options, resolve=True),
+        link_bytes_calls=int(cfg.link_bytes_calls),
+        backend=conf.backend,
+        device=conf.device,
+        world="ray",
+        dispatch=first.kind,
+        modes=tuple(str(m) for m in cfg.modes),
     )
 
 
@@ -139,7 +151,7 @@ def check(cfg) -> None:
     rows = int(p.batch_size) * dp
     check_size(p.name, [[(rows, int(p.seq_len))]], check_max_bytes(p), "the driver")
     try:
-        spec_of_job(cfg).parsed_modes()
+        spec_of_job(cfg).dispatch_modes()
         conf = ray_conf(cfg)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -163,8 +175,8 @@ def task(cfg) -> dict:
     start_s, world.start_s = world.start_s, 0.0  # paid once, by the job that started it
     if start_s:
         print(f"Ray world of {world.world_size} ranks started in {start_s:.1f} s", flush=True)
-    record = run_dispatch(world, spec)
-    record["world_start_s"] = start_s
+    summary = run_dispatch(world, spec, float(cfg.ray.timeout_s))
+    record = records.complete(records.build(spec, summary, start_s))
     record["command"] = job_command(MODULE)
     print(format_table(record) + "\n", flush=True)
     _DONE.append(record)

@@ -12,10 +12,14 @@ Modes (``scope = "dispatch+broadcast"``; the forked world's jobs are ``"broadcas
   the replica gets the same ObjectRef and deserializes it. No collective.
 - ``all_ranks:raw``, its floor: one put of the flat array per replica, every rank gets it.
 
-Chunking and the put are inside the time. Every iteration ends at the latest rank-side end
-time; each rank's result is checked bit for bit (``harness.run.verify``) after the timed calls.
+Chunking and the put are inside the time. The job is a ``harness.run.runner.JobSpec`` of
+scope ``dispatch+broadcast``; its driver runs the same measured phases as a broadcast job's
+ranks (``harness.run.phases.run_phases``: rotated rounds, link bytes, verification) through a
+``DispatchJob``, whose call is one whole dispatch, and ``harness.run.runner.summarize`` and
+``harness.run.records.build`` make its record as they make every other. Each rank's result is
+checked bit for bit (``harness.run.verify``) against the chunk the driver cut for its replica.
 
-``bcastbench ray-dispatch`` (``harness.commands.ray_dispatch``) times these modes side by side;
+``bcastbench ray-dispatch`` (``harness.commands.ray_dispatch``) times several modes side by side;
 ``bcastbench run`` with ``ray.dispatch=`` runs one of them as a job (``harness.run.launch``).
 """
 
@@ -23,55 +27,22 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 import strategies
 from harness.cluster.emulated import link_counter
-from harness.ray.modes import ALL_RANKS, FLOORS, LEADER, Mode
+from harness.ray.modes import LEADER, Mode
 from harness.run import payloads
 from harness.run.forked import WorldError
-from harness.run.records import vs_floor
-from harness.run.rounds import Scope, interleaved, timing_stats, verdict
+from harness.run.phases import run_phases
+from harness.run.rounds import Scope
+from harness.run.runner import JobSpec, summarize
 from harness.run.verify import compare, digest, tensor_digest
 from strategies import DataProto
-from strategies.core.layout import Layout
 from strategies.floor import raw_parts
-
-
-@dataclass(frozen=True)
-class DispatchSpec:
-    """One dispatch job: which modes, on which layout, with which batch (picklable)."""
-
-    layout: Layout
-    modes: tuple[str, ...] = ("leader:header", ALL_RANKS)
-    """Modes to compare; each family's floor is added when missing."""
-    payload: str = "rl_rollout"
-    batch_size: int = 8
-    """Rows per DP replica; the driver's global batch has ``batch_size * dp`` rows."""
-    seq_len: int = 1024
-    broadcast_non_tensor: bool | None = None
-    seed: int = 0
-    iters: int = 10
-    warmup: int = 2
-    timeout_s: float = 120.0
-    link_bytes_calls: int = 0
-    """Emulated clusters: untimed calls per mode whose node-link bytes are counted; 0 skips."""
-    options: dict = field(default_factory=dict)
-    """Options of every leader mode's strategy (as ``strategies.get(name, groups, **options)``)."""
-
-    def parsed_modes(self) -> list[Mode]:
-        modes = [Mode.parse(m) for m in self.modes]
-        for kind in (LEADER, ALL_RANKS):
-            if any(m.kind == kind for m in modes) and FLOORS[kind] not in [m.name for m in modes]:
-                modes.append(Mode.parse(FLOORS[kind]))
-        names = [m.name for m in modes]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"dispatch modes {dupes} named more than once")
-        return modes
 
 
 # -- the driver's data -----------------------------------------------------------------------
@@ -107,7 +78,7 @@ class _Driver:
     """What the driver holds for a job: the global batch, who leads which replica, and what
     each replica must end with."""
 
-    spec: DispatchSpec
+    spec: JobSpec
     global_batch: DataProto
     replica_of: list[int]
     leaders: list[int]
@@ -116,7 +87,7 @@ class _Driver:
     expected_raw: list[str]
 
     @classmethod
-    def build(cls, spec: DispatchSpec) -> _Driver:
+    def build(cls, spec: JobSpec) -> _Driver:
         lay = spec.layout
         batch = payloads.make(
             spec.payload,
@@ -160,13 +131,13 @@ def _on_device(dp: DataProto, device: torch.device) -> DataProto:
     return dp
 
 
-def _setup_on_rank(ctx, spec: DispatchSpec, entry: DataProto) -> dict:
+def _setup_on_rank(ctx, spec: JobSpec, entry: DataProto) -> dict:
     """Build the groups and every leader mode's strategy, prepared on this rank's entry state
     (the floor packs its buffer here). A refusal is raised on every rank before any collective,
     so refused strategies are reported, not fatal."""
     groups = ctx.groups_for(spec.layout)
     built, refused = {}, {}
-    names = sorted({m.strategy for m in spec.parsed_modes() if m.kind == LEADER})
+    names = sorted({m.strategy for m in spec.dispatch_modes() if m.kind == LEADER})
     for name in names:
         try:
             built[name] = strategies.get(name, groups, **({} if name == "floor" else spec.options))
@@ -206,8 +177,9 @@ def _all_ranks_call(ctx, data, verify: bool):
 
 
 # -- on the driver -------------------------------------------------------------------------
-def _call(world, drv: _Driver, mode: Mode, verify: bool) -> tuple[float, list]:
-    """One timed dispatch: chunk, put, hand out, wait for every rank's end time."""
+def _call(world, drv: _Driver, mode: Mode, verify: bool, what: str, timeout_s: float):
+    """One timed dispatch: chunk, put, hand out, wait for every rank's end time; (seconds, every
+    rank's answer)."""
     import ray
 
     lay = drv.spec.layout
@@ -224,7 +196,7 @@ def _call(world, drv: _Driver, mode: Mode, verify: bool) -> tuple[float, list]:
     else:
         fn = _all_ranks_call
         args = [(refs[d], verify) for d in drv.replica_of]
-    out = world.collect(world.submit(fn, args), f"dispatch {mode.name}", drv.spec.timeout_s)
+    out = world.collect(world.submit(fn, args), what, timeout_s)
     # The ranks' end times and the driver's start read one clock: actors on one machine, and
     # ranks in network namespaces of one kernel, share CLOCK_REALTIME. Ranks on separate
     # machines would need synchronized clocks for this subtraction to mean anything.
@@ -248,7 +220,7 @@ def _setup(world, drv: _Driver) -> tuple[list[Mode], dict[str, str]]:
                 f"replica leader, but the layout maths ({drv.spec.layout.describe()}) does not"
             )
     refused = out[0]["refused"]
-    modes = [m for m in drv.spec.parsed_modes() if m.strategy not in refused]
+    modes = [m for m in drv.spec.dispatch_modes() if m.strategy not in refused]
     return modes, refused
 
 
@@ -272,74 +244,77 @@ def _verify(drv: _Driver, mode: Mode, out: list) -> list[str]:
     return problems
 
 
-def _link_bytes(world, drv: _Driver, modes: list[Mode]) -> dict[str, float]:
-    """Node-link bytes per call of each mode on an emulated cluster (untimed back-to-back
-    calls between two reads of the links' counters); {} elsewhere."""
-    read = link_counter()
-    if read is None or drv.spec.link_bytes_calls <= 0:
-        return {}
-    out = {}
-    for mode in modes:
-        before = read()
-        for _ in range(drv.spec.link_bytes_calls):
-            _call(world, drv, mode, False)
-        out[mode.name] = (read() - before) / drv.spec.link_bytes_calls
-    return out
+@dataclass
+class DriverContext:
+    """The driver's side of a rank context, for the phases it runs: it is rank 0 of the job
+    (it reads the links), and the phase it last reported names what a call that never ends
+    was doing."""
+
+    link_counter: object = None
+    """The emulated cluster's link counter (``harness.cluster.emulated.link_counter``), or None."""
+    phase: str = "dispatch"
+    rank: int = 0
+
+    def report(self, phase: str) -> None:
+        self.phase = phase
 
 
-def run_dispatch(world, spec: DispatchSpec) -> dict:
-    """Time every mode of ``spec`` on ``world`` (a started RayWorld), interleaved A, B, A, B
-    with the first mode rotating; verify each rank; return the job's record."""
+@dataclass
+class DispatchJob:
+    """The dispatch scope's ``harness.run.phases.Job``: one call is one dispatch of the global
+    batch to every rank of every replica, timed on the driver."""
+
+    world: object
+    drv: _Driver
+    modes: dict[str, Mode]
+    ctx: DriverContext
+    timeout_s: float
+    scope = Scope.DISPATCH
+
+    @property
+    def order(self) -> list[str]:
+        return list(self.modes)
+
+    def use(self, shape) -> None:
+        """One shape per dispatch job (validation refuses a varying workload)."""
+
+    def _dispatch(self, name: str, verify: bool):
+        what = f"{self.ctx.phase} (dispatch {name})"
+        return _call(self.world, self.drv, self.modes[name], verify, what, self.timeout_s)
+
+    def call(self, name: str):
+        return self._dispatch(name, False)[1]
+
+    def timed(self, name: str) -> float:
+        return self._dispatch(name, False)[0]
+
+    def fence(self) -> None:
+        """Nothing: a dispatch returns when every rank has its chunk."""
+
+    def verify(self, name: str) -> list[str]:
+        return _verify(self.drv, self.modes[name], self._dispatch(name, True)[1])
+
+
+def run_dispatch(world, spec: JobSpec, timeout_s: float = 120.0) -> dict:
+    """A dispatch job on ``world`` (a started RayWorld): every phase of its scope on the driver,
+    the modes interleaved with the first rotating, each rank verified; its summary
+    (``harness.run.runner.summarize``), or ``{"unsupported": why}`` when the mode under test's
+    strategy refused the layout. ``timeout_s`` bounds one dispatch call."""
     spec.layout.check_world(world.world_size)
     drv = _Driver.build(spec)
     modes, refused = _setup(world, drv)
-    by_name = {m.name: m for m in modes}
-
-    def call(name: str, it: int, timed: bool) -> float | None:
-        seconds = _call(world, drv, by_name[name], False)[0]
-        return seconds if timed else None
-
-    times = interleaved(list(by_name), spec.warmup, spec.iters, call)
-    link = _link_bytes(world, drv, modes)
-    problems = []
-    for mode in modes:
-        problems += _verify(drv, mode, _call(world, drv, mode, True)[1])
-    verdict(problems)
-    return _record(spec, drv, modes, times, link, refused)
-
-
-def _record(spec, drv, modes, times, link, refused) -> dict:
-    rows = {}
-    for mode in modes:
-        rows[mode.name] = {
-            "mode": mode.name,
-            "kind": mode.kind,
-            "strategy": mode.strategy,
-            "raw": mode.raw,
-            "floor_mode": FLOORS[mode.kind],
-            **timing_stats(times[mode.name]),
-            "times_s": times[mode.name],
-        }
-        if mode.name in link:
-            rows[mode.name]["cross_node_bytes_per_call"] = link[mode.name]
-    floors = {f: rows[f]["p50_us"] for f in FLOORS.values() if f in rows}
-    for row in rows.values():
-        row["vs_floor"] = vs_floor(row["p50_us"], floors[row["floor_mode"]])
-        row["vs_floors"] = {f: row["p50_us"] / p50 for f, p50 in floors.items()}
-    lay = spec.layout
-    return {
-        "scope": Scope.DISPATCH.value,
-        "world": "ray",
-        "layout": lay.describe(),
-        **{axis: getattr(lay, axis) for axis in ("dp", "pp", "tp", "cp", "order")},
-        "world_size": lay.world_size,
-        "payload": spec.payload,
-        "batch_size": spec.batch_size,
-        "seq_len": spec.seq_len,
+    mine = Mode.parse(spec.under_test)
+    if mine.strategy in refused:
+        return {"unsupported": f"{spec.under_test}: {refused[mine.strategy]}"}
+    ctx = DriverContext(link_counter=link_counter())
+    job = DispatchJob(world, drv, {m.name: m for m in modes}, ctx, timeout_s)
+    result = {
+        "rank": 0,
+        "is_leader": True,
         "payload_bytes": int(drv.flats[0].nbytes),
-        "iters": spec.iters,
-        "warmup": spec.warmup,
-        "modes": rows,
-        "unsupported": refused,
-        "correct": True,
+        "shape_bytes": [int(drv.flats[0].nbytes)],
+        "device": spec.device,
+        "refused": refused,
+        **run_phases(ctx, spec, job),
     }
+    return summarize(spec, [result])

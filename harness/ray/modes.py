@@ -50,3 +50,23 @@ class Mode:
             f"dispatch mode {text!r}: expected 'leader:<strategy>', 'leader:floor', 'all_ranks' "
             "or 'all_ranks:raw'"
         )
+
+
+def under_test(dispatch: str, strategy: str) -> str:
+    """The mode a ``bcastbench run`` dispatch job measures: ``leader:<strategy>`` for
+    ``ray.dispatch=leader``, ``all_ranks`` for ``ray.dispatch=all_ranks``."""
+    return f"{LEADER}:{strategy}" if dispatch == LEADER else ALL_RANKS
+
+
+def with_floors(names: tuple[str, ...] | list[str]) -> list[Mode]:
+    """``names`` parsed, in order, then each family's floor where one of its modes is there and
+    its floor is not; a name given twice is refused."""
+    modes = [Mode.parse(m) for m in names]
+    for kind in (LEADER, ALL_RANKS):
+        if any(m.kind == kind for m in modes) and FLOORS[kind] not in [m.name for m in modes]:
+            modes.append(Mode.parse(FLOORS[kind]))
+    names = [m.name for m in modes]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"dispatch modes {dupes} named more than once")
+    return modes

@@ -128,11 +128,8 @@ def run(cfg) -> dict | None:
         ran = _launch(launch, cfg, spec, out_dir)
         if ran is None:
             return None
-        if ran.record is not None:
-            record = {**ran.record, "command": records.environment()["command"]}
-        else:
-            summary = summarize(spec, ran.results)
-            record = {**records.build(spec, summary, ran.world_start_s), **ran.fields}
+        summary = ran.summary if ran.summary is not None else summarize(spec, ran.results)
+        record = {**records.build(spec, summary, ran.world_start_s), **ran.fields}
     except JOB_FAILURES as exc:
         if hydra_cfg.mode != RunMode.MULTIRUN or not launch.writes_records:
             raise  # a single run: the command's error says what failed; no record

@@ -11,7 +11,8 @@ Four worlds, one question each answers: *where are the ranks?* (each a
   job and global rank 0 gets every rank's result (``harness.run.joined.JoinedWorld``).
 * ``ray`` (``world=ray``): like ``forked``, but the ranks are Ray actors in a placement group
   (``harness.ray.actors.RayWorld``); with ``ray.dispatch`` set, the job times Ray dispatch plus
-  the broadcast instead (``harness.ray.dispatch``) and hands back a finished record.
+  the broadcast instead: the same phases run on the driver (``harness.ray.dispatch``), which
+  hands back the job's summary.
 * ``emulated``: ``emulate.enabled=true`` and not already a rank: the driver builds an emulated
   multi-node cluster and runs the job there as a joined world one level down
   (``harness.cluster.emulated.EmulatedWorld``); the record gets the cluster's shape added.
@@ -35,9 +36,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.cluster.netns import EmulateConf
-from harness.ray.dispatch import DispatchSpec, run_dispatch
+from harness.ray.dispatch import run_dispatch
 from harness.run.config import ray_conf
-from harness.run.records import build_dispatch, layout_name
+from harness.run.records import layout_name
 from harness.run.runner import run_job_on_rank
 from harness.run.worlds import REGISTRY, Reused, World
 
@@ -270,37 +271,22 @@ class Ran:
     """Every rank's result of ``runner.run_job_on_rank``, in rank order."""
     world_start_s: float = 0.0
     """Seconds spent starting (or joining) the world for this job; 0 for a reused world."""
-    record: dict | None = None
-    """A finished record instead of results (Ray dispatch made it)."""
+    summary: dict | None = None
+    """A dispatch job's summary instead of results (its driver ran the phases)."""
     fields: dict = field(default_factory=dict)
     """What the record takes from the world (``World.record_fields``)."""
 
 
 def run_job(world: World, spec, timeout_s: float) -> Ran | None:
-    """Run the job ``spec`` (a ``runner.JobSpec``) on ``world``: the rank-side job on every
-    rank, or (``ray.dispatch``) dispatch from the driver's global batch. None on a joined
-    world's ranks other than 0."""
+    """Run the job ``spec`` (a ``runner.JobSpec``) on ``world``: a broadcast job's phases on
+    every rank, or (``ray.dispatch``) a dispatch job's on the driver. None on a joined world's
+    ranks other than 0."""
     start_s, world.start_s = world.start_s, 0.0  # paid once; later jobs on it started nothing
     if spec.dispatch != "none":
-        return _run_dispatch(world, spec, timeout_s, start_s)
+        return Ran(None, start_s, run_dispatch(world, spec, timeout_s), world.record_fields())
     what = f"job {spec.strategy} on {layout_name(spec.layout)}"
     results = world.run(run_job_on_rank, spec, what=what, timeout_s=timeout_s)
     return None if results is None else Ran(results, start_s, fields=world.record_fields())
-
-
-def _run_dispatch(world: World, spec, timeout_s: float, start_s: float) -> Ran:
-    """Ray dispatch (``harness.ray.dispatch.run_dispatch``) on a Ray world."""
-    mode = f"leader:{spec.strategy}" if spec.dispatch == "leader" else "all_ranks"
-    fields = ("payload", "batch_size", "seq_len", "broadcast_non_tensor", "seed", "iters")
-    dispatch = DispatchSpec(
-        spec.layout,
-        (mode,),
-        **{name: getattr(spec, name) for name in fields},
-        warmup=spec.warmup,
-        timeout_s=timeout_s,
-        options=dict(spec.options),
-    )
-    return Ran(record=build_dispatch(spec, run_dispatch(world, dispatch), start_s))
 
 
 # -- names the rest of the harness and its tests call -----------------------------------------

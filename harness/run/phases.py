@@ -1,11 +1,20 @@
-"""The measured phases of a broadcast job: one class each, in one list (``PHASES``).
+"""The measured phases of every job: one class each, in one list (``PHASES``), run by one
+function (``run_phases``) for both scopes.
 
-A phase says what every rank does (``on_rank``: its answer is merged into the rank's result
-under the keys it names), how all ranks' answers become one strategy's summary fields
-(``fold``), and which of those fields a record carries (``record_fields``, documented in
-``harness.run.records.FIELDS``). ``harness.run.runner`` runs the list on every rank and folds
-it; ``harness.run.records`` copies every phase's ``record_fields``. Adding a measured phase is
-one class here, its entry in ``PHASES`` and its fields' documentation.
+A job's *scope* (``harness.run.rounds.Scope``) says where its clock runs. A broadcast job runs
+the phases on every rank (``harness.run.runner.Prepared`` is its ``Job``); a dispatch job runs
+them on the driver (``harness.ray.dispatch.DispatchJob``), where one call is the whole hand-out
+from the driver's global batch to every rank. A phase only ever talks to its ``Job``: what it
+moves (``use``), one untimed call (``call``), one timed call (``timed``), the fence between its
+windows (``fence``) and one checked call (``verify``), so a phase written once measures both.
+
+A phase says which scopes it runs in (``scopes``), what it measures there (``measure``: the
+answer is merged into that process's result under the keys it names), how all answers become
+one strategy's summary fields (``fold``; a dispatch job has one answer, the driver's), and which
+of those fields a record carries (``record_fields``, documented in
+``harness.run.records.FIELDS``). ``harness.run.runner.summarize`` folds the list;
+``harness.run.records`` copies every phase's ``record_fields``. Adding a measured phase is one
+class here, its entry in ``PHASES`` and its fields' documentation.
 """
 
 from __future__ import annotations
@@ -15,26 +24,59 @@ import gc
 import os
 import resource
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from harness.run.rounds import TIMING_FIELDS, interleaved, timing_stats, verdict
+from harness.run.rounds import TIMING_FIELDS, Scope, interleaved, timing_stats, verdict
 from harness.run.verify import compare, digest, tensor_digest
 from strategies.core.trace import Recorder
 
 
+class Job(Protocol):
+    """What a phase measures through: one job's strategies (or dispatch modes) and its calls."""
+
+    scope: Scope
+    order: list[str]
+    """The strategy (or mode) under test first, then what it is compared with."""
+
+    def use(self, shape) -> None:
+        """Make ``shape`` (a ``harness.run.workload.CallShape``) the one calls move."""
+
+    def call(self, name: str) -> Any:
+        """One untimed call of ``name``, finished (device work included) when it returns."""
+
+    def timed(self, name: str) -> float:
+        """One call of ``name`` in seconds, the clock where the scope puts it."""
+
+    def fence(self) -> None:
+        """Separate what came before from what comes next (a barrier over the world where the
+        phase runs on every rank; nothing on a driver, whose calls end when every rank has)."""
+
+    def verify(self, name: str) -> list[str]:
+        """One call of ``name`` checked bit for bit: each problem names its rank and key."""
+
+
+BOTH = frozenset(Scope)
+"""Every scope: a phase that measures a broadcast job and a dispatch job alike."""
+
+
 class Phase:
-    """One measured phase of a broadcast job (see the module docstring)."""
+    """One measured phase (see the module docstring)."""
+
+    scopes: frozenset[Scope] = frozenset({Scope.BROADCAST})
+    """The scopes whose jobs run it; a rank-side measurement (collectives, memory) only runs
+    where the phase runs on the ranks."""
 
     def applies(self, ctx, spec) -> bool:
-        """Whether the phase runs in this job on this rank's context (the same on every rank)."""
+        """Whether the phase runs in this job on this context (the same on every rank)."""
         return True
 
-    def on_rank(self, ctx, spec, job) -> dict[str, Any]:
-        """What this rank measured: merged into its result (picklable)."""
+    def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
+        """What this rank (or a dispatch job's driver) measured: merged into its result
+        (picklable)."""
         raise NotImplementedError
 
     def check(self, spec, results: list[dict]) -> None:
@@ -70,25 +112,15 @@ def start_line(groups) -> None:
         dist.barrier(group=groups.cpu_replica_group)
 
 
-def _untimed_call(ctx, job, name: str, what: str) -> None:
+def _untimed_call(ctx, job: Job, name: str, what: str) -> None:
     ctx.report(f"{what} of {name}")
-    dist.barrier()
+    job.fence()
     job.call(name)
-    sync(job.groups.device)
 
 
-def _timed_call(job, name: str) -> float:
-    """One call of ``name`` timed on this rank from ``start_line``, in seconds."""
-    entry = job.full.entry_state(job.groups.is_leader)
-    start_line(job.groups)
-    t0 = time.perf_counter()
-    job.built[name].get_data_input(entry)
-    sync(job.groups.device)
-    return time.perf_counter() - t0
-
-
-def _fault(spec, rank: int, it: int) -> None:
-    if rank == spec.fault_rank and it == spec.fault_at_iter:
+def _fault(spec, job: Job, rank: int, it: int) -> None:
+    """The configured fault (``fault.*``), on its rank of a broadcast job (never a driver)."""
+    if job.scope is Scope.BROADCAST and rank == spec.fault_rank and it == spec.fault_at_iter:
         if spec.fault_kind == "crash":
             os._exit(17)
         while True:  # hang: never return, never answer
@@ -98,21 +130,23 @@ def _fault(spec, rank: int, it: int) -> None:
 # -- timing ---------------------------------------------------------------------------------
 class TimedRounds(Phase):
     """Warm-up rounds, then timed rounds that interleave every strategy, who goes first
-    rotating (``harness.run.rounds.interleaved``), every call starting from ``start_line``;
-    each rank times itself (seconds per call, ``times_s``). Round c moves the workload's call
-    c (warm-up rounds count first), the same shape for every strategy of the round, so the
-    floor and pickled are timed shape by shape beside it. A call costs the slowest rank."""
+    rotating (``harness.run.rounds.interleaved``); each call is timed where the scope says
+    (``Job.timed``: on each rank from ``start_line``, or on the driver from its global batch),
+    in seconds per call (``times_s``). Round c moves the workload's call c (warm-up rounds
+    count first), the same shape for every strategy of the round, so the floor and pickled are
+    timed shape by shape beside it. A call costs the slowest rank."""
 
+    scopes = BOTH
     record_fields = (*TIMING_FIELDS, "rank_skew_us")
 
-    def on_rank(self, ctx, spec, job) -> dict[str, Any]:
+    def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
         def call(name: str, it: int, timed: bool) -> float | None:
             if not timed:
                 return _untimed_call(ctx, job, name, f"warm-up {it + spec.warmup}")
             ctx.report(f"timed iteration {it} of {name}")
             if name == spec.strategy:
-                _fault(spec, ctx.rank, it)
-            return _timed_call(job, name)
+                _fault(spec, job, ctx.rank, it)
+            return job.timed(name)
 
         def round_start(c: int, timed: bool) -> None:
             job.use(spec.shape_of_call(c))
@@ -123,7 +157,9 @@ class TimedRounds(Phase):
         t = np.array([r["times_s"][name] for r in results])  # ranks × iters
         per_call = t.max(axis=0)  # the slowest rank of each call
         skew = per_call - t.min(axis=0)
-        return {**timing_stats(per_call), "rank_skew_us": float(np.median(skew)) * 1e6}
+        # A dispatch job's one answer is the driver's clock: it has no ranks to spread over.
+        spread = float(np.median(skew)) * 1e6 if spec.scope is Scope.BROADCAST else None
+        return {**timing_stats(per_call), "rank_skew_us": spread}
 
 
 class SteadyRounds(Phase):
@@ -135,7 +171,7 @@ class SteadyRounds(Phase):
     def applies(self, ctx, spec) -> bool:
         return spec.workload is not None and spec.workload.varying and spec.steady_iters >= 1
 
-    def on_rank(self, ctx, spec, job) -> dict[str, Any]:
+    def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
         out: dict[str, list[list[float]]] = {name: [] for name in job.order}
         for k, shape in enumerate(spec.distinct_shapes()):
             job.use(shape)
@@ -144,7 +180,7 @@ class SteadyRounds(Phase):
                 if not timed:
                     return _untimed_call(ctx, job, name, f"steady warm-up of shape {k}")
                 ctx.report(f"steady iteration {it} of shape {k} of {name}")
-                return _timed_call(job, name)
+                return job.timed(name)
 
             for name, seconds in interleaved(job.order, 1, spec.steady_iters, call).items():
                 out[name].append(seconds)
@@ -153,28 +189,29 @@ class SteadyRounds(Phase):
 
 # -- what a call moves and costs besides time -------------------------------------------------
 class LinkBytes(Phase):
-    """Node-link bytes per call of each strategy, on an emulated cluster: rank 0 reads the
-    links' counters (the context's ``link_counter`` hook) around ``link_bytes_calls``
-    back-to-back calls of one strategy. Barriers fence the window so only that strategy's
-    traffic (and one barrier's few hundred bytes) is counted."""
+    """Node-link bytes per call of each strategy, on an emulated cluster: rank 0 (or the
+    driver) reads the links' counters (the context's ``link_counter`` hook) around
+    ``link_bytes_calls`` back-to-back calls of one strategy. Fences close the window so only
+    that strategy's traffic (and a barrier's few hundred bytes) is counted."""
 
+    scopes = BOTH
     record_fields = ("cross_node_bytes_per_call",)
 
     def applies(self, ctx, spec) -> bool:
         # A hook only contexts on an emulated cluster carry (other contexts may lack the field).
         return getattr(ctx, "link_counter", None) is not None and spec.link_bytes_calls > 0
 
-    def on_rank(self, ctx, spec, job) -> dict[str, Any]:
+    def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
         read = ctx.link_counter if ctx.rank == 0 else None
         out: dict[str, float] = {}
         for name in job.order:
             ctx.report(f"counting link bytes of {name}")
-            dist.barrier()
+            job.fence()
             before = read() if read is not None else 0
-            dist.barrier()
+            job.fence()
             for _ in range(spec.link_bytes_calls):
                 job.call(name)
-            dist.barrier()
+            job.fence()
             if read is not None:
                 out[name] = (read() - before) / spec.link_bytes_calls
         return {"link_bytes_per_call": out} if out else {}
@@ -194,11 +231,11 @@ class Collectives(Phase):
         "collectives_per_call", "collectives_leader", "comm_bytes_leader", "collectives_unavailable"
     )  # fmt: skip
 
-    def on_rank(self, ctx, spec, job) -> dict[str, Any]:
+    def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
         out: dict[str, dict] = {"collectives": {}, "collectives_unavailable": {}, "work": {}}
         for name in job.order:
             ctx.report(f"counting collectives of {name}")
-            dist.barrier()
+            job.fence()
             with Recorder() as rec:
                 job.call(name)
             # None: the recorder could not see every path to a collective (rec.unavailable
@@ -253,14 +290,14 @@ class PeakMemory(Phase):
         "peak_rss_bytes", "peak_rss_delta_bytes", "peak_cuda_bytes", "peak_rss_heap_released"
     )  # fmt: skip
 
-    def on_rank(self, ctx, spec, job) -> dict[str, Any]:
+    def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
         device = job.groups.device
         out: dict[str, dict] = {
             k: {} for k in ("peak_rss_bytes", "peak_rss_delta_bytes", "peak_cuda_bytes")
         }
         for name in job.order:
             ctx.report(f"measuring peak memory of {name}")
-            dist.barrier()
+            job.fence()
             released = release_free_heap(full=name == job.order[0])
             base = rss_now()
             honest = rss_peak_reset() and released
@@ -268,7 +305,6 @@ class PeakMemory(Phase):
                 torch.cuda.reset_peak_memory_stats(device)
                 cuda_base = torch.cuda.memory_allocated(device)
             job.call(name)
-            sync(device)
             peak = rss_peak()  # VmHWM since the reset: this call's high-water mark
             out["peak_rss_bytes"][name] = peak
             # None where VmHWM could not be reset or the free heap not released: the growth
@@ -344,7 +380,7 @@ def rss_now() -> int:
 class AutoChoice(Phase):
     """Which strategy a choosing strategy (``auto``) serves its next call with, on each rank."""
 
-    def on_rank(self, ctx, spec, job) -> dict[str, Any]:
+    def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
         return {"choices": {n: s.choice for n, s in job.built.items() if hasattr(s, "choice")}}
 
     def fold(self, spec, name: str, results: list[dict]) -> dict[str, Any]:
@@ -354,21 +390,20 @@ class AutoChoice(Phase):
 
 # -- correctness ------------------------------------------------------------------------------
 class Verification(Phase):
-    """Calls of every strategy compared bit for bit with the leader's batch: one per shape of
-    the period, in the workload's order (so a small call after a large one is checked too);
-    any difference fails the job naming the rank and the key."""
+    """Calls of every strategy compared bit for bit with what the leader (or the driver)
+    holds: one per shape of the period, in the workload's order (so a small call after a large
+    one is checked too); any difference fails the job naming the rank and the key."""
 
-    def on_rank(self, ctx, spec, job) -> dict[str, Any]:
-        groups = job.groups
+    scopes = BOTH
+
+    def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
         problems: dict[str, list[str]] = {name: [] for name in job.order}
         for k, shape in enumerate(spec.period()):
             job.use(shape)
-            leader_digest = digest(job.full, True) if groups.is_leader else None
             for name in job.order:
                 ctx.report(f"verifying {name}" + (f" on call {k} of the period" if k else ""))
-                dist.barrier()
-                out = job.call(name)
-                found = _verify(name, job.built[name], out, leader_digest, groups, job.full)
+                job.fence()
+                found = job.verify(name)
                 problems[name] += [f"{p} (call {k} of the period)" if k else p for p in found]
         return {"problems": problems}
 
@@ -376,7 +411,7 @@ class Verification(Phase):
         verdict([p for r in results for found in r["problems"].values() for p in found])
 
 
-def _verify(name, strategy, out, leader_digest, groups, full) -> list[str]:
+def verify_broadcast(name, strategy, out, leader_digest, groups, full) -> list[str]:
     """Compare this rank's result with the leader's; floor compares its raw buffer."""
     if name.split(":")[0] == "floor":
         sent = [tensor_digest(strategy.sent) if groups.is_leader else None]
@@ -407,5 +442,17 @@ PHASES: tuple[Phase, ...] = (
     Verification(),
     AutoChoice(),
 )
-"""Every measured phase, in the order each rank runs them; every phase but the rounds starts
-on the period's first shape (auto's choice is read last: the one its last call left)."""
+"""Every measured phase, in the order a job runs them; every phase but the rounds starts on
+the period's first shape (auto's choice is read last: the one its last call left)."""
+
+
+def run_phases(ctx, spec, job: Job) -> dict[str, Any]:
+    """Every phase of ``PHASES`` that runs in ``job``'s scope and applies, in order, on this
+    rank (a broadcast job) or on the driver (a dispatch job); their answers merged."""
+    out: dict[str, Any] = {}
+    for phase in PHASES:
+        if job.scope in phase.scopes and phase.applies(ctx, spec):
+            if not isinstance(phase, TimedRounds):
+                job.use(spec.period()[0])
+            out.update(phase.measure(ctx, spec, job))
+    return out

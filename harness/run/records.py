@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from harness import files, paths
-from harness.ray.modes import FLOORS, LEADER
+from harness.ray.modes import FLOORS, Mode
 from harness.run.phases import PHASES
 from harness.run.rounds import Scope
 from harness.units import human_bytes
@@ -210,11 +210,12 @@ def _job_fields(spec) -> dict:
     """What the job was: the same fields whether it ran, was refused or failed."""
     layout = spec.layout
     dispatch = getattr(spec, "dispatch", "none")
+    broadcast = dispatch == "none"
     return {
         "strategy": None if dispatch == "all_ranks" else spec.strategy,  # no strategy runs
         "options": dict(spec.options),
-        "scope": (Scope.BROADCAST if dispatch == "none" else Scope.DISPATCH).value,
-        **({"dispatch": dispatch} if dispatch != "none" else {}),
+        "scope": (Scope.BROADCAST if broadcast else Scope.DISPATCH).value,
+        **({} if broadcast else {"dispatch": dispatch, "mode": spec.under_test}),
         "world": getattr(spec, "world", "forked"),
         "backend": spec.backend,
         "device": spec.device,
@@ -248,37 +249,10 @@ def _workload_fields(spec) -> dict:
     }
 
 
-def build_dispatch(spec, timed: dict, world_start_s: float = 0.0) -> dict:
-    """The record of a dispatch job from ``harness.ray.dispatch.run_dispatch``'s record: the
-    job's mode flat (p50, its raw floor, vs_floor) and every mode measured in the job under
-    ``modes``, the shape the Ray report reads."""
-    mode = f"{LEADER}:{spec.strategy}" if spec.dispatch == LEADER else "all_ranks"
-    job = _job_fields(spec)
-    if mode not in timed["modes"]:  # the leader's strategy refused the layout
-        why = timed["unsupported"].get(spec.strategy, "refused")
-        unsupported = {"status": "unsupported", "supported": False, "error": why}
-        return {**job, "mode": mode, **unsupported, "correct": None, **environment()}
-    mine, floor = timed["modes"][mode], timed["modes"][FLOORS[spec.dispatch]]
-    return {
-        **job,
-        "mode": mode,
-        "status": "ok",
-        "payload_bytes": timed["payload_bytes"],
-        **{k: mine[k] for k in ("p50_us", "p90_us", "p99_us", "min_us", "max_us", "mean_us")},
-        "floor_p50_us": floor["p50_us"],
-        "vs_floor": vs_floor(mine["p50_us"], floor["p50_us"]),
-        "modes": timed["modes"],
-        "unsupported": timed["unsupported"],
-        "correct": True,
-        "supported": True,
-        "world_start_s": world_start_s,
-        **environment(),
-    }
-
-
 def build(spec, summary: dict, world_start_s: float = 0.0) -> dict:
-    """One flat record: what the job was (from its JobSpec), then what was measured for the
-    strategy under test with its references beside it, or why it was refused."""
+    """One flat record for every job kind: what the job was (from its JobSpec), then what was
+    measured for the strategy (or dispatch mode) under test with its references beside it, or
+    why it was refused."""
     if "unsupported" in summary:
         measured = {
             "status": "unsupported",
@@ -309,14 +283,13 @@ def failed(spec, error: BaseException) -> dict:
 def _measured(spec, summary: dict) -> dict:
     """The strategy under test's measured fields: every phase's own (``record_fields``), then
     what is derived from them beside its floor and pickled, timed in the same rounds."""
-    mine = summary["strategies"][spec.strategy]
+    mine = summary["strategies"][spec.under_test]
     floor_us = summary.get("floor_p50_us")
     single_us = summary.get("floor_single_p50_us")
-    base = summary["strategies"].get("pickled")
+    base = summary["strategies"].get(spec.baseline)
     payload_bytes = summary["payload_bytes"]
     p50_s = mine["p50_us"] / 1e6
     algbw = payload_bytes / p50_s / 1e9 if p50_s > 0 else 0.0
-    work, received = mine["work_leader"], mine["work_receiver_max"]
     return {
         "payload_bytes": payload_bytes,
         **{k: mine.get(k) for phase in PHASES for k in phase.record_fields},
@@ -329,21 +302,52 @@ def _measured(spec, summary: dict) -> dict:
         "vs_floor": vs_floor(mine["p50_us"], floor_us),
         "vs_floor_single": vs_floor(mine["p50_us"], single_us),
         "vs_baseline": mine["p50_us"] / base["p50_us"] if base else None,
-        "packed_bytes_leader": work.get("packed_bytes", 0),
-        "pickled_bytes_leader": work.get("pickled_bytes", 0),
-        "copied_bytes_leader": work.get("copied_bytes", 0),
-        "pickled_bytes_receiver": received.get("unpickled_bytes", 0),
-        "copied_bytes_receiver": received.get("copied_bytes", 0),
+        **_work_fields(mine),
         **({"auto_choice": mine["choice"]} if "choice" in mine else {}),
         "correct": True,
         "supported": True,
         "references": {
             name: {k: v for k, v in s.items() if not isinstance(v, dict)}
             for name, s in summary["strategies"].items()
-            if name != spec.strategy
+            if name != spec.under_test
         },
         **({"shapes": shape_entries(spec, summary["shapes"])} if "shapes" in summary else {}),
+        **(_modes(spec, summary) if spec.scope is Scope.DISPATCH else {}),
     }
+
+
+def _work_fields(mine: dict) -> dict:
+    """The bytes a call packs, pickles and copies (where the collectives phase ran: on the
+    ranks of a broadcast job)."""
+    if "work_leader" not in mine:
+        return {}
+    work, received = mine["work_leader"], mine["work_receiver_max"]
+    return {
+        "packed_bytes_leader": work.get("packed_bytes", 0),
+        "pickled_bytes_leader": work.get("pickled_bytes", 0),
+        "copied_bytes_leader": work.get("copied_bytes", 0),
+        "pickled_bytes_receiver": received.get("unpickled_bytes", 0),
+        "copied_bytes_receiver": received.get("copied_bytes", 0),
+    }
+
+
+def _modes(spec, summary: dict) -> dict:
+    """A dispatch job's ``modes`` (every mode timed, each beside its own family's floor and
+    every floor of the job) and ``unsupported`` (the modes whose strategy refused)."""
+    timed = summary["strategies"]
+    floors = {f: timed[f]["p50_us"] for f in FLOORS.values() if f in timed}
+    rows = {}
+    for name, figures in timed.items():
+        mode = Mode.parse(name)
+        own = FLOORS[mode.kind]
+        rows[name] = {
+            "mode": name, "kind": mode.kind, "strategy": mode.strategy, "raw": mode.raw,
+            "floor_mode": own,
+            **{k: v for k, v in figures.items() if not isinstance(v, dict)},
+            "vs_floor": vs_floor(figures["p50_us"], floors.get(own)),
+            "vs_floors": {f: figures["p50_us"] / p50 for f, p50 in floors.items()},
+        }  # fmt: skip
+    return {"modes": rows, "unsupported": summary.get("refused", {})}
 
 
 def shape_entries(spec, shapes: list[dict]) -> list[dict]:

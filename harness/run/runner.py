@@ -1,23 +1,29 @@
-"""One broadcast job on one rank, and its summary: what it runs (``JobSpec``), its
-preparation (groups, every shape's batch, the strategies built), then the measured phases of
-``harness.run.phases.PHASES`` (timed rounds, collectives, peak memory, verification, ...).
+"""What a job runs (``JobSpec``, for both scopes), a broadcast job on one rank, and every job's
+summary. A broadcast job's rank prepares (groups, every shape's batch, the strategies built:
+``Prepared``, its ``harness.run.phases.Job``) and runs the measured phases
+(``harness.run.phases.run_phases``); a dispatch job runs the same phases on its driver
+(``harness.ray.dispatch``).
 
 ``run_job_on_rank`` runs identically in every world (``harness.run.worlds``). ``summarize``
-turns all ranks' results into one record's measured fields (a call costs its slowest rank),
-and a varying workload's per-shape figures (``per_shape``).
+turns the answers (every rank's, or a dispatch driver's one) into one record's measured
+fields (a call costs its slowest rank), and a varying workload's per-shape figures
+(``per_shape``).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch.distributed as dist
 
 import strategies
+from harness.ray.modes import FLOORS, Mode, under_test, with_floors
 from harness.run import payloads
-from harness.run.phases import PHASES, TimedRounds
-from harness.run.rounds import p50_us
+from harness.run.phases import PHASES, run_phases, start_line, sync, verify_broadcast
+from harness.run.rounds import Scope, p50_us
+from harness.run.verify import digest
 from harness.run.workload import CallShape, Workload, constant
 from strategies.core.layout import Layout
 from strategies.floor import Floor, raw_parts
@@ -67,6 +73,39 @@ class JobSpec:
     steady_iters: int = 0
     """A varying workload: after the sequence, this many interleaved rounds of each distinct
     shape alone (after one untimed round of it), for each shape's steady-state p50."""
+    modes: tuple[str, ...] = ()
+    """A dispatch job: the modes it compares, the one under test first (``bcastbench
+    ray-dispatch``); empty: the mode ``dispatch`` and ``strategy`` name (``under_test``). Each
+    family's floor is added (``harness.ray.modes.with_floors``)."""
+
+    @property
+    def scope(self) -> Scope:
+        """Where the clock runs: on the ranks (broadcast) or on the driver (dispatch)."""
+        return Scope.BROADCAST if self.dispatch == "none" else Scope.DISPATCH
+
+    @property
+    def under_test(self) -> str:
+        """The name the job's record is about: the strategy, or a dispatch job's mode."""
+        if self.scope is Scope.BROADCAST:
+            return self.strategy
+        return self.modes[0] if self.modes else under_test(self.dispatch, self.strategy)
+
+    @property
+    def baseline(self) -> str:
+        """What ``vs_baseline`` divides by, when the job timed it: the seed's pickled."""
+        return "pickled" if self.scope is Scope.BROADCAST else "leader:pickled"
+
+    def dispatch_modes(self) -> list[Mode]:
+        """A dispatch job's modes, parsed, with each family's floor."""
+        return with_floors(self.modes or (self.under_test,))
+
+    def floors(self, names) -> list[str]:
+        """Which of ``names`` are this job's floors: every raw method (``floor``,
+        ``floor:<method>``) of a broadcast job; a dispatch job's mode's own family floor."""
+        if self.scope is Scope.BROADCAST:
+            return [n for n in names if n.split(":")[0] == "floor"]
+        own = FLOORS[Mode.parse(self.under_test).kind]
+        return [own] if own in names else []
 
     def period(self) -> tuple[CallShape, ...]:
         """The shapes call c of the job moves, ``period()[c % len(period())]``."""
@@ -123,10 +162,38 @@ class Prepared:
     batches: dict = field(default_factory=dict)
     """CallShape -> that shape's ``full``, built before anything is timed."""
     current: CallShape | None = None
+    leader_digest: dict | None = None
+    """The leader's digest of the current shape's batch, once verification asked for it."""
+    scope = Scope.BROADCAST
 
     def call(self, name: str):
-        """One call of ``name`` from the entry state ROLL's dispatcher leaves."""
-        return self.built[name].get_data_input(self.full.entry_state(self.groups.is_leader))
+        """One call of ``name`` from the entry state ROLL's dispatcher leaves, its device work
+        done."""
+        out = self.built[name].get_data_input(self.full.entry_state(self.groups.is_leader))
+        sync(self.groups.device)
+        return out
+
+    def timed(self, name: str) -> float:
+        """One call of ``name`` timed on this rank from ``start_line``, in seconds."""
+        entry = self.full.entry_state(self.groups.is_leader)
+        start_line(self.groups)
+        t0 = time.perf_counter()
+        self.built[name].get_data_input(entry)
+        sync(self.groups.device)
+        return time.perf_counter() - t0
+
+    def fence(self) -> None:
+        """A barrier over the world."""
+        dist.barrier()
+
+    def verify(self, name: str) -> list[str]:
+        """One call of ``name``, this rank's result compared with the leader's batch."""
+        if self.groups.is_leader and self.leader_digest is None:
+            self.leader_digest = digest(self.full, True)
+        out = self.call(name)
+        return verify_broadcast(
+            name, self.built[name], out, self.leader_digest, self.groups, self.full
+        )
 
     def use(self, shape: CallShape) -> None:
         """Make ``shape``'s batch the one calls move. A raw-bytes strategy (the floor) moves
@@ -134,7 +201,7 @@ class Prepared:
         other strategy sees only the batch it is handed, as in a real step."""
         if shape == self.current:
             return
-        self.full, self.current = self.batches[shape], shape
+        self.full, self.current, self.leader_digest = self.batches[shape], shape, None
         for name in self.order:
             if getattr(self.built[name], "raw_bytes", False):
                 self.built[name].prepare(self.full.entry_state(self.groups.is_leader))
@@ -190,8 +257,8 @@ def _order(spec: JobSpec) -> tuple[list[str], dict[str, dict]]:
 
 
 def run_job_on_rank(ctx, spec: JobSpec) -> dict:
-    """The rank-side job: prepare, then every measured phase (``harness.run.phases.PHASES``)
-    that applies, each but the rounds on the period's first shape."""
+    """A broadcast job's rank: prepare, then every measured phase of its scope that applies
+    (``harness.run.phases.run_phases``), each but the rounds on the period's first shape."""
     job = prepare(ctx, spec)
     if isinstance(job, dict):
         return job
@@ -205,12 +272,7 @@ def run_job_on_rank(ctx, spec: JobSpec) -> dict:
         else None,
         "device": str(job.groups.device),
     }
-    for phase in PHASES:
-        if phase.applies(ctx, spec):
-            if not isinstance(phase, TimedRounds):
-                job.use(spec.period()[0])
-            out.update(phase.on_rank(ctx, spec, job))
-    return out
+    return {**out, **run_phases(ctx, spec, job)}
 
 
 def _payload_bytes(full) -> int:
@@ -219,24 +281,27 @@ def _payload_bytes(full) -> int:
 
 
 def summarize(spec: JobSpec, rank_results: list[dict]) -> dict:
-    """Fold all ranks' results into one record's measured fields: every phase checks the job
-    (a wrong byte fails it) and folds each strategy's fields (a call costs its slowest rank)."""
+    """Fold all ranks' results (a dispatch job: its driver's one) into one record's measured
+    fields: every phase checks the job (a wrong byte fails it) and folds each strategy's
+    fields (a call costs its slowest rank)."""
     refused = [r["unsupported"] for r in rank_results if "unsupported" in r]
     if refused:
         return {"unsupported": refused[0]}
-    for phase in PHASES:
+    ran = [phase for phase in PHASES if spec.scope in phase.scopes]
+    for phase in ran:
         phase.check(spec, rank_results)
     per_strategy = {}
     for name in rank_results[0]["times_s"]:
         per_strategy[name] = {}
-        for phase in PHASES:  # a phase that did not run folds nothing
+        for phase in ran:  # a phase that did not apply folds nothing
             per_strategy[name].update(phase.fold(spec, name, rank_results))
     leaders = [r for r in rank_results if r["is_leader"]]
     out = {
         "payload_bytes": leaders[0]["payload_bytes"],
         "strategies": per_strategy,
-        **best_floor(per_strategy),
+        **best_floor(per_strategy, spec.floors(per_strategy)),
         "device": rank_results[0]["device"],
+        **({"refused": rank_results[0]["refused"]} if "refused" in rank_results[0] else {}),
     }
     if spec.workload is not None and spec.workload.varying:
         out["shapes"] = per_shape(spec, rank_results)
@@ -274,7 +339,7 @@ def per_shape(spec: JobSpec, rank_results: list[dict]) -> list[dict]:
                 # The largest replica's: with uneven replicas it is the one a call waits for.
                 "payload_bytes": max(r["shape_bytes"][k] for r in leaders),
                 "strategies": figures,
-                **best_floor(timed),
+                **best_floor(timed, spec.floors(timed)),
             }
         )
     return out
@@ -287,15 +352,17 @@ def _sequence_bytes(spec: JobSpec, shapes: list[dict]) -> int:
     return int(round(sum(bytes_of[k] for k in calls) / len(calls)))
 
 
-def best_floor(per_strategy: dict[str, dict]) -> dict:
-    """The honest floor: the fastest raw method timed in the job (``floor_method``), beside
-    the single broadcast (``floor_single_p50_us``); empty when no floor was timed."""
-    floors = {n: s["p50_us"] for n, s in per_strategy.items() if n.split(":")[0] == "floor"}
+def best_floor(per_strategy: dict[str, dict], names: list[str]) -> dict:
+    """The honest floor: the fastest of the floors ``names`` timed in the job
+    (``floor_method``: a broadcast job's raw method, one | chunks2 | ...; a dispatch job's floor
+    mode), beside the single broadcast (``floor_single_p50_us``); empty when none was timed."""
+    floors = {n: per_strategy[n]["p50_us"] for n in names}
     if not floors:
         return {}
     method = min(floors, key=floors.get)
+    broadcast = method.split(":")[0] == "floor"
     return {
         "floor_p50_us": floors[method],
-        "floor_method": method.partition(":")[2] or "one",
+        "floor_method": (method.partition(":")[2] or "one") if broadcast else method,
         "floor_single_p50_us": floors.get("floor"),
     }

@@ -141,3 +141,24 @@ def test_emulated_table_rereads_a_table_directory(tmp_path):
     out = _json(job / "emulated_table.json")
     assert {r["links"] for r in out["rows"]} == {"node", "gpu"}
     assert out["command"] == f"bcastbench emulated-table source={source}"
+
+
+def test_a_dispatch_job_whose_mode_is_refused_is_one_record_and_one_line():
+    """A dispatch job is a JobSpec of the other scope: the one record builder writes it, and a
+    refusal of the mode under test prints as the job's one line, not a table."""
+    from harness.commands.ray_dispatch import format_table
+    from harness.run.records import build
+    from harness.run.runner import JobSpec
+    from strategies.core.layout import Layout
+
+    spec = JobSpec("tensordict_broadcast", Layout(dp=2, tp=2), dispatch="leader", world="ray")
+    assert (spec.scope, spec.under_test, spec.baseline) == (
+        "dispatch+broadcast", "leader:tensordict_broadcast", "leader:pickled"
+    )  # fmt: skip
+    assert [m.name for m in spec.dispatch_modes()] == [
+        "leader:tensordict_broadcast", "leader:floor"
+    ]  # fmt: skip
+    record = build(spec, {"unsupported": "leader:tensordict_broadcast: dp=2 replicas"})
+    assert record["status"] == "unsupported" and record["mode"] == "leader:tensordict_broadcast"
+    line = format_table(record)
+    assert "UNSUPPORTED" in line and "dp=2 replicas" in line, line

@@ -21,8 +21,9 @@ if not hasattr(ray, "init"):  # tests/verl_support.py registers a bare stand-in 
     )
 
 from harness.ray.actors import RayConf  # noqa: E402
-from harness.ray.dispatch import DispatchSpec, Mode, _Driver, _verify, run_dispatch  # noqa: E402
+from harness.ray.dispatch import Mode, _Driver, _verify, run_dispatch  # noqa: E402
 from harness.run.forked import WorldError  # noqa: E402
+from harness.run.records import build  # noqa: E402
 from harness.run.runner import JobSpec, run_job_on_rank, summarize  # noqa: E402
 from strategies.core.layout import Layout  # noqa: E402
 
@@ -54,9 +55,17 @@ def test_a_private_cluster_talks_over_loopback_only(ray_world):
     assert ipaddress.ip_address(ray.util.get_node_ip_address()).is_loopback
 
 
+def dispatch_spec(layout: Layout, modes=("leader:header", "all_ranks"), **kw) -> JobSpec:
+    """A dispatch job comparing ``modes`` (the first under test), as ``bcastbench ray-dispatch``
+    makes one."""
+    first = Mode.parse(modes[0])
+    return JobSpec(first.strategy or "", layout, dispatch=first.kind, modes=modes, **kw)
+
+
 def test_modes_parse_and_floors_join():
-    spec = DispatchSpec(TP2PP2, ("leader:header", "all_ranks"))
-    assert [m.name for m in spec.parsed_modes()] == [
+    spec = dispatch_spec(TP2PP2)
+    assert spec.scope == "dispatch+broadcast" and spec.under_test == "leader:header"
+    assert [m.name for m in spec.dispatch_modes()] == [
         "leader:header",
         "all_ranks",
         "leader:floor",
@@ -73,7 +82,7 @@ def test_modes_parse_and_floors_join():
 
 def test_verification_names_rank_and_key():
     """The driver-side check fails a rank whose bytes differ, naming it and the key."""
-    drv = _Driver.build(DispatchSpec(Layout(dp=2, pp=2, tp=2), **SMALL))
+    drv = _Driver.build(dispatch_spec(Layout(dp=2, pp=2, tp=2), **SMALL))
     meta = drv.global_batch.meta_info
     out = [(0, (drv.expected[d], meta)) for d in drv.replica_of]
     assert _verify(drv, Mode.parse("all_ranks"), out) == []
@@ -91,12 +100,17 @@ def test_verification_names_rank_and_key():
 
 
 def test_dispatch_modes_deliver_every_chunk(ray_world):
-    spec = DispatchSpec(TP2PP2, ("leader:header", "all_ranks"), iters=2, warmup=1, **SMALL)
-    record = run_dispatch(ray_world, spec)  # raises VerificationError on any wrong byte
+    """The driver runs the broadcast job's own phases (rounds, verification) through the
+    dispatch scope's Job, and the one record builder writes its record."""
+    spec = dispatch_spec(TP2PP2, iters=2, warmup=1, **SMALL)
+    summary = run_dispatch(ray_world, spec)  # raises VerificationError on any wrong byte
+    assert summary["floor_method"] == "leader:floor"
+    record = build(spec, summary)
     assert record["scope"] == "dispatch+broadcast" and record["correct"]
+    assert record["mode"] == "leader:header" and record["vs_floor"] > 0
     assert set(record["modes"]) == {"leader:header", "all_ranks", "leader:floor", "all_ranks:raw"}
     for name, row in record["modes"].items():
-        assert len(row["times_s"]) == 2 and row["p50_us"] > 0, name
+        assert row["p50_us"] > 0 and row["rank_skew_us"] is None, name
         assert row["floor_mode"] == (
             "leader:floor" if name.startswith("leader") else "all_ranks:raw"
         )
