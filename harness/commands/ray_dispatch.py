@@ -26,6 +26,7 @@ from harness.ray.dispatch import run_dispatch
 from harness.ray.modes import ALL_RANKS, FLOORS, Mode
 from harness.run import launch, payloads, records
 from harness.run.config import (
+    DRIVER,
     ConfigError,
     LayoutConf,
     PayloadConf,
@@ -149,7 +150,7 @@ def check(cfg) -> None:
     p, dp = cfg.payload, layout_of(cfg).dp
     # The driver builds the global batch of every replica: dp × batch_size rows.
     rows = int(p.batch_size) * dp
-    check_size(p.name, [[(rows, int(p.seq_len))]], check_max_bytes(p), "the driver")
+    check_size(p.name, [[(rows, int(p.seq_len))]], check_max_bytes(p), DRIVER, copies=2)
     try:
         spec_of_job(cfg).dispatch_modes()
         conf = ray_conf(cfg)

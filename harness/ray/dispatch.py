@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,23 +47,28 @@ from strategies.floor import raw_parts
 
 
 # -- the driver's data -----------------------------------------------------------------------
-def chunk(batch: DataProto, dp: int) -> list[DataProto]:
-    """Split the global batch into ``dp`` equal row blocks, each owning its bytes.
+def chunk(batch: DataProto, rows: int | Sequence[int]) -> list[DataProto]:
+    """Split the global batch into one row block per replica, each owning its bytes: ``rows``
+    equal blocks for an int, else ``rows[d]`` rows for replica d (an uneven DP split).
 
     A row slice is a view, and pickling a view ships its whole storage (every replica would
     receive the global batch), so each chunk is copied out once, as verl consolidates before
     pickling."""
-    rows = int(batch.batch.batch_size[0])
-    if rows % dp:
-        raise ValueError(f"global batch of {rows} rows does not split into dp={dp} chunks")
-    b = rows // dp
+    total = int(batch.batch.batch_size[0])
+    if isinstance(rows, int):
+        if total % rows:
+            raise ValueError(f"global batch of {total} rows does not split into dp={rows} chunks")
+        rows = [total // rows] * rows
+    if sum(rows) != total:
+        raise ValueError(f"global batch of {total} rows cannot be split as {list(rows)}")
+    starts = np.cumsum([0, *rows[:-1]]).tolist()
     return [
         DataProto(
-            batch.batch[i * b : (i + 1) * b].clone(),
-            {k: v[i * b : (i + 1) * b].copy() for k, v in batch.non_tensor_batch.items()},
+            batch.batch[a : a + n].clone(),
+            {k: v[a : a + n].copy() for k, v in batch.non_tensor_batch.items()},
             batch.meta_info,
         )
-        for i in range(dp)
+        for a, n in zip(starts, rows)
     ]
 
 
@@ -75,11 +81,13 @@ def flat_bytes(chunk_: DataProto) -> np.ndarray:
 
 @dataclass
 class _Driver:
-    """What the driver holds for a job: the global batch, who leads which replica, and what
-    each replica must end with."""
+    """What the driver holds for one shape of a job: the global batch, how it splits by
+    replica, who leads which replica, and what each replica must end with."""
 
     spec: JobSpec
     global_batch: DataProto
+    rows: tuple[int, ...]
+    """Rows of each replica's chunk (``CallShape.rows``)."""
     replica_of: list[int]
     leaders: list[int]
     flats: list[np.ndarray]
@@ -87,16 +95,19 @@ class _Driver:
     expected_raw: list[str]
 
     @classmethod
-    def build(cls, spec: JobSpec) -> _Driver:
+    def build(cls, spec: JobSpec, shape=None) -> _Driver:
+        """The driver's data for ``shape`` (a ``CallShape``; the period's first by default):
+        one seeded global batch of every replica's rows together, each draw its own data."""
         lay = spec.layout
+        shape = shape or spec.period()[0]
         batch = payloads.make(
             spec.payload,
-            spec.batch_size * lay.dp,
-            spec.seq_len,
-            spec.seed,
+            sum(shape.rows),
+            shape.seq_len if shape.seq_len is not None else spec.seq_len,
+            spec.seed + shape.draw,
             spec.broadcast_non_tensor,
         )
-        chunks = chunk(batch, lay.dp)
+        chunks = chunk(batch, shape.rows)
         flats = [flat_bytes(c) for c in chunks]
         replica_of = [lay.coords(r)["dp"] for r in range(lay.world_size)]
         leaders = [0] * lay.dp
@@ -105,6 +116,7 @@ class _Driver:
         return cls(
             spec,
             batch,
+            tuple(shape.rows),
             replica_of,
             leaders,
             flats,
@@ -114,6 +126,23 @@ class _Driver:
 
     def is_leader(self, rank: int) -> bool:
         return self.leaders[self.replica_of[rank]] == rank
+
+    @property
+    def payload_bytes(self) -> int:
+        """The floor's bytes of the largest chunk (the replica a call waits for)."""
+        return max(int(f.nbytes) for f in self.flats)
+
+    def hand_out(self) -> list:
+        """Per rank, what set-up hands it: its replica's chunk (an ObjectRef) to a leader, the
+        meta_info alone to every other rank."""
+        import ray
+
+        meta = self.global_batch.meta_info
+        refs = [ray.put(c) for c in chunk(self.global_batch, self.rows)]
+        return [
+            refs[d] if self.is_leader(r) else DataProto(None, {}, meta)
+            for r, d in enumerate(self.replica_of)
+        ]
 
 
 # -- on the ranks --------------------------------------------------------------------------
@@ -149,6 +178,14 @@ def _setup_on_rank(ctx, spec: JobSpec, entry: DataProto) -> dict:
     return {"is_leader": groups.is_leader, "refused": refused}
 
 
+def _prepare_raw_on_rank(ctx, entry: DataProto) -> None:
+    """A new shape: every raw-bytes strategy (the floor) packs and sizes its buffer for it, as
+    a broadcast job's ranks do between rounds (``harness.run.runner.Prepared.use``)."""
+    for strategy in ctx.cache["dispatch"].values():
+        if getattr(strategy, "raw_bytes", False):
+            strategy.prepare(_on_device(entry, strategy.groups.device))
+
+
 def _leader_call(ctx, name: str, data, verify: bool):
     """The leader got its chunk (or the flat array) through Ray, the others only meta_info;
     then all run the strategy. Returns (end time in ns, what verification needs)."""
@@ -182,10 +219,9 @@ def _call(world, drv: _Driver, mode: Mode, verify: bool, what: str, timeout_s: f
     rank's answer)."""
     import ray
 
-    lay = drv.spec.layout
     meta = drv.global_batch.meta_info
     t0 = time.time_ns()
-    objs = drv.flats if mode.raw else chunk(drv.global_batch, lay.dp)
+    objs = drv.flats if mode.raw else chunk(drv.global_batch, drv.rows)
     refs = [ray.put(o) for o in objs]
     if mode.kind == LEADER:
         fn = _leader_call
@@ -204,14 +240,7 @@ def _call(world, drv: _Driver, mode: Mode, verify: bool, what: str, timeout_s: f
 
 
 def _setup(world, drv: _Driver) -> tuple[list[Mode], dict[str, str]]:
-    import ray
-
-    meta = drv.global_batch.meta_info
-    chunks = chunk(drv.global_batch, drv.spec.layout.dp)
-    args = [
-        (drv.spec, ray.put(chunks[d]) if drv.is_leader(r) else DataProto(None, {}, meta))
-        for r, d in enumerate(drv.replica_of)
-    ]
+    args = [(drv.spec, entry) for entry in drv.hand_out()]
     out = world.collect(world.submit(_setup_on_rank, args), "setting up dispatch")
     for r, answer in enumerate(out):
         if answer["is_leader"] != drv.is_leader(r):
@@ -265,18 +294,32 @@ class DispatchJob:
     batch to every rank of every replica, timed on the driver."""
 
     world: object
-    drv: _Driver
+    drivers: dict
+    """CallShape -> its ``_Driver``, every one built before anything is timed."""
     modes: dict[str, Mode]
     ctx: DriverContext
     timeout_s: float
+    current: object = None
     scope = Scope.DISPATCH
 
     @property
     def order(self) -> list[str]:
         return list(self.modes)
 
+    @property
+    def drv(self) -> _Driver:
+        return self.drivers[self.current]
+
     def use(self, shape) -> None:
-        """One shape per dispatch job (validation refuses a varying workload)."""
+        """Make ``shape``'s global batch the one calls dispatch; the ranks' floor sizes its
+        buffer for it (untimed, between rounds)."""
+        if shape == self.current:
+            return
+        self.current = shape
+        if any(m.raw and m.kind == LEADER for m in self.modes.values()):
+            what = f"{self.ctx.phase} (preparing the floor for a new shape)"
+            handles = self.world.submit(_prepare_raw_on_rank, [(e,) for e in self.drv.hand_out()])
+            self.world.collect(handles, what, self.timeout_s)
 
     def _dispatch(self, name: str, verify: bool):
         what = f"{self.ctx.phase} (dispatch {name})"
@@ -301,18 +344,19 @@ def run_dispatch(world, spec: JobSpec, timeout_s: float = 120.0) -> dict:
     (``harness.run.runner.summarize``), or ``{"unsupported": why}`` when the mode under test's
     strategy refused the layout. ``timeout_s`` bounds one dispatch call."""
     spec.layout.check_world(world.world_size)
-    drv = _Driver.build(spec)
-    modes, refused = _setup(world, drv)
+    shapes = spec.distinct_shapes()
+    drivers = {shape: _Driver.build(spec, shape) for shape in shapes}
+    modes, refused = _setup(world, drivers[shapes[0]])
     mine = Mode.parse(spec.under_test)
     if mine.strategy in refused:
         return {"unsupported": f"{spec.under_test}: {refused[mine.strategy]}"}
     ctx = DriverContext(link_counter=link_counter())
-    job = DispatchJob(world, drv, {m.name: m for m in modes}, ctx, timeout_s)
+    job = DispatchJob(world, drivers, {m.name: m for m in modes}, ctx, timeout_s, shapes[0])
     result = {
         "rank": 0,
         "is_leader": True,
-        "payload_bytes": int(drv.flats[0].nbytes),
-        "shape_bytes": [int(drv.flats[0].nbytes)],
+        "payload_bytes": drivers[shapes[0]].payload_bytes,
+        "shape_bytes": [drivers[s].payload_bytes for s in shapes],
         "device": spec.device,
         "refused": refused,
         **run_phases(ctx, spec, job),

@@ -399,21 +399,27 @@ def per_leader(shapes, seq_len: int | None) -> list[list[tuple[int, int]]]:
     ]
 
 
+DRIVER = "the driver (every global batch and its floor's flat copy)"
+"""Who holds a dispatch job's batches: the driver builds each distinct shape's global batch
+(every replica's rows) and the floor's flat bytes of it before the first call."""
+
+
 def check_size(
     name: str,
     per_leader: list[list[tuple[int, int]]],
     max_bytes: int | None,
     holder: str = "replica {d}'s leader",
+    copies: int = 1,
 ) -> None:
     """The batches each holder builds (``per_leader[d]``: (rows, seq_len) of each, all built
-    before the first call) fit ``max_bytes`` together (None: a quarter of this machine's
-    memory), priced from the shapes alone: 10**12 rows are refused in one line instead of
-    failing to allocate petabytes on every rank."""
+    before the first call; ``copies`` of each) fit ``max_bytes`` together (None: a quarter of
+    this machine's memory), priced from the shapes alone: 10**12 rows are refused in one line
+    instead of failing to allocate petabytes on every rank."""
     limit = recording.default_max_bytes() if max_bytes is None else int(max_bytes)
     where = "set" if max_bytes is not None else "a quarter of this machine's memory"
     for d, shapes in enumerate(per_leader):
         sizes = [payloads.payload_bytes(name, rows, seq_len) for rows, seq_len in shapes]
-        need = sum(sizes)
+        need = sum(sizes) * copies
         if need <= limit:
             continue
         rows, seq_len = shapes[sizes.index(max(sizes))]
@@ -487,7 +493,6 @@ def _validate_ray(cfg, joined: bool) -> None:
 
 
 def _validate_dispatch(cfg) -> None:
-
     if cfg.payload.name not in payloads.PAYLOADS:
         raise ConfigError(
             f"ray.dispatch={cfg.ray.dispatch}: the driver generates the global batch, so the "
@@ -495,17 +500,13 @@ def _validate_dispatch(cfg) -> None:
         )
     if cfg.fault.rank >= 0:
         raise ConfigError("fault injection runs on broadcast jobs only: set ray.dispatch=none")
-    p = cfg.payload
-    if (
-        p.get("cycle") is not None
-        or p.get("cycle_file")
-        or p.get("draws")
-        or (p.get("dp_split", "even") != "even")
-    ):
-        raise ConfigError(
-            f"ray.dispatch={cfg.ray.dispatch} times one shape from the driver's global batch: "
-            "payload.cycle, cycle_file, draws and dp_split need ray.dispatch=none"
-        )
+    seq_len = int(cfg.payload.seq_len)
+    work = workload_of(cfg, layout_of(cfg), seq_len)
+    driver = [
+        (sum(s.rows), seq_len if s.seq_len is None else s.seq_len)
+        for s in dict.fromkeys(work.period)
+    ]
+    check_size(cfg.payload.name, [driver], check_max_bytes(cfg.payload), DRIVER, copies=2)
     if cfg.ray.dispatch == LEADER:
         try:
             Mode.parse(f"{LEADER}:{strategy_of(cfg)}")

@@ -168,6 +168,8 @@ class SteadyRounds(Phase):
     ``steady_iters`` timed rounds; seconds per call by strategy then shape (``steady_s``,
     folded per shape by ``harness.run.runner.per_shape``)."""
 
+    scopes = BOTH
+
     def applies(self, ctx, spec) -> bool:
         return spec.workload is not None and spec.workload.varying and spec.steady_iters >= 1
 

@@ -356,7 +356,7 @@ def shape_entries(spec, shapes: list[dict]) -> list[dict]:
     out = []
     for entry in shapes:
         shape, figures = entry["shape"], entry["strategies"]
-        mine, base = figures[spec.strategy], figures.get("pickled")
+        mine, base = figures[spec.under_test], figures.get(spec.baseline)
         p50, steady = mine["p50_us"], mine.get("steady_p50_us")
         base_p50 = base["p50_us"] if base else None
         out.append(
@@ -375,7 +375,7 @@ def shape_entries(spec, shapes: list[dict]) -> list[dict]:
                 "vs_baseline": _ratio(p50, base_p50),
                 "steady_p50_us": steady,
                 "vs_steady": _ratio(p50, steady),
-                "references": {n: f for n, f in figures.items() if n != spec.strategy},
+                "references": {n: f for n, f in figures.items() if n != spec.under_test},
             }
         )
     return out

@@ -46,6 +46,19 @@ from harness.run.config import ConfigError, validate
             "takes 142592 bytes (139 KiB) on replica 0's leader > payload.max_bytes = 120000",
         ),
         (["payload.max_bytes=1000", "payload.batch_size=2"], "> payload.max_bytes = 1000"),
+        # Each leader's two shapes fit; a dispatch job's driver builds every replica's rows of
+        # both, and the floor's flat copy of each, before its first call.
+        (
+            [
+                "ray_job=leader_header",
+                "layout=tp2pp2dp2",
+                "payload.max_bytes=300000",
+                "payload.batch_size=2",
+                "payload.cycle=[{seq_len:1024},{seq_len:512}]",
+            ],
+            "in its 2 shapes together (all built before the first call; the largest 4 rows "
+            "× 1024 tokens) takes 570368 bytes (557 KiB) on the driver (every global batch",
+        ),
         (["payload.max_bytes=0"], "payload.max_bytes must be a positive integer or null"),
     ],
 )

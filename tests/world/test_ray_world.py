@@ -169,6 +169,34 @@ def test_bcastbench_run_world_ray_broadcast_and_dispatch(ray_world, tmp_path):
     assert set(merged["modes"]) == {"leader:header", "leader:floor", "all_ranks", "all_ranks:raw"}
 
 
+def test_a_varying_workload_on_uneven_replicas_is_dispatched_call_by_call(ray_world, tmp_path):
+    """A dispatch job is the broadcast job in the other scope, so it moves a real step too:
+    seq_len cycled per call, replicas handed 3 and 1 rows, steady rounds after the sequence;
+    each shape's record entry beside its own floor, every rank verified on every shape."""
+    import json
+
+    from harness.commands import cli
+
+    status = cli.main(
+        ["-m", "ray_job=leader_header,all_ranks", "layout=tp2pp2", "layout.pp=1",
+         "layout.dp=2", "iters=4", "warmup=1", "steady_iters=2", "payload.seq_len=64",
+         "payload.cycle=[{seq_len:64},{seq_len:32}]", "payload.dp_split=[3,1]",
+         "ray.object_store_mb=256", f"hydra.sweep.dir={tmp_path}"]
+    )  # fmt: skip
+    assert status == 0
+    recs = [json.loads(p.read_text()) for p in sorted(tmp_path.rglob("result.json"))]
+    assert {r["mode"] for r in recs} == {"leader:header", "all_ranks"}
+    for rec in recs:
+        assert rec["status"] == "ok" and rec["correct"] is True, rec.get("error")
+        assert rec["scope"] == "dispatch+broadcast" and rec["dp_split"] == [3, 1]
+        shapes = rec["shapes"]
+        assert sorted(s["seq_len"] for s in shapes) == [32, 64]
+        for shape in shapes:
+            assert shape["dp_rows"] == [3, 1] and shape["calls"] == 2
+            assert shape["vs_floor"] > 0 and shape["steady_p50_us"] > 0
+        assert shapes[0]["payload_bytes"] > shapes[1]["payload_bytes"] > 0  # 64 tokens, then 32
+
+
 def test_the_limit_is_on_silence_not_on_the_job(ray_world):
     """timeout_s means what it means in a forked world: a job far longer than the limit passes
     while its ranks report progress."""
