@@ -14,11 +14,21 @@ Who decides, without an extra collective: every rank decides the same way from t
 bytes. At the end of each call every rank of the replica holds the header the leader sent
 (keys, dtypes, shapes, the non-tensor blob's size: ``spec_of_header``), so each prices the same
 ``PayloadSpec`` and picks the same strategy for the next call; pricing is pure arithmetic, so
-no rank can disagree. The first call, with no header yet, uses ``first`` (``flat``). A stream
-of same-shaped batches is therefore served by the best choice from its second call on; a
-batch whose shape changes is served once by the previous shape's choice (correct either way:
-every candidate ships any batch). The header-based candidates share one ``Wire``, so
-switching between them keeps the size every rank agreed to expect (no extra broadcast).
+no rank can disagree. The first call, with no header yet, uses ``first`` (``flat``).
+
+Which shape to price: the one the *next* call will move, predicted from the calls so far
+(``NextShape``: the shape that followed this call's shape the last time it was seen, else this
+shape again). Every rank of the replica saw the same headers, so every rank predicts the same.
+A stream of same-shaped batches is served by its own choice from its second call on, and so is
+a workload that repeats a pattern (a large rollout batch then a small one, micro-batches of
+a fixed sequence of shapes) from the second call of its second period on: each call is served by the choice for
+its own shape, not the previous call's. A shape that breaks the pattern is served once by the
+prediction's choice (correct either way: every candidate ships any batch). A shape is its
+leaves' layout (keys, dtypes, shapes), not the non-tensor blob's size, which changes with the
+data. Pricing a new shape runs inside the call, so its cost is in the time; a shape seen
+before is a dict lookup. The
+header-based candidates share one ``Wire``, so switching between them keeps the size every rank
+agreed to expect (no extra broadcast).
 
 Options: ``cluster`` (preset name or YAML path), ``first``, ``candidates`` (default: all of
 ``CANDIDATES``). ``plan(layout, spec)`` is the chosen strategy's.
@@ -27,6 +37,8 @@ Options: ``cluster`` (preset name or YAML path), ``first``, ``candidates`` (defa
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import replace
 from functools import cache
 
@@ -81,24 +93,31 @@ class Auto(Strategy):
             if isinstance(s, PackedStrategy):
                 s.wire = wires[0]  # one agreed next size, whichever of them serves
         self.choice = first if first in self.built else next(iter(self.built))
-        self._last_key: tuple | None = None  # the last shape priced, and its choice
-        self._last_choice = self.choice
+        """The candidate that serves the next call."""
+        self.served: str | None = None
+        """The candidate that served the last call."""
+        self._next = NextShape()
+        self._choice_of: OrderedDict[Hashable, str] = OrderedDict()  # shape -> its choice
 
     def leader_view(self, batch: DataProto) -> DataProto:
         """The serving candidate's checks (a failure batch then goes out through it)."""
         return self.built[self.choice].leader_view(batch)
 
     def transfer(self, batch: DataProto) -> DataProto:
+        self.served = self.choice
         serving = self.built[self.choice]
         out = serving.transfer(batch)
         header = getattr(serving, "last_header", None)
         if header is not None and failure_in(out) is None:  # a failure batch is not priced
-            key = (header.entries, header.non_tensor, header.header_len)
-            if key != self._last_key:  # a new shape: price it (steady state skips this)
+            # The shape class: the leaves' layout, not the non-tensor blob's size (its strings'
+            # lengths change with the data, call by call, in a batch of one shape).
+            key = (header.entries, header.non_tensor is not None)
+            if key not in self._choice_of:  # a new shape: price it (a seen one is a lookup)
                 spec = spec_of_header(header)
-                self._last_key = key
-                self._last_choice = choose(self.layout, spec, self.cluster, tuple(self.built))
-            self.choice = self._last_choice
+                self._choice_of[key] = choose(self.layout, spec, self.cluster, tuple(self.built))
+            _remember(self._choice_of, key, self._choice_of[key], NextShape.KEEP)
+            predicted = self._next.observe(key)
+            self.choice = self._choice_of.get(predicted, self._choice_of[key])
         return out
 
     @classmethod
@@ -112,6 +131,34 @@ class Auto(Strategy):
         chosen = strategies.get_class(choose(layout, spec, cluster))
         kwargs = {"expect": expect} if "expect" in inspect.signature(chosen.plan).parameters else {}
         return chosen.plan(layout, spec, **kwargs)
+
+
+class NextShape:
+    """The shape the next call will move, predicted from the shapes of the calls so far: the
+    one that followed the current shape the last time it was seen, else the current one again.
+    Pure bookkeeping over what every rank of a replica saw alike, so every rank predicts the
+    same; the last ``KEEP`` shapes are remembered (a stream of ever-new shapes stays bounded)."""
+
+    KEEP = 64
+
+    def __init__(self) -> None:
+        self.follows: OrderedDict[Hashable, Hashable] = OrderedDict()
+        self.previous: Hashable | None = None
+
+    def observe(self, key: Hashable) -> Hashable:
+        """Record that a call moved ``key``; return the prediction for the next call."""
+        if self.previous is not None:
+            _remember(self.follows, self.previous, key, self.KEEP)
+        self.previous = key
+        return self.follows.get(key, key)
+
+
+def _remember(table: OrderedDict, key, value, keep: int) -> None:
+    """``table[key] = value`` as the most recent entry, the oldest dropped beyond ``keep``."""
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > keep:
+        table.popitem(last=False)
 
 
 def choose(

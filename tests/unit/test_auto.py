@@ -48,3 +48,25 @@ def test_auto_on_one_host_sends_one_hop():
     for batch_size in (3, 128, 768):
         spec = spec_of(payloads.make("rl_rollout", batch_size, 512, seed=0))
         assert choose(TP2PP2, spec) in ("direct", "flat")
+
+
+def test_the_next_shape_is_predicted_from_what_followed_it_last_time():
+    """auto prices the shape the next call will move: a constant stream predicts itself, a
+    repeating pattern is predicted exactly from its second period on, and a new shape
+    predicts itself; the table stays bounded however many shapes a stream brings."""
+    from strategies.auto import NextShape
+
+    constant = NextShape()
+    assert [constant.observe("a") for _ in range(3)] == ["a", "a", "a"]
+
+    pattern = NextShape()
+    seen = [pattern.observe(k) for k in "abcabcabc"]
+    # First period: nothing followed these yet, each predicts itself; then the pattern.
+    assert seen[:3] == ["a", "b", "c"] and seen[3:] == list("bcabca")
+    assert pattern.observe("z") == "z"  # a shape never seen before
+    assert pattern.observe("a") == "b"  # the pattern resumes
+
+    endless = NextShape()
+    for k in range(10 * NextShape.KEEP):
+        endless.observe(k)
+    assert len(endless.follows) == NextShape.KEEP

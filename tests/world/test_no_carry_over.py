@@ -47,3 +47,34 @@ def test_a_small_call_after_a_large_one_posts_a_small_first_message(world4, name
         for call, b in enumerate(SIZES):
             if call and b == SMALL_B:  # each follows a large call
                 assert r["first_bytes"][call] <= 2 * small_bytes, (r["rank"], call, r)
+
+
+def auto_served(ctx, cluster: str, sizes: list[int]) -> dict:
+    """Per call, the candidate that served it and this rank's problems."""
+    groups = ctx.groups_for(LAYOUT)
+    auto = strategies.get("auto", groups, cluster=cluster)
+    problems, served = [], []
+    for call, b in enumerate(sizes):
+        expected = payloads.make("rl_rollout", b, SEQ_LEN, seed=call)
+        out = auto.get_data_input(expected.entry_state(groups.is_leader))
+        problems += batch_problems(expected, out, groups.is_leader, f"auto call {call} (B={b})")
+        served.append(auto.served)
+    return {"rank": ctx.rank, "problems": problems, "served": served}
+
+
+def test_auto_serves_each_call_of_a_repeating_pattern_with_that_shapes_choice(world4):
+    """Alternating shapes whose choices differ (on the emulated rails preset: flat for 2 rows,
+    scatter_allgather for 128): once each shape has been followed once (from the second call
+    of the second period on), each call is served by the choice for its own shape, on every
+    rank alike, not by the previous call's (the old behaviour: wrong on every call)."""
+    from strategies.auto import choose
+
+    sizes = [2, 128] * 4
+    own = {b: choose(LAYOUT, spec_of(payloads.make("rl_rollout", b, SEQ_LEN, 0)), "emulated_rails")
+           for b in set(sizes)}  # fmt: skip
+    assert own[2] != own[128], own  # the preset must tell them apart for this to test anything
+    results = world4.run(auto_served, "emulated_rails", sizes)
+    assert [p for r in results for p in r["problems"]] == []
+    assert len({tuple(r["served"]) for r in results}) == 1, "ranks must agree on every call"
+    served = results[0]["served"]
+    assert served[3:] == [own[b] for b in sizes[3:]], served
