@@ -25,8 +25,8 @@ a fixed sequence of shapes) from the second call of its second period on: each c
 its own shape, not the previous call's. A shape that breaks the pattern is served once by the
 prediction's choice (correct either way: every candidate ships any batch). A shape is its
 leaves' layout (keys, dtypes, shapes), not the non-tensor blob's size, which changes with the
-data. Pricing a new shape runs inside the call, so its cost is in the time; a shape seen
-before is a dict lookup. The
+data (``shape_key``); it is priced from the first call that moved it. Pricing a new shape runs
+inside the call, so its cost is in the time; a shape seen before is a dict lookup. The
 header-based candidates share one ``Wire``, so switching between them keeps the size every rank
 agreed to expect (no extra broadcast).
 
@@ -109,9 +109,7 @@ class Auto(Strategy):
         out = serving.transfer(batch)
         header = getattr(serving, "last_header", None)
         if header is not None and failure_in(out) is None:  # a failure batch is not priced
-            # The shape class: the leaves' layout, not the non-tensor blob's size (its strings'
-            # lengths change with the data, call by call, in a batch of one shape).
-            key = (header.entries, header.non_tensor is not None)
+            key = shape_key(header)
             if key not in self._choice_of:  # a new shape: price it (a seen one is a lookup)
                 spec = spec_of_header(header)
                 self._choice_of[key] = choose(self.layout, spec, self.cluster, tuple(self.built))
@@ -151,6 +149,15 @@ class NextShape:
             _remember(self.follows, self.previous, key, self.KEEP)
         self.previous = key
         return self.follows.get(key, key)
+
+
+def shape_key(header) -> tuple:
+    """A batch's shape class, from its header: every leaf's key, dtype, shape and kind, and
+    whether non-tensor data came. Not the offsets (they depend on which candidate packed it:
+    ``direct`` takes large leaves out of the message), nor the non-tensor blob's size (its
+    strings' lengths change with the data, call by call, in batches of one shape)."""
+    leaves = tuple((e.key, e.dtype, e.shape, e.kind, e.aux) for e in header.entries)
+    return (leaves, header.non_tensor is not None)
 
 
 def _remember(table: OrderedDict, key, value, keep: int) -> None:

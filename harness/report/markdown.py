@@ -476,7 +476,12 @@ def load_dispatch_records(root: Path | str) -> list[dict]:
     for path in sorted(Path(root).glob("*.json")):
         data = json.loads(path.read_text())
         if isinstance(data, list):
-            out += [r for r in data if isinstance(r, dict) and r.get("scope") == DISPATCH_SCOPE]
+            # A job whose first mode was refused timed nothing: it has no modes to show.
+            out += [
+                r for r in data
+                if isinstance(r, dict) and r.get("scope") == DISPATCH_SCOPE
+                and isinstance(r.get("modes"), dict)
+            ]  # fmt: skip
     jobs = [json.loads(p.read_text()) for p in sorted(Path(root).rglob("result.json"))]
     return out + _merge_hydra_dispatch(
         [r for r in jobs if r.get("scope") == DISPATCH_SCOPE and r.get("status") == "ok"]
@@ -484,7 +489,17 @@ def load_dispatch_records(root: Path | str) -> list[dict]:
 
 
 DISPATCH_SCOPE = Scope.DISPATCH.value
-_SAME_RUN = ("layout", "order", "world_size", "payload", "batch_size", "seq_len", "backend")
+_SAME_RUN = (
+    "layout", "order", "world_size", "payload", "batch_size", "seq_len", "workload", "dp_split",
+    "backend",
+)  # fmt: skip
+"""What one setting of a dispatch sweep shares (a varying workload is its own setting, never
+merged with a constant one of the same largest shape)."""
+
+
+def _hashable(value):
+    """A record's value as a dict key part (a dp_split list becomes a tuple)."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _merge_hydra_dispatch(jobs: list[dict]) -> list[dict]:
@@ -493,7 +508,7 @@ def _merge_hydra_dispatch(jobs: list[dict]) -> list[dict]:
     the dispatch CLI writes it. A floor several jobs measured keeps its median-p50 row."""
     groups: dict[tuple, list[dict]] = {}
     for job in jobs:
-        key = tuple(job.get(k) for k in _SAME_RUN) + tuple(
+        key = tuple(_hashable(job.get(k)) for k in _SAME_RUN) + tuple(
             job.get(k) for k in sorted(job) if k.startswith("emulate_")
         )
         groups.setdefault(key, []).append(job)

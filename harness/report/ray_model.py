@@ -28,11 +28,14 @@ def _record_cluster(record: dict) -> ClusterConf:
 
 def compare(records: list[dict], ray: RayCostConf) -> list[dict]:
     """Measured p50 beside the model for every mode of every dispatch record, one row each.
-    The records ran on the calibration host, so its cores bound every rank's sharing."""
+    The records ran on the calibration host, so its cores bound every rank's sharing. A
+    varying workload's record is left out: its p50 mixes shapes the model prices one by one."""
     quiet_megatron()  # strategies' plans may import megatron-core
 
     rows = []
     for rec in records:
+        if rec.get("workload"):
+            continue
         layout = Layout(**{k: rec[k] for k in ("dp", "pp", "tp", "cp", "order")})
         spec = spec_of(payloads.make(rec["payload"], rec["batch_size"], rec["seq_len"], 0, None))
         cluster = _record_cluster(rec)

@@ -401,7 +401,9 @@ def per_leader(shapes, seq_len: int | None) -> list[list[tuple[int, int]]]:
 
 DRIVER = "the driver (every global batch and its floor's flat copy)"
 """Who holds a dispatch job's batches: the driver builds each distinct shape's global batch
-(every replica's rows) and the floor's flat bytes of it before the first call."""
+(every replica's rows) and the floor's flat bytes of it before the first call, and keeps both
+(priced as two copies). The chunks each call cuts and puts into Ray's object store come and go
+per call and are not counted."""
 
 
 def check_size(

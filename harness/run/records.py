@@ -61,20 +61,24 @@ FIELDS: dict[str, str] = {
     "error": "why it was refused or failed, one line; null when ok",
     "error_detail": "the whole message of a failure; null otherwise",
     # what was measured (null unless ok)
-    "payload_bytes": "bytes the floor sends: tensor bytes plus encoded non_tensor_batch",
+    "payload_bytes": "bytes the floor sends: tensor bytes plus encoded non_tensor_batch (a "
+    "dispatch job: its largest replica chunk's)",
     "p50_us": "median per-call latency (max over ranks), microseconds",
     "p90_us": "90th percentile, microseconds",
     "p99_us": "99th percentile, microseconds",
     "min_us": "fastest call, microseconds",
     "max_us": "slowest call, microseconds",
     "mean_us": "mean call, microseconds",
-    "rank_skew_us": "median over calls of the spread of one call's time across ranks, microseconds",
+    "rank_skew_us": "median over calls of the spread of one call's time across ranks, "
+    "microseconds (null for a dispatch job, timed on the driver)",
     "algbw_gbps": "payload_bytes / p50 / 1e9 (nccl-tests)",
     "busbw_gbps": "algbw_gbps × 1 for a broadcast (nccl-tests)",
     "floor_p50_us": "the fastest raw method timed in the job, microseconds",
-    "floor_method": "which raw method that was: one | chunks2 | chunks4 | seed_hops | pp_first",
+    "floor_method": "which raw method that was: one | chunks2 | chunks4 | seed_hops | pp_first; "
+    "a dispatch job's floor mode: leader:floor | all_ranks:raw",
     "floor_single_p50_us": "one raw broadcast over the replica, microseconds",
-    "baseline_p50_us": "pickled (the seed's baseline) in the same job, microseconds",
+    "baseline_p50_us": "pickled (the seed's baseline; a dispatch job: leader:pickled, when timed) "
+    "in the same job, microseconds",
     "vs_floor": "p50 / floor_p50_us (lower is better; 1 is the floor)",
     "vs_floor_single": "p50 / floor_single_p50_us",
     "vs_baseline": "p50 / baseline_p50_us (lower is better; 1/vs_baseline is the speedup)",

@@ -88,7 +88,9 @@ class JobSpec:
         """The name the job's record is about: the strategy, or a dispatch job's mode."""
         if self.scope is Scope.BROADCAST:
             return self.strategy
-        return self.modes[0] if self.modes else under_test(self.dispatch, self.strategy)
+        if self.modes:
+            return Mode.parse(self.modes[0]).name  # as the job's results name it
+        return under_test(self.dispatch, self.strategy)
 
     @property
     def baseline(self) -> str:

@@ -70,3 +70,21 @@ def test_the_next_shape_is_predicted_from_what_followed_it_last_time():
     for k in range(10 * NextShape.KEEP):
         endless.observe(k)
     assert len(endless.follows) == NextShape.KEEP
+
+
+def test_a_shape_is_the_same_class_whoever_packed_it_and_whatever_its_strings():
+    """auto's shape key: the leaves' keys, dtypes and shapes. ``direct`` takes large leaves out
+    of the message (other offsets move) and the non-tensor blob's size follows the data; the
+    class is the same either way, and a different row count is another class."""
+    from strategies.auto import shape_key
+    from strategies.core.packer import Packer
+
+    a = payloads.make("rl_rollout", 3, 64, seed=1, broadcast_non_tensor=True)
+    b = payloads.make("rl_rollout", 3, 64, seed=2, broadcast_non_tensor=True)
+    _, ha = pack(a.batch, a.non_tensor_batch)
+    _, hb = pack(b.batch, b.non_tensor_batch)
+    _, hd, _ = Packer().pack(a.batch, a.non_tensor_batch, direct=frozenset({0}))
+    assert hd.entries != ha.entries  # the offsets moved
+    assert shape_key(ha) == shape_key(hb) == shape_key(hd)
+    c = payloads.make("rl_rollout", 4, 64, seed=1, broadcast_non_tensor=True)
+    assert shape_key(pack(c.batch, c.non_tensor_batch)[1]) != shape_key(ha)

@@ -162,3 +162,30 @@ def test_a_dispatch_job_whose_mode_is_refused_is_one_record_and_one_line():
     assert record["status"] == "unsupported" and record["mode"] == "leader:tensordict_broadcast"
     line = format_table(record)
     assert "UNSUPPORTED" in line and "dp=2 replicas" in line, line
+
+
+def test_the_dispatch_report_skips_refused_jobs_and_keeps_varying_ones_apart(tmp_path):
+    """A ray-dispatch list may hold a job whose first mode was refused (no modes: nothing to
+    draw); a sweep's result.json jobs merge by setting, a varying workload never with a
+    constant one of the same largest shape."""
+    from harness.report.markdown import load_dispatch_records
+
+    row = {"p50_us": 10.0}
+    refused = {"scope": "dispatch+broadcast", "status": "unsupported", "modes": None}
+    listed = {"scope": "dispatch+broadcast", "layout": "tp2pp2", "modes": {"all_ranks": row}}
+    (tmp_path / "dispatch.json").write_text(json.dumps([refused, listed]))
+    common = {"scope": "dispatch+broadcast", "status": "ok", "layout": "tp2pp2dp2",
+              "batch_size": 3, "seq_len": 64}  # fmt: skip
+    jobs = [
+        {**common, "modes": {"leader:header": row}},
+        {**common, "modes": {"all_ranks": row}},
+        {**common, "workload": "cycle:s64/s32 dp_split:3,1", "dp_split": [3, 1],
+         "modes": {"all_ranks": row}},
+    ]  # fmt: skip
+    for k, job in enumerate(jobs):
+        (tmp_path / str(k)).mkdir()
+        (tmp_path / str(k) / "result.json").write_text(json.dumps(job))
+    records = load_dispatch_records(tmp_path)
+    assert records[0]["modes"] == {"all_ranks": row}  # the refused job is not there
+    merged = {r.get("workload"): set(r["modes"]) for r in records[1:]}
+    assert merged == {None: {"leader:header", "all_ranks"}, jobs[2]["workload"]: {"all_ranks"}}
