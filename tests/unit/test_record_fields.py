@@ -42,3 +42,12 @@ def test_every_measured_phase_is_listed_and_its_fields_documented():
     for phase in phases.PHASES:
         assert phase.__doc__, type(phase).__name__
         assert set(phase.record_fields) <= set(FIELDS), type(phase).__name__
+
+
+def test_the_collected_table_shows_only_fields_a_record_has():
+    """``bcastbench collect`` prints a chosen subset of the record (``collect.COLUMNS``, kept
+    apart because the report imports no torch): every column is a documented field, so a
+    renamed or removed field cannot leave the table printing an empty column."""
+    from harness.report.collect import COLUMNS
+
+    assert set(COLUMNS) <= set(FIELDS), sorted(set(COLUMNS) - set(FIELDS))
