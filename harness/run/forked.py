@@ -475,11 +475,10 @@ class ForkedWorld:
         port = _free_port()
         self._stacks = tempfile.mkdtemp(prefix="bcastbench-stacks-")
         try:
-            # Gloo's own timeout sits past ours, so the driver names the hung rank first.
             self._ctx = tmp.start_processes(
                 _worker,
                 args=(
-                    self.world_size, port, self.backend, self.device, self.timeout_s + 5,
+                    self.world_size, port, self.backend, self.device, self.collective_timeout_s,
                     children, status_children, self._board, self._stacks,
                 ),
                 nprocs=self.world_size,
@@ -495,6 +494,13 @@ class ForkedWorld:
         self.start_s = time.perf_counter() - t0
         _LIVE.add(self)
         return self
+
+    @property
+    def collective_timeout_s(self) -> float:
+        """Gloo's own limit on one collective in this world's ranks, fixed when it starts: past
+        ``timeout_s``, so the driver names a hung rank before gloo raises. A later job with a
+        longer limit needs a world started for it (``harness.run.launch.open_world``)."""
+        return self.timeout_s + 5
 
     @property
     def alive(self) -> bool:

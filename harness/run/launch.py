@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import astuple, dataclass, field, replace
@@ -172,7 +173,8 @@ class WorldSpec:
         """What makes a live world reusable for this spec: its kind and shape, a Ray world's
         settings (not the job's dispatch mode: the world serves every mode), an emulated
         cluster's settings and log directory (one cluster per job). Not the timeout: each job
-        passes its own."""
+        passes its own, and ``open_world`` restarts a world whose collectives would time out
+        first."""
         key = (self.kind, self.world_size, self.backend, self.device)
         if self.kind == RAY:
             return (*key, astuple(replace(self.ray, dispatch="none")))
@@ -240,10 +242,14 @@ emulated cluster (its signal handlers and namespaces)."""
 
 
 def open_world(spec: WorldSpec) -> World:
-    """The live world for ``spec``, reused across a sweep's jobs, or a new one started."""
+    """The live world for ``spec``, reused across a sweep's jobs, or a new one started. A live
+    world whose collectives time out sooner than this job's ``timeout_s`` allows (a forked
+    world started for a job with a shorter limit) is started again, so the limit means the
+    same for every job of a sweep."""
     return REGISTRY.get(
-        spec.reuse_key, lambda: KINDS[spec.kind](spec).start(), alone=spec.kind in ALONE
-    )
+        spec.reuse_key, lambda: KINDS[spec.kind](spec).start(), alone=spec.kind in ALONE,
+        fits=lambda world: getattr(world, "collective_timeout_s", math.inf) >= spec.timeout_s,
+    )  # fmt: skip
 
 
 def reused_world(spec: WorldSpec) -> Reused:

@@ -87,12 +87,17 @@ class WorldRegistry:
     def __init__(self) -> None:
         self.worlds: dict[Hashable, World] = {}
 
-    def get(self, key: tuple, start: Callable[[], World], alone: bool = False) -> World:
+    def get(
+        self, key: tuple, start: Callable[[], World], alone: bool = False,
+        fits: Callable[[World], bool] | None = None,
+    ) -> World:  # fmt: skip
         """The live world under ``key``, or the one ``start()`` returns (started), kept.
         ``alone``: a process holds one world of this kind at most (one Ray session, one
-        default process group), so a live one under another key is closed first."""
+        default process group), so a live one under another key is closed first. ``fits``:
+        whether the live world can serve this job (one that cannot is closed and started
+        again)."""
         world = self.worlds.get(key)
-        if world is not None and world.alive:
+        if world is not None and world.alive and (fits is None or fits(world)):
             return world
         self.close(key, kill=True)
         if alone:

@@ -173,3 +173,33 @@ def test_record_of_an_overridden_preset_names_its_shape():
         "tp": 1,
         "pp": 2,
     }
+
+
+def test_a_sweep_job_with_a_longer_limit_gets_a_world_whose_collectives_wait_for_it(monkeypatch):
+    """A forked world's gloo timeout is fixed when it starts (the first job's ``timeout_s`` + 5).
+    A later job of the same shape with a shorter limit reuses it; one with a longer limit gets
+    a world started for it, so a long collective is not cut at the first job's limit."""
+    from harness.run import launch
+    from harness.run.worlds import WorldRegistry
+
+    class Fake:
+        started: list = []
+
+        def __init__(self, spec):
+            self.collective_timeout_s, self.alive = spec.timeout_s + 5, True
+
+        def start(self):
+            Fake.started.append(self)
+            return self
+
+        def close(self, kill=False):
+            self.alive = False
+
+    monkeypatch.setattr(launch, "REGISTRY", WorldRegistry())
+    monkeypatch.setitem(launch.KINDS, launch.FORKED, Fake)
+    first = launch.open_world(launch.forked_spec(4, timeout_s=60))
+    assert launch.open_world(launch.forked_spec(4, timeout_s=30)) is first
+    longer = launch.open_world(launch.forked_spec(4, timeout_s=600))
+    assert longer is not first and not first.alive and longer.collective_timeout_s == 605
+    assert launch.open_world(launch.forked_spec(4, timeout_s=120)) is longer
+    assert len(Fake.started) == 2
