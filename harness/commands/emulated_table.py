@@ -3,7 +3,7 @@
     bcastbench emulated-table                       # run both jobs, write the table
     bcastbench emulated-table source=results/reference_emulated   # re-read earlier records
 
-Two jobs run on the emulated 2-node cluster (harness.cluster.emulated; tp=2 inside a node, pp=2 across
+Two jobs run on the emulated 2-node cluster (harness.emulate.emulated; tp=2 inside a node, pp=2 across
 1 Gbit/s links, rl_rollout 720 × 512 ≈ 16 MiB): one with one link per node, one with one link
 per rank ("rails"). Each job times all six strategies interleaved (``auto``, told the link
 layout's cost model preset, is the job's strategy and the other five its references, so every
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import strategies
 from harness import paths
-from harness.cluster.netns import unavailable_reason
 from harness.commands.hydra_app import run_app
 from harness.commands.tool import job_command, job_dir
+from harness.emulate.netns import unavailable_reason
 from harness.files import write_atomic, write_json
 from harness.model.predict import predicted_cross_bytes
 from harness.run import payloads
@@ -239,7 +239,7 @@ def table(root: Path) -> str:
     lines = [
         "# Emulated 2-node cluster: 1 Gbit/s links, tp=2 in a node, pp=2 across",
         "",
-        "Measured: `bcastbench emulated-table` (harness.cluster.emulated, gloo on CPU, p50 of",
+        "Measured: `bcastbench emulated-table` (harness.emulate.emulated, gloo on CPU, p50 of",
         "the slowest rank per iteration, every strategy interleaved in one job per link",
         "layout). Predicted: each strategy's plan priced by strategies.core.pricing on",
         "conf/cluster/emulated.yaml (one link per node) and emulated_rails.yaml (one per rank).",

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import psutil
 
 from harness import paths
-from harness.cluster.emulated import LINKS_ENV, link_counter
+from harness.emulate.emulated import LINKS_ENV, link_counter
 from harness.ray import reaper
 from harness.ray.netns import PrivateNetwork
 from harness.run.forked import RankContext, _device_for, rendezvous_store, where

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 import strategies
-from harness.cluster.emulated import link_counter
+from harness.emulate.emulated import link_counter
 from harness.ray.modes import LEADER, Mode
 from harness.run import payloads
 from harness.run.forked import WorldError
@@ -280,7 +280,7 @@ class DriverContext:
     was doing."""
 
     link_counter: object = None
-    """The emulated cluster's link counter (``harness.cluster.emulated.link_counter``), or None."""
+    """The emulated cluster's link counter (``harness.emulate.emulated.link_counter``), or None."""
     phase: str = "dispatch"
     rank: int = 0
 

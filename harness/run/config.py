@@ -13,7 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 import strategies
-from harness.cluster.netns import EmulateConf
+from harness.emulate.netns import EmulateConf
 from harness.paths import CONF_DIR
 from harness.ray.actors import RayConf, RayUnavailable, import_ray
 from harness.ray.modes import LEADER, Mode

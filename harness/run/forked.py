@@ -105,7 +105,7 @@ class RankContext:
     job: int = 0
     """The driver's number for the task being run; every message back carries it."""
     link_counter: Callable[[], int] | None = None
-    """Bytes the emulated cluster's node links have sent so far (``harness.cluster.emulated``),
+    """Bytes the emulated cluster's node links have sent so far (``harness.emulate.emulated``),
     or None outside one: the hook the rank-side job counts cross-node bytes with."""
     board: PhaseBoard | None = None
     """Where a forked world's rank posts its phase (shared memory the driver reads), or None:

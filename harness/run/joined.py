@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from harness.cluster.emulated import adopt_worker_env, link_counter
+from harness.emulate.emulated import adopt_worker_env, link_counter
 from harness.run.forked import RankContext, _device_for, where
 from harness.run.launch import Launch, env_int
 from harness.run.worlds import RankFn, WorldError, group_by_node

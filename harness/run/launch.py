@@ -15,7 +15,7 @@ Four worlds, one question each answers: *where are the ranks?* (each a
   hands back the job's summary.
 * ``emulated``: ``emulate.enabled=true`` and not already a rank: the driver builds an emulated
   multi-node cluster and runs the job there as a joined world one level down
-  (``harness.cluster.emulated.EmulatedWorld``); the record gets the cluster's shape added.
+  (``harness.emulate.emulated.EmulatedWorld``); the record gets the cluster's shape added.
 
 ``detect`` is a pure function of the environment and the two config choices (``world``,
 ``emulate.enabled``), tested from plain dicts; ``current`` reads the environment once per
@@ -36,7 +36,7 @@ from dataclasses import astuple, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.cluster.netns import EmulateConf
+from harness.emulate.netns import EmulateConf
 from harness.ray.dispatch import run_dispatch
 from harness.run.config import ray_conf
 from harness.run.records import layout_name
@@ -222,7 +222,7 @@ def _ray(spec: WorldSpec) -> World:
 
 
 def _emulated(spec: WorldSpec) -> World:
-    from harness.cluster.emulated import (
+    from harness.emulate.emulated import (
         EmulatedWorld,  # imported when opened: it imports this module
     )
 

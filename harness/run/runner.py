@@ -57,7 +57,7 @@ class JobSpec:
     fault_kind: str = "crash"
     link_bytes_calls: int = 0
     """Emulated clusters only: untimed calls per strategy whose node-link bytes are counted
-    through the rank context's ``link_counter`` hook (``harness.cluster.emulated``); 0, or a
+    through the rank context's ``link_counter`` hook (``harness.emulate.emulated``); 0, or a
     context without the hook, skips the phase."""
     backend: str = "gloo"
     """Process-group backend the world runs (recorded)."""

@@ -4,7 +4,7 @@ worlds between jobs (``REGISTRY``): a new kind of world is one class that fills 
 The implementations: ``harness.run.forked.ForkedWorld`` (ranks forked from the driver),
 ``harness.run.joined.JoinedWorld`` (this process is one rank of a world torchrun, srun or
 submitit started), ``harness.ray.actors.RayWorld`` (ranks as Ray actors) and
-``harness.cluster.emulated.EmulatedWorld`` (a joined world on emulated nodes, driven from
+``harness.emulate.emulated.EmulatedWorld`` (a joined world on emulated nodes, driven from
 here). ``harness.run.launch.choose`` decides which one a job runs on. Nothing here imports
 torch: the protocol and the registry are cheap to import.
 """

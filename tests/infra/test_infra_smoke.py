@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.cluster.netns import (
+from harness.emulate.netns import (
     EmulateConf as EmulatedCluster,
 )
-from harness.cluster.netns import (
+from harness.emulate.netns import (
     Emulation,
     EmulationUnavailable,
     unavailable_reason,
@@ -291,7 +291,7 @@ def test_emulation_cleans_up_on_exception_and_sigterm(netns_ok, tmp_path):
         f"""
         import sys, time
         sys.path.insert(0, {str(HERE.parent.parent)!r})
-        from harness.cluster.netns import Emulation
+        from harness.emulate.netns import Emulation
         with Emulation(nodes=2) as emu:
             print(emu.uid, flush=True)
             time.sleep(60)
@@ -319,7 +319,7 @@ def test_emulation_cleans_up_on_exception_and_sigterm(netns_ok, tmp_path):
 
 
 def test_emulation_reports_unavailable_cleanly(monkeypatch):
-    import harness.cluster.netns as emulate
+    import harness.emulate.netns as emulate
 
     monkeypatch.setattr(emulate.os, "geteuid", lambda: 1000)
     assert "root" in (emulate.unavailable_reason() or "")

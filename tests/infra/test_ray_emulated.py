@@ -17,7 +17,7 @@ import subprocess
 import psutil
 import pytest
 
-from harness.cluster.netns import unavailable_reason
+from harness.emulate.netns import unavailable_reason
 
 
 def _skip(reason: str) -> None:

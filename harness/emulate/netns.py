@@ -43,7 +43,7 @@ class EmulateConf:
     ``harness.run.config``) and the argument of ``Emulation`` are this one type."""
 
     enabled: bool = False
-    """Run the job on the emulated cluster (``harness.cluster.emulated``). Needs root and
+    """Run the job on the emulated cluster (``harness.emulate.emulated``). Needs root and
     iproute2; gloo on CPU."""
     nodes: int = 2
     """Emulated nodes (one network namespace each); the world (dp·pp·tp·cp) is split into

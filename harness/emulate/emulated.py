@@ -1,5 +1,5 @@
 """The emulated cluster (``EmulatedWorld``, a ``harness.run.worlds.World``): a joined world on
-emulated nodes, driven from here (``emulate.enabled=true``; see harness.cluster.netns).
+emulated nodes, driven from here (``emulate.enabled=true``; see harness.emulate.netns).
 
     python -m harness strategy=pp_first layout=tp2pp2 emulate.enabled=true \
         emulate.nodes=2 emulate.rate_mbit=1000 emulate.links=node   # or links=gpu ("rails")
@@ -8,7 +8,7 @@ The driver (this module, chosen by ``harness.run.launch.choose`` when not under 
 builds the namespaces, then, for each task, starts one torchrun agent per node inside that
 node's namespace (``torchrun --nnodes N --node-rank k --master-addr <node 0's address>``, static
 rendezvous, so node k holds global ranks k·R … k·R+R−1 exactly as the layout's order places
-them: rank r on node r // R, TP then CP innermost). Each agent runs ``harness.cluster.worker``,
+them: rank r on node r // R, TP then CP innermost). Each agent runs ``harness.emulate.worker``,
 whose ranks join that world (``harness.run.joined.JoinedWorld``) and run the task the driver
 wrote into a scratch directory; global rank 0 writes every rank's result back there, and the
 driver hands them on with the cluster's shape (``record_fields``).
@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import paths  # noqa: I001
-from harness.cluster.netns import Emulation, EmulationUnavailable
+from harness.emulate.netns import Emulation, EmulationUnavailable
 from harness.run.worlds import RankFn, WorldError
 
 LINKS_ENV = "BCB_LINK_COUNTERS"
@@ -132,7 +132,7 @@ def _start_agents(emu, task: Path, port: int, log_dir: Path) -> tuple[list, list
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(c.nodes)]
         argv += ["--nproc-per-node", str(c.ranks_per_node), "--node-rank", str(node)]
         argv += ["--master-addr", emu.node_ip(0), "--master-port", str(port)]
-        argv += ["--max-restarts", "0", "-m", "harness.cluster.worker", str(task)]
+        argv += ["--max-restarts", "0", "-m", "harness.emulate.worker", str(task)]
         log = log_dir / f"emulate-node{node}.log"
         logs.append(log)
         with open(log, "wb") as f:
