@@ -110,10 +110,11 @@ class Auto(Strategy):
         header = getattr(serving, "last_header", None)
         if header is not None and failure_in(out) is None:  # a failure batch is not priced
             key = shape_key(header)
-            if key not in self._choice_of:  # a new shape: price it (a seen one is a lookup)
+            choice = self._choice_of.get(key)
+            if choice is None:  # a new shape: price it (a seen one is a lookup)
                 spec = spec_of_header(header)
-                self._choice_of[key] = choose(self.layout, spec, self.cluster, tuple(self.built))
-            _remember(self._choice_of, key, self._choice_of[key], NextShape.KEEP)
+                choice = choose(self.layout, spec, self.cluster, tuple(self.built))
+            _remember(self._choice_of, key, choice, NextShape.KEEP)
             predicted = self._next.observe(key)
             self.choice = self._choice_of.get(predicted, self._choice_of[key])
         return out

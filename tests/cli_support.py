@@ -34,3 +34,17 @@ def harness(*args: str, timeout: float = 240, env=None) -> subprocess.CompletedP
         timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+def check_uneven_cycle_shapes(rec: dict) -> None:
+    """A record of the real-step CLI job (``payload.cycle=[{seq_len:64},{seq_len:32}]``,
+    ``payload.dp_split=[3,1]``, ``iters=4``, ``steady_iters``): ok and correct, each shape listed
+    with its replicas' rows, its two calls, its own floor and steady p50, 64 tokens first."""
+    assert rec["status"] == "ok" and rec["correct"] is True, rec.get("error")
+    assert rec["dp_split"] == [3, 1]
+    shapes = rec["shapes"]
+    assert sorted(s["seq_len"] for s in shapes) == [32, 64]
+    for shape in shapes:
+        assert shape["dp_rows"] == [3, 1] and shape["calls"] == 2
+        assert shape["vs_floor"] > 0 and shape["steady_p50_us"] > 0
+    assert shapes[0]["payload_bytes"] > shapes[1]["payload_bytes"] > 0  # 64 tokens, then 32
