@@ -23,6 +23,8 @@ and TCP headers included, ≈ 1514/1448 of the payload at MTU 1500), plus one ba
 hundred bytes. Each reference gets the same figure in ``references``. ``emulate_job_bytes`` is
 the driver's own before/after total of the whole launch (rendezvous and everything else), and
 ``emulate_link_bytes`` the same per link (``n<node>``, or ``n<node>g<local>`` for rails).
+Both count what TCP resent after a shaped link dropped it (a busy host drops more);
+``emulate_retransmitted_segments`` says how many segments that was.
 
 A rank that crashes or hangs fails the job: its agent exits non-zero (a silent rank's watchdog
 ends it, see ``harness.run.joined``; or gloo's timeout makes the others fail), the driver sees
@@ -216,7 +218,7 @@ class EmulatedWorld:
         limit = timeout_s or self.timeout_s
         task.write_bytes(pickle.dumps((fn, args, what, limit, self.backend, self.device)))
         self._tasks += 1
-        before, t0 = emu.link_bytes(), time.monotonic()
+        before, resent, t0 = emu.link_bytes(), emu.retransmitted_segments(), time.monotonic()
         try:
             procs, logs = _start_agents(emu, task, MASTER_PORT + self._tasks, self.log_dir)
             _wait(procs, logs, t0 + self.limit_s, self.limit_s)
@@ -228,12 +230,15 @@ class EmulatedWorld:
             self.close(kill=True)
             raise
         after = emu.link_bytes()
+        resent = {k: n - resent[k] for k, n in emu.retransmitted_segments().items()}
         self._fields = self._shape(
-            {name: after[name] - before[name] for name in after}, time.monotonic() - t0
+            {name: after[name] - before[name] for name in after},
+            sum(resent.values()),
+            time.monotonic() - t0,
         )
         return pickle.loads((scratch / RESULTS_FILE).read_bytes())
 
-    def _shape(self, per_link: dict[str, int], wall_s: float) -> dict[str, Any]:
+    def _shape(self, per_link: dict[str, int], resent: int, wall_s: float) -> dict[str, Any]:
         c = self.conf
         return dict(
             emulate_nodes=c.nodes,
@@ -243,6 +248,7 @@ class EmulatedWorld:
             emulate_bytes_calls=int(c.bytes_calls),
             emulate_job_bytes=sum(per_link.values()),
             emulate_link_bytes=per_link,
+            emulate_retransmitted_segments=resent,
             emulate_wall_s=wall_s,
         )
 

@@ -114,6 +114,15 @@ def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
     return res
 
 
+def _snmp_field(text: str, proto: str, field: str) -> int:
+    """One counter of /proc/net/snmp, whose rows come in pairs: ``Proto: names...`` then
+    ``Proto: values...``."""
+    rows = [line.split()[1:] for line in text.splitlines() if line.startswith(f"{proto}:")]
+    if len(rows) < 2 or field not in rows[0]:
+        raise RuntimeError(f"/proc/net/snmp has no {proto} {field} counter: {text[:200]!r}")
+    return int(rows[1][rows[0].index(field)])
+
+
 def _netns_list() -> list[str]:
     res = _run(["ip", "netns", "list"], check=False)
     return [line.split()[0] for line in res.stdout.splitlines() if line.strip()]
@@ -437,6 +446,17 @@ class Emulation:
             }
         for node, local in self._links():
             out[self._hub_ifname(node, local)] = by_node[node][self._ifname(local)]
+        return out
+
+    def retransmitted_segments(self) -> dict[str, int]:
+        """TCP segments each node has sent again so far (``Tcp: RetransSegs`` of its network
+        namespace), keyed ``n<node>``. A shaped link drops what overflows its queue, and TCP
+        resends it: those bytes are in :meth:`link_bytes` too, so a busy host's link carries more
+        than one copy of the payload without any strategy sending twice."""
+        out: dict[str, int] = {}
+        for node in range(self.cfg.nodes):
+            res = _run(["ip", "netns", "exec", self.node_ns[node], "cat", "/proc/net/snmp"])
+            out[f"n{node}"] = _snmp_field(res.stdout, "Tcp", "RetransSegs")
         return out
 
     def crossed_bytes(self) -> int:

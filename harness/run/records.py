@@ -115,6 +115,8 @@ FIELDS: dict[str, str] = {
     "emulate_bytes_calls": "calls the link counters were read over",
     "emulate_job_bytes": "bytes all links carried during the job",
     "emulate_link_bytes": "the same per link",
+    "emulate_retransmitted_segments": "TCP segments the nodes resent during the job (their "
+    "bytes are in emulate_job_bytes too)",
     "emulate_wall_s": "seconds the emulated job took, cluster set-up included",
     # where and how it ran
     "torch_version": "torch",

@@ -154,6 +154,8 @@ def test_emulated_cluster_job_records_shape_and_bytes(netns_ok, tmp_path):
     s = rec["payload_bytes"]
     assert s * WIRE <= rec["cross_node_bytes_per_call"] <= s * WIRE * 1.1 + 16384, rec
     assert rec["emulate_job_bytes"] > rec["cross_node_bytes_per_call"]
+    assert isinstance(rec["emulate_retransmitted_segments"], int)
+    assert rec["emulate_retransmitted_segments"] >= 0
     assert list(tmp_path.rglob("result.json")) == [run_dir / "result.json"]
     assert not list(tmp_path.rglob(".result.*"))
     assert _our_netns() == []
