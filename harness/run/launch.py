@@ -270,7 +270,7 @@ def forked_spec(world_size: int, timeout_s: float = 120.0) -> WorldSpec:
 
 # -- the job on a world ----------------------------------------------------------------------
 @dataclass
-class Ran:
+class JobOutcome:
     """What a world hands back on the process that writes the record."""
 
     results: list[dict] | None = None
@@ -283,16 +283,18 @@ class Ran:
     """What the record takes from the world (``World.record_fields``)."""
 
 
-def run_job(world: World, spec, timeout_s: float) -> Ran | None:
+def run_job(world: World, spec, timeout_s: float) -> JobOutcome | None:
     """Run the job ``spec`` (a ``runner.JobSpec``) on ``world``: a broadcast job's phases on
     every rank, or (``ray.dispatch``) a dispatch job's on the driver. None on a joined world's
     ranks other than 0."""
     start_s, world.start_s = world.start_s, 0.0  # paid once; later jobs on it started nothing
     if spec.dispatch != "none":
-        return Ran(None, start_s, run_dispatch(world, spec, timeout_s), world.record_fields())
+        return JobOutcome(
+            None, start_s, run_dispatch(world, spec, timeout_s), world.record_fields()
+        )
     what = f"job {spec.strategy} on {layout_name(spec.layout)}"
     results = world.run(run_job_on_rank, spec, what=what, timeout_s=timeout_s)
-    return None if results is None else Ran(results, start_s, fields=world.record_fields())
+    return None if results is None else JobOutcome(results, start_s, fields=world.record_fields())
 
 
 # -- names the rest of the harness and its tests call -----------------------------------------

@@ -500,23 +500,25 @@ class ProcessGroups:
         raises ``GroupMismatch`` on every rank, naming the ranks, before a strategy exists.
         ``order`` is optional: when given, the groups it implies are compared as well.
         """
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state
 
-        if not ps.model_parallel_is_initialized():
+        if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError(
                 "megatron.core.parallel_state is not initialized; call "
                 "initialize_model_parallel(...) first"
             )
         rank = dist.get_rank()
         views: list = [None] * dist.get_world_size()
-        dist.all_gather_object(views, replace(_megatron_view(ps, rank), node=node or node_key()))
+        dist.all_gather_object(
+            views, replace(_megatron_view(parallel_state, rank), node=node or node_key())
+        )
         replicas = derive_replicas(views)
         if order is not None:
             _check_against_order(order, views, replicas)
         backend = dist.get_backend()
         replica_group, cpu_replica = _new_groups(replicas.values(), rank, backend, twin=True)
-        tp_cp_group = ps.get_tensor_and_context_parallel_group()
-        pp_group = ps.get_pipeline_model_parallel_group()
+        tp_cp_group = parallel_state.get_tensor_and_context_parallel_group()
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
         cpu_tp_cp = cpu_pp = None
         if backend != "gloo":
             cpu_tp_cp = _new_groups((v.tp_cp for v in views), rank, "gloo")[0]
@@ -551,7 +553,7 @@ def _device_of(backend: str) -> torch.device:
     )
 
 
-def _megatron_view(ps, rank: int) -> MegatronView:
+def _megatron_view(parallel_state, rank: int) -> MegatronView:
     """This rank's groups as megatron-core built them (global ranks, group-rank order)."""
 
     def ranks(group) -> tuple[int, ...]:
@@ -559,13 +561,13 @@ def _megatron_view(ps, rank: int) -> MegatronView:
 
     return MegatronView(
         rank=rank,
-        tp=ranks(ps.get_tensor_model_parallel_group()),
-        cp=ranks(ps.get_context_parallel_group()),
-        tp_cp=ranks(ps.get_tensor_and_context_parallel_group()),
-        pp=ranks(ps.get_pipeline_model_parallel_group()),
-        dp=ranks(ps.get_data_parallel_group(with_context_parallel=False)),
-        dp_cp=ranks(ps.get_data_parallel_group(with_context_parallel=True)),
-        mp=ranks(ps.get_model_parallel_group()),
+        tp=ranks(parallel_state.get_tensor_model_parallel_group()),
+        cp=ranks(parallel_state.get_context_parallel_group()),
+        tp_cp=ranks(parallel_state.get_tensor_and_context_parallel_group()),
+        pp=ranks(parallel_state.get_pipeline_model_parallel_group()),
+        dp=ranks(parallel_state.get_data_parallel_group(with_context_parallel=False)),
+        dp_cp=ranks(parallel_state.get_data_parallel_group(with_context_parallel=True)),
+        mp=ranks(parallel_state.get_model_parallel_group()),
     )
 
 

@@ -24,7 +24,7 @@ def megatron_groups_job(ctx, layout: Layout, order: str | None):
     """Initialize megatron-core with the layout's order, then build the strategies' groups
     from its state with ``order`` (None: derived); the groups are left where the contract
     jobs look them up (``ctx.groups_for``), so every strategy runs on exactly these."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state
 
     from harness.run.forked import _recording_new_groups
 
@@ -32,7 +32,9 @@ def megatron_groups_job(ctx, layout: Layout, order: str | None):
     ctx.release_groups()
     with _recording_new_groups() as made:
         ctx.cache["owned_groups", None] = made  # released by the next layout, even on failure
-        ps.initialize_model_parallel(**layout.megatron_kwargs(), create_gloo_process_groups=False)
+        parallel_state.initialize_model_parallel(
+            **layout.megatron_kwargs(), create_gloo_process_groups=False
+        )
         groups = strategies.ProcessGroups.from_megatron(order=order, device=ctx.device)
     ctx.cache["groups", layout] = groups
     return (
