@@ -9,7 +9,11 @@ concurrent chunks overlap), so the floor is a family of raw methods, one per ins
 - ``method: one`` — one broadcast over the replica (the single-broadcast floor);
 - ``method: chunks`` (``chunks: k``) — k concurrent async broadcasts of contiguous slices;
 - ``method: seed_hops`` — TP×CP on stage 0, then PP (the seed's hop order);
-- ``method: pp_first`` — the leader's PP group, then TP×CP on every stage.
+- ``method: pp_first`` — the leader's PP group, then TP×CP on every stage;
+- ``method: shm`` — node-local: one copy into a shared segment, node-local receivers read it
+  in place (``strategies.core.shm``); across nodes the bytes go to one rank per other node
+  first (point-to-point), which puts them in its node's segment. Host memory only: listed for
+  a CPU job.
 
 ``variants(layout)`` lists the methods a layout allows; the harness measures each of them in
 the same interleaved rounds and reports the fastest as the floor, naming it (``floor_method``).
@@ -23,12 +27,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from strategies.core.contract import DataProto, Strategy, wants_non_tensor
+from strategies.core.contract import DataProto, Strategy, Unsupported, wants_non_tensor
 from strategies.core.parts import as_bytes, encode_non_tensor, message_parts
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.shm import NodeChannel
 from strategies.pp_first import leader_pp_groups
 
-METHODS = ("one", "chunks", "seed_hops", "pp_first")
+METHODS = ("one", "chunks", "seed_hops", "pp_first", "shm")
 CHUNKS = (2, 4)
 """Chunk counts the harness measures (gloo runs two broadcasts of a group at once; four keeps
 both threads busy while each slice's reply is pending)."""
@@ -47,18 +52,26 @@ class Floor(Strategy):
             raise ValueError(f"floor: unknown method {method!r}; valid: {list(METHODS)}")
         if chunks < 1:
             raise ValueError(f"floor: chunks must be >= 1, got {chunks}")
+        if method == "shm" and groups.device.type != "cpu":
+            raise Unsupported(
+                f"floor: method shm moves host memory, the job runs on {groups.device}"
+            )
         super().__init__(groups)
         self.method = method
         self.chunks = chunks if method == "chunks" else 1
+        self.channel = NodeChannel(groups) if method == "shm" else None
         self.nbytes = 0
         self.sent: torch.Tensor | None = None
         self.received: torch.Tensor | None = None
 
     @staticmethod
-    def variants(layout) -> dict[str, dict]:
-        """Label -> options of every raw method ``layout`` allows; ``floor`` is one broadcast.
-        Hop orders differ from one broadcast only when the replica has both PP and TP×CP."""
+    def variants(layout, device: str = "cpu") -> dict[str, dict]:
+        """Label -> options of every raw method ``layout`` allows on ``device``; ``floor`` is
+        one broadcast. Hop orders differ from one broadcast only when the replica has both PP
+        and TP×CP; shared memory holds host memory only."""
         out: dict[str, dict] = {"floor": {}}
+        if device == "cpu" and layout.replica_size > 1:
+            out["floor:shm"] = {"method": "shm"}
         for k in CHUNKS:
             out[f"floor:chunks{k}"] = {"method": "chunks", "chunks": k}
         if layout.pp > 1 and layout.tp_cp > 1:
@@ -81,6 +94,9 @@ class Floor(Strategy):
         if g.replica_ranks == (g.rank,):  # a replica of one rank: what it holds is received
             self.received = self.sent
             return batch
+        if self.channel is not None:
+            self.received = self._through_shm()
+            return batch
         buf = self.sent if g.is_leader else None
         for group, ranks in self._hops():
             if g.rank not in ranks:
@@ -90,6 +106,30 @@ class Floor(Strategy):
             _broadcast_chunks(buf, chunk_bounds(self.nbytes, self.chunks), group, ranks[0])
         self.received = buf
         return batch
+
+    def _through_shm(self) -> torch.Tensor:
+        """The raw bytes through the node's shared segment: the leader's one copy in, every
+        node-local rank's view of it (the other node leaders receive them first)."""
+        g, ch = self.groups, self.channel
+        if not ch.connected:
+            ch.connect()
+        n = self.nbytes
+        if g.is_leader:
+            slot = ch.writer_slot()
+            slot.buffer(max(n, 1))[:n].copy_(self.sent)
+            ch.publish(slot, max(n, 1))
+            others = g.node_leaders[1:]
+            handles = [dist.isend(self.sent, dst, group=g.cpu_replica_group) for dst in others]
+            for h in handles:
+                h.wait()
+            return self.sent
+        if ch.is_node_leader:
+            slot = ch.writer_slot()
+            view = slot.buffer(max(n, 1))
+            dist.recv(view[:n], g.leader, group=g.cpu_replica_group)
+            ch.publish(slot, max(n, 1))
+            return ch.view_own(slot, max(n, 1))[:n]
+        return ch.receive()[:n]
 
     def _hops(self) -> list[tuple[object, tuple[int, ...]]]:
         """(group, ranks) of each hop this rank takes part in, in order; source = ranks[0]."""
@@ -108,6 +148,8 @@ class Floor(Strategy):
     @classmethod
     def plan(cls, layout, spec: PayloadSpec, method: str = "one", chunks: int = 4) -> Plan:
         nbytes = spec.tensor_bytes + (spec.non_tensor_bytes if spec.broadcast_non_tensor else 0)
+        if method == "shm":  # on one node: socket messages, no collective (layouts hold no nodes)
+            return Plan(cls.name, [], leader=LocalWork(), receiver=LocalWork())
         if method == "seed_hops":
             hops = layout.seed_hop_groups()
         elif method == "pp_first":

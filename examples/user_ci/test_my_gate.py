@@ -16,7 +16,9 @@ def test_my_strategy_beats_pickled(bcastbench_gate):
     )
     assert gate.collectives_per_call == 3  # size, header, one coalesced buffer
     # Bounds on ratios, never on times: the floor and pickled ran in the same world and rounds.
-    # Three collectives where the floor issues one: near 3x at this size by construction, so
-    # the bound sits above that with room for a noisy shared runner.
-    assert gate.vs_floor < 4.0, f"{MY_STRATEGY} is {gate.vs_floor:.2f}x the floor"
+    # Three collectives where the network floor issues one: near 3x at this size by
+    # construction, so the bound sits above that with room for a noisy shared runner. The
+    # network floor is what a strategy on gloo or NCCL can reach (vs_floor's floor also has
+    # node-local shared memory).
+    assert gate.vs_floor_network < 4.0, f"{MY_STRATEGY}: {gate.vs_floor_network:.2f}x the floor"
     assert gate.vs_baseline < 1.0, f"{MY_STRATEGY} is not faster than pickled"

@@ -262,6 +262,7 @@ def floor_method_words(method: str | None) -> str:
     return {
         "seed_hops": "the seed's hop order (TP×CP then PP)",
         "pp_first": "PP first then TP×CP",
+        "shm": "shared memory on the node",
     }.get(method, method)
 
 

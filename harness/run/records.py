@@ -74,13 +74,17 @@ FIELDS: dict[str, str] = {
     "algbw_gbps": "payload_bytes / p50 / 1e9 (nccl-tests)",
     "busbw_gbps": "algbw_gbps × 1 for a broadcast (nccl-tests)",
     "floor_p50_us": "the fastest raw method timed in the job, microseconds",
-    "floor_method": "which raw method that was: one | chunks2 | chunks4 | seed_hops | pp_first; "
+    "floor_method": "which raw method that was: one | chunks2 | chunks4 | seed_hops | pp_first | shm "
+    "(node-local shared memory, CPU jobs); "
     "a dispatch job's floor mode: leader:floor | all_ranks:raw",
     "floor_single_p50_us": "one raw broadcast over the replica, microseconds",
+    "floor_network_p50_us": "the fastest raw method through the collective library (every "
+    "method but shm), microseconds",
     "baseline_p50_us": "pickled (the seed's baseline; a dispatch job: leader:pickled, when timed) "
     "in the same job, microseconds",
     "vs_floor": "p50 / floor_p50_us (lower is better; 1 is the floor)",
     "vs_floor_single": "p50 / floor_single_p50_us",
+    "vs_floor_network": "p50 / floor_network_p50_us (what a strategy on gloo or NCCL is held to)",
     "vs_baseline": "p50 / baseline_p50_us (lower is better; 1/vs_baseline is the speedup)",
     "auto_choice": "the strategy auto served the job with; null for any other strategy",
     "collectives_per_call": "collectives one call makes on its busiest rank",
@@ -292,6 +296,7 @@ def _measured(spec, summary: dict) -> dict:
     mine = summary["strategies"][spec.under_test]
     floor_us = summary.get("floor_p50_us")
     single_us = summary.get("floor_single_p50_us")
+    network_us = summary.get("floor_network_p50_us")
     base = summary["strategies"].get(spec.baseline)
     payload_bytes = summary["payload_bytes"]
     p50_s = mine["p50_us"] / 1e6
@@ -304,9 +309,11 @@ def _measured(spec, summary: dict) -> dict:
         "floor_p50_us": floor_us,
         "floor_method": summary.get("floor_method"),
         "floor_single_p50_us": single_us,
+        "floor_network_p50_us": network_us,
         "baseline_p50_us": base["p50_us"] if base else None,
         "vs_floor": vs_floor(mine["p50_us"], floor_us),
         "vs_floor_single": vs_floor(mine["p50_us"], single_us),
+        "vs_floor_network": vs_floor(mine["p50_us"], network_us),
         "vs_baseline": mine["p50_us"] / base["p50_us"] if base else None,
         **_work_fields(mine),
         **({"auto_choice": mine["choice"]} if "choice" in mine else {}),

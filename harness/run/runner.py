@@ -252,7 +252,7 @@ def _order(spec: JobSpec) -> tuple[list[str], dict[str, dict]]:
     options = {spec.strategy: dict(spec.options)}
     for name in spec.references:
         if name == "floor" and spec.strategy != "floor":
-            options.update(Floor.variants(spec.layout))
+            options.update(Floor.variants(spec.layout, spec.device))
         elif name != spec.strategy:
             options[name] = {}
     return list(options), options
@@ -354,17 +354,25 @@ def _sequence_bytes(spec: JobSpec, shapes: list[dict]) -> int:
     return int(round(sum(bytes_of[k] for k in calls) / len(calls)))
 
 
+NODE_FLOORS = frozenset({"floor:shm"})
+"""Floor methods that move no byte through the collective library (node-local shared memory):
+the network floor (``floor_network_p50_us``) is the fastest of the others."""
+
+
 def best_floor(per_strategy: dict[str, dict], names: list[str]) -> dict:
     """The honest floor: the fastest of the floors ``names`` timed in the job
-    (``floor_method``: a broadcast job's raw method, one | chunks2 | ...; a dispatch job's floor
-    mode), beside the single broadcast (``floor_single_p50_us``); empty when none was timed."""
+    (``floor_method``: a broadcast job's raw method, one | chunks2 | ... | shm; a dispatch job's
+    floor mode), beside the single broadcast (``floor_single_p50_us``) and the fastest method
+    through the collective library (``floor_network_p50_us``); empty when none was timed."""
     floors = {n: per_strategy[n]["p50_us"] for n in names}
     if not floors:
         return {}
     method = min(floors, key=floors.get)
     broadcast = method.split(":")[0] == "floor"
+    network = [p50 for n, p50 in floors.items() if n not in NODE_FLOORS]
     return {
         "floor_p50_us": floors[method],
         "floor_method": (method.partition(":")[2] or "one") if broadcast else method,
         "floor_single_p50_us": floors.get("floor"),
+        "floor_network_p50_us": min(network) if network else None,
     }

@@ -113,8 +113,14 @@ class Packer:
     holds: only the packer writes into its buffer.
     """
 
-    def __init__(self, buffer: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        buffer: torch.Tensor | None = None,
+        allocate: Callable[[int, torch.device], torch.Tensor] | None = None,
+    ) -> None:
         self.buffer = buffer
+        self.allocate = allocate or _empty
+        """Makes a new buffer of (capacity, device): torch.empty, or a shared segment (shm)."""
         self._layout: _Layout | None = None
         self._header: _HeaderBytes | None = None
         self._header_in: torch.Tensor | None = None  # the buffer that holds _header's bytes
@@ -170,6 +176,10 @@ class Packer:
             WORK["pickled_bytes"] += len(blob)
         return out, header, fill
 
+    def forget(self) -> None:
+        """Drop the buffer and everything cached about it (its owner took it back)."""
+        self.buffer = self._header_in = self._views = None
+
     def _room_for(self, capacity: int, device: torch.device) -> torch.Tensor:
         """The buffer, reallocated when it is too small or elsewhere, or more than
         ``SHRINK_ABOVE`` times the largest of the recent needs (``RECENT_PACKS``, this one
@@ -183,7 +193,7 @@ class Packer:
         if out is None or out.numel() < capacity or out.device != device or oversized:
             # Released before the new one is made (views of it included): one at a time.
             self.buffer = out = self._header_in = self._views = None
-            out = torch.empty(capacity + capacity // 4, dtype=torch.uint8, device=device)
+            out = self.allocate(capacity + capacity // 4, device)
             self.buffer = out
         return out
 
@@ -255,6 +265,10 @@ def _filler(out: torch.Tensor, dst, sources, starts, blob: bytes | None, blob_at
             blob_done = True
 
     return fill
+
+
+def _empty(capacity: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(capacity, dtype=torch.uint8, device=device)
 
 
 def _leaf_device(parts: list[Part]) -> torch.device:

@@ -57,6 +57,7 @@ def test_every_floor_method_is_exact_and_planned(request, layout, batch_size):
         "floor:chunks4",
         "floor:seed_hops",
         "floor:pp_first",
+        "floor:shm",
     } == labels
     sent = {r["rank"]: r["out"] for r in results}
     for r in results:

@@ -1,0 +1,480 @@
+"""Moving one message to the ranks of a node through shared memory: a ring of segments the node
+leader writes and its node-local ranks map, a Unix socket per reader for the signal and the
+releases, and (across nodes) point-to-point sends from the replica leader to each node leader.
+
+Segments are memfds (``os.memfd_create``): anonymous, never named in /dev/shm, handed to each
+reader once per segment over its socket (``SCM_RIGHTS``). The sockets live in the abstract
+namespace (no file either), so nothing is left behind by any ending, kill -9 included: the
+kernel frees a segment with the last process that holds it. Python's resource tracker never
+sees either (no ``multiprocessing.shared_memory``).
+
+The ring: ``slots`` segments used in turn. A reader maps the segment copy-on-write
+(``MAP_PRIVATE``) for every message, so the batch it returns is its own (writing to it never
+reaches the other ranks or the segment) while no byte is copied, and it holds that mapping
+for as long as any tensor of the batch lives; when the last one dies, a finalizer sends the
+release. The leader writes into a slot only when every reader has released the message it
+held; a slot some reader still holds is retired instead (the leader drops its mapping and
+makes a new segment for the slot; the holder keeps the old one until it lets go), so the
+leader never waits for a reader and never overwrites bytes a reader views.
+
+The signal is one socket message per reader (slot, generation, sequence number, size), so a
+small message costs a syscall on each side instead of a collective. A reader waits for it as
+long as a gloo collective on the same replica would (that group's timeout); a leader that
+dies closes its sockets, and its readers learn at once.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import select
+import socket
+import struct
+import time
+import weakref
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from strategies.core.contract import ContractError, ProcessGroups, Unsupported, settled
+from strategies.core.packer import Packer
+
+SIGNAL = struct.Struct("<4sIIQQ")  # magic, slot, generation, sequence, message bytes
+SIGNAL_MAGIC = b"BCBS"
+RELEASE = struct.Struct("<IIIQ")  # kind, slot, generation, sequence
+READ, RELEASED = 0, 1
+"""What a reader reports: it took the signal of a message, or let go of the message."""
+HELLO = struct.Struct("<16sQ")  # the job's token, the reader's global rank
+DEFAULT_SLOTS = 3
+"""Segments in the ring: a batch held while the next one arrives still leaves a free slot."""
+CONNECT_TIMEOUT_S = 60.0
+"""How long the node leader waits for its readers to connect while the channel is set up."""
+
+
+class ShmError(ContractError):
+    """The shared-memory channel broke (a peer's socket closed, a message that does not fit its
+    segment, a stranger on the socket); the message names the rank and what it expected."""
+
+
+def available() -> str | None:
+    """Why this machine cannot run the channel, or None when it can."""
+    if not hasattr(os, "memfd_create") or not hasattr(socket, "send_fds"):
+        return "needs Linux memfd_create and SCM_RIGHTS (Python >= 3.9 on Linux)"
+    return None
+
+
+def group_timeout_s(group) -> float:
+    """The gloo timeout of ``group`` (what a gloo receiver on it would wait), else 30 min."""
+    try:
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return 1800.0
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else 1800.0
+
+
+@dataclass
+class Segment:
+    """One memfd and the writer's shared mapping of it."""
+
+    fd: int
+    capacity: int
+    generation: int
+    mapping: mmap.mmap
+    view: torch.Tensor
+
+    @classmethod
+    def make(cls, capacity: int, generation: int) -> Segment:
+        fd = os.memfd_create("bcastbench-shm", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, max(capacity, 1))
+            mapping = mmap.mmap(fd, max(capacity, 1), flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            raise
+        view = torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8, count=capacity))
+        return cls(fd, capacity, generation, mapping, view)
+
+    def close(self) -> None:
+        """Drop the writer's hold (readers that map it keep their own)."""
+        self.view = None  # type: ignore[assignment]
+        try:
+            self.mapping.close()
+        except BufferError:  # a tensor of it is still alive: the mapping goes with it
+            pass
+        os.close(self.fd)
+
+
+@dataclass
+class Slot:
+    """One place of the ring on the writer: its current segment and who still holds it."""
+
+    index: int
+    segment: Segment | None = None
+    generation: int = 0
+    sequence: int = -1
+    holders: set[int] = field(default_factory=set)
+    """Readers (global ranks) that have not released this slot's last message."""
+    delivered: set[int] = field(default_factory=set)
+    """Readers that have this segment's fd."""
+    packer: Packer = field(init=False)
+    """Packs a batch straight into this slot's segment (its allocator makes the segments)."""
+
+    def __post_init__(self) -> None:
+        self.packer = Packer(allocate=self.allocate)
+
+    def buffer(self, capacity: int) -> torch.Tensor:
+        """A shared view of at least ``capacity`` bytes: the current segment, or a new one
+        (readers get its fd with the next signal)."""
+        if self.segment is None or self.segment.capacity < capacity:
+            self.retire()
+            self.generation += 1
+            self.segment = Segment.make(capacity, self.generation)
+        return self.segment.view
+
+    def allocate(self, capacity: int, device: torch.device) -> torch.Tensor:
+        """``Packer``'s allocator: a new segment of exactly ``capacity`` bytes."""
+        if device.type != "cpu":
+            raise Unsupported(f"shm: the shared segment is host memory, the batch is on {device}")
+        self.retire()
+        return self.buffer(capacity)
+
+    def retire(self) -> None:
+        """Let go of the segment (and the packer's view of it): the next write makes one."""
+        self.packer.forget()
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+        self.delivered = set()
+        self.holders = set()
+
+
+class NodeChannel:
+    """A node leader and its node-local readers (one per strategy instance and replica).
+
+    ``connect`` (collective over the replica's gloo group) runs on the first call; after it a
+    call is ``writer_slot`` + ``publish`` on the node leader and ``receive`` on a reader."""
+
+    def __init__(self, groups: ProcessGroups, slots: int = DEFAULT_SLOTS) -> None:
+        why = available()
+        if why:
+            raise Unsupported(f"shm: {why}")
+        if slots < 1:
+            raise ValueError(f"shm: slots must be >= 1, got {slots}")
+        self.groups = groups
+        self.local = groups.node_local_ranks
+        self.node_leader = self.local[0]
+        self.is_node_leader = groups.rank == self.node_leader
+        self.readers = tuple(r for r in self.local if r != self.node_leader)
+        self.slots = [Slot(i) for i in range(slots)]
+        self.turn = 0
+        self.sequence = 0
+        self.socks: dict[int, socket.socket] = {}  # writer: reader rank -> its socket
+        self.broken: dict[int, str] = {}  # writer: reader rank -> why its socket was dropped
+        self.read_upto: dict[int, int] = {}  # writer: reader rank -> last sequence it took
+        self.sock: socket.socket | None = None  # reader: the socket to the node leader
+        self.fds: dict[int, tuple[int, int]] = {}  # reader: slot -> (generation, fd)
+        self.timeout_s = group_timeout_s(groups.cpu_replica_group)
+        self.connected = False
+        self.closed = False
+        self.local_releases: list[tuple[int, int, int]] = []  # a node leader's own views
+        weakref.finalize(self, _close_all, self.socks, self.fds, self.slots)
+
+    # -- set-up ----------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Every node leader listens on a fresh abstract address; the replica learns them in
+        one all-gather; each reader connects to its node leader and proves it is of this job
+        with the token that travelled in the gather."""
+        g = self.groups
+        listener = None
+        mine = None
+        if self.is_node_leader and self.readers:
+            token = secrets.token_bytes(16)
+            address = b"\0bcastbench-shm-" + secrets.token_hex(12).encode()
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            listener.bind(address)
+            listener.listen(len(self.readers))
+            mine = (address, token)
+        offers: list = [None] * len(g.replica_ranks)
+        dist.all_gather_object(offers, (g.rank, mine), group=g.cpu_replica_group)
+        by_rank = dict(offers)
+        try:
+            if listener is not None:
+                self._accept(listener, mine[1])
+            elif not self.is_node_leader:
+                self._dial(*by_rank[self.node_leader])
+        except ShmError as exc:
+            # Readers that did connect learn of it from their closed socket, not a timeout.
+            self.close()
+            raise settled(exc) from None
+        finally:
+            if listener is not None:
+                listener.close()
+        self.connected = True
+
+    def _accept(self, listener: socket.socket, token: bytes) -> None:
+        listener.settimeout(CONNECT_TIMEOUT_S)
+        while len(self.socks) < len(self.readers):
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                missing = sorted(set(self.readers) - set(self.socks))
+                raise ShmError(
+                    f"rank {self.groups.rank}: shm: node-local ranks {missing} did not connect "
+                    f"within {CONNECT_TIMEOUT_S:.0f} s"
+                ) from None
+            conn.settimeout(CONNECT_TIMEOUT_S)
+            try:
+                hello = conn.recv(HELLO.size)
+                got, rank = HELLO.unpack(hello) if len(hello) == HELLO.size else (b"", -1)
+            except (OSError, struct.error):
+                got, rank = b"", -1
+            uid = struct.unpack("3i", conn.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]  # fmt: skip
+            if got != token or rank not in self.readers or rank in self.socks or uid != os.getuid():
+                conn.close()  # not one of ours: its connection is refused, ours still awaited
+                continue
+            conn.setblocking(True)
+            self.socks[rank] = conn
+
+    def _dial(self, address: bytes, token: bytes) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(address)
+        except OSError as exc:
+            sock.close()
+            raise ShmError(
+                f"rank {self.groups.rank}: shm: cannot reach node leader rank {self.node_leader}"
+                f" over its Unix socket ({exc}); the two ranks were taken to share a host and a "
+                "network namespace"
+            ) from None
+        sock.sendall(HELLO.pack(token, self.groups.rank))
+        sock.settimeout(self.timeout_s)
+        self.sock = sock
+
+    # -- the writer (node leader) ----------------------------------------------------------
+    def writer_slot(self) -> Slot:
+        """The slot to write next: the next free one in turn, or the next one retired."""
+        self._drain()
+        n = len(self.slots)
+        self._wait_behind(n)
+        for step in range(n):
+            slot = self.slots[(self.turn + step) % n]
+            if not slot.holders:
+                break
+        else:
+            slot = self.slots[self.turn % n]
+            slot.retire()
+        self.turn = slot.index + 1
+        return slot
+
+    @property
+    def segments_made(self) -> int:
+        """Segments the writer has made so far (growth and retired slots make them)."""
+        return sum(slot.generation for slot in self.slots)
+
+    def publish(self, slot: Slot, nbytes: int) -> None:
+        """Tell every reader that ``slot`` holds a message of ``nbytes`` bytes."""
+        seg = slot.segment
+        if seg is None or nbytes > seg.capacity:
+            raise ShmError(f"rank {self.groups.rank}: shm: {nbytes} bytes do not fit the slot")
+        self.sequence += 1
+        slot.sequence = self.sequence
+        slot.holders = set(self.readers)
+        msg = SIGNAL.pack(SIGNAL_MAGIC, slot.index, seg.generation, self.sequence, nbytes)
+        failed: list[str] = []
+        for rank in self.readers:  # every live reader is told, whoever fails before it
+            sock = self.socks.get(rank)
+            if sock is None:
+                failed.append(f"rank {rank} ({self.broken.get(rank, 'not connected')})")
+                continue
+            fds = [] if rank in slot.delivered else [seg.fd]
+            try:
+                socket.send_fds(sock, [msg], fds)
+            except Exception as exc:  # noqa: BLE001 -- reported once every reader had its turn
+                failed.append(f"rank {rank} ({type(exc).__name__}: {exc})")
+                # Closed, so that reader raises at once instead of waiting for a signal.
+                self._drop(rank, f"its signal failed on an earlier call: {exc}")
+                slot.holders.discard(rank)
+                continue
+            slot.delivered.add(rank)
+        if failed:
+            # Settled: every other reader has this call's message, so nothing may be shipped
+            # in its place (it would reach them as their next call's batch).
+            raise settled(ShmError(
+                f"rank {self.groups.rank}: shm: the message could not be signalled to node-local "
+                f"{', '.join(failed)}; every other node-local rank has it"
+            ))  # fmt: skip
+
+    def _drain(self) -> None:
+        """Take every report the readers have sent since the last call, without waiting. A
+        reader whose socket closed is dropped (``publish`` names it, after telling the rest)."""
+        for rank, sock in list(self.socks.items()):
+            while True:
+                try:
+                    raw = sock.recv(RELEASE.size, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as exc:
+                    self._drop(rank, f"its socket failed: {exc}")
+                    break
+                if not raw:
+                    self._drop(rank, "it closed its socket: it ended or died")
+                    break
+                if len(raw) == RELEASE.size:
+                    self._report(rank, *RELEASE.unpack(raw))
+        while self.local_releases:
+            self._report(self.groups.rank, RELEASED, *self.local_releases.pop())
+
+    def _wait_behind(self, n: int) -> None:
+        """Block while some reader has not taken the signals of the last ``n`` messages: a
+        leader that ran that far ahead would otherwise make a segment per call. It waits as
+        long as a gloo collective would; a reader that dies meanwhile is dropped."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            behind = [r for r in self.socks if self.sequence - self.read_upto.get(r, 0) >= n]
+            if not behind:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ShmError(
+                    f"rank {self.groups.rank}: shm: node-local ranks {sorted(behind)} took no "
+                    f"signal for {self.timeout_s:.0f} s (the replica's gloo timeout)"
+                )
+            select.select([self.socks[r] for r in behind], [], [], left)
+            self._drain()
+
+    def _drop(self, rank: int, why: str) -> None:
+        sock = self.socks.pop(rank, None)
+        if sock is not None:
+            _close_quietly(sock)
+        self.broken[rank] = why
+
+    def _report(self, rank: int, kind: int, index: int, generation: int, sequence: int) -> None:
+        if kind == READ:
+            self.read_upto[rank] = max(self.read_upto.get(rank, 0), sequence)
+        elif index < len(self.slots):
+            slot = self.slots[index]
+            if slot.generation == generation and slot.sequence == sequence:
+                slot.holders.discard(rank)
+
+    # -- a reader --------------------------------------------------------------------------
+    def receive(self) -> torch.Tensor:
+        """Wait for the next message; returns it as a copy-on-write view of its segment (the
+        release goes out when the last tensor viewing it dies)."""
+        rank = self.groups.rank
+        if self.sock is None or self.sock.fileno() == -1:
+            raise ShmError(
+                f"rank {rank}: shm: node leader rank {self.node_leader}: the channel closed on "
+                "an earlier call; build the strategy again"
+            )
+        try:
+            msg, fds, _, _ = socket.recv_fds(self.sock, SIGNAL.size, 1)
+        except TimeoutError:
+            raise ShmError(
+                f"rank {rank}: shm: no message from node leader rank {self.node_leader} within "
+                f"{self.timeout_s:.0f} s (the replica's gloo timeout)"
+            ) from None
+        except OSError as exc:
+            self.sock.close()
+            raise ShmError(
+                f"rank {rank}: shm: node leader rank {self.node_leader}: {exc}"
+            ) from None
+        if not msg:
+            self.sock.close()
+            raise ShmError(
+                f"rank {rank}: shm: node leader rank {self.node_leader} closed its socket (it "
+                "ended or died)"
+            )
+        if len(msg) != SIGNAL.size or msg[:4] != SIGNAL_MAGIC:
+            for fd in fds:
+                os.close(fd)
+            raise ShmError(f"rank {rank}: shm: a malformed signal of {len(msg)} bytes")
+        _, index, generation, sequence, nbytes = SIGNAL.unpack(msg)
+        if fds:
+            old = self.fds.pop(index, None)
+            if old is not None:
+                os.close(old[1])
+            for extra in fds[1:]:
+                os.close(extra)
+            self.fds[index] = (generation, fds[0])
+        try:  # waits for room: the leader may be waiting for exactly this report
+            self.sock.send(RELEASE.pack(READ, index, generation, sequence))
+        except OSError:  # the leader is gone: this message is whole all the same
+            pass
+        held = self.fds.get(index)
+        if held is None or held[0] != generation:
+            raise ShmError(
+                f"rank {rank}: shm: slot {index} generation {generation} arrived without its "
+                "segment"
+            )
+        return map_private(
+            held[1], nbytes, rank, _send_report, self.sock, RELEASED, index, generation, sequence
+        )
+
+    def view_own(self, slot: Slot, nbytes: int) -> torch.Tensor:
+        """A node leader's own copy-on-write view of what it published (a receiver too, when it
+        is not the replica leader); its release is local."""
+        seg = slot.segment
+        slot.holders.add(self.groups.rank)
+        release = (slot.index, seg.generation, slot.sequence)  # _report's, after RELEASED
+        return map_private(seg.fd, nbytes, self.groups.rank, self.local_releases.append, release)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.sock is not None:
+                self.sock.close()
+            _close_all(self.socks, self.fds, self.slots)
+
+
+def map_private(fd: int, nbytes: int, rank: int, on_release, *args) -> torch.Tensor:
+    """The first ``nbytes`` of a segment, mapped copy-on-write, as a uint8 tensor;
+    ``on_release(*args)`` runs when the last tensor viewing it dies (the array the tensor's
+    storage holds is what dies last)."""
+    size = os.fstat(fd).st_size
+    if nbytes > size or nbytes == 0:
+        raise ShmError(
+            f"rank {rank}: shm: a message of {nbytes} bytes announced for a {size}-byte segment"
+        )
+    mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    array = np.frombuffer(mapping, dtype=np.uint8)
+    weakref.finalize(array, on_release, *args)
+    return torch.from_numpy(array)
+
+
+def _send_report(sock: socket.socket, kind: int, index: int, generation: int, seq: int) -> None:
+    # A finalizer's report must not wait: one that finds the queue full is lost, and its slot
+    # is retired (a new segment) when its turn comes instead of reused.
+    try:
+        sock.send(RELEASE.pack(kind, index, generation, seq), socket.MSG_DONTWAIT)
+    except OSError:  # the leader is gone or the channel closed: nothing holds the slot now
+        pass
+
+
+def _close_quietly(sock: socket.socket) -> None:
+    # A Unix socket closed with unread data resets its peer, which then loses a signal it has
+    # not read yet: take the releases first.
+    try:
+        while sock.recv(RELEASE.size, socket.MSG_DONTWAIT):
+            pass
+    except OSError:
+        pass
+    sock.close()
+
+
+def _close_all(socks: dict, fds: dict, slots: list) -> None:
+    for sock in socks.values():
+        _close_quietly(sock)
+    socks.clear()
+    for _, fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
+    for slot in slots:
+        slot.retire()

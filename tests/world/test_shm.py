@@ -1,0 +1,260 @@
+"""Tier 2 (real gloo worlds): what ``shm`` promises beyond the contract every strategy's tests
+check. A receiver's batch is its own (writing into it reaches nobody else, and a batch held
+across calls is never overwritten); the hierarchical path across nodes is exact; a signal that
+cannot be sent strands no rank; no segment is ever left anywhere, kill -9 of the leader
+included (``vllm_shm_broadcast`` too), and the readers learn of that death at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+import strategies
+import strategies.core.shm as shm_core
+from strategies.core.layout import Layout
+
+pytestmark = pytest.mark.world
+
+LAYOUT = Layout(tp=2, pp=2)
+FAIL_WITHIN_S = 5.0
+
+
+def batch(seed: int, b: int = 4) -> strategies.DataProto:
+    gen = torch.Generator().manual_seed(seed)
+    td = TensorDict(
+        {
+            "x": torch.randn(b, 1000, generator=gen),
+            "ids": torch.randint(0, 50_000, (b, 17), generator=gen),
+            "nested": {"mask": torch.rand(b, 9, generator=gen) > 0.5},
+        },
+        [b],
+    )
+    texts = np.array([f"prompt {seed}-{i}" for i in range(b)], dtype=object)
+    return strategies.DataProto(td, {"prompt": texts}, {strategies.NON_TENSOR_FLAG: True})
+
+
+def same(out, want) -> bool:
+    keys = want.batch.keys(include_nested=True, leaves_only=True)
+    return all(torch.equal(out.batch.get(k), want.batch.get(k)) for k in keys) and list(
+        out.non_tensor_batch["prompt"]
+    ) == list(want.non_tensor_batch["prompt"])
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def ownership_job(ctx, node_of, calls: int):
+    """``calls`` calls; every rank keeps the first batch, rank 2 writes into every later one.
+    Returns (every call exact, the held batch still exact, fds opened meanwhile, segments
+    the leader made)."""
+    groups = ctx.groups_for(LAYOUT)
+    if node_of is not None:
+        groups = dataclasses.replace(groups, node_of=tuple(node_of))
+    strategy = strategies.get("shm", groups)
+    exact, held = [], None
+    fds = None
+    for seed in range(calls):
+        want = batch(seed)
+        entry = batch(seed) if groups.is_leader else want.entry_state(False)
+        out = strategy.get_data_input(entry)
+        exact.append(same(out, want))
+        if seed == 0:
+            held = out
+            fds = open_fds()
+        if ctx.rank == 2 and seed > 0:  # the first batch is checked again at the end
+            out.batch["x"].add_(1.0)  # the rank's own copy: nobody else may see it
+            out.batch["nested", "mask"].logical_not_()
+        del out
+    held_exact = same(held, batch(0))
+    del held
+    grew = open_fds() - fds
+    made = strategy.channel.segments_made
+    return all(exact), held_exact, grew, made
+
+
+@pytest.mark.parametrize("node_of", [None, (0, 0, 1, 1), (0, 1, 0, 1)], ids=str)
+def test_a_receivers_batch_is_its_own_and_a_held_one_is_never_overwritten(world4, node_of):
+    calls = 12
+    results = world4.run(ownership_job, node_of, calls, timeout_s=60)
+    for rank, (exact, held_exact, grew, _) in enumerate(results):
+        assert exact, f"rank {rank}: a call was not exact"
+        assert held_exact, f"rank {rank}: the batch held since the first call changed"
+        # The ring's other two slots: a memfd each, and on a writer its mapping's own copy.
+        assert grew <= 4, f"rank {rank}: {grew} file descriptors more after {calls} calls"
+    made = results[0][3]
+    # The ring serves: the held batch retires its slot once, and a release that arrives after
+    # the leader's turn (the leader never waits for one) retires another; never one per call.
+    assert made <= 3 + calls // 2, f"the leader made {made} segments in {calls} calls"
+
+
+def signal_fault_job(ctx, fail_at: int):
+    """A good call, then one where the leader's ``fail_at``-th signal send raises, then a
+    call after it. (outcome per call, seconds of the faulty one) on this rank."""
+    groups = ctx.groups_for(LAYOUT)
+    strategy = strategies.get("shm", groups)
+    outcomes = []
+    sent = 0
+    real = shm_core.socket.send_fds
+
+    def faulty(sock, buffers, fds, *args):
+        nonlocal sent
+        sent += 1
+        if sent == fail_at:
+            raise OSError("injected signal failure")
+        return real(sock, buffers, fds, *args)
+
+    seconds = 0.0
+    for seed in range(3):
+        want = batch(seed)
+        entry = batch(seed) if groups.is_leader else want.entry_state(False)
+        patch = seed == 1 and groups.is_leader
+        if patch:
+            shm_core.socket.send_fds = faulty
+        t0 = time.monotonic()
+        try:
+            out = strategy.get_data_input(entry)
+            outcomes.append("exact" if same(out, want) else "wrong")
+        except Exception as exc:  # noqa: BLE001 -- the test looks at every rank's outcome
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            shm_core.socket.send_fds = real
+        if seed == 1:
+            seconds = time.monotonic() - t0
+    return outcomes, seconds, strategy.channel.readers
+
+
+def test_a_signal_that_cannot_be_sent_strands_no_rank(world4):
+    results = world4.run(signal_fault_job, 2, timeout_s=3 * FAIL_WITHIN_S)
+    readers = list(results[0][2])
+    missed = readers[1]  # the second signal of the call goes to the second reader
+    leader_out = results[0][0]
+    assert leader_out[0] == "exact" and "injected signal failure" in leader_out[1], leader_out
+    assert f"rank {missed}" in leader_out[1], leader_out
+    for rank in readers:
+        outcomes, seconds, _ = results[rank]
+        assert outcomes[0] == "exact", (rank, outcomes)
+        assert seconds < FAIL_WITHIN_S, (rank, seconds)
+        if rank == missed:
+            assert outcomes[1].startswith(f"ShmError: rank {rank}: shm: node leader rank 0"), (
+                outcomes
+            )
+        else:
+            assert outcomes[1] == "exact", (rank, outcomes)
+    # The broken channel says so on every later call instead of waiting.
+    assert results[missed][0][2].startswith("ShmError"), results[missed][0]
+    assert f"rank {missed}" in leader_out[2], leader_out
+
+
+KILL_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time, datetime
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+    from tensordict import TensorDict
+    import strategies
+    from strategies.core.contract import ProcessGroups
+
+    def main(rank, world, port, out_dir, name):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        ranks = tuple(range(world))
+        g = dist.new_group(list(ranks))
+        groups = ProcessGroups(g, g, g, ranks, ranks, ranks, 0, rank, rank=rank)
+        s = strategies.get(name, groups)
+        td = TensorDict({"x": torch.arange(4 << 20, dtype=torch.uint8).view(4, -1)}, [4])
+        entry = strategies.DataProto(td if rank == 0 else None, {}, {})
+        held = s.get_data_input(entry)
+        assert torch.equal(held.batch["x"], td["x"])
+        open(os.path.join(out_dir, f"ready{rank}"), "w").close()
+        if rank == 0:
+            time.sleep(600)  # killed here
+        t0 = time.monotonic()
+        try:
+            s.get_data_input(strategies.DataProto(None, {}, {}))
+            what = "returned"
+        except Exception as exc:
+            what = f"{type(exc).__name__}: {exc}"
+        with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
+            f.write(f"{time.monotonic() - t0:.3f}\\n{what}\\n{int(torch.equal(held.batch['x'], td['x']))}")
+        os._exit(0)
+
+    if __name__ == "__main__":
+        world, port, out_dir, name = 3, int(sys.argv[1]), sys.argv[2], sys.argv[3]
+        mp.start_processes(main, args=(world, port, out_dir, name), nprocs=world, start_method="fork",
+                           join=False)
+        print(os.getpid(), flush=True)
+        time.sleep(600)
+    """
+)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _shm_listing() -> list[str]:
+    return sorted(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else []
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.parametrize("name", ["shm", "vllm_shm_broadcast"])
+def test_kill_9_of_the_leader_reaches_every_reader_at_once_and_leaves_no_segment(tmp_path, name):
+    before = _shm_listing()
+    script = tmp_path / "kill_job.py"
+    script.write_text(KILL_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(_free_port()), str(tmp_path), name],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"ready{r}").exists() for r in range(3)):
+            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
+            assert time.monotonic() < deadline, "the job never got ready"
+            time.sleep(0.1)
+        during = _shm_listing()
+        ranks = sorted(_children(proc.pid))
+        assert len(ranks) == 3, ranks
+        leader = ranks[0]  # forked first: rank 0
+        time.sleep(0.5)  # the readers are waiting for their second batch
+        os.kill(leader, signal.SIGKILL)
+        while not all((tmp_path / f"rank{r}").exists() for r in (1, 2)):
+            assert time.monotonic() < deadline + 60, "a reader never learnt of the leader's death"
+            time.sleep(0.05)
+        time.sleep(0.2)  # the files are written in one go; let them land
+        for r in (1, 2):
+            seconds, what, held = (tmp_path / f"rank{r}").read_text().splitlines()
+            assert float(seconds) < FAIL_WITHIN_S, (r, seconds, what)
+            assert what.startswith(f"ShmError: rank {r}: {name}: "), what
+            assert "rank 0" in what, what
+            assert held == "1", f"rank {r}: its held batch changed after the leader died"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    after = _shm_listing()
+    print(f"\n{name}: /dev/shm before {before}, while running {during}, after kill -9 {after}")
+    assert during == before and after == before
