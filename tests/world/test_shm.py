@@ -257,4 +257,6 @@ def test_kill_9_of_the_leader_reaches_every_reader_at_once_and_leaves_no_segment
         proc.wait(timeout=30)
     after = _shm_listing()
     print(f"\n{name}: /dev/shm before {before}, while running {during}, after kill -9 {after}")
-    assert during == before and after == before
+    # Only our own names count: another process of the machine may come and go meanwhile.
+    ours = ("psm_", "bcastbench")  # multiprocessing.shared_memory's names, and ours
+    assert [n for n in set(during) | set(after) if n not in before and n.startswith(ours)] == []
