@@ -57,6 +57,7 @@ from strategies.core.contract import (
 )
 from strategies.core.plan import LocalWork, PayloadSpec, Plan
 from strategies.core.shm import ShmError, group_timeout_s
+from strategies.core.trace import WORK
 
 LIVENESS_S = 0.5
 """How often a waiting reader checks that the writer's process still exists."""
@@ -150,6 +151,7 @@ class VllmShmBroadcast(Strategy):
         if g.is_leader:
             nt = batch.non_tensor_batch if wants_non_tensor(batch) else None
             blob = pickle.dumps((batch.batch, nt), protocol=pickle.HIGHEST_PROTOCOL)
+            WORK["pickled_bytes"] += len(blob)
             if self.handle is None:
                 self._set_up_writer()
             self._enqueue(blob)
@@ -184,12 +186,14 @@ class VllmShmBroadcast(Strategy):
         """The next object: unpickled straight from its chunk (the pickle says where it ends),
         which is marked read only then; or from the PUB socket."""
         if self.ring is None:
-            return pickle.loads(self._recv(self._remote))
+            return _unpickled(self._recv(self._remote))
         flags = self.ring.flags(self.index)
         mine = self.local_rank + 1
         self._wait(lambda: flags[0] and not flags[mine], "the next chunk")
         data = self.ring.data(self.index)
-        obj = pickle.loads(self._recv(self._local) if data[0] == 1 else data[1:])
+        # A chunk's pickle ends where pickle says, so only a socket's message has a known
+        # length to count as unpickled.
+        obj = _unpickled(self._recv(self._local)) if data[0] == 1 else pickle.loads(data[1:])
         flags[mine] = 1
         self.index = (self.index + 1) % self.max_chunks
         return obj
@@ -311,6 +315,11 @@ class VllmShmBroadcast(Strategy):
         nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
         work = LocalWork(pickled_bytes=spec.tensor_bytes + nt)
         return Plan(cls.name, [], leader=work, receiver=work)
+
+
+def _unpickled(blob):
+    WORK["unpickled_bytes"] += len(blob)
+    return pickle.loads(blob)
 
 
 @functools.cache
