@@ -189,6 +189,11 @@ class NodeChannel:
         one all-gather; each reader connects to its node leader and proves it is of this job
         with the token that travelled in the gather."""
         g = self.groups
+        if self.closed:  # a set-up that failed is not tried again: the others are not in it
+            raise settled(ShmError(
+                f"rank {g.rank}: shm: the channel's set-up failed on an earlier call; build the "
+                "strategy again"
+            ))  # fmt: skip
         listener = None
         mine = None
         if self.is_node_leader and self.readers:
