@@ -51,6 +51,8 @@ READ, RELEASED = 0, 1
 HELLO = struct.Struct("<16sQ")  # the job's token, the reader's global rank
 DEFAULT_SLOTS = 3
 """Segments in the ring: a batch held while the next one arrives still leaves a free slot."""
+CLOSE_WAIT_S = 5.0
+"""How long a closing writer waits for its readers to take the last signal."""
 CONNECT_TIMEOUT_S = 60.0
 """How long the node leader waits for its readers to connect while the channel is set up."""
 
@@ -181,7 +183,10 @@ class NodeChannel:
         self.connected = False
         self.closed = False
         self.local_releases: list[tuple[int, int, int]] = []  # a node leader's own views
-        weakref.finalize(self, _close_all, self.socks, self.fds, self.slots)
+        self.published = [0]  # writer: the last sequence signalled (shared with the finalizer)
+        weakref.finalize(
+            self, _close_all, self.socks, self.fds, self.slots, self.read_upto, self.published
+        )
 
     # -- set-up ----------------------------------------------------------------------------
     def connect(self) -> None:
@@ -287,6 +292,7 @@ class NodeChannel:
         if seg is None or nbytes > seg.capacity:
             raise ShmError(f"rank {self.groups.rank}: shm: {nbytes} bytes do not fit the slot")
         self.sequence += 1
+        self.published[0] = self.sequence
         slot.sequence = self.sequence
         slot.holders = set(self.readers)
         msg = SIGNAL.pack(SIGNAL_MAGIC, slot.index, seg.generation, self.sequence, nbytes)
@@ -433,7 +439,7 @@ class NodeChannel:
             self.closed = True
             if self.sock is not None:
                 self.sock.close()
-            _close_all(self.socks, self.fds, self.slots)
+            _close_all(self.socks, self.fds, self.slots, self.read_upto, self.published)
 
 
 def map_private(fd: int, nbytes: int, rank: int, on_release, *args) -> torch.Tensor:
@@ -460,6 +466,21 @@ def _send_report(sock: socket.socket, kind: int, index: int, generation: int, se
         pass
 
 
+def _take_reports(sock: socket.socket, rank: int, read_upto: dict) -> None:
+    """A closing writer's drain: only the read reports matter now."""
+    try:
+        while raw := sock.recv(RELEASE.size, socket.MSG_DONTWAIT):
+            if len(raw) == RELEASE.size:
+                kind, _, _, sequence = RELEASE.unpack(raw)
+                if kind == READ:
+                    read_upto[rank] = max(read_upto.get(rank, 0), sequence)
+        read_upto[rank] = 1 << 62  # closed by the reader: nothing left to wait for
+    except (BlockingIOError, InterruptedError):
+        pass
+    except OSError:
+        read_upto[rank] = 1 << 62
+
+
 def _close_quietly(sock: socket.socket) -> None:
     # A Unix socket closed with unread data resets its peer, which then loses a signal it has
     # not read yet: take the releases first.
@@ -471,7 +492,19 @@ def _close_quietly(sock: socket.socket) -> None:
     sock.close()
 
 
-def _close_all(socks: dict, fds: dict, slots: list) -> None:
+def _close_all(socks: dict, fds: dict, slots: list, read_upto: dict, published: list) -> None:
+    # A reader that has not taken the last signal yet would lose it to the reset a close with
+    # unread data sends (a release can arrive after any drain): wait, briefly, until every
+    # reader has reported it read the last signal.
+    deadline = time.monotonic() + CLOSE_WAIT_S
+    while socks and time.monotonic() < deadline:
+        behind = [s for r, s in socks.items() if read_upto.get(r, 0) < published[0]]
+        if not behind:
+            break
+        ready, _, _ = select.select(behind, [], [], max(deadline - time.monotonic(), 0))
+        for rank, sock in socks.items():
+            if sock in ready:
+                _take_reports(sock, rank, read_upto)
     for sock in socks.values():
         _close_quietly(sock)
     socks.clear()
