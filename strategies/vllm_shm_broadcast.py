@@ -246,8 +246,9 @@ class VllmShmBroadcast(Strategy):
             self._local.bind(local_address)
         if remote:
             self._remote = self._publisher()
-            port = self._remote.bind_to_random_port(f"tcp://{_own_address()}")
-            remote_address = f"tcp://{_own_address()}:{port}"
+            host = _own_address()
+            port = self._remote.bind_to_random_port(f"tcp://{host}")
+            remote_address = f"tcp://{host}:{port}"
         self.handle = Handle(
             os.getpid(), segment, local, self.max_chunk_bytes, self.max_chunks,
             local_address, remote_address,

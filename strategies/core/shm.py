@@ -138,11 +138,13 @@ class Slot:
         return self.segment.view
 
     def allocate(self, capacity: int, device: torch.device) -> torch.Tensor:
-        """``Packer``'s allocator: a new segment of exactly ``capacity`` bytes."""
-        if device.type != "cpu":
-            raise Unsupported(f"shm: the shared segment is host memory, the batch is on {device}")
+        """``Packer``'s allocator: a new segment of exactly ``capacity`` bytes (host memory:
+        ``NodeChannel`` refuses groups on a device, and ``validate`` a batch off the groups'
+        device)."""
         self.retire()
-        return self.buffer(capacity)
+        self.generation += 1
+        self.segment = Segment.make(capacity, self.generation)
+        return self.segment.view
 
     def retire(self) -> None:
         """Let go of the segment (and the packer's view of it): the next write makes one."""
@@ -164,6 +166,11 @@ class NodeChannel:
         why = available()
         if why:
             raise Unsupported(f"shm: {why}")
+        if groups.device.type != "cpu":  # raised on every rank alike, before any collective
+            raise Unsupported(
+                f"rank {groups.rank}: shm: a shared segment is host memory and the groups run "
+                f"on {groups.device}; use flat or header there"
+            )
         if slots < 1:
             raise ValueError(f"shm: slots must be >= 1, got {slots}")
         self.groups = groups
@@ -433,6 +440,42 @@ class NodeChannel:
         slot.holders.add(self.groups.rank)
         release = (slot.index, seg.generation, slot.sequence)  # _report's, after RELEASED
         return map_private(seg.fd, nbytes, self.groups.rank, self.local_releases.append, release)
+
+    # -- across nodes ----------------------------------------------------------------------
+    def send_to_nodes(self, buf: torch.Tensor, announce: bool) -> None:
+        """Replica leader: ``buf`` to every other node's leader (two point-to-point sends each
+        when ``announce``: the size, then the bytes; the bytes alone when they know the size)."""
+        g = self.groups
+        others = g.node_leaders[1:]
+        if not others:
+            return
+        handles = []
+        if announce:
+            size = torch.tensor([buf.numel()], dtype=torch.int64)
+            handles += [dist.isend(size, dst, group=g.cpu_replica_group) for dst in others]
+        handles += [dist.isend(buf, dst, group=g.cpu_replica_group) for dst in others]
+        for h in handles:
+            h.wait()
+
+    def receive_from_leader(self, nbytes: int | None, max_bytes: int) -> torch.Tensor:
+        """A node leader other than the replica leader: the replica leader's bytes straight into
+        this node's segment (``nbytes``, or the size it announces first when None), signalled
+        to this node; returns this rank's own copy-on-write view of them."""
+        g = self.groups
+        if nbytes is None:
+            size = torch.zeros(1, dtype=torch.int64)
+            dist.recv(size, g.leader, group=g.cpu_replica_group)
+            nbytes = int(size[0])
+            if not 0 < nbytes <= max_bytes:
+                raise ShmError(
+                    f"rank {g.rank}: shm: the leader announced {nbytes} bytes; expected 1 to "
+                    f"max_bytes={max_bytes}"
+                )
+        slot = self.writer_slot()
+        view = slot.buffer(max(nbytes, 1))
+        dist.recv(view[:nbytes], g.leader, group=g.cpu_replica_group)
+        self.publish(slot, max(nbytes, 1))
+        return self.view_own(slot, max(nbytes, 1))[:nbytes]
 
     def close(self) -> None:
         if not self.closed:
