@@ -51,11 +51,14 @@ from strategies.core.packed import PackedStrategy
 from strategies.core.plan import PayloadSpec, Plan, bytes_per_dtype
 from strategies.core.pricing import price
 
-CANDIDATES = ("flat", "direct", "header", "pp_first", "scatter_allgather")
+CANDIDATES = ("flat", "direct", "header", "pp_first", "scatter_allgather", "shm")
 """The built-ins auto chooses among, in order of preference when the model cannot tell them
 apart: the least work per call first (``direct`` without a leaf over its threshold is
 ``flat`` plus a per-leaf check on every rank; where it skips the pack copy of large leaves the
-model prices it cheaper and it wins outright), then fewest collectives."""
+model prices it cheaper and it wins outright), then fewest collectives. ``shm`` comes last: it
+holds shared segments and a socket per node-local rank, so it serves only where the model
+prices it cheaper (ranks that share a node: no collective, a signal per rank); it refuses
+groups on a device (``Unsupported``), and auto then chooses among the rest."""
 TIE = 0.01
 """Candidates priced within this fraction of the cheapest count as a tie; the first of them in
 ``CANDIDATES`` order wins. Small: the model's absolute error is larger, but between plans that

@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from strategies.core.contract import DataProto, Strategy, Unsupported, wants_non_tensor
+from strategies.core.contract import DataProto, Strategy, wants_non_tensor
 from strategies.core.parts import as_bytes, encode_non_tensor, message_parts
-from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.plan import Comm, Handoff, LocalWork, PayloadSpec, Plan
 from strategies.core.shm import NodeChannel
 from strategies.pp_first import leader_pp_groups
 
@@ -52,14 +52,10 @@ class Floor(Strategy):
             raise ValueError(f"floor: unknown method {method!r}; valid: {list(METHODS)}")
         if chunks < 1:
             raise ValueError(f"floor: chunks must be >= 1, got {chunks}")
-        if method == "shm" and groups.device.type != "cpu":
-            raise Unsupported(
-                f"floor: method shm moves host memory, the job runs on {groups.device}"
-            )
         super().__init__(groups)
         self.method = method
         self.chunks = chunks if method == "chunks" else 1
-        self.channel = NodeChannel(groups) if method == "shm" else None
+        self.channel = NodeChannel(groups) if method == "shm" else None  # host memory only
         self.nbytes = 0
         self.sent: torch.Tensor | None = None
         self.received: torch.Tensor | None = None
@@ -118,17 +114,10 @@ class Floor(Strategy):
             slot = ch.writer_slot()
             slot.buffer(max(n, 1))[:n].copy_(self.sent)
             ch.publish(slot, max(n, 1))
-            others = g.node_leaders[1:]
-            handles = [dist.isend(self.sent, dst, group=g.cpu_replica_group) for dst in others]
-            for h in handles:
-                h.wait()
+            ch.send_to_nodes(self.sent, announce=False)  # prepare told every rank the size
             return self.sent
         if ch.is_node_leader:
-            slot = ch.writer_slot()
-            view = slot.buffer(max(n, 1))
-            dist.recv(view[:n], g.leader, group=g.cpu_replica_group)
-            ch.publish(slot, max(n, 1))
-            return ch.view_own(slot, max(n, 1))[:n]
+            return ch.receive_from_leader(n, n)
         return ch.receive()[:n]
 
     def _hops(self) -> list[tuple[object, tuple[int, ...]]]:
@@ -148,8 +137,10 @@ class Floor(Strategy):
     @classmethod
     def plan(cls, layout, spec: PayloadSpec, method: str = "one", chunks: int = 4) -> Plan:
         nbytes = spec.tensor_bytes + (spec.non_tensor_bytes if spec.broadcast_non_tensor else 0)
-        if method == "shm":  # on one node: socket messages, no collective (layouts hold no nodes)
-            return Plan(cls.name, [], leader=LocalWork(), receiver=LocalWork())
+        if method == "shm":  # a hand-off per replica: the cost model finds the nodes it spans
+            shared = [Handoff(tuple(r), nbytes) for r in layout.replica_groups() if len(r) > 1]
+            leader = LocalWork(copied_bytes=nbytes)  # the one copy into the segment is timed
+            return Plan(cls.name, [], leader=leader, receiver=LocalWork(), shared=shared)
         if method == "seed_hops":
             hops = layout.seed_hop_groups()
         elif method == "pp_first":

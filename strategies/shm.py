@@ -25,13 +25,10 @@ Options:
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
-from strategies.core.contract import DataProto, Unsupported, deliver
+from strategies.core.contract import DataProto, deliver
 from strategies.core.header_format import DEFAULT_MAX_BYTES, HeaderError, read_header
 from strategies.core.packed import PackedStrategy
-from strategies.core.plan import LocalWork, PayloadSpec, Plan
+from strategies.core.plan import Handoff, LocalWork, PayloadSpec, Plan
 from strategies.core.shm import NodeChannel, ShmError
 from strategies.core.unpacker import unpack
 
@@ -50,13 +47,8 @@ class Shm(PackedStrategy):
         views: bool = True,
         max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
-        if groups.device.type != "cpu":
-            raise Unsupported(
-                f"rank {groups.rank}: shm: the shared segment is host memory and the groups "
-                f"run on {groups.device}; use flat or header there"
-            )
         super().__init__(groups, max_bytes=max_bytes)
-        self.channel = NodeChannel(groups, slots)
+        self.channel = NodeChannel(groups, slots)  # refuses groups on a device (Unsupported)
         self.views = views
         self._headers: dict = {}  # read_header's cache: same-shaped batches decode once
 
@@ -72,12 +64,12 @@ class Shm(PackedStrategy):
             self.take_fill()(total)
             self._connect()
             ch.publish(slot, total)
-            self._send_to_nodes(buf, total)
-            self.last_header = header
+            ch.send_to_nodes(buf[:total], announce=True)
+            self._finish(header)
             return batch
         self._connect()
         if ch.is_node_leader:
-            buf = self._receive_from_leader()
+            buf = ch.receive_from_leader(None, self.wire.max_bytes)
         else:
             buf = ch.receive()
         header = read_header(buf, self.wire.max_bytes, g.rank, cache=self._headers)
@@ -86,7 +78,7 @@ class Shm(PackedStrategy):
                 f"rank {g.rank}: shm: the header claims {header.total_bytes} bytes, the segment "
                 f"holds {buf.numel()}"
             )
-        self.last_header = header
+        self._finish(header)
         td, non_tensor = unpack(buf[: header.total_bytes], header)
         if not self.views:
             td = td.clone()  # owned copies: the views (and the segment's hold) go with buf
@@ -96,48 +88,33 @@ class Shm(PackedStrategy):
         if not self.channel.connected:
             self.channel.connect()
 
-    def _send_to_nodes(self, buf: torch.Tensor, total: int) -> None:
-        """Replica leader: the message to every other node's leader, size first."""
-        g = self.groups
-        others = g.node_leaders[1:]
-        if not others:
-            return
-        size = torch.tensor([total], dtype=torch.int64)
-        handles = [dist.isend(size, dst, group=g.cpu_replica_group) for dst in others]
-        handles += [dist.isend(buf[:total], dst, group=g.cpu_replica_group) for dst in others]
-        for h in handles:
-            h.wait()
-
-    def _receive_from_leader(self) -> torch.Tensor:
-        """A node leader other than the replica leader: the message into its node's segment,
-        signalled to its node; returns its own copy-on-write view of it."""
-        g = self.groups
-        ch = self.channel
-        size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, g.leader, group=g.cpu_replica_group)
-        total = int(size[0])
-        if not 0 < total <= self.wire.max_bytes:
-            raise HeaderError(
-                f"rank {g.rank}: shm: the leader announced {total} bytes; expected 1 to "
-                f"max_bytes={self.wire.max_bytes}"
-            )
-        slot = ch.writer_slot()
-        view = slot.buffer(total)
-        dist.recv(view[:total], g.leader, group=g.cpu_replica_group)
-        ch.publish(slot, total)
-        return ch.view_own(slot, total)
+    def _finish(self, header) -> None:
+        """Every rank adopts the next size the header announced, as a wire strategy would:
+        under ``auto`` the candidates share one ``Wire``, so the one that serves the next call
+        posts the size every rank agreed to."""
+        total = header.total_bytes
+        nxt = self.wire.next_expect(total) if self.groups.is_leader else header.next_expect
+        self.wire.finish(nxt, total)
+        self.last_header = header
 
     @classmethod
     def plan(cls, layout, spec: PayloadSpec) -> Plan:
-        """One node (a layout holds no nodes): no collective, the leader packs the message, a
-        receiver unpickles the flagged non-tensor blob and copies nothing. Across nodes the
-        leader adds two point-to-point sends per other node of the replica."""
+        """No collective: every replica's message is a shared-memory hand-off (``Handoff``:
+        the cost model prices its signals and, where the replica spans nodes, its sends to
+        each other node). The leader packs the message; a receiver views it in place and
+        unpickles only the flagged non-tensor blob."""
         nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
+        shared = [
+            Handoff(tuple(ranks), spec.message_bytes)
+            for ranks in layout.replica_groups()
+            if len(ranks) > 1
+        ]
         return Plan(
             cls.name,
             [],
             leader=LocalWork(packed_bytes=spec.message_bytes),
             receiver=LocalWork(pickled_bytes=nt),
+            shared=shared,
         )
 
 

@@ -4,7 +4,7 @@ A Hydra app (``conf/calibrate.yaml``: ``world=4 reps=21 short=false dry_run=fals
 out=conf/cluster/local.yaml``). Times broadcast, scatter and all_gather on a real gloo world
 (groups of 2 and of the whole world), host pickle/unpickle/memcpy rates, the fixed per-call host
 costs (pickle.dumps/loads, pack/unpack (strategies.core.packer, unpacker) on tiny ``rl_rollout`` batches, see
-``per_call_costs``), fits α, β per collective in the model's own form
+``per_call_costs``), the node-local signal of ``shm``'s channel (``signal_cost``), fits α, β per collective in the model's own form
 (``formulas.coefficients``) and writes the cluster file atomically, with the world size and core
 count it ran on (``calibrated_ranks``, ``cpu_cores``: the oversubscription factor's reference).
 
@@ -42,7 +42,10 @@ from strategies.core.formulas import (
     coefficients,
 )
 from strategies.core.header_format import DEFAULT_MAX_BYTES, read_header
+from strategies.core.layout import Layout
 from strategies.core.packer import pack
+from strategies.core.shm import NodeChannel
+from strategies.core.shm import available as shm_available
 from strategies.core.unpacker import unpack
 
 MODULE = "harness.commands.calibrate"
@@ -58,6 +61,8 @@ ALGORITHMS = {
 }
 # One machine: every rank is on the same "node", so nothing is ever priced on `inter`.
 LOCAL_GPUS_PER_NODE = 1024
+SIGNAL_PROBE_BYTES = 4096
+"""The message of the signal probe: one page, so the copy is nothing next to the signal."""
 # Per-call host costs: the sweep's payload at its smallest sizes, where the bytes cost little
 # and the fixed part (Python, per-leaf pickling, header encode/decode) dominates.
 PER_CALL_PAYLOAD = ("rl_rollout", (1, 2, 3), 512)
@@ -296,6 +301,46 @@ def _pickle_round(rank: int, dp) -> tuple:
     return ("unpickle", time.perf_counter() - t0, blob_len, 0)
 
 
+def _time_signals(ctx, reps):
+    """One node-local signal of ``shm``'s channel (``strategies.core.shm``) per iteration:
+    the whole world is one replica on one node, rank 0 writes a one-page message into its
+    segment and signals every other rank, which maps it and lets it go. Returns this rank's
+    seconds per iteration, from a common barrier to the signal sent (writer) or the message
+    mapped (reader)."""
+    import torch.distributed as dist
+
+    groups = ctx.groups_for(Layout(tp=ctx.world_size))
+    channel = NodeChannel(groups)
+    out = []
+    try:
+        ctx.report("calibrate: shared-memory signals, connecting")
+        channel.connect()
+        for it in range(reps + 1):  # iteration 0 warms up (the segment is made and sent)
+            dist.barrier()
+            t0 = time.perf_counter()
+            if channel.is_node_leader:
+                slot = channel.writer_slot()
+                slot.buffer(SIGNAL_PROBE_BYTES)
+                channel.publish(slot, SIGNAL_PROBE_BYTES)
+            else:
+                view = channel.receive()
+                del view  # mapped, then released as its last tensor dies
+            if it:
+                out.append(time.perf_counter() - t0)
+        dist.barrier()
+    finally:
+        channel.close()
+    return out
+
+
+def signal_cost(per_rank: list[list[float]]) -> dict[str, float]:
+    """Seconds of one signal: per iteration the last rank to hold the message (max over
+    ranks), median over iterations, divided by the readers the writer signalled in turn."""
+    per_iter = [max(ts) for ts in zip(*per_rank)]
+    readers = max(len(per_rank) - 1, 1)
+    return {"signal_s": statistics.median(per_iter) / readers} if per_iter else {}
+
+
 def per_call_costs(per_rank: list[dict], rates: dict[str, float]) -> dict[str, float]:
     """Fixed seconds per call: each timed call minus what ``rates`` charge for its bytes
     (memcpy for the packed message and pickle for its non-tensor blob; unpickle for a received
@@ -394,6 +439,7 @@ def build_local_cluster(
             f"{k}_call_us": host.get(f"{k}_call_s", 0.0) / US
             for k in ("pickle", "unpickle", "pack", "unpack")
         },  # fmt: skip
+        signal_us=host.get("signal_s", 0.0) / US,
         # A CPU world time-slices the machine's cores; a GPU world does not (factor off).
         cpu_cores=0 if "device_copy_bytes_per_s" in host else cpu_cores,
         calibrated_ranks=world_size,
@@ -439,6 +485,9 @@ def _measure(world, group_sizes, sizes, reps: int, host_bytes: int):
     host = world.run(_time_host, host_bytes, max(3, reps // 2), what="host rates")[0]
     calls = world.run(_time_per_call, max(10, reps), what="per-call host costs")
     host.update(per_call_costs(calls, host))
+    if shm_available() is None:  # a machine without memfd prices shm's signals free
+        signals = world.run(_time_signals, max(10, reps), what="shared-memory signals")
+        host.update(signal_cost(signals))
     return per_rank, host
 
 
@@ -537,6 +586,11 @@ def format_report(
         lines.append(
             f"per call ({name} B={list(sizes)} seq {seq_len}, bytes subtracted): "
             + ", ".join(f"{k.removesuffix('_call_s')} {v * 1e6:.0f} us" for k, v in calls.items())
+        )
+    if "signal_s" in host:
+        lines.append(
+            f"shared memory: {host['signal_s'] * 1e6:.1f} us per node-local rank signalled "
+            f"(writer + {world_size - 1} readers, last reader's p50 over the readers)"
         )
     return "\n".join(lines)
 

@@ -5,8 +5,8 @@
 
 Two jobs run on the emulated 2-node cluster (harness.emulate.emulated; tp=2 inside a node, pp=2 across
 1 Gbit/s links, rl_rollout 720 × 512 ≈ 16 MiB): one with one link per node, one with one link
-per rank ("rails"). Each job times all six strategies interleaved (``auto``, told the link
-layout's cost model preset, is the job's strategy and the other five its references, so every
+per rank ("rails"). Each job times all seven strategies interleaved (``auto``, told the link
+layout's cost model preset, is the job's strategy and the other six its references, so every
 strategy sees the same machine noise; its row names the strategy it chose), and
 its counting phase gives the bytes one call sent across nodes. Beside each measurement the cost
 model's price of the strategy's plan on ``conf/cluster/emulated.yaml`` / ``emulated_rails.yaml``
@@ -45,7 +45,7 @@ from strategies.core.pricing import price
 MODULE = "harness.commands.emulated_table"
 """Where ``bcastbench emulated-table`` lives (its printed name: ``harness.errors.program``)."""
 
-STRATEGIES = ("pickled", "header", "flat", "pp_first", "scatter_allgather", "auto")
+STRATEGIES = ("pickled", "header", "flat", "pp_first", "scatter_allgather", "shm", "auto")
 """What each job times; ``auto`` is the job's strategy (it alone takes an option: the cost
 model preset of the link layout, so it chooses as a user of that cluster would)."""
 AUTO = "auto"

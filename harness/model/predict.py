@@ -65,7 +65,10 @@ def _one_replica_plan(cls, layout, spec):
         for c in plan.comms
         if c.ranks[0] in move
     ]
-    return replace(plan, comms=comms)
+    shared = [
+        replace(h, ranks=tuple(move[r] for r in h.ranks)) for h in plan.shared if h.root in move
+    ]
+    return replace(plan, comms=comms, shared=shared)
 
 
 def price_strategy(name: str, layout, spec, cluster) -> Prediction:
@@ -187,7 +190,7 @@ def to_json(preds: dict[str, Any]) -> dict[str, Any]:
 def predicted_cross_bytes(plan, ranks_per_node: int) -> int:
     """Payload bytes one call of ``plan`` sends between nodes, as gloo moves them: a broadcast
     along its binomial tree's edges, a scatter straight from the root, an all-gather around a
-    ring in group order."""
+    ring in group order; a shared-memory hand-off once to each other node of its replica."""
 
     def node(r: int) -> int:
         return r // ranks_per_node
@@ -203,4 +206,6 @@ def predicted_cross_bytes(plan, ranks_per_node: int) -> int:
             p = len(c.ranks)
             ring = zip(c.ranks, c.ranks[1:] + c.ranks[:1])
             total += c.nbytes * (p - 1) // p * sum(node(a) != node(b) for a, b in ring)
+    for h in plan.shared:
+        total += h.nbytes * (len({node(r) for r in h.ranks}) - 1)
     return total

@@ -137,6 +137,11 @@ class ClusterConf:
     """Fixed host cost of one pack of header + flat buffer (``strategies.core.packer.pack``), µs."""
     unpack_call_us: float = 0.0
     """Fixed host cost of one header decode + unpack into views (``strategies.core.unpacker.unpack``), µs."""
+    signal_us: float = 0.0
+    """One node-local signal of a shared-memory hand-off (``plan.Handoff``): the writer's socket
+    message to one rank of its node and that rank's wake-up, µs. A node's writer signals its
+    ranks one after another, so a node of k ranks pays (k−1)·signal. 0 = not measured (free,
+    like the other per-call terms); ``bcastbench calibrate`` measures it."""
     cpu_cores: int = 0
     """Cores the ranks of one machine share (a CPU world time-slices them); 0 = every rank has
     its own device and host cores (GPU clusters): no oversubscription factor."""
@@ -161,7 +166,7 @@ class ClusterConf:
         for rate in _RATES + _OPTIONAL_RATES:
             check_number(f"{where}: {rate}_gbytes_per_s", getattr(self, f"{rate}_gbytes_per_s"),
                          allow_zero=rate in _OPTIONAL_RATES)  # fmt: skip
-        for call in _CALLS:
+        for call in _CALLS + ("signal",):
             check_number(f"{where}: {call}_us", getattr(self, f"{call}_us"), allow_zero=True)
 
     def _check_links(self, where: str) -> None:
@@ -234,6 +239,10 @@ class ClusterConf:
     @property
     def unpack_call_s(self) -> float:
         return self.unpack_call_us * US
+
+    @property
+    def signal_s(self) -> float:
+        return self.signal_us * US
 
     # -- questions pricing asks -------------------------------------------------------------
     def link(self, kind: str, crosses_nodes: bool) -> LinkConf:

@@ -34,7 +34,8 @@ class Comm:
     step: int
     """Comms with the same step run at the same time on disjoint groups; steps run in order."""
     what: str = "payload"
-    """What travels: 'sizes', 'pickle', 'header', 'payload', 'chunk', 'leaf' (one tensor)."""
+    """What travels: 'sizes', 'pickle', 'header', 'payload', 'chunk', 'leaf' (one tensor),
+    'handoff' (a shared-memory hand-off's message to another node, ``pricing.handoff_comms``)."""
     exact: bool = True
     """False when nbytes is an estimate (pickle sizes predicted without pickling)."""
 
@@ -55,6 +56,24 @@ class LocalWork:
     """Host to device copies."""
 
 
+@dataclass(frozen=True)
+class Handoff:
+    """One replica's message handed to its ranks through shared memory (``shm``): the root
+    writes it once into its node's segment and signals each rank of its node; the ranks on
+    other nodes get it from one rank per node (two point-to-point sends from the root each),
+    which writes it into that node's segment and signals its node. Not collectives: a layout
+    holds no nodes, so ``pricing.price`` derives the crossings from the cluster's nodes."""
+
+    ranks: tuple[int, ...]
+    """Global ranks of the replica, the root first."""
+    nbytes: int
+    """Bytes of the message every rank ends with."""
+
+    @property
+    def root(self) -> int:
+        return self.ranks[0]
+
+
 @dataclass
 class Plan:
     """Everything one call of ``get_data_input`` does, for every replica of a layout."""
@@ -67,6 +86,8 @@ class Plan:
     """Work on a rank that only receives (the heaviest such role)."""
     forwarder: LocalWork = field(default_factory=LocalWork)
     """Work on a rank that receives and then sends on (stage-0 ranks in two-hop strategies)."""
+    shared: list[Handoff] = field(default_factory=list)
+    """Messages handed over through node-local shared memory after ``comms``, one per replica."""
 
     def for_rank(self, rank: int) -> list[Comm]:
         """The comms ``rank`` takes part in, in issue order."""

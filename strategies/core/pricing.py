@@ -16,7 +16,7 @@ from typing import Any, Literal
 from strategies.core.cluster import ClusterConf
 from strategies.core.formulas import COLLECTIVES, ceil_log2, coefficients, tree_rounds
 from strategies.core.layout import Layout
-from strategies.core.plan import Comm, LocalWork, Plan
+from strategies.core.plan import Comm, Handoff, LocalWork, Plan
 
 LinkName = Literal["intra", "inter", "none"]
 
@@ -81,11 +81,19 @@ class LocalCost:
     h2d_s: float
     calls_s: float = 0.0
     """Fixed per-call host overhead (pickle/unpickle/pack/unpack calls, see ``host_calls``)."""
+    signal_s: float = 0.0
+    """Shared-memory signals on the critical path (``handoff_signals`` × ``signal_s``; leader)."""
 
     @property
     def total_s(self) -> float:
         return (
-            self.pickle_s + self.unpickle_s + self.memcpy_s + self.d2h_s + self.h2d_s + self.calls_s
+            self.pickle_s
+            + self.unpickle_s
+            + self.memcpy_s
+            + self.d2h_s
+            + self.h2d_s
+            + self.calls_s
+            + self.signal_s
         )
 
 
@@ -157,7 +165,7 @@ class Prediction:
                     cluster=self.cluster,
                     part=f"local {w.role}",
                     kind="local",
-                    what="pickle/unpickle/copy/d2h/h2d/calls",
+                    what="pickle/unpickle/copy/d2h/h2d/calls/signals",
                     link="host",
                     alpha_s=0.0,
                     beta_s=w.total_s,
@@ -237,13 +245,13 @@ def host_calls(plan: Plan) -> dict[str, HostCalls]:
       object hop, a receiver unpickles once, a forwarder unpickles and pickles once each.
     - a role with ``pickled_bytes`` > 0 but no object hop and no packing pickles (leader) or
       unpickles (receiver) once, both for a forwarder (one object sent once per call).
-    - a leader with ``packed_bytes`` > 0 packs once, and then every receiver decodes the header
-      and unpacks once (pickled non-tensor data inside the message is part of those calls).
+    - a leader with ``packed_bytes`` > 0 packs once, and then every receiver (of a comm or of a
+      shared-memory hand-off) decodes the header and unpacks once (pickled non-tensor data inside the message is part of those calls).
       A forwarder passes the buffer on before it unpacks, so its unpack is off the path.
     """
     object_hops = len({c.step for c in plan.comms if c.what == "pickle"})
     packs = plan.leader.packed_bytes > 0
-    moves = any(len(c.ranks) > 1 for c in plan.comms)
+    moves = any(len(c.ranks) > 1 for c in plan.comms) or any(len(h.ranks) > 1 for h in plan.shared)
     if object_hops:
         leader = HostCalls(pickles=object_hops, packs=int(packs))
         receiver = HostCalls(unpickles=1, unpacks=int(packs and moves))
@@ -438,22 +446,58 @@ def _steps_of(plan: Plan, layout: Layout | None, check: bool) -> dict[int, list[
 
 
 def _local_costs(plan: Plan, cluster: ClusterConf) -> tuple[LocalCost, ...]:
-    """Leader, forwarder and receiver work; the forwarder's only when some rank forwards."""
+    """Leader, forwarder and receiver work; the forwarder's only when some rank forwards. The
+    leader's carries the shared-memory signals (``handoff_signals``)."""
     calls = host_calls(plan)
     forwarder = plan.forwarder if has_forwarder(plan) else LocalWork()
     if forwarder is not plan.forwarder:
         calls["forwarder"] = HostCalls()
-    return tuple(
+    costs = [
         price_local(work, cluster, role, calls[role])
         for role, work in (
             ("leader", plan.leader),
             ("forwarder", forwarder),
             ("receiver", plan.receiver),
         )
+    ]
+    costs[0] = replace(costs[0], signal_s=handoff_signals(plan, cluster) * cluster.signal_s)
+    return tuple(costs)
+
+
+def handoff_nodes(handoff: Handoff, cluster: ClusterConf) -> list[tuple[int, ...]]:
+    """The hand-off's ranks split by ``cluster.node_of``: one tuple per node in the order the
+    nodes first appear, the root's node first; each tuple's first rank writes its node's
+    segment (the same split as ``groups.node_split``, from the cluster's nodes)."""
+    by_node: dict[int, list[int]] = {}
+    for r in handoff.ranks:
+        by_node.setdefault(cluster.node_of(r), []).append(r)
+    return [tuple(members) for members in by_node.values()]
+
+
+def handoff_comms(plan: Plan, cluster: ClusterConf, step: int) -> list[Comm]:
+    """The crossings of the plan's hand-offs, from ``step`` on: the root's message to the
+    first rank of each other node, the j-th of every replica in step ``step + j`` (the
+    replicas' roots send at once; one root's sends share its node's port, so taking them one
+    per step prices the same bytes through it). The size each is announced with travels
+    ahead on the same connection and is not priced."""
+    comms = []
+    for h in plan.shared:
+        for j, node in enumerate(handoff_nodes(h, cluster)[1:]):
+            comms.append(
+                Comm("broadcast", (h.root, node[0]), h.root, h.nbytes, step + j, "handoff")
+            )
+    return comms
+
+
+def handoff_signals(plan: Plan, cluster: ClusterConf) -> int:
+    """Signals on the critical path of the plan's hand-offs: the most ranks any writer signals
+    (a node's writer tells its node's other ranks one after another; nodes signal at once)."""
+    return max(
+        (len(node) - 1 for h in plan.shared for node in handoff_nodes(h, cluster)), default=0
     )
 
 
-_LOCAL_PARTS = ("pickle_s", "unpickle_s", "memcpy_s", "d2h_s", "h2d_s", "calls_s")
+_LOCAL_PARTS = ("pickle_s", "unpickle_s", "memcpy_s", "d2h_s", "h2d_s", "calls_s", "signal_s")
 
 
 def _oversubscribed(steps, local, factor: float):
@@ -481,17 +525,22 @@ def price(
     costs its slowest comm. Local work is taken as serial with the network (a
     conservative critical path): leader, forwarder and receiver work are added once each, the
     forwarder's only when the plan has one (``has_forwarder``), each with its fixed per-call
-    host costs (``host_calls``). On a CPU cluster every term is then multiplied by
+    host costs (``host_calls``). A plan's shared-memory hand-offs (``Plan.shared``) follow its
+    comms: their crossings of nodes as point-to-point steps (``handoff_comms``) and their
+    signals as the leader's ``signal_s`` (``handoff_signals``). On a CPU cluster every term is then multiplied by
     ``cluster.oversubscription(world)``, world = ``layout.world_size`` (or the highest rank the
     plan names, plus one). ``check`` verifies ranks fit ``layout`` and same-step groups are
     disjoint (cheap, O(ranks)).
     """
     by_step = _steps_of(plan, layout, check)
+    for c in handoff_comms(plan, cluster, plan.steps):
+        by_step.setdefault(c.step, []).append(c)
     steps = tuple(_price_step(s, by_step[s], cluster) for s in sorted(by_step))
     if layout is not None:
         world = layout.world_size
     else:
-        world = 1 + max((max(c.ranks) for c in plan.comms), default=0)
+        named = [r for c in plan.comms for r in c.ranks] + [r for h in plan.shared for r in h.ranks]
+        world = 1 + max(named, default=0)
     over = cluster.oversubscription(world)
     steps, local = _oversubscribed(steps, _local_costs(plan, cluster), over)
     comm_s = sum(s.total_s for s in steps)

@@ -37,17 +37,25 @@ def test_ties_go_by_preference_and_a_clear_winner_wins():
 
 
 def test_auto_picks_what_the_emulated_table_measured_fastest():
-    """results/reference_emulated: rl_rollout B=720 S=512 on tp2pp2 over two nodes; pp_first
-    wins with one link per node, scatter_allgather with one link per GPU."""
+    """results/reference_emulated: rl_rollout B=720 S=512 on tp2pp2 over two nodes; shm (the
+    message once across, then shared memory in each node) wins with one link per node,
+    scatter_allgather (half the message on each rank's own link) with one link per GPU; of
+    the collective strategies alone pp_first wins with one link per node."""
     spec = spec_of(payloads.make("rl_rollout", 720, 512, seed=0))
-    assert choose(TP2PP2, spec, "emulated") == "pp_first"
+    assert choose(TP2PP2, spec, "emulated") == "shm"
     assert choose(TP2PP2, spec, "emulated_rails") == "scatter_allgather"
+    network = tuple(c for c in CANDIDATES if c != "shm")
+    assert choose(TP2PP2, spec, "emulated", network) == "pp_first"
 
 
-def test_auto_on_one_host_sends_one_hop():
+def test_auto_on_one_host_hands_the_batch_over_in_shared_memory():
+    """On one host (the calibrated ``local`` preset) shm's signals cost less than any
+    collective at every size; without it, auto sends one hop."""
+    network = tuple(c for c in CANDIDATES if c != "shm")
     for batch_size in (3, 128, 768):
         spec = spec_of(payloads.make("rl_rollout", batch_size, 512, seed=0))
-        assert choose(TP2PP2, spec) in ("direct", "flat")
+        assert choose(TP2PP2, spec) == "shm"
+        assert choose(TP2PP2, spec, candidates=network) in ("direct", "flat")
 
 
 def test_the_next_shape_is_predicted_from_what_followed_it_last_time():

@@ -13,10 +13,10 @@ REFERENCE = Path(__file__).resolve().parents[2] / "results" / "reference_emulate
 
 
 def test_auto_is_compared_and_its_choice_named():
-    """The committed run: auto (told each link layout's preset) under test, the five fixed
+    """The committed run: auto (told each link layout's preset) under test, the six fixed
     strategies its references; its row names what it chose on each layout."""
     text = table.table(REFERENCE)
-    assert "| auto → pp_first |" in text and "| auto → scatter_allgather |" in text
+    assert "| auto → shm |" in text and "| auto → scatter_allgather |" in text
     assert text.count("ranking (pairs within") == 2 and "same as measured" in text
 
 

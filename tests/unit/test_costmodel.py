@@ -25,7 +25,7 @@ from strategies.core.cluster import (
 )
 from strategies.core.formulas import ceil_log2, coefficients, tree_rounds
 from strategies.core.layout import Layout
-from strategies.core.plan import Comm, LocalWork, Plan
+from strategies.core.plan import Comm, Handoff, LocalWork, Plan
 from strategies.core.pricing import HostCalls, has_forwarder, host_calls, lower_bound_s, price
 
 MIB = 2**20
@@ -196,6 +196,51 @@ def test_local_work_is_priced_by_role():
     pred = price(one_hop, cluster, Layout(tp=2))
     assert {w.role: w.total_s for w in pred.local}["forwarder"] == 0
     assert pred.local_s == pytest.approx(2 + 2.5)
+
+
+def test_a_shared_memory_handoff_on_one_node_costs_its_signals_and_host_calls():
+    """shm on one node: no step at all; the writer signals its node's other ranks one after
+    another, every receiver unpacks once, and the leader packs once."""
+    cluster = toy_cluster(gpus_per_node=8, signal_us=50.0, pack_call_us=100.0, unpack_call_us=30.0)
+    plan = Plan("shm", [], leader=LocalWork(packed_bytes=MIB), shared=[Handoff((0, 1, 2, 3), MIB)])
+    pred = price(plan, cluster, Layout(tp=4))
+    assert pred.steps == () and pred.comm_s == 0
+    roles = {w.role: w for w in pred.local}
+    assert roles["leader"].signal_s == pytest.approx(3 * 50e-6)  # three readers, in turn
+    assert roles["leader"].calls_s == pytest.approx(100e-6)
+    assert roles["receiver"].calls_s == pytest.approx(30e-6)
+    memcpy = MIB / cluster.memcpy_bytes_per_s
+    assert pred.total_s == pytest.approx(3 * 50e-6 + 100e-6 + 30e-6 + memcpy)
+    # An uncalibrated cluster prices the signal free, like its other per-call terms.
+    free = price(plan, replace(cluster, signal_us=0.0), Layout(tp=4))
+    assert free.total_s == pytest.approx(pred.total_s - 3 * 50e-6)
+
+
+def test_a_handoff_across_nodes_crosses_each_node_link_once():
+    """The root sends the message once to the first rank of each other node (the replicas'
+    roots at once, sharing their nodes' ports); each node signals its own ranks concurrently,
+    so the critical path has the largest node's readers, not the replica's."""
+    n = 16 * MIB
+    cluster = toy_cluster(gpus_per_node=2, nics_per_node=1, signal_us=50.0)
+    one = price(Plan("shm", [], shared=[Handoff((0, 1, 2, 3), n)]), cluster, Layout(tp=2, pp=2))
+    assert len(one.steps) == 1
+    c = one.steps[0].critical
+    assert (c.link, c.what, c.group_size, c.first_rank, c.nbytes) == ("inter", "handoff", 2, 0, n)
+    assert one.total_s == pytest.approx(INTER.alpha_s + n * INTER.beta_s_per_byte + 50e-6)
+    # Three nodes: one send per other node, one after another through the root's port.
+    three = price(Plan("shm", [], shared=[Handoff(tuple(range(6)), n)]), cluster, Layout(tp=6))
+    assert [s.critical.first_rank for s in three.steps] == [0, 0]
+    assert {s.critical.group_size for s in three.steps} == {2}
+    # Two replicas whose roots sit on different nodes send at once, each on its own port.
+    two = price(
+        Plan("shm", [], shared=[Handoff((0, 2), n), Handoff((4, 6), n)]), cluster, Layout(tp=8)
+    )
+    assert len(two.steps) == 1 and two.steps[0].n_comms == 2 and two.steps[0].max_nic_share == 1
+    # Roots on one node share its port: the bytes of both pass through it.
+    shared_port = price(
+        Plan("shm", [], shared=[Handoff((0, 2), n), Handoff((1, 3), n)]), cluster, Layout(tp=4)
+    )
+    assert shared_port.steps[0].max_nic_share == 2
 
 
 def test_forwarder_detection():

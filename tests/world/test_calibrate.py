@@ -34,6 +34,7 @@ def test_calibrate_short_world_of_two(tmp_path: Path):
 
     assert loaded.calibrated_ranks == 2 and loaded.cpu_cores == (os.cpu_count() or 1)
     assert loaded.pickle_call_s > 0 and loaded.unpickle_call_s > 0 and loaded.pack_call_s > 0
+    assert loaded.signal_s > 0  # shm's node-local signal, timed in the same world
     assert not list(tmp_path.glob(".local.yaml.*")), "temp file left behind"
     assert len(samples) == 3 * len(SHORT_SIZES)
     for kind, fit in fits.items():

@@ -49,7 +49,9 @@ def record_job(ctx, name: str, layout: Layout, payload: str, flag: bool, options
         return {"refused": f"{type(exc).__name__}: {exc}"}
     strategy.prepare(full.entry_state(groups.is_leader))
     calls = []
-    for _ in range(2):  # first call, then steady state
+    # First call, then steady state; a third call, because auto's choice (served from the
+    # second call on) may set itself up on its first call (shm connects its node).
+    for _ in range(3):
         with Recorder() as rec:
             strategy.get_data_input(full.entry_state(groups.is_leader))
         calls.append([(c.kind, c.ranks, c.root, c.nbytes) for c in rec.comms])
@@ -198,7 +200,7 @@ PLANNED = [n for n in strategies.names(include_floor=True) if has_plan(n)]
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.describe())
 def test_plan_equals_trace_in_steady_state(request, layout, name, flag):
     results = record(world_of(request, layout), name, layout, flag=flag)
-    assert mismatches(planned(name, layout, results, first_call=False), results, 1) == []
+    assert mismatches(planned(name, layout, results, first_call=False), results, 2) == []
 
 
 @pytest.mark.parametrize("name", [n for n in PLANNED if n in ("header", "flat", "pp_first")])
