@@ -36,6 +36,7 @@ Options: ``cluster`` (preset name or YAML path), ``first``, ``candidates`` (defa
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -57,8 +58,8 @@ apart: the least work per call first (``direct`` without a leaf over its thresho
 ``flat`` plus a per-leaf check on every rank; where it skips the pack copy of large leaves the
 model prices it cheaper and it wins outright), then fewest collectives. ``shm`` comes last: it
 holds shared segments and a socket per node-local rank, so it serves only where the model
-prices it cheaper (ranks that share a node: no collective, a signal per rank); it refuses
-groups on a device (``Unsupported``), and auto then chooses among the rest."""
+prices it cheaper (ranks that share a node: no collective, a signal per rank; on a device it
+is priced with its staging copies, ``choose``'s ``device``)."""
 TIE = 0.01
 """Candidates priced within this fraction of the cheapest count as a tie; the first of them in
 ``CANDIDATES`` order wins. Small: the model's absolute error is larger, but between plans that
@@ -83,6 +84,7 @@ class Auto(Strategy):
             raise ValueError(f"auto: unknown candidates {unknown}; valid: {list(CANDIDATES)}")
         self.cluster = cluster
         self.layout = layout_of_groups(groups)
+        self.device = groups.device.type
         self.built: dict[str, Strategy] = {}
         for name in candidates:
             try:
@@ -116,7 +118,7 @@ class Auto(Strategy):
             choice = self._choice_of.get(key)
             if choice is None:  # a new shape: price it (a seen one is a lookup)
                 spec = spec_of_header(header)
-                choice = choose(self.layout, spec, self.cluster, tuple(self.built))
+                choice = choose(self.layout, spec, self.cluster, tuple(self.built), self.device)
             _remember(self._choice_of, key, choice, NextShape.KEEP)
             predicted = self._next.observe(key)
             self.choice = self._choice_of.get(predicted, self._choice_of[key])
@@ -128,8 +130,6 @@ class Auto(Strategy):
     ) -> Plan:
         """The plan of the strategy ``choose`` picks (steady state; ``expect`` is passed to a
         header-based choice)."""
-        import inspect
-
         chosen = strategies.get_class(choose(layout, spec, cluster))
         kwargs = {"expect": expect} if "expect" in inspect.signature(chosen.plan).parameters else {}
         return chosen.plan(layout, spec, **kwargs)
@@ -173,23 +173,30 @@ def _remember(table: OrderedDict, key, value, keep: int) -> None:
 
 
 def choose(
-    layout, spec: PayloadSpec, cluster="local", candidates: tuple[str, ...] = CANDIDATES
+    layout,
+    spec: PayloadSpec,
+    cluster="local",
+    candidates: tuple[str, ...] = CANDIDATES,
+    device: str = "cpu",
 ) -> str:
     """The candidate whose plan the cost model prices fastest on ``cluster`` (a preset name,
-    a YAML path or a ``ClusterConf``; ties: the first
-    in ``CANDIDATES`` among those within ``TIE`` of the cheapest). Only what every rank knows exactly is priced: the pickle size of the
-    tensors (which no candidate sends) is left out."""
+    a YAML path or a ``ClusterConf``; ties: the first in ``CANDIDATES`` among those within
+    ``TIE`` of the cheapest). Only what every rank knows exactly is priced: the pickle size of
+    the tensors (which no candidate sends) is left out. ``device``: where the batch lives; a
+    plan that stages through host memory off the CPU (``shm``'s ``stage``) is priced so."""
     spec = replace(spec, pickle_bytes=spec.tensor_bytes, pickle_exact=False)
-    return _choose(layout, spec, cluster, tuple(candidates))
+    return _choose(layout, spec, cluster, tuple(candidates), device)
 
 
 @cache
-def _choose(layout, spec: PayloadSpec, cluster, candidates: tuple[str, ...]) -> str:
+def _choose(layout, spec: PayloadSpec, cluster, candidates: tuple[str, ...], device: str) -> str:
     conf = _cluster(cluster) if isinstance(cluster, str) else cluster
     priced: dict[str, float] = {}
     for name in candidates:
+        plan_of = strategies.get_class(name).plan
+        staged = device != "cpu" and "stage" in inspect.signature(plan_of).parameters
         try:
-            plan = strategies.get_class(name).plan(layout, spec)
+            plan = plan_of(layout, spec, stage=True) if staged else plan_of(layout, spec)
         except Unsupported:
             continue
         priced[name] = price(plan, conf, layout, check=False).total_s

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from strategies.core.contract import DataProto, Strategy, wants_non_tensor
+from strategies.core.contract import DataProto, Strategy, Unsupported, wants_non_tensor
 from strategies.core.parts import as_bytes, encode_non_tensor, message_parts
 from strategies.core.plan import Comm, Handoff, LocalWork, PayloadSpec, Plan
 from strategies.core.shm import NodeChannel
@@ -52,10 +52,15 @@ class Floor(Strategy):
             raise ValueError(f"floor: unknown method {method!r}; valid: {list(METHODS)}")
         if chunks < 1:
             raise ValueError(f"floor: chunks must be >= 1, got {chunks}")
+        if method == "shm" and groups.device.type != "cpu":
+            raise Unsupported(
+                f"rank {groups.rank}: floor: method shm reads host memory in place, the job "
+                f"runs on {groups.device}"
+            )
         super().__init__(groups)
         self.method = method
         self.chunks = chunks if method == "chunks" else 1
-        self.channel = NodeChannel(groups) if method == "shm" else None  # host memory only
+        self.channel = NodeChannel(groups) if method == "shm" else None
         self.nbytes = 0
         self.sent: torch.Tensor | None = None
         self.received: torch.Tensor | None = None

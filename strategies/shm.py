@@ -11,8 +11,13 @@ carries the message once.
 
 A receiver's batch is copy-on-write: writing into it changes only that rank's copy, never the
 segment or another rank's batch, and a batch held across calls is never overwritten (its slot
-is not reused until every tensor of it is gone). Host memory only: a batch on a GPU is refused
-(``Unsupported``) on every rank before any collective.
+is not reused until every tensor of it is gone).
+
+Batches on a GPU are staged: the segment is host memory, so the leader packs on its device and
+copies the message into the segment (device to host, once), and every receiver copies it onto
+its own device (host to device) and unpacks views of that copy, then lets the segment go. The
+ranks of a node share the host, not the device, so this is one D2H and one H2D per rank
+instead of a collective (CUDA IPC, which would skip the host, is not used).
 
 Options:
 
@@ -20,10 +25,15 @@ Options:
   new segment (the holder keeps the old one), so more slots only save segment set-ups;
 - ``views`` (True): receivers view the segment in place; False gives every receiver owned
   copies (one copy each) and releases the segment at once;
+- ``stage`` (None: True for groups on a device, else False): stage through the groups' device
+  as above; on host groups it gives owned copies the way a GPU job gets them (what the CPU
+  tests check of the GPU path); False on a device is refused (a segment cannot be viewed there);
 - ``max_bytes`` (16 GiB): receivers refuse a header that claims more than this.
 """
 
 from __future__ import annotations
+
+import torch
 
 from strategies.core.contract import DataProto, deliver
 from strategies.core.header_format import DEFAULT_MAX_BYTES, HeaderError, read_header
@@ -45,23 +55,31 @@ class Shm(PackedStrategy):
         groups,
         slots: int = 3,
         views: bool = True,
+        stage: bool | None = None,
         max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
+        on_device = groups.device.type != "cpu"
+        if stage is None:
+            stage = on_device
+        if on_device and not stage:
+            raise ValueError(
+                f"rank {groups.rank}: shm: stage=False views the shared segment in place, which "
+                f"is host memory; groups on {groups.device} need stage=True (their default)"
+            )
         super().__init__(groups, max_bytes=max_bytes)
-        self.channel = NodeChannel(groups, slots)  # refuses groups on a device (Unsupported)
+        self.channel = NodeChannel(groups, slots)
         self.views = views
+        self.stage = stage
         self._headers: dict = {}  # read_header's cache: same-shaped batches decode once
 
     def transfer(self, batch: DataProto) -> DataProto:
         g = self.groups
         ch = self.channel
+        if g.replica_ranks == (g.rank,):  # a replica of one: the leader holds what it sends
+            return batch
         if g.is_leader:
             slot = ch.writer_slot()
-            self.packer = slot.packer  # the slot's packer writes into the slot's segment
-            buf, header, total = self.pack(batch)
-            if buf.data_ptr() != slot.segment.view.data_ptr():
-                raise ShmError(f"rank {g.rank}: shm: the message was not packed into its slot")
-            self.take_fill()(total)
+            buf, header, total = self._pack_into(slot, batch)
             self._connect()
             ch.publish(slot, total)
             ch.send_to_nodes(buf[:total], announce=True)
@@ -73,16 +91,45 @@ class Shm(PackedStrategy):
         else:
             buf = ch.receive()
         header = read_header(buf, self.wire.max_bytes, g.rank, cache=self._headers)
-        if header.total_bytes > buf.numel():
+        total = header.total_bytes
+        if total > buf.numel():
             raise HeaderError(
-                f"rank {g.rank}: shm: the header claims {header.total_bytes} bytes, the segment "
-                f"holds {buf.numel()}"
+                f"rank {g.rank}: shm: the header claims {total} bytes, the segment holds "
+                f"{buf.numel()}"
             )
         self._finish(header)
-        td, non_tensor = unpack(buf[: header.total_bytes], header)
+        if self.stage:  # onto this rank's device; the segment goes with buf
+            staged = torch.empty(total, dtype=torch.uint8, device=g.device)
+            staged.copy_(buf[:total])
+            del buf
+            td, non_tensor = unpack(staged, header)
+            return deliver(batch, td, non_tensor)
+        td, non_tensor = unpack(buf[:total], header)
         if not self.views:
             td = td.clone()  # owned copies: the views (and the segment's hold) go with buf
         return deliver(batch, td, non_tensor)
+
+    def _pack_into(self, slot, batch: DataProto):
+        """Leader: the message in ``slot``'s segment; returns the segment's view of it (host
+        memory, what the sends read), the header and the message bytes. On host groups the
+        slot's packer writes the segment itself; staged, the leader's own packer packs on the
+        groups' device and the message is copied into the segment once."""
+        if not self.stage:
+            self.packer = slot.packer  # the slot's packer writes into the slot's segment
+            buf, header, total = self.pack(batch)
+            if buf.data_ptr() != slot.segment.view.data_ptr():
+                raise ShmError(
+                    f"rank {self.groups.rank}: shm: the message was not packed into its slot"
+                )
+            self.take_fill()(total)
+            return buf, header, total
+        packed, header, total = self.pack(batch)
+        fill = self.take_fill()
+        if fill is not None:
+            fill(total)
+        buf = slot.buffer(max(total, 1))
+        buf[:total].copy_(packed[:total])
+        return buf, header, total
 
     def _connect(self) -> None:
         if not self.channel.connected:
@@ -98,22 +145,20 @@ class Shm(PackedStrategy):
         self.last_header = header
 
     @classmethod
-    def plan(cls, layout, spec: PayloadSpec) -> Plan:
+    def plan(cls, layout, spec: PayloadSpec, stage: bool = False) -> Plan:
         """No collective: every replica's message is a shared-memory hand-off (``Handoff``:
         the cost model prices its signals and, where the replica spans nodes, its sends to
         each other node). The leader packs the message; a receiver views it in place and
-        unpickles only the flagged non-tensor blob."""
+        unpickles only the flagged non-tensor blob. ``stage`` (a batch on a device): the
+        leader copies the message to the host once, every receiver copies it back."""
+        n = spec.message_bytes
         nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
-        shared = [
-            Handoff(tuple(ranks), spec.message_bytes)
-            for ranks in layout.replica_groups()
-            if len(ranks) > 1
-        ]
+        shared = [Handoff(tuple(r), n) for r in layout.replica_groups() if len(r) > 1]
         return Plan(
             cls.name,
             [],
-            leader=LocalWork(packed_bytes=spec.message_bytes),
-            receiver=LocalWork(pickled_bytes=nt),
+            leader=LocalWork(packed_bytes=n, d2h_bytes=n if stage else 0),
+            receiver=LocalWork(pickled_bytes=nt, h2d_bytes=n if stage else 0),
             shared=shared,
         )
 

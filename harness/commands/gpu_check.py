@@ -2,8 +2,9 @@
 
 Two named sweeps (config, in ``conf/sweep/``): ``gpu_check_nccl``, every strategy end to end
 with NCCL on a world of 1 (CUDA payload, verification on the GPU); ``gpu_check_gloo_cuda``, a
-gloo world of 4 ranks sharing the GPU with CUDA tensors: pickled, header, flat, direct against
-the floor at two sizes, where pickling CUDA tensors (device→host→device) shows. They are two
+gloo world of 4 ranks sharing the GPU with CUDA tensors: pickled, header, flat, direct, shm
+(staged through host shared memory) and auto against the floor at two sizes, where pickling
+CUDA tensors (device→host→device) shows. They are two
 files because their products differ (backend, layout, strategies and sizes all change
 together). Records go under results/gpu/<timestamp>/; a table is printed. Without a GPU it says
 so and exits 0. Missing packages install offline from ./wheels (``make gpu-wheels``).

@@ -139,8 +139,8 @@ class Slot:
 
     def allocate(self, capacity: int, device: torch.device) -> torch.Tensor:
         """``Packer``'s allocator: a new segment of exactly ``capacity`` bytes (host memory:
-        ``NodeChannel`` refuses groups on a device, and ``validate`` a batch off the groups'
-        device)."""
+        only host groups pack straight into it, and ``validate`` refuses a batch off the
+        groups' device)."""
         self.retire()
         self.generation += 1
         self.segment = Segment.make(capacity, self.generation)
@@ -166,11 +166,6 @@ class NodeChannel:
         why = available()
         if why:
             raise Unsupported(f"shm: {why}")
-        if groups.device.type != "cpu":  # raised on every rank alike, before any collective
-            raise Unsupported(
-                f"rank {groups.rank}: shm: a shared segment is host memory and the groups run "
-                f"on {groups.device}; use flat or header there"
-            )
         if slots < 1:
             raise ValueError(f"shm: slots must be >= 1, got {slots}")
         self.groups = groups

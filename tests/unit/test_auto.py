@@ -58,6 +58,17 @@ def test_auto_on_one_host_hands_the_batch_over_in_shared_memory():
         assert choose(TP2PP2, spec, candidates=network) in ("direct", "flat")
 
 
+def test_a_batch_on_a_device_prices_shms_staging_copies():
+    """On GPUs shm stages the message through host memory: its plan then carries one D2H on
+    the leader and one H2D per receiver, and over NVLink (h200_ib) a collective wins."""
+    import strategies
+
+    spec = spec_of(payloads.make("rl_rollout", 356, 512, seed=0))
+    plan = strategies.get_class("shm").plan(Layout(tp=8), spec, stage=True)
+    assert plan.leader.d2h_bytes == plan.receiver.h2d_bytes == spec.message_bytes
+    assert choose(Layout(tp=8), spec, "h200_ib", device="cuda") != "shm"
+
+
 def test_the_next_shape_is_predicted_from_what_followed_it_last_time():
     """auto prices the shape the next call will move: a constant stream predicts itself, a
     repeating pattern is predicted exactly from its second period on, and a new shape

@@ -55,14 +55,14 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def ownership_job(ctx, node_of, calls: int):
+def ownership_job(ctx, node_of, calls: int, options: dict):
     """``calls`` calls; every rank keeps the first batch, rank 2 writes into every later one.
     Returns (every call exact, the held batch still exact, fds opened meanwhile, segments
     the leader made)."""
     groups = ctx.groups_for(LAYOUT)
     if node_of is not None:
         groups = dataclasses.replace(groups, node_of=tuple(node_of))
-    strategy = strategies.get("shm", groups)
+    strategy = strategies.get("shm", groups, **options)
     exact, held = [], None
     fds = None
     for seed in range(calls):
@@ -77,6 +77,9 @@ def ownership_job(ctx, node_of, calls: int):
             out.batch["x"].add_(1.0)  # the rank's own copy: nobody else may see it
             out.batch["nested", "mask"].logical_not_()
         del out
+        # Every release is sent before the leader's next turn (the leader never waits for
+        # one), so the segments it makes are the ring's count, not the scheduler's.
+        torch.distributed.barrier()
     held_exact = same(held, batch(0))
     del held
     grew = open_fds() - fds
@@ -84,10 +87,22 @@ def ownership_job(ctx, node_of, calls: int):
     return all(exact), held_exact, grew, made
 
 
-@pytest.mark.parametrize("node_of", [None, (0, 0, 1, 1), (0, 1, 0, 1)], ids=str)
-def test_a_receivers_batch_is_its_own_and_a_held_one_is_never_overwritten(world4, node_of):
+OWNERSHIP = [
+    (None, {}),
+    ((0, 0, 1, 1), {}),
+    ((0, 1, 0, 1), {}),
+    (None, {"views": False}),
+    # The GPU path's staging (the leader's own packed buffer copied into the segment, every
+    # receiver's copy out of it), run on host groups.
+    (None, {"stage": True}),
+    ((0, 0, 1, 1), {"stage": True}),
+]
+
+
+@pytest.mark.parametrize("node_of,options", OWNERSHIP, ids=str)
+def test_a_receivers_batch_is_its_own_and_a_held_one_is_never_overwritten(world4, node_of, options):
     calls = 12
-    results = world4.run(ownership_job, node_of, calls, timeout_s=60)
+    results = world4.run(ownership_job, node_of, calls, options, timeout_s=60)
     for rank, (exact, held_exact, grew, _) in enumerate(results):
         assert exact, f"rank {rank}: a call was not exact"
         assert held_exact, f"rank {rank}: the batch held since the first call changed"
@@ -97,6 +112,24 @@ def test_a_receivers_batch_is_its_own_and_a_held_one_is_never_overwritten(world4
     # The ring serves: the held batch retires its slot once, and a release that arrives after
     # the leader's turn (the leader never waits for one) retires another; never one per call.
     assert made <= 3 + calls // 2, f"the leader made {made} segments in {calls} calls"
+
+
+def refusal_job(ctx) -> str:
+    """shm told not to stage on groups that live on a device: the error it raises."""
+    groups = dataclasses.replace(ctx.groups_for(LAYOUT), device=torch.device("meta"))
+    try:
+        strategies.get("shm", groups, stage=False)
+    except ValueError as exc:
+        return str(exc)
+    return "built"
+
+
+def test_views_of_the_segment_are_refused_for_groups_on_a_device(world4):
+    """A segment is host memory: on a device shm stages (its default there); stage=False is
+    refused on every rank, naming the rank, the device and the option that works."""
+    for rank, message in enumerate(world4.run(refusal_job)):
+        assert message.startswith(f"rank {rank}: shm: stage=False"), message
+        assert "meta" in message and "need stage=True" in message, message
 
 
 def signal_fault_job(ctx, fail_at: int):
