@@ -49,7 +49,7 @@ from strategies.core.contract import DataProto, Strategy, Unsupported, failure_i
 from strategies.core.header_format import align
 from strategies.core.layout import Layout
 from strategies.core.packed import PackedStrategy
-from strategies.core.plan import PayloadSpec, Plan, bytes_per_dtype
+from strategies.core.plan import PayloadSpec, Plan, bytes_per_dtype, plan_of
 from strategies.core.pricing import price
 
 CANDIDATES = ("flat", "direct", "header", "pp_first", "scatter_allgather", "shm")
@@ -129,10 +129,12 @@ class Auto(Strategy):
         cls, layout, spec: PayloadSpec, expect: int | None = None, cluster: str = "local"
     ) -> Plan:
         """The plan of the strategy ``choose`` picks (steady state; ``expect`` is passed to a
-        header-based choice)."""
-        chosen = strategies.get_class(choose(layout, spec, cluster))
+        header-based choice), for a batch where the cluster's ranks hold it
+        (``ClusterConf.device``)."""
+        device = (_cluster(cluster) if isinstance(cluster, str) else cluster).device
+        chosen = strategies.get_class(choose(layout, spec, cluster, device=device))
         kwargs = {"expect": expect} if "expect" in inspect.signature(chosen.plan).parameters else {}
-        return chosen.plan(layout, spec, **kwargs)
+        return plan_of(chosen, layout, spec, device, **kwargs)
 
 
 class NextShape:
@@ -193,10 +195,8 @@ def _choose(layout, spec: PayloadSpec, cluster, candidates: tuple[str, ...], dev
     conf = _cluster(cluster) if isinstance(cluster, str) else cluster
     priced: dict[str, float] = {}
     for name in candidates:
-        plan_of = strategies.get_class(name).plan
-        staged = device != "cpu" and "stage" in inspect.signature(plan_of).parameters
         try:
-            plan = plan_of(layout, spec, stage=True) if staged else plan_of(layout, spec)
+            plan = plan_of(strategies.get_class(name), layout, spec, device)
         except Unsupported:
             continue
         priced[name] = price(plan, conf, layout, check=False).total_s

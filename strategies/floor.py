@@ -118,8 +118,7 @@ class Floor(Strategy):
         if g.is_leader:
             slot = ch.writer_slot()
             slot.buffer(max(n, 1))[:n].copy_(self.sent)
-            ch.publish(slot, max(n, 1))
-            ch.send_to_nodes(self.sent, announce=False)  # prepare told every rank the size
+            ch.hand_over(slot, self.sent, announce=False)  # prepare told every rank the size
             return self.sent
         if ch.is_node_leader:
             return ch.receive_from_leader(n, n)

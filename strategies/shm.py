@@ -81,8 +81,7 @@ class Shm(PackedStrategy):
             slot = ch.writer_slot()
             buf, header, total = self._pack_into(slot, batch)
             self._connect()
-            ch.publish(slot, total)
-            ch.send_to_nodes(buf[:total], announce=True)
+            ch.hand_over(slot, buf[:total], announce=True)
             self._finish(header)
             return batch
         self._connect()
@@ -127,7 +126,7 @@ class Shm(PackedStrategy):
         fill = self.take_fill()
         if fill is not None:
             fill(total)
-        buf = slot.buffer(max(total, 1))
+        buf = slot.buffer(max(total, self.wire.expect))  # grows as the wire does, not per byte
         buf[:total].copy_(packed[:total])
         return buf, header, total
 

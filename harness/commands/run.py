@@ -25,7 +25,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from harness import paths
 from harness.errors import usage_error
 from harness.report.progress import STATE
-from harness.run import app, launch
+from harness.run import app, launch, records
 from harness.run.app import JOB_FAILURES
 from harness.run.config import BenchConf, ConfigError, register
 from harness.run.lean_import import quiet_megatron
@@ -84,6 +84,7 @@ def run(argv: list[str]) -> int:
     register()
     if any("hydra/launcher=" in arg for arg in argv):
         launch.prompt_slurm_failures()
+    records.COMMAND[:] = ["bcastbench", *argv]  # what the records say made them
     sys.argv = ["bcastbench", *_scratch_for_other_ranks(argv)]
     os.environ["HYDRA_FULL_ERROR"] = "1"
     root = None

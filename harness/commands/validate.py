@@ -44,7 +44,7 @@ from harness.report.collect import records_dir_problem
 from harness.run import payloads
 from strategies.core.cluster import ClusterError, load_cluster, preset_path
 from strategies.core.layout import Layout
-from strategies.core.plan import spec_of
+from strategies.core.plan import plan_of, spec_of
 from strategies.core.pricing import price
 
 # Megatron's import-time warnings say nothing about a price (a strategy may import it).
@@ -83,7 +83,9 @@ def price_records(df: pd.DataFrame, cluster_name: str) -> pd.DataFrame:
         layout = Layout(
             dp=int(r["dp"]), pp=int(r["pp"]), tp=int(r["tp"]), cp=int(r["cp"]), order=r["order"]
         )
-        pred = price(strategies.get_class(r["strategy"]).plan(layout, spec), cluster, layout)
+        device = r.get("device") if isinstance(r.get("device"), str) else "cpu"
+        pred = price(plan_of(strategies.get_class(r["strategy"]), layout, spec, device), cluster,
+                     layout)  # fmt: skip
         floor = price(strategies.get_class("floor").plan(layout, spec), cluster, layout)
         rows.append(_priced_row(r, layout, pred, floor))
     out = pd.DataFrame(rows)

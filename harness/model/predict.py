@@ -15,6 +15,7 @@ import numpy as np
 import strategies
 from strategies.auto import CANDIDATES, pick
 from strategies.core.formulas import tree_rounds
+from strategies.core.plan import plan_of
 from strategies.core.pricing import Prediction, price
 
 PARTS = ("local work", "intra-node α", "intra-node β", "inter-node α", "inter-node β")
@@ -50,11 +51,11 @@ def replicas_independent(layout, gpus_per_node: int) -> bool:
     return bool((shape == shape[0]).all())
 
 
-def _one_replica_plan(cls, layout, spec):
+def _one_replica_plan(cls, layout, spec, device: str = "cpu"):
     """The plan of replica 0 of ``layout``, built on a 2-replica copy of the layout (so a
     strategy that refuses DP > 1 still refuses) and moved onto replica 0's global ranks."""
     small = replace(layout, dp=2)
-    plan = cls.plan(small, spec)
+    plan = plan_of(cls, small, spec, device)
     move = dict(zip(small.replica_groups()[0], layout.replica_groups()[0]))
     comms = [
         replace(
@@ -75,18 +76,20 @@ def price_strategy(name: str, layout, spec, cluster) -> Prediction:
     """``price(plan(layout, spec))``; for a big DP whose replicas are independent
     (``replicas_independent``) one replica is planned and priced and the group counts scaled,
     which is exact and ~dp× faster (a 16k-rank layout of per-tensor broadcasts has 28k comms).
-    Raises ``strategies.Unsupported`` when the strategy refuses the layout."""
+    Raises ``strategies.Unsupported`` when the strategy refuses the layout. The batch is where
+    the cluster's ranks hold it (``ClusterConf.device``: shm stages a device batch)."""
     cls = strategies.get_class(name)
+    device = cluster.device
     if not replicas_independent(layout, cluster.gpus_per_node):
         # check=False: the test-suite checks plans against real runs; the O(ranks) check
         # would double the time of a 16k-rank layout.
-        return price(cls.plan(layout, spec), cluster, layout, check=False)
+        return price(plan_of(cls, layout, spec, device), cluster, layout, check=False)
     try:
-        one = _one_replica_plan(cls, layout, spec)
+        one = _one_replica_plan(cls, layout, spec, device)
     except strategies.Unsupported:
         # Refuse with the real layout in the message (refusals are raised before any planning,
         # so this is cheap); a strategy that refuses only the 2-replica copy is planned in full.
-        return price(cls.plan(layout, spec), cluster, layout, check=False)
+        return price(plan_of(cls, layout, spec, device), cluster, layout, check=False)
     pred = price(one, cluster, layout, check=False)
     steps = tuple(
         replace(s, n_comms=s.n_comms * layout.dp, n_inter=s.n_inter * layout.dp) for s in pred.steps

@@ -178,6 +178,12 @@ def git_rev() -> str:
         return "unknown"
 
 
+COMMAND: list[str] = []
+"""The command line as its user typed it, when the command that parsed it changed ``sys.argv``
+for Hydra (``harness.commands.run`` appends the sweep directory it claimed); empty: the
+process's own ``sys.argv``."""
+
+
 def environment() -> dict:
     return {
         "torch_version": torch.__version__,
@@ -188,7 +194,7 @@ def environment() -> dict:
         "cpu_count": os.cpu_count(),
         "git_rev": git_rev(),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": " ".join(COMMAND or [Path(sys.argv[0]).name, *sys.argv[1:]]),
     }
 
 

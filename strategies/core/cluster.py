@@ -220,6 +220,12 @@ class ClusterConf:
         return self.device_copy_gbytes_per_s * GB
 
     @property
+    def device(self) -> str:
+        """Where the cluster's ranks hold their batch: 'cuda' when it describes an on-device
+        copy rate (``device_copy_gbytes_per_s``), else 'cpu' (host processes)."""
+        return "cuda" if self.device_copy_gbytes_per_s > 0 else "cpu"
+
+    @property
     def pack_copy_bytes_per_s(self) -> float:
         """Rate of ``packed_bytes``/``copied_bytes``: on-device copy if set, else host memcpy."""
         return (self.device_copy_gbytes_per_s or self.memcpy_gbytes_per_s) * GB

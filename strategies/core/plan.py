@@ -58,11 +58,12 @@ class LocalWork:
 
 @dataclass(frozen=True)
 class Handoff:
-    """One replica's message handed to its ranks through shared memory (``shm``): the root
-    writes it once into its node's segment and signals each rank of its node; the ranks on
-    other nodes get it from one rank per node (two point-to-point sends from the root each),
-    which writes it into that node's segment and signals its node. Not collectives: a layout
-    holds no nodes, so ``pricing.price`` derives the crossings from the cluster's nodes."""
+    """One replica's message handed to its ranks through shared memory (``shm``,
+    ``floor:shm``): the root writes it once into its node's segment and signals each rank of
+    its node; the ranks on other nodes get it from one rank per node (point-to-point from the
+    root), which writes it into that node's segment and signals its node. Not collectives: a
+    layout holds no nodes, so ``pricing.price`` derives the crossings from the cluster's
+    nodes."""
 
     ranks: tuple[int, ...]
     """Global ranks of the replica, the root first."""
@@ -96,6 +97,17 @@ class Plan:
     @property
     def steps(self) -> int:
         return 1 + max((c.step for c in self.comms), default=-1)
+
+
+def plan_of(cls, layout, spec, device: str = "cpu", **options) -> Plan:
+    """``cls.plan(layout, spec, **options)`` for a batch on ``device``: a plan that can stage
+    through host memory (its ``stage`` parameter: ``shm``) is staged off the CPU, as the
+    strategy itself does there."""
+    import inspect
+
+    if device != "cpu" and "stage" in inspect.signature(cls.plan).parameters:
+        options = {**options, "stage": True}
+    return cls.plan(layout, spec, **options)
 
 
 @dataclass(frozen=True)

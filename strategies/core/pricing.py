@@ -479,7 +479,9 @@ def handoff_comms(plan: Plan, cluster: ClusterConf, step: int) -> list[Comm]:
     first rank of each other node, the j-th of every replica in step ``step + j`` (the
     replicas' roots send at once; one root's sends share its node's port, so taking them one
     per step prices the same bytes through it). The size each is announced with travels
-    ahead on the same connection and is not priced."""
+    ahead on the same connection and is not priced. Each crossing is priced on the cluster's
+    inter-node link, the one its collectives use; shm sends through gloo's host sockets, so on
+    a cluster whose collectives run on NCCL over InfiniBand this is optimistic."""
     comms = []
     for h in plan.shared:
         for j, node in enumerate(handoff_nodes(h, cluster)[1:]):
@@ -491,7 +493,9 @@ def handoff_comms(plan: Plan, cluster: ClusterConf, step: int) -> list[Comm]:
 
 def handoff_signals(plan: Plan, cluster: ClusterConf) -> int:
     """Signals on the critical path of the plan's hand-offs: the most ranks any writer signals
-    (a node's writer tells its node's other ranks one after another; nodes signal at once)."""
+    (a node's writer tells its node's other ranks one after another; the replica leader
+    signals its own node while its sends to the other nodes are in flight, so the path is the
+    crossings, then the busiest other node's signals)."""
     return max(
         (len(node) - 1 for h in plan.shared for node in handoff_nodes(h, cluster)), default=0
     )

@@ -437,18 +437,20 @@ class NodeChannel:
         return map_private(seg.fd, nbytes, self.groups.rank, self.local_releases.append, release)
 
     # -- across nodes ----------------------------------------------------------------------
-    def send_to_nodes(self, buf: torch.Tensor, announce: bool) -> None:
-        """Replica leader: ``buf`` to every other node's leader (two point-to-point sends each
-        when ``announce``: the size, then the bytes; the bytes alone when they know the size)."""
+    def hand_over(self, slot: Slot, buf: torch.Tensor, announce: bool) -> None:
+        """Replica leader: ``buf`` (the message in ``slot``'s segment) to every other node's
+        leader and to this node's readers. The point-to-point sends (the size first when
+        ``announce``, then the bytes) are posted before this node is signalled, so the other
+        nodes' transfers run while it signals; then they are waited for. A send that fails
+        to post leaves nobody waiting for a signal: nothing was signalled yet."""
         g = self.groups
         others = g.node_leaders[1:]
-        if not others:
-            return
         handles = []
-        if announce:
+        if announce and others:
             size = torch.tensor([buf.numel()], dtype=torch.int64)
             handles += [dist.isend(size, dst, group=g.cpu_replica_group) for dst in others]
         handles += [dist.isend(buf, dst, group=g.cpu_replica_group) for dst in others]
+        self.publish(slot, max(buf.numel(), 1))
         for h in handles:
             h.wait()
 

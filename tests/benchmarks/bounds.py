@@ -64,9 +64,10 @@ BOUNDS: dict[tuple[str, str], dict[str, float]] = {
         "vs_baseline": 1.0,
         "collectives_per_call": 4,
     },
-    # auto serves the call with the built-in the cost model picks on one host: flat at both
-    # sizes (one broadcast at 69 KiB, 2 segments at 8 MiB); bounds are the larger
-    # of the candidates' own, so a re-calibration that moves the pick does not fail the gate.
+    # auto serves the call with the built-in the cost model picks on one host: shm at 8 MiB,
+    # shm or flat at 69 KiB (a signal per rank against one broadcast's α, which a calibration
+    # on a loaded host can tip); bounds are the larger of the candidates' own, so a
+    # re-calibration that moves the pick does not fail the gate.
     ("auto", "69KiB"): {"vs_floor_network": 3.0, "vs_baseline": 0.7, "collectives_per_call": 1},
     ("auto", "8MiB"): {"vs_floor_network": 2.0, "vs_baseline": 0.7, "collectives_per_call": 4},
     # shm moves no byte through gloo: held to the whole floor (its node-local method is the
@@ -81,7 +82,7 @@ BOUNDS: dict[tuple[str, str], dict[str, float]] = {
 }
 
 
-AUTO_FIXED = ("direct", "flat", "header", "pp_first")
+AUTO_FIXED = ("direct", "flat", "header", "pp_first", "shm")
 """The fixed strategies ``auto`` is timed against in the same job (``test_auto_vs_best_fixed``)."""
 
 AUTO_VS_BEST = {"full": 1.05, "short": 1.5}
@@ -98,7 +99,8 @@ sample plus texts): 128 -> about 2.9 MiB, 2 -> about 46 KiB, cycled call by call
 
 ALTERNATING_STRATEGIES = ("header", "flat", "auto")
 """The header family: strategies on the wire (``strategies.core.wire``), the state a call
-after a call of another size can inherit (its speculative first message, its buffers)."""
+after a call of another size can inherit (its speculative first message, its buffers); auto
+as a user gets it (on one host it serves with shm, whose ring of segments is such state too)."""
 
 VS_STEADY = {"full": 1.2, "short": 2.0}
 """Largest allowed p50 of a shape inside the alternating sequence / the same shape's

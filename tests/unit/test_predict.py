@@ -19,7 +19,7 @@ from harness.run import payloads
 from strategies import Unsupported, get_class, has_plan, names
 from strategies.core.cluster import load_cluster
 from strategies.core.layout import Layout
-from strategies.core.plan import spec_of
+from strategies.core.plan import plan_of, spec_of
 from strategies.core.pricing import price
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,7 +107,7 @@ def test_one_replica_pricing_equals_full_pricing(cluster, layout):
     # A strategy without a plan (one a user installed) is measured, not priced.
     for name in [*filter(has_plan, names()), "floor"]:
         try:
-            full = price(get_class(name).plan(layout, spec), c, layout)
+            full = price(plan_of(get_class(name), layout, spec, c.device), c, layout)
         except Unsupported:
             with pytest.raises(Unsupported):
                 price_strategy(name, layout, spec, c)
@@ -117,6 +117,25 @@ def test_one_replica_pricing_equals_full_pricing(cluster, layout):
         assert [s.n_comms for s in fast.steps] == [s.n_comms for s in full.steps]
     assert replicas_independent(Layout(dp=4, pp=2, tp=8), 8)
     assert not replicas_independent(Layout(dp=4, pp=2, tp=2), 8)
+
+
+def test_a_gpu_cluster_prices_shm_with_its_staging_copies():
+    """h200_ib's ranks hold their batch on the GPU (``ClusterConf.device``): shm is priced
+    staged through host memory (one D2H on the leader, one H2D per receiver), as it runs there,
+    so over NVLink a collective beats it and auto would not pick it; on the local CPU preset
+    the same plan carries no copy."""
+    from harness.model.predict import auto_pick
+
+    h200, local = load_cluster("h200_ib"), load_cluster("local")
+    assert (h200.device, local.device) == ("cuda", "cpu")
+    layout = Layout(tp=8)
+    spec = scaled_spec("rl_rollout", 512, 4096)
+    preds = predict_all(layout, spec, h200)
+    leader = {w.role: w for w in preds["shm"].local}["leader"]
+    assert leader.d2h_s > 0
+    assert auto_pick(preds) != "shm"
+    local_leader = {w.role: w for w in price_strategy("shm", layout, spec, local).local}
+    assert local_leader["leader"].d2h_s == 0
 
 
 def test_predict_all_marks_unsupported():

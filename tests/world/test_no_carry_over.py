@@ -10,6 +10,7 @@ from batchgen import batch_problems
 
 import strategies
 from harness.run import payloads
+from strategies.auto import CANDIDATES
 from strategies.core.layout import Layout
 from strategies.core.plan import spec_of
 from strategies.core.trace import Recorder
@@ -20,14 +21,16 @@ SIZES = [SMALL_B, LARGE_B, SMALL_B, LARGE_B, SMALL_B, LARGE_B, SMALL_B]
 """Small first: a first call has no history, and a wire that has seen only one size (a stream
 settled on it) posts that size once for a small batch (strategies/core/wire.py)."""
 STRATEGIES = ("header", "flat", "auto", "scatter_allgather", "pp_first", "direct", "shm")
-"""shm (and auto, which serves one host with it) posts no broadcast at all: its first message
-counts as 0 bytes."""
+"""shm posts no broadcast at all: its first message counts as 0 bytes."""
+OPTIONS = {"auto": {"candidates": [c for c in CANDIDATES if c != "shm"]}}
+"""auto among the strategies on the wire (on one host it would choose shm): its choices share
+one ``Wire``, the state a call can inherit from the call before."""
 
 
 def alternating_job(ctx, name: str) -> dict:
     """Every call with fresh data; per call, this rank's problems and first broadcast."""
     groups = ctx.groups_for(LAYOUT)
-    strategy = strategies.get(name, groups)
+    strategy = strategies.get(name, groups, **OPTIONS.get(name, {}))
     problems, first_bytes = [], []
     for call, b in enumerate(SIZES):
         expected = payloads.make("rl_rollout", b, SEQ_LEN, seed=call)
