@@ -46,6 +46,7 @@ from strategies.core.cluster import ClusterError, load_cluster, preset_path
 from strategies.core.layout import Layout
 from strategies.core.plan import plan_of, spec_of
 from strategies.core.pricing import price
+from strategies.floor import METHODS as FLOOR_METHODS
 
 # Megatron's import-time warnings say nothing about a price (a strategy may import it).
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron.*")
@@ -68,6 +69,17 @@ def calibration_world(cluster_name: str) -> tuple[int | None, str]:
     return (int(m.group(1)), m.group(0).lstrip("# ")) if m else (None, "")
 
 
+def floor_plan(layout, spec, method):
+    """The plan of the raw method that set a record's floor (``floor_method``: one, chunks2,
+    chunks4, seed_hops, pp_first, shm), so the predicted floor is the measured one's; one
+    broadcast for a record that does not say."""
+    floor = strategies.get_class("floor")
+    method = method if isinstance(method, str) else "one"
+    if method.startswith("chunks") and method[6:].isdigit():
+        return floor.plan(layout, spec, method="chunks", chunks=int(method[6:]))
+    return floor.plan(layout, spec, method=method if method in FLOOR_METHODS else "one")
+
+
 def price_records(df: pd.DataFrame, cluster_name: str) -> pd.DataFrame:
     """One row per measured, supported record with predicted and measured times (µs)."""
     cluster = load_cluster(cluster_name)
@@ -86,7 +98,7 @@ def price_records(df: pd.DataFrame, cluster_name: str) -> pd.DataFrame:
         device = r.get("device") if isinstance(r.get("device"), str) else "cpu"
         pred = price(plan_of(strategies.get_class(r["strategy"]), layout, spec, device), cluster,
                      layout)  # fmt: skip
-        floor = price(strategies.get_class("floor").plan(layout, spec), cluster, layout)
+        floor = price(floor_plan(layout, spec, r.get("floor_method")), cluster, layout)
         rows.append(_priced_row(r, layout, pred, floor))
     out = pd.DataFrame(rows)
     if out.empty:

@@ -138,6 +138,21 @@ def test_a_gpu_cluster_prices_shm_with_its_staging_copies():
     assert local_leader["leader"].d2h_s == 0
 
 
+def test_validate_prices_the_floor_method_that_won():
+    """A record's measured floor is its fastest raw method (``floor_method``); validate prices
+    that method, not always one broadcast (a node-local shm floor has no collective at all)."""
+    from harness.commands.validate import floor_plan
+
+    layout = Layout(tp=2, pp=2)
+    spec = spec_of(payloads.make("rl_rollout", 128, 512, seed=0))
+    assert len(floor_plan(layout, spec, "one").comms) == 1
+    assert len(floor_plan(layout, spec, "chunks4").comms) == 4
+    shm = floor_plan(layout, spec, "shm")
+    assert shm.comms == [] and [h.ranks for h in shm.shared] == [(0, 1, 2, 3)]
+    for unknown in (None, float("nan"), "leader:floor"):  # older or dispatch records
+        assert len(floor_plan(layout, spec, unknown).comms) == 1
+
+
 def test_predict_all_marks_unsupported():
     preds = predict_all(
         Layout(dp=2, pp=2, tp=2), scaled_spec("pretrain", 4, 64), load_cluster("local")
