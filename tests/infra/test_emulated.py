@@ -115,12 +115,14 @@ def test_torchrun_across_two_hosts(netns_ok, tmp_path):
     assert names and not set(names) & set(_our_netns())
 
 
-def _emulated_job(run_dir, *overrides: str) -> tuple[subprocess.CompletedProcess, float]:
-    """One ``python -m harness`` job on the emulated cluster (tp2pp2, no references) and its
-    wall time."""
+def _emulated_job(
+    run_dir, *overrides: str, references: str = "[]"
+) -> tuple[subprocess.CompletedProcess, float]:
+    """One ``python -m harness`` job on the emulated cluster (tp2pp2, no references unless
+    given) and its wall time."""
     t0 = time.monotonic()
     res = subprocess.run(
-        [sys.executable, "-m", "harness", "layout=tp2pp2", "references=[]", *FAST,
+        [sys.executable, "-m", "harness", "layout=tp2pp2", f"references={references}", *FAST,
          "emulate.enabled=true", *overrides, f"hydra.run.dir={run_dir}"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -162,6 +164,32 @@ def test_emulated_cluster_job_records_shape_and_bytes(netns_ok, tmp_path):
     print(
         f"\nemulated job: {elapsed:.0f} s, {rec['cross_node_bytes_per_call'] / s:.3f} x S crossed"
     )
+
+
+@pytest.mark.world
+def test_shared_memory_strategies_cross_each_node_link_as_their_peers_do(netns_ok, tmp_path):
+    """Across two emulated nodes (each a network namespace, its own address): shm sends the
+    message once to the other node's first rank, which hands it to its node in shared
+    memory; vllm_shm_broadcast's readers on the other node subscribe to the writer's ZMQ
+    socket on the node's address, and each gets its own copy of the pickle, as vLLM's remote
+    readers do. Both arrive bit for bit."""
+    run_dir = tmp_path / "run"
+    res, _ = _emulated_job(
+        run_dir, "strategy=vllm_shm_broadcast", "emulate.nodes=2", "emulate.rate_mbit=1000",
+        "emulate.links=node", "timeout_s=60", references="[shm]",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    rec = json.loads((run_dir / "result.json").read_text())
+    assert rec["correct"] is True and rec["emulate_ranks_per_node"] == 2
+    s = rec["payload_bytes"]
+    # A segment a shaped link dropped is counted again when TCP resends it (a busy host).
+    slack = 16384 + 1514 * rec["emulate_retransmitted_segments"]
+    shm = rec["references"]["shm"]["cross_node_bytes_per_call"]
+    assert s * WIRE <= shm <= s * WIRE * 1.1 + slack, rec["references"]["shm"]
+    # Two remote readers: two copies of a pickle at least as large as the tensors.
+    vllm = rec["cross_node_bytes_per_call"]
+    assert 2 * s * WIRE <= vllm <= 3 * s * WIRE + slack, rec
+    assert _our_netns() == []
 
 
 @pytest.mark.world
