@@ -82,11 +82,22 @@ CASES = {
 }
 
 
+VARIANTS = {"shm:stage": ("shm", {"stage": True})}
+"""Leader paths a strategy takes only under an option, run through the same cases: shm's
+staged (GPU) path packs into the leader's own buffer and copies it into the segment."""
+
+
+def build_strategy(name: str, groups):
+    """``name`` from the registry, or a ``VARIANTS`` entry with its options."""
+    name, options = VARIANTS.get(name, (name, {}))
+    return strategies.get(name, groups, **options)
+
+
 def failure_job(ctx, name: str, layout: Layout, case: str):
     """One call with the case's object on the leader and the ordinary entry state elsewhere;
     returns ("raised", "Type: message") or ("exact", problems) for this rank."""
     groups = ctx.groups_for(layout)
-    strategy = strategies.get(name, groups)
+    strategy = build_strategy(name, groups)
     make, _ = CASES[case]
     expected = make()
     entry = make() if groups.is_leader else strategies.DataProto(None, {}, {"step": 1})
@@ -107,7 +118,7 @@ def failure_job(ctx, name: str, layout: Layout, case: str):
 
 @pytest.mark.world
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("name", strategies.names())
+@pytest.mark.parametrize("name", [*strategies.names(), *VARIANTS])
 def test_every_rank_raises_the_leaders_error_or_ends_exact(world4, name, case):
     layout = LAYOUTS["tp2pp2"]
     results, outcome = run_within_limit(world4, failure_job, name, layout, case)
