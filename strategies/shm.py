@@ -82,7 +82,7 @@ class Shm(PackedStrategy):
             buf, header, total = self._pack_into(slot, batch)
             self._connect()
             ch.hand_over(slot, buf[:total], announce=True)
-            self._finish(header)
+            self.agree(header, total)  # auto's candidates share one Wire: keep it agreed
             return batch
         self._connect()
         if ch.is_node_leader:
@@ -96,7 +96,7 @@ class Shm(PackedStrategy):
                 f"rank {g.rank}: shm: the header claims {total} bytes, the segment holds "
                 f"{buf.numel()}"
             )
-        self._finish(header)
+        self.agree(header, total)
         if self.stage:  # onto this rank's device; the segment goes with buf
             staged = torch.empty(total, dtype=torch.uint8, device=g.device)
             staged.copy_(buf[:total])
@@ -133,15 +133,6 @@ class Shm(PackedStrategy):
     def _connect(self) -> None:
         if not self.channel.connected:
             self.channel.connect()
-
-    def _finish(self, header) -> None:
-        """Every rank adopts the next size the header announced, as a wire strategy would:
-        under ``auto`` the candidates share one ``Wire``, so the one that serves the next call
-        posts the size every rank agreed to."""
-        total = header.total_bytes
-        nxt = self.wire.next_expect(total) if self.groups.is_leader else header.next_expect
-        self.wire.finish(nxt, total)
-        self.last_header = header
 
     @classmethod
     def plan(cls, layout, spec: PayloadSpec, stage: bool = False) -> Plan:

@@ -46,7 +46,6 @@ from strategies.core.cluster import ClusterError, load_cluster, preset_path
 from strategies.core.layout import Layout
 from strategies.core.plan import plan_of, spec_of
 from strategies.core.pricing import price
-from strategies.floor import METHODS as FLOOR_METHODS
 
 # Megatron's import-time warnings say nothing about a price (a strategy may import it).
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron.*")
@@ -70,14 +69,11 @@ def calibration_world(cluster_name: str) -> tuple[int | None, str]:
 
 
 def floor_plan(layout, spec, method):
-    """The plan of the raw method that set a record's floor (``floor_method``: one, chunks2,
-    chunks4, seed_hops, pp_first, shm), so the predicted floor is the measured one's; one
-    broadcast for a record that does not say."""
+    """The plan of the raw method that set a record's floor (``floor_method``), with the
+    options ``Floor.variants`` gave it in the job, so the predicted floor is the measured
+    one's; one broadcast for a record that names none of them."""
     floor = strategies.get_class("floor")
-    method = method if isinstance(method, str) else "one"
-    if method.startswith("chunks") and method[6:].isdigit():
-        return floor.plan(layout, spec, method="chunks", chunks=int(method[6:]))
-    return floor.plan(layout, spec, method=method if method in FLOOR_METHODS else "one")
+    return floor.plan(layout, spec, **floor.variants(layout).get(f"floor:{method}", {}))
 
 
 def price_records(df: pd.DataFrame, cluster_name: str) -> pd.DataFrame:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -63,16 +63,20 @@ def node_indices(keys: Sequence[str]) -> tuple[int, ...]:
     return tuple(index.setdefault(k, len(index)) for k in keys)
 
 
-def node_split(ranks: Sequence[int], node_of: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+def node_split(
+    ranks: Sequence[int], node_of: Sequence[int] | Callable[[int], int]
+) -> tuple[tuple[int, ...], ...]:
     """``ranks`` (a replica, in its order) split by node: one tuple per node, in the order the
     nodes first appear in ``ranks``, each in ``ranks``' order. Its first ranks are the node
-    leaders, and the first of those is ``ranks[0]`` (the replica's leader). An empty
-    ``node_of`` means one node."""
-    if not node_of:
+    leaders, and the first of those is ``ranks[0]`` (the replica's leader). ``node_of`` is each
+    rank's node, by index (a world's) or as a function (a cluster's ``ClusterConf.node_of``);
+    an empty sequence means one node."""
+    if not callable(node_of) and not node_of:
         return (tuple(ranks),)
+    lookup = node_of if callable(node_of) else node_of.__getitem__
     by_node: dict[int, list[int]] = {}
     for r in ranks:
-        by_node.setdefault(node_of[r], []).append(r)
+        by_node.setdefault(lookup(r), []).append(r)
     return tuple(tuple(members) for members in by_node.values())
 
 

@@ -105,13 +105,18 @@ class PackedStrategy(Strategy):
     def complete(self, batch: DataProto, buf, header: Header, total: int, direct=()) -> DataProto:
         """End of a call on every rank: agree on the next size, then unpack."""
         g = self.groups
-        nxt = self.wire.next_expect(total) if g.is_leader else header.next_expect
-        self.wire.finish(nxt, total)
-        self.last_header = header
+        self.agree(header, total)
         self._direct = []  # the call's leaves are the caller's again: hold none across calls
         if not g.is_leader:
             self.finish_receiver(batch, buf, header, direct)
         return batch
+
+    def agree(self, header: Header, total: int) -> None:
+        """Every rank adopts the next size the leader announced (the leader computes it, a
+        receiver reads it from the header) and keeps the header (``last_header``)."""
+        nxt = self.wire.next_expect(total) if self.groups.is_leader else header.next_expect
+        self.wire.finish(nxt, total)
+        self.last_header = header
 
     def direct_leaves(self, parts: list) -> frozenset[int]:
         """Indices (in ``parts.message_parts`` order) of the dense leaves that travel on their

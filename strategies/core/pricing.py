@@ -15,8 +15,9 @@ from typing import Any, Literal
 
 from strategies.core.cluster import ClusterConf
 from strategies.core.formulas import COLLECTIVES, ceil_log2, coefficients, tree_rounds
+from strategies.core.groups import node_split
 from strategies.core.layout import Layout
-from strategies.core.plan import Comm, Handoff, LocalWork, Plan
+from strategies.core.plan import Comm, LocalWork, Plan
 
 LinkName = Literal["intra", "inter", "none"]
 
@@ -464,16 +465,6 @@ def _local_costs(plan: Plan, cluster: ClusterConf) -> tuple[LocalCost, ...]:
     return tuple(costs)
 
 
-def handoff_nodes(handoff: Handoff, cluster: ClusterConf) -> list[tuple[int, ...]]:
-    """The hand-off's ranks split by ``cluster.node_of``: one tuple per node in the order the
-    nodes first appear, the root's node first; each tuple's first rank writes its node's
-    segment (the same split as ``groups.node_split``, from the cluster's nodes)."""
-    by_node: dict[int, list[int]] = {}
-    for r in handoff.ranks:
-        by_node.setdefault(cluster.node_of(r), []).append(r)
-    return [tuple(members) for members in by_node.values()]
-
-
 def handoff_comms(plan: Plan, cluster: ClusterConf, step: int) -> list[Comm]:
     """The crossings of the plan's hand-offs, from ``step`` on: the root's message to the
     first rank of each other node, the j-th of every replica in step ``step + j`` (the
@@ -484,7 +475,7 @@ def handoff_comms(plan: Plan, cluster: ClusterConf, step: int) -> list[Comm]:
     a cluster whose collectives run on NCCL over InfiniBand this is optimistic."""
     comms = []
     for h in plan.shared:
-        for j, node in enumerate(handoff_nodes(h, cluster)[1:]):
+        for j, node in enumerate(node_split(h.ranks, cluster.node_of)[1:]):
             comms.append(
                 Comm("broadcast", (h.root, node[0]), h.root, h.nbytes, step + j, "handoff")
             )
@@ -497,7 +488,8 @@ def handoff_signals(plan: Plan, cluster: ClusterConf) -> int:
     signals its own node while its sends to the other nodes are in flight, so the path is the
     crossings, then the busiest other node's signals)."""
     return max(
-        (len(node) - 1 for h in plan.shared for node in handoff_nodes(h, cluster)), default=0
+        (len(node) - 1 for h in plan.shared for node in node_split(h.ranks, cluster.node_of)),
+        default=0,
     )
 
 
