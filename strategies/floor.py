@@ -28,17 +28,16 @@ import torch
 import torch.distributed as dist
 
 from strategies.core.contract import DataProto, Strategy, Unsupported, wants_non_tensor
+from strategies.core.formulas import chunk_bounds
 from strategies.core.parts import as_bytes, encode_non_tensor, message_parts
 from strategies.core.plan import Comm, Handoff, LocalWork, PayloadSpec, Plan
-from strategies.core.shm import NodeChannel
+from strategies.core.shm import DEFAULT_STRIPE_MIN_BYTES, NodeChannel
 from strategies.pp_first import leader_pp_groups
 
 METHODS = ("one", "chunks", "seed_hops", "pp_first", "shm")
 CHUNKS = (2, 4)
 """Chunk counts the harness measures (gloo runs two broadcasts of a group at once; four keeps
 both threads busy while each slice's reply is pending)."""
-CHUNK_ALIGN = 4096
-"""Slice boundaries fall on whole pages, so no two threads touch one page."""
 
 
 class Floor(Strategy):
@@ -142,7 +141,11 @@ class Floor(Strategy):
     def plan(cls, layout, spec: PayloadSpec, method: str = "one", chunks: int = 4) -> Plan:
         nbytes = spec.tensor_bytes + (spec.non_tensor_bytes if spec.broadcast_non_tensor else 0)
         if method == "shm":  # a hand-off per replica: the cost model finds the nodes it spans
-            shared = [Handoff(tuple(r), nbytes) for r in layout.replica_groups() if len(r) > 1]
+            shared = [
+                Handoff(tuple(r), nbytes, DEFAULT_STRIPE_MIN_BYTES)
+                for r in layout.replica_groups()
+                if len(r) > 1
+            ]
             leader = LocalWork(copied_bytes=nbytes)  # the one copy into the segment is timed
             return Plan(cls.name, [], leader=leader, receiver=LocalWork(), shared=shared)
         if method == "seed_hops":
@@ -160,12 +163,6 @@ class Floor(Strategy):
             for r in groups
         ]
         return Plan(cls.name, comms, leader=LocalWork(), receiver=LocalWork())
-
-
-def chunk_bounds(nbytes: int, chunks: int) -> list[tuple[int, int]]:
-    """Byte ranges of ``chunks`` page-aligned slices covering ``nbytes`` (fewer when small)."""
-    step = max(CHUNK_ALIGN, -(-nbytes // max(chunks, 1) // CHUNK_ALIGN) * CHUNK_ALIGN)
-    return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)] or [(0, 0)]
 
 
 def _broadcast_chunks(buf: torch.Tensor, bounds, group, src: int) -> None:

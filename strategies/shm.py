@@ -7,7 +7,9 @@ collective (``strategies.core.shm`` has the ring, the signal and the release pro
 nodes it is hierarchical: the leader sends the message to one rank per other node (its node
 leader, two point-to-point sends: the size, then the bytes straight from the segment), which
 receives it into its own node's segment and signals its node the same way; each node link
-carries the message once.
+carries the message once. A large message crosses in stripes (``stripe_min_bytes`` below):
+the other ranks of the leader's node send their slices of it to their peers on the other
+node, which write them into that node's segment before it is signalled.
 
 A receiver's batch is copy-on-write: writing into it changes only that rank's copy, never the
 segment or another rank's batch, and a batch held across calls is never overwritten (its slot
@@ -28,6 +30,11 @@ Options:
 - ``stage`` (None: True for groups on a device, else False): stage through the groups' device
   as above; on host groups it gives owned copies the way a GPU job gets them (what the CPU
   tests check of the GPU path); False on a device is refused (a segment cannot be viewed there);
+- ``stripe_min_bytes`` (1 MiB): across nodes, a message at least this large crosses in
+  stripes: the i-th rank of the leader's node sends the i-th slice to the i-th rank of each
+  other node, which writes it into its node's segment (with one link per GPU each link
+  carries its share; with one link per node it carries the message once either way); None
+  sends every message whole, leader to node leader;
 - ``max_bytes`` (16 GiB): receivers refuse a header that claims more than this.
 """
 
@@ -39,7 +46,7 @@ from strategies.core.contract import DataProto, deliver
 from strategies.core.header_format import DEFAULT_MAX_BYTES, HeaderError, read_header
 from strategies.core.packed import PackedStrategy
 from strategies.core.plan import Handoff, LocalWork, PayloadSpec, Plan
-from strategies.core.shm import NodeChannel, ShmError
+from strategies.core.shm import DEFAULT_STRIPE_MIN_BYTES, NodeChannel, ShmError
 from strategies.core.unpacker import unpack
 
 
@@ -56,6 +63,7 @@ class Shm(PackedStrategy):
         slots: int = 3,
         views: bool = True,
         stage: bool | None = None,
+        stripe_min_bytes: int | None = DEFAULT_STRIPE_MIN_BYTES,
         max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         on_device = groups.device.type != "cpu"
@@ -67,7 +75,7 @@ class Shm(PackedStrategy):
                 f"is host memory; groups on {groups.device} need stage=True (their default)"
             )
         super().__init__(groups, max_bytes=max_bytes)
-        self.channel = NodeChannel(groups, slots)
+        self.channel = NodeChannel(groups, slots, stripe_min_bytes)
         self.views = views
         self.stage = stage
         self._headers: dict = {}  # read_header's cache: same-shaped batches decode once
@@ -135,15 +143,24 @@ class Shm(PackedStrategy):
             self.channel.connect()
 
     @classmethod
-    def plan(cls, layout, spec: PayloadSpec, stage: bool = False) -> Plan:
+    def plan(
+        cls,
+        layout,
+        spec: PayloadSpec,
+        stage: bool = False,
+        stripe_min_bytes: int | None = DEFAULT_STRIPE_MIN_BYTES,
+    ) -> Plan:
         """No collective: every replica's message is a shared-memory hand-off (``Handoff``:
         the cost model prices its signals and, where the replica spans nodes, its sends to
         each other node). The leader packs the message; a receiver views it in place and
         unpickles only the flagged non-tensor blob. ``stage`` (a batch on a device): the
-        leader copies the message to the host once, every receiver copies it back."""
+        leader copies the message to the host once, every receiver copies it back.
+        ``stripe_min_bytes`` as the strategy's: the cost model prices the stripes."""
         n = spec.message_bytes
         nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
-        shared = [Handoff(tuple(r), n) for r in layout.replica_groups() if len(r) > 1]
+        shared = [
+            Handoff(tuple(r), n, stripe_min_bytes) for r in layout.replica_groups() if len(r) > 1
+        ]
         return Plan(
             cls.name,
             [],

@@ -16,6 +16,16 @@ class ClusterError(ValueError):
     """A cluster description that cannot be priced; the message names the field and value."""
 
 
+PAGE_BYTES = 4096
+"""Slices of one buffer start on whole pages, so no two threads or senders touch one page."""
+
+
+def chunk_bounds(nbytes: int, chunks: int) -> list[tuple[int, int]]:
+    """Byte ranges of ``chunks`` page-aligned slices covering ``nbytes`` (fewer when small)."""
+    step = max(PAGE_BYTES, -(-nbytes // max(chunks, 1) // PAGE_BYTES) * PAGE_BYTES)
+    return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)] or [(0, 0)]
+
+
 def ceil_log2(p: int) -> int:
     return (p - 1).bit_length() if p > 1 else 0
 

@@ -17,6 +17,8 @@ import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from strategies.core.formulas import chunk_bounds
+
 
 class GroupMismatch(RuntimeError):
     """The groups megatron-core built do not form the layout the strategies need (or disagree
@@ -78,6 +80,36 @@ def node_split(
     for r in ranks:
         by_node.setdefault(lookup(r), []).append(r)
     return tuple(tuple(members) for members in by_node.values())
+
+
+@dataclass(frozen=True)
+class Stripe:
+    """One slice of a message crossing to another node: ``sender`` (on the replica leader's
+    node) sends bytes [lo, hi) to ``receiver`` (on the other node)."""
+
+    sender: int
+    receiver: int
+    lo: int
+    hi: int
+
+
+def stripes(
+    nodes: Sequence[Sequence[int]], nbytes: int, min_bytes: int | None
+) -> tuple[tuple[Stripe, ...], ...]:
+    """How a message of ``nbytes`` crosses from the first node of ``nodes`` (``node_split``'s
+    tuples, the replica leader's node first) to each other node: one tuple of stripes per
+    other node. The i-th rank of the first node sends the i-th page-aligned slice to the i-th
+    rank of the other node, as many slices as the smaller node has ranks, so each rank's own
+    link carries its share (one link per GPU) and the node's link carries the message once.
+    A message below ``min_bytes`` (or ``min_bytes`` None) crosses whole, leader to node
+    leader. Pure: every rank derives the same stripes from the same arguments."""
+    first = nodes[0] if nodes else ()
+    out = []
+    for node in nodes[1:]:
+        k = min(len(first), len(node)) if min_bytes is not None and nbytes >= min_bytes else 1
+        bounds = chunk_bounds(nbytes, k)
+        out.append(tuple(Stripe(first[i], node[i], lo, hi) for i, (lo, hi) in enumerate(bounds)))
+    return tuple(out)
 
 
 def _components(views: dict[int, MegatronView]) -> dict[int, frozenset[int]]:

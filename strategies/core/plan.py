@@ -69,6 +69,9 @@ class Handoff:
     """Global ranks of the replica, the root first."""
     nbytes: int
     """Bytes of the message every rank ends with."""
+    stripe_min_bytes: int | None = None
+    """The channel's threshold: a message this large crosses to each other node in stripes,
+    one per rank pair (``groups.stripes``); None: it crosses whole."""
 
     @property
     def root(self) -> int:

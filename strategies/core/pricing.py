@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from strategies.core.cluster import ClusterConf
 from strategies.core.formulas import COLLECTIVES, ceil_log2, coefficients, tree_rounds
-from strategies.core.groups import node_split
+from strategies.core.groups import node_split, stripes
 from strategies.core.layout import Layout
 from strategies.core.plan import Comm, LocalWork, Plan
 
@@ -467,7 +467,9 @@ def _local_costs(plan: Plan, cluster: ClusterConf) -> tuple[LocalCost, ...]:
 
 def handoff_comms(plan: Plan, cluster: ClusterConf, step: int) -> list[Comm]:
     """The crossings of the plan's hand-offs, from ``step`` on: the root's message to the
-    first rank of each other node, the j-th of every replica in step ``step + j`` (the
+    first rank of each other node, or its stripes from the ranks of the root's node to the
+    ranks of that node (``groups.stripes``: concurrent flows that the step's port shares
+    price), the j-th node of every replica in step ``step + j`` (the
     replicas' roots send at once; one root's sends share its node's port, so taking them one
     per step prices the same bytes through it). The size each is announced with travels
     ahead on the same connection and is not priced. Each crossing is priced on the cluster's
@@ -475,10 +477,14 @@ def handoff_comms(plan: Plan, cluster: ClusterConf, step: int) -> list[Comm]:
     a cluster whose collectives run on NCCL over InfiniBand this is optimistic."""
     comms = []
     for h in plan.shared:
-        for j, node in enumerate(node_split(h.ranks, cluster.node_of)[1:]):
-            comms.append(
-                Comm("broadcast", (h.root, node[0]), h.root, h.nbytes, step + j, "handoff")
-            )
+        nodes = node_split(h.ranks, cluster.node_of)
+        for j, node in enumerate(stripes(nodes, h.nbytes, h.stripe_min_bytes)):
+            comms += [
+                Comm(
+                    "broadcast", (s.sender, s.receiver), s.sender, s.hi - s.lo, step + j, "handoff"
+                )
+                for s in node
+            ]
     return comms
 
 
@@ -486,11 +492,17 @@ def handoff_signals(plan: Plan, cluster: ClusterConf) -> int:
     """Signals on the critical path of the plan's hand-offs: the most ranks any writer signals
     (a node's writer tells its node's other ranks one after another; the replica leader
     signals its own node while its sends to the other nodes are in flight, so the path is the
-    crossings, then the busiest other node's signals)."""
-    return max(
-        (len(node) - 1 for h in plan.shared for node in node_split(h.ranks, cluster.node_of)),
-        default=0,
-    )
+    crossings, then the busiest other node's signals). A striped crossing adds the leader's
+    signals up to its last stripe sender (which sends once signalled) and one report from
+    the other node's stripe receivers (each a message of the same cost)."""
+    most = 0
+    for h in plan.shared:
+        nodes = node_split(h.ranks, cluster.node_of)
+        most = max(most, max(len(node) - 1 for node in nodes))
+        for node, crossing in zip(nodes[1:], stripes(nodes, h.nbytes, h.stripe_min_bytes)):
+            if len(crossing) > 1:
+                most = max(most, (len(crossing) - 1) + 1 + (len(node) - 1))
+    return most
 
 
 _LOCAL_PARTS = ("pickle_s", "unpickle_s", "memcpy_s", "d2h_s", "h2d_s", "calls_s", "signal_s")

@@ -41,13 +41,20 @@ import torch
 import torch.distributed as dist
 
 from strategies.core.contract import ContractError, ProcessGroups, Unsupported, settled
+from strategies.core.groups import Stripe, stripes
 from strategies.core.packer import Packer
 
 SIGNAL = struct.Struct("<4sIIQQ")  # magic, slot, generation, sequence, message bytes
 SIGNAL_MAGIC = b"BCBS"
+STRIPE_MAGIC = b"BCSW"
+"""A request (same layout as a signal) to write one stripe of the next message into a slot."""
 RELEASE = struct.Struct("<IIIQ")  # kind, slot, generation, sequence
-READ, RELEASED = 0, 1
-"""What a reader reports: it took the signal of a message, or let go of the message."""
+READ, RELEASED, STRIPED = 0, 1, 2
+"""What a reader reports: it took the signal of a message, let go of the message, or wrote its
+stripe of the message into the slot."""
+DEFAULT_STRIPE_MIN_BYTES = 1 << 20
+"""Messages from this size on cross nodes in stripes (``groups.stripes``); below it the extra
+signal and report cost more than a second link saves."""
 HELLO = struct.Struct("<16sQ")  # the job's token, the reader's global rank
 DEFAULT_SLOTS = 3
 """Segments in the ring: a batch held while the next one arrives still leaves a free slot."""
@@ -160,15 +167,31 @@ class NodeChannel:
     """A node leader and its node-local readers (one per strategy instance and replica).
 
     ``connect`` (collective over the replica's gloo group) runs on the first call; after it a
-    call is ``writer_slot`` + ``publish`` on the node leader and ``receive`` on a reader."""
+    call is ``writer_slot`` + ``publish`` on the node leader and ``receive`` on a reader.
 
-    def __init__(self, groups: ProcessGroups, slots: int = DEFAULT_SLOTS) -> None:
+    Across nodes a message of at least ``stripe_min_bytes`` crosses in stripes
+    (``groups.stripes``): the i-th rank of the leader's node sends one slice to the i-th rank
+    of each other node, which writes it straight into its node leader's segment (the node
+    leader hands it the segment with a stripe request, and publishes once every stripe is
+    in), so each rank's own link carries its share. None: every message crosses whole."""
+
+    def __init__(
+        self,
+        groups: ProcessGroups,
+        slots: int = DEFAULT_SLOTS,
+        stripe_min_bytes: int | None = DEFAULT_STRIPE_MIN_BYTES,
+    ) -> None:
         why = available()
         if why:
             raise Unsupported(f"shm: {why}")
         if slots < 1:
             raise ValueError(f"shm: slots must be >= 1, got {slots}")
+        if stripe_min_bytes is not None and stripe_min_bytes < 0:
+            raise ValueError(f"shm: stripe_min_bytes must be >= 0 or None, got {stripe_min_bytes}")
         self.groups = groups
+        self.nodes = groups.replica_nodes
+        self.stripe_min_bytes = stripe_min_bytes
+        self.striped_upto: dict[int, int] = {}  # writer: reader rank -> last message it striped
         self.local = groups.node_local_ranks
         self.node_leader = self.local[0]
         self.is_node_leader = groups.rank == self.node_leader
@@ -369,6 +392,8 @@ class NodeChannel:
     def _report(self, rank: int, kind: int, index: int, generation: int, sequence: int) -> None:
         if kind == READ:
             self.read_upto[rank] = max(self.read_upto.get(rank, 0), sequence)
+        elif kind == STRIPED:
+            self.striped_upto[rank] = max(self.striped_upto.get(rank, 0), sequence)
         elif index < len(self.slots):
             slot = self.slots[index]
             if slot.generation == generation and slot.sequence == sequence:
@@ -377,7 +402,30 @@ class NodeChannel:
     # -- a reader --------------------------------------------------------------------------
     def receive(self) -> torch.Tensor:
         """Wait for the next message; returns it as a copy-on-write view of its segment (the
-        release goes out when the last tensor viewing it dies)."""
+        release goes out when the last tensor viewing it dies). On the replica leader's node a
+        stripe sender sends its stripes before it returns; on another node a stripe receiver
+        writes its stripe first, when its node leader asks."""
+        while True:
+            magic, index, generation, sequence, nbytes = self._next_message()
+            if magic == SIGNAL_MAGIC:
+                break
+            self._write_stripe(index, generation, sequence, nbytes)
+        try:  # waits for room: the leader may be waiting for exactly this report
+            self.sock.send(RELEASE.pack(READ, index, generation, sequence))
+        except OSError:  # the leader is gone: this message is whole all the same
+            pass
+        view = map_private(
+            self._fd(index, generation), nbytes, self.groups.rank, _send_report, self.sock,
+            RELEASED, index, generation, sequence,
+        )  # fmt: skip
+        if self.groups.rank in self.nodes[0]:
+            for handle in self._send_stripes(view, nbytes):
+                handle.wait()
+        return view
+
+    def _next_message(self) -> tuple[bytes, int, int, int, int]:
+        """A reader: the next signal or stripe request from the node leader (a segment's fd
+        that comes with it is kept for its slot)."""
         rank = self.groups.rank
         if self.sock is None or self.sock.fileno() == -1:
             raise ShmError(
@@ -402,11 +450,11 @@ class NodeChannel:
                 f"rank {rank}: shm: node leader rank {self.node_leader} closed its socket (it "
                 "ended or died)"
             )
-        if len(msg) != SIGNAL.size or msg[:4] != SIGNAL_MAGIC:
+        if len(msg) != SIGNAL.size or msg[:4] not in (SIGNAL_MAGIC, STRIPE_MAGIC):
             for fd in fds:
                 os.close(fd)
             raise ShmError(f"rank {rank}: shm: a malformed signal of {len(msg)} bytes")
-        _, index, generation, sequence, nbytes = SIGNAL.unpack(msg)
+        magic, index, generation, sequence, nbytes = SIGNAL.unpack(msg)
         if fds:
             old = self.fds.pop(index, None)
             if old is not None:
@@ -414,19 +462,49 @@ class NodeChannel:
             for extra in fds[1:]:
                 os.close(extra)
             self.fds[index] = (generation, fds[0])
-        try:  # waits for room: the leader may be waiting for exactly this report
-            self.sock.send(RELEASE.pack(READ, index, generation, sequence))
-        except OSError:  # the leader is gone: this message is whole all the same
-            pass
+        return magic, index, generation, sequence, nbytes
+
+    def _fd(self, index: int, generation: int) -> int:
         held = self.fds.get(index)
         if held is None or held[0] != generation:
             raise ShmError(
-                f"rank {rank}: shm: slot {index} generation {generation} arrived without its "
-                "segment"
+                f"rank {self.groups.rank}: shm: slot {index} generation {generation} arrived "
+                "without its segment"
             )
-        return map_private(
-            held[1], nbytes, rank, _send_report, self.sock, RELEASED, index, generation, sequence
-        )
+        return held[1]
+
+    def _write_stripe(self, index: int, generation: int, sequence: int, nbytes: int) -> None:
+        """A stripe receiver: this rank's stripe of message ``sequence`` straight from its
+        sender into the slot's segment (a shared mapping, dropped at once), then the report."""
+        rank = self.groups.rank
+        fd = self._fd(index, generation)
+        size = os.fstat(fd).st_size
+        mine = [s for s in self._node_stripes(nbytes) if s.receiver == rank]
+        if nbytes > size or len(mine) != 1 or mine[0].sender == self.groups.leader:
+            raise ShmError(
+                f"rank {rank}: shm: a stripe request for {nbytes} bytes in a {size}-byte "
+                f"segment that gives this rank no stripe of its own"
+            )
+        s = mine[0]
+        mapping = mmap.mmap(fd, s.hi, flags=mmap.MAP_SHARED)
+        array = np.frombuffer(mapping, dtype=np.uint8)
+        try:
+            dist.recv(
+                torch.from_numpy(array[s.lo :]), s.sender, group=self.groups.cpu_replica_group
+            )
+        finally:
+            del array
+            try:
+                mapping.close()
+            except BufferError:  # still viewed by a failed receive's frame: it goes with it
+                pass
+        try:
+            self.sock.send(RELEASE.pack(STRIPED, index, generation, sequence))
+        except OSError as exc:
+            raise ShmError(
+                f"rank {rank}: shm: node leader rank {self.node_leader}: its stripe report "
+                f"failed ({exc})"
+            ) from None
 
     def view_own(self, slot: Slot, nbytes: int) -> torch.Tensor:
         """A node leader's own copy-on-write view of what it published (a receiver too, when it
@@ -440,8 +518,8 @@ class NodeChannel:
     def hand_over(self, slot: Slot, buf: torch.Tensor, announce: bool) -> None:
         """Replica leader: ``buf`` (the message in ``slot``'s segment) to every other node's
         leader and to this node's readers. The point-to-point sends (the size first when
-        ``announce``, then the bytes) are posted before this node is signalled, so the other
-        nodes' transfers run while it signals; then they are waited for. A send that fails
+        ``announce``, then the bytes or this rank's stripes of them) are posted before this
+        node is signalled, so the other nodes' transfers run while it signals; then they are waited for. A send that fails
         to post leaves nobody waiting for a signal: nothing was signalled yet."""
         g = self.groups
         others = g.node_leaders[1:]
@@ -449,7 +527,7 @@ class NodeChannel:
         if announce and others:
             size = torch.tensor([buf.numel()], dtype=torch.int64)
             handles += [dist.isend(size, dst, group=g.cpu_replica_group) for dst in others]
-        handles += [dist.isend(buf, dst, group=g.cpu_replica_group) for dst in others]
+        handles += self._send_stripes(buf, buf.numel())
         self.publish(slot, max(buf.numel(), 1))
         for h in handles:
             h.wait()
@@ -470,9 +548,79 @@ class NodeChannel:
                 )
         slot = self.writer_slot()
         view = slot.buffer(max(nbytes, 1))
-        dist.recv(view[:nbytes], g.leader, group=g.cpu_replica_group)
+        mine, *theirs = self._node_stripes(nbytes)
+        if theirs:
+            self._request_stripes(slot, theirs, nbytes)
+        dist.recv(view[mine.lo : mine.hi], mine.sender, group=g.cpu_replica_group)
+        if theirs:
+            self._wait_striped([s.receiver for s in theirs], self.sequence + 1)
         self.publish(slot, max(nbytes, 1))
         return self.view_own(slot, max(nbytes, 1))[:nbytes]
+
+    def _node_stripes(self, nbytes: int) -> tuple[Stripe, ...]:
+        """This rank's node's stripes of a message of ``nbytes`` (a node other than the
+        replica leader's), its node leader's first."""
+        me = self.groups.rank
+        return next(
+            node
+            for node in stripes(self.nodes, nbytes, self.stripe_min_bytes)
+            if any(s.receiver == me for s in node)
+        )
+
+    def _send_stripes(self, buf: torch.Tensor, nbytes: int) -> list:
+        """Post this rank's stripes of the message in ``buf`` to the other nodes (the replica
+        leader's node only); returns the sends' handles."""
+        g = self.groups
+        return [
+            dist.isend(buf[s.lo : s.hi], s.receiver, group=g.cpu_replica_group)
+            for node in stripes(self.nodes, nbytes, self.stripe_min_bytes)
+            for s in node
+            if s.sender == g.rank
+        ]
+
+    def _request_stripes(self, slot: Slot, theirs, nbytes: int) -> None:
+        """Node leader: hand each stripe's receiver the slot's segment to write its stripe of
+        the next message into. A request that cannot be sent leaves a stripe nobody writes:
+        the channel closes, so every rank of the node learns at once."""
+        seg = slot.segment
+        msg = SIGNAL.pack(STRIPE_MAGIC, slot.index, seg.generation, self.sequence + 1, nbytes)
+        for s in theirs:
+            sock = self.socks.get(s.receiver)
+            try:
+                if sock is None:
+                    raise ShmError(self.broken.get(s.receiver, "not connected"))
+                socket.send_fds(sock, [msg], [] if s.receiver in slot.delivered else [seg.fd])
+            except Exception as exc:  # noqa: BLE001 -- named in the error below
+                self.close()
+                raise ShmError(
+                    f"rank {self.groups.rank}: shm: node-local rank {s.receiver} cannot be asked "
+                    f"for its stripe ({type(exc).__name__}: {exc}); the channel is closed"
+                ) from None
+            slot.delivered.add(s.receiver)
+
+    def _wait_striped(self, ranks: list[int], sequence: int) -> None:
+        """Node leader: block until every rank of ``ranks`` has reported its stripe of message
+        ``sequence`` written, as long as a gloo receive would wait; a rank that dies closes the
+        channel, so the node's other ranks learn at once."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            self._drain()
+            left = [r for r in ranks if self.striped_upto.get(r, 0) < sequence]
+            if not left:
+                return
+            gone = [r for r in left if r not in self.socks]
+            why = None
+            if gone:
+                why = "; ".join(f"rank {r}: {self.broken.get(r)}" for r in gone)
+            elif time.monotonic() >= deadline:
+                why = f"no report within {self.timeout_s:.0f} s (the replica's gloo timeout)"
+            if why:
+                self.close()
+                raise ShmError(
+                    f"rank {self.groups.rank}: shm: node-local ranks {left} did not write their "
+                    f"stripes ({why}); the channel is closed"
+                )
+            select.select([self.socks[r] for r in left], [], [], deadline - time.monotonic())
 
     def close(self) -> None:
         if not self.closed:

@@ -16,7 +16,7 @@ def test_auto_is_compared_and_its_choice_named():
     """The committed run: auto (told each link layout's preset) under test, the six fixed
     strategies its references; its row names what it chose on each layout."""
     text = table.table(REFERENCE)
-    assert "| auto → shm |" in text and "| auto → scatter_allgather |" in text
+    assert text.count("| auto → shm |") == 2  # shm's stripes win with one link per GPU too
     assert text.count("ranking (pairs within") == 2 and "same as measured" in text
 
 

@@ -24,6 +24,7 @@ from strategies.core.cluster import (
     register_configs,
 )
 from strategies.core.formulas import ceil_log2, coefficients, tree_rounds
+from strategies.core.groups import stripes
 from strategies.core.layout import Layout
 from strategies.core.plan import Comm, Handoff, LocalWork, Plan
 from strategies.core.pricing import HostCalls, has_forwarder, host_calls, lower_bound_s, price
@@ -241,6 +242,57 @@ def test_a_handoff_across_nodes_crosses_each_node_link_once():
         Plan("shm", [], shared=[Handoff((0, 2), n), Handoff((1, 3), n)]), cluster, Layout(tp=4)
     )
     assert shared_port.steps[0].max_nic_share == 2
+
+
+def test_a_striped_handoff_uses_every_ranks_link_and_the_node_link_once():
+    """Stripes: the i-th rank of the root's node sends the i-th slice to the i-th rank of the
+    other node, all in one step. With one port per rank (rails) each carries half the
+    message; with one port per node the two flows share it, so the node's link still carries
+    the message once and the price is the unstriped one's. The leader's signals up to the
+    stripe sender and the stripe report join the critical path."""
+    n = 16 * MIB
+    plan = Plan("shm", [], shared=[Handoff((0, 1, 2, 3), n, stripe_min_bytes=MIB)])
+    rails = price(plan, toy_cluster(gpus_per_node=2, nics_per_node=2, signal_us=50.0))
+    (step,) = rails.steps
+    assert step.n_comms == 2 and step.max_nic_share == 1
+    assert step.critical.nbytes == n // 2
+    assert rails.total_s == pytest.approx(
+        INTER.alpha_s + n // 2 * INTER.beta_s_per_byte + 3 * 50e-6
+    )  # the sender's signal, the report, the other node's one signal
+    one_port = price(plan, toy_cluster(gpus_per_node=2, nics_per_node=1, signal_us=50.0))
+    assert one_port.steps[0].max_nic_share == 2
+    assert one_port.comm_s == pytest.approx(INTER.alpha_s + n * INTER.beta_s_per_byte)
+    # Below the threshold, or with a node of one rank, the message crosses whole.
+    small = replace(plan, shared=[Handoff((0, 1, 2, 3), MIB - 1, stripe_min_bytes=MIB)])
+    assert price(small, toy_cluster(gpus_per_node=2, nics_per_node=2)).steps[0].n_comms == 1
+    lone = replace(plan, shared=[Handoff((0, 1, 2), n, stripe_min_bytes=MIB)])
+    assert price(lone, toy_cluster(gpus_per_node=2, nics_per_node=2)).steps[0].n_comms == 1
+
+
+@pytest.mark.parametrize("sizes", [(2, 2), (4, 2), (2, 4), (3, 1, 5), (8, 8, 8, 8), (1, 7)])
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 4097, 3 << 20, (16 << 20) + 13])
+def test_stripes_cover_the_message_once_per_node_in_pages(sizes, nbytes):
+    """Every other node gets every byte once, in page-aligned slices sent by distinct ranks
+    of the first node to distinct ranks of that node, its first rank taking the first."""
+    ranks = iter(range(sum(sizes)))
+    nodes = tuple(tuple(next(ranks) for _ in range(k)) for k in sizes)
+    crossings = stripes(nodes, nbytes, 0)
+    assert len(crossings) == len(nodes) - 1
+    for node, crossing in zip(nodes[1:], crossings):
+        assert crossing[0].sender == nodes[0][0] and crossing[0].receiver == node[0]
+        assert len(crossing) <= min(len(nodes[0]), len(node))
+        assert (
+            len({s.sender for s in crossing})
+            == len({s.receiver for s in crossing})
+            == len(crossing)
+        )
+        assert {s.sender for s in crossing} <= set(nodes[0]) and {
+            s.receiver for s in crossing
+        } <= set(node)
+        assert crossing[0].lo == 0 and crossing[-1].hi == nbytes
+        assert all(a.hi == b.lo and b.lo % 4096 == 0 for a, b in zip(crossing, crossing[1:]))
+    assert all(len(c) == 1 for c in stripes(nodes, nbytes, None))
+    assert all(len(c) == 1 for c in stripes(nodes, nbytes, nbytes + 1))
 
 
 def test_forwarder_detection():

@@ -58,7 +58,7 @@ def open_fds() -> int:
 def ownership_job(ctx, node_of, calls: int, options: dict):
     """``calls`` calls; every rank keeps the first batch, rank 2 writes into every later one.
     Returns (every call exact, the held batch still exact, fds opened meanwhile, segments
-    the leader made)."""
+    the leader made, stripes written per reader as this rank's channel counted them)."""
     groups = ctx.groups_for(LAYOUT)
     if node_of is not None:
         groups = dataclasses.replace(groups, node_of=tuple(node_of))
@@ -84,7 +84,7 @@ def ownership_job(ctx, node_of, calls: int, options: dict):
     del held
     grew = open_fds() - fds
     made = strategy.channel.segments_made
-    return all(exact), held_exact, grew, made
+    return all(exact), held_exact, grew, made, dict(strategy.channel.striped_upto)
 
 
 OWNERSHIP = [
@@ -96,6 +96,11 @@ OWNERSHIP = [
     # receiver's copy out of it), run on host groups.
     (None, {"stage": True}),
     ((0, 0, 1, 1), {"stage": True}),
+    # Striped crossings (every message of these batches is two pages or more): rank 1 sends
+    # the second stripe to rank 3, which writes it into rank 2's segment.
+    ((0, 0, 1, 1), {"stripe_min_bytes": 0}),
+    ((0, 1, 0, 1), {"stripe_min_bytes": 0}),
+    ((0, 0, 1, 1), {"stage": True, "stripe_min_bytes": 0}),
 ]
 
 
@@ -103,7 +108,7 @@ OWNERSHIP = [
 def test_a_receivers_batch_is_its_own_and_a_held_one_is_never_overwritten(world4, node_of, options):
     calls = 12
     results = world4.run(ownership_job, node_of, calls, options, timeout_s=60)
-    for rank, (exact, held_exact, grew, _) in enumerate(results):
+    for rank, (exact, held_exact, grew, _, _) in enumerate(results):
         assert exact, f"rank {rank}: a call was not exact"
         assert held_exact, f"rank {rank}: the batch held since the first call changed"
         # The ring's other two slots: a memfd each, and on a writer its mapping's own copy.
@@ -112,6 +117,13 @@ def test_a_receivers_batch_is_its_own_and_a_held_one_is_never_overwritten(world4
     # The ring serves: the held batch retires its slot once, and a release that arrives after
     # the leader's turn (the leader never waits for one) retires another; never one per call.
     assert made <= 3 + calls // 2, f"the leader made {made} segments in {calls} calls"
+    striped = {rank: res[4] for rank, res in enumerate(results) if res[4]}
+    if node_of is not None and options.get("stripe_min_bytes") == 0:
+        # The other node's leader heard every call's stripe from its other rank.
+        other = [r for r in range(4) if node_of[r] != node_of[0]]
+        assert striped == {other[0]: {other[1]: calls}}, striped
+    else:
+        assert striped == {}, striped
 
 
 def refusal_job(ctx) -> str:
