@@ -57,7 +57,7 @@ def test_a_small_call_after_a_large_one_posts_a_small_first_message(world4, name
 def auto_served(ctx, cluster: str, sizes: list[int]) -> dict:
     """Per call, the candidate that served it and this rank's problems."""
     groups = ctx.groups_for(LAYOUT)
-    auto = strategies.get("auto", groups, cluster=cluster)
+    auto = strategies.get("auto", groups, cluster=cluster, **OPTIONS["auto"])
     problems, served = [], []
     for call, b in enumerate(sizes):
         expected = payloads.make("rl_rollout", b, SEQ_LEN, seed=call)
@@ -75,8 +75,9 @@ def test_auto_serves_each_call_of_a_repeating_pattern_with_that_shapes_choice(wo
     from strategies.auto import choose
 
     sizes = [2, 128] * 4
-    own = {b: choose(LAYOUT, spec_of(payloads.make("rl_rollout", b, SEQ_LEN, 0)), "emulated_rails")
-           for b in set(sizes)}  # fmt: skip
+    wire = tuple(OPTIONS["auto"]["candidates"])  # shm's stripes win both shapes on rails
+    own = {b: choose(LAYOUT, spec_of(payloads.make("rl_rollout", b, SEQ_LEN, 0)), "emulated_rails",
+                     wire) for b in set(sizes)}  # fmt: skip
     assert own[2] != own[128], own  # the preset must tell them apart for this to test anything
     results = world4.run(auto_served, "emulated_rails", sizes)
     assert [p for r in results for p in r["problems"]] == []
