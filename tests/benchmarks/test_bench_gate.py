@@ -1,11 +1,13 @@
 """pytest-benchmark cases (strategy × payload on tp2pp2) and a gate on same-job ratios.
 
-One round = one interleaved job (strategy, floor, pickled) on the session's 4-rank world. The
-statistics pytest-benchmark keeps are the strategy's per-call p50 from each job; the gate
-compares the median over rounds of ``vs_floor_network`` and ``vs_baseline`` with
-``bounds.BOUNDS``, and ``vs_floor`` with ``bounds.MIN_VS_FLOOR``.
-With ``--benchmark-disable`` (the default addopts) nothing is timed by pytest-benchmark, but
-every round still runs and the gate still checks.
+One round = one interleaved job per payload size that times every gated strategy, every raw
+method of the floor and pickled side by side on the session's 4-rank world (``side_by_side``: made once per size, shared by that size's cases).
+Each case reads its strategy's figures from those rounds: the statistics pytest-benchmark keeps
+are the strategy's per-call p50 from each job; the gate compares the median over rounds of
+``vs_floor_network`` and ``vs_baseline`` with ``bounds.BOUNDS``, and ``vs_floor`` with
+``bounds.MIN_VS_FLOOR``. ``test_auto_vs_best_fixed`` compares auto with its candidates in jobs of
+their own. With ``--benchmark-disable`` (the default addopts) nothing is timed by
+pytest-benchmark, but every round still runs and the gate still checks.
 """
 
 from __future__ import annotations
@@ -22,6 +24,38 @@ from strategies.core.layout import Layout
 LAYOUT = ("tp2pp2", Layout(pp=2, tp=2))
 SEQ_LEN = 512
 CASES = sorted(BOUNDS)
+TIMED = tuple(sorted({s for s, _ in BOUNDS}))
+"""Every strategy one round's job times, interleaved: the gated ones (the floor's raw methods
+and pickled come with every job)."""
+
+
+@pytest.fixture(scope="module")
+def side_by_side(bench_world, mode):
+    """``get(size)``: the summaries of ``mode.rounds`` jobs, each timing every strategy of
+    ``TIMED`` side by side at that size, with each job's wall time; run on first use."""
+    made: dict[str, list[tuple[dict, float]]] = {}
+
+    def get(size: str) -> list[tuple[dict, float]]:
+        if size not in made:
+            spec = JobSpec(
+                TIMED[0],
+                LAYOUT[1],
+                payload="rl_rollout",
+                batch_size=SIZES[size],
+                seq_len=SEQ_LEN,
+                iters=mode.iters,
+                warmup=mode.warmup,
+                references=tuple(dict.fromkeys(("floor", "pickled", *TIMED[1:]))),
+            )
+            rounds = []
+            for i in range(mode.rounds):
+                t0 = time.perf_counter()
+                results = bench_world.run(run_job_on_rank, spec, what=f"{size} round {i}")
+                rounds.append((summarize(spec, results), time.perf_counter() - t0))
+            made[size] = rounds
+        return made[size]
+
+    return get
 
 
 class StrategyClock:
@@ -42,26 +76,17 @@ class StrategyClock:
 @pytest.mark.benchmark(group="broadcast tp2pp2")
 @pytest.mark.world
 @pytest.mark.parametrize(("strategy", "size"), CASES, ids=[f"{s}-{z}" for s, z in CASES])
-def test_bench_gate(benchmark, bench_world, mode, strategy: str, size: str):
-    layout_name, layout = LAYOUT
-    spec = JobSpec(
-        strategy,
-        layout,
-        payload="rl_rollout",
-        batch_size=SIZES[size],
-        seq_len=SEQ_LEN,
-        iters=mode.iters,
-        warmup=mode.warmup,
-    )
+def test_bench_gate(benchmark, side_by_side, mode, strategy: str, size: str):
+    layout_name, _ = LAYOUT
+    jobs = iter(side_by_side(size))
     clock = StrategyClock()
     rounds: list[dict] = []
 
     def one_round() -> dict:
-        t0 = time.perf_counter()
-        summary = summarize(spec, bench_world.run(run_job_on_rank, spec, what=f"{strategy} job"))
+        summary, job_wall_s = next(jobs)
         mine = summary["strategies"][strategy]
         clock.now_s += mine["p50_us"] / 1e6
-        rounds.append(round_record(summary, strategy, time.perf_counter() - t0))
+        rounds.append(round_record(summary, strategy, job_wall_s))
         return summary
 
     if hasattr(benchmark, "_timer"):
@@ -82,11 +107,12 @@ def test_bench_gate(benchmark, bench_world, mode, strategy: str, size: str):
             "layout": layout_name,
             "payload": "rl_rollout",
             "seq_len": SEQ_LEN,
-            "batch_size": spec.batch_size,
+            "batch_size": SIZES[size],
             "payload_bytes": rounds[0]["payload_bytes"],
             "mode": mode.name,
             "iters": mode.iters,
             "timed": timed,
+            "timed_beside": [s for s in TIMED if s != strategy],
             "vs_floor": median["vs_floor"],
             "vs_floor_network": median["vs_floor_network"],
             "vs_floor_single": median["vs_floor_single"],
@@ -155,11 +181,12 @@ def per_round(rounds: list[dict]) -> str:
 @pytest.mark.world
 @pytest.mark.parametrize("size", sorted(SIZES))
 def test_auto_vs_best_fixed(bench_world, mode, size: str, record_property):
-    """auto and the fixed strategies it picks among, interleaved in one job per round: each
-    strategy's p50 is taken as its median over rounds first, then auto's over the best fixed
-    one's must stay within ``AUTO_VS_BEST``. (The minimum of four noisy p50s in one round is
-    biased low, so a per-round ratio sat above 1 even when auto served the call with the
-    fastest strategy.)"""
+    """auto and the fixed strategies it picks among, interleaved in one job per round of
+    their own (fewer strategies between two calls of one than in ``side_by_side``'s jobs,
+    since two strategies that serve alike are compared here): each strategy's p50 is taken as
+    its median over rounds first, then auto's over the best fixed one's must stay within
+    ``AUTO_VS_BEST``. (The minimum of four noisy p50s in one round is biased low, so a
+    per-round ratio sat above 1 even when auto served the call with the fastest strategy.)"""
     spec = JobSpec(
         "auto",
         LAYOUT[1],
