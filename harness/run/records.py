@@ -12,6 +12,7 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import TypedDict, get_args, get_origin, get_type_hints
 
 import torch
 
@@ -135,6 +136,116 @@ FIELDS: dict[str, str] = {
 """Every field of a record, in order, with what it holds (the README lists the same names)."""
 
 
+class Record(TypedDict, total=False):
+    """One job's record, typed: the fields of ``FIELDS`` in their order (``type_problems``
+    checks a record against it; null where a field does not apply)."""
+
+    strategy: str | None
+    options: dict
+    scope: str
+    dispatch: str | None
+    mode: str | None
+    world: str
+    backend: str
+    device: str
+    world_size: int
+    layout: str
+    dp: int
+    pp: int
+    tp: int
+    cp: int
+    order: str
+    payload: str
+    payload_path: str | None
+    batch_size: int
+    seq_len: int | None
+    workload: str | None
+    dp_split: list | str | None
+    iters: int
+    warmup: int
+    status: str
+    supported: bool | None
+    correct: bool | None
+    error: str | None
+    error_detail: str | None
+    payload_bytes: int | None
+    p50_us: float | None
+    p90_us: float | None
+    p99_us: float | None
+    min_us: float | None
+    max_us: float | None
+    mean_us: float | None
+    rank_skew_us: float | None
+    algbw_gbps: float | None
+    busbw_gbps: float | None
+    floor_p50_us: float | None
+    floor_method: str | None
+    floor_single_p50_us: float | None
+    floor_network_p50_us: float | None
+    baseline_p50_us: float | None
+    vs_floor: float | None
+    vs_floor_single: float | None
+    vs_floor_network: float | None
+    vs_baseline: float | None
+    auto_choice: str | None
+    collectives_per_call: int | None
+    collectives_leader: int | None
+    collectives_unavailable: str | None
+    comm_bytes_leader: int | None
+    packed_bytes_leader: int | None
+    pickled_bytes_leader: int | None
+    copied_bytes_leader: int | None
+    pickled_bytes_receiver: int | None
+    copied_bytes_receiver: int | None
+    peak_rss_bytes: int | None
+    peak_rss_delta_bytes: int | None
+    peak_rss_heap_released: bool | None
+    peak_cuda_bytes: int | None
+    cross_node_bytes_per_call: float | None
+    modes: dict | None
+    unsupported: dict | None
+    references: dict | None
+    shapes: list | None
+    world_start_s: float | None
+    emulate_nodes: int | None
+    emulate_links: str | None
+    emulate_rate_mbit: float | None
+    emulate_ranks_per_node: int | None
+    emulate_bytes_calls: int | None
+    emulate_job_bytes: int | None
+    emulate_link_bytes: dict | None
+    emulate_retransmitted_segments: int | None
+    emulate_wall_s: float | None
+    torch_version: str
+    megatron_core_version: str
+    tensordict_version: str
+    hostname: str
+    cpu_count: int | None
+    git_rev: str
+    timestamp: str
+    command: str
+
+
+def type_problems(record: dict) -> list[str]:
+    """Every field of ``record`` whose value is not of its ``Record`` type, one line each
+    (an int is a float's value too, as JSON has it; a bool is no int). Empty: it conforms."""
+    problems = []
+    for name, hint in get_type_hints(Record).items():
+        if name not in record:
+            continue
+        value = record[name]
+        allowed = tuple(get_origin(t) or t for t in (get_args(hint) or (hint,)))
+        if float in allowed:
+            allowed += (int,)
+        if isinstance(value, bool) and bool not in allowed:
+            ok = False
+        else:
+            ok = isinstance(value, allowed)
+        if not ok:
+            problems.append(f"{name}: {value!r} is {type(value).__name__}, not {hint}")
+    return problems
+
+
 def vs_floor(p50_us: float | None, floor_p50_us: float | None) -> float | None:
     """The ratio every record, table and gate calls ``vs_floor``: a p50 over the floor's p50
     measured in the same job (lower is better; 1 is the floor). None without a floor."""
@@ -145,7 +256,7 @@ def _ratio(p50_us: float | None, other_p50_us: float | None) -> float | None:
     return None if p50_us is None or not other_p50_us else p50_us / other_p50_us
 
 
-def complete(record: dict) -> dict:
+def complete(record: dict) -> Record:
     """``record`` with every field of ``FIELDS`` (null where absent), in their order; a field
     outside the list is kept after them."""
     return {**{k: record.get(k) for k in FIELDS}, **record}
@@ -265,7 +376,7 @@ def _workload_fields(spec) -> dict:
     }
 
 
-def build(spec, summary: dict, world_start_s: float = 0.0) -> dict:
+def build(spec, summary: dict, world_start_s: float = 0.0) -> Record:
     """One flat record for every job kind: what the job was (from its JobSpec), then what was
     measured for the strategy (or dispatch mode) under test with its references beside it, or
     why it was refused."""
@@ -281,7 +392,7 @@ def build(spec, summary: dict, world_start_s: float = 0.0) -> dict:
     return {**_job_fields(spec), **measured, **environment()}
 
 
-def failed(spec, error: BaseException) -> dict:
+def failed(spec, error: BaseException) -> Record:
     """The record of a job that failed (a rank crashed, hung or ended with wrong data): its
     first line as ``error`` (one table cell), the whole message as ``error_detail``."""
     text = str(error).strip() or type(error).__name__

@@ -3,11 +3,12 @@ gives any record every field, in that order, without dropping one it does not li
 
 from __future__ import annotations
 
+import json
 import re
 
 from harness.paths import REPO
 from harness.run import phases
-from harness.run.records import FIELDS, complete
+from harness.run.records import FIELDS, Record, complete, type_problems
 
 
 def test_readme_lists_exactly_the_record_fields():
@@ -51,3 +52,26 @@ def test_the_collected_table_shows_only_fields_a_record_has():
     from harness.report.collect import COLUMNS
 
     assert set(COLUMNS) <= set(FIELDS), sorted(set(COLUMNS) - set(FIELDS))
+
+
+def test_the_typed_record_names_every_field_in_order():
+    assert list(Record.__annotations__) == list(FIELDS)
+
+
+def test_every_committed_record_is_of_its_type():
+    """The reference runs' records (every job kind they hold: ok, unsupported, varying
+    workloads, emulated clusters) conform to ``Record``, field by field."""
+    paths = sorted((REPO / "results").rglob("result.json"))
+    assert paths, "no committed record"
+    problems = {str(p.relative_to(REPO)): type_problems(json.loads(p.read_text())) for p in paths}
+    assert {p: v for p, v in problems.items() if v} == {}
+
+
+def test_a_value_of_the_wrong_type_is_named():
+    rec = {"status": "ok", "p50_us": "fast", "correct": 1, "world_size": True}
+    assert type_problems(rec) == [
+        "world_size: True is bool, not <class 'int'>",
+        "correct: 1 is int, not bool | None",
+        "p50_us: 'fast' is str, not float | None",
+    ]
+    assert type_problems({"p50_us": 3, "status": "ok", "vs_floor": None}) == []  # JSON's 3.0

@@ -10,7 +10,7 @@ from cli_support import cfg_of
 
 from harness.report.tables import shapes_table
 from harness.run.config import ConfigError, validate, workload_of
-from harness.run.records import FIELDS, build, complete, vs_floor
+from harness.run.records import FIELDS, build, complete, type_problems, vs_floor
 from harness.run.runner import JobSpec, summarize
 from harness.run.workload import CallShape, WorkloadError, drawn_rows
 from harness.run.workload import build as build_workload
@@ -124,6 +124,7 @@ def test_summary_and_record_list_every_shape_with_its_own_floor_and_steady_state
     results = [_rank_result(r, r == 0, times, steady) for r in range(2)]
     record = complete(build(spec, summarize(spec, results)))
     assert record["workload"] == "cycle:b8/b1" and record["batch_size"] == 8
+    assert type_problems(record) == []
     assert record["payload_bytes"] == 505  # the mean per call of 1000 and 10 bytes
     large, small = record["shapes"]
     assert (large["batch_size"], large["calls"], large["payload_bytes"]) == (8, 2, 1000)
@@ -141,5 +142,6 @@ def test_constant_record_keeps_its_shape():
     record = complete(build(spec, summarize(spec, results)))
     assert record["shapes"] is None and record["workload"] is None and record["dp_split"] is None
     assert list(record)[: len(FIELDS)] == list(FIELDS)
+    assert type_problems(record) == []
     assert record["vs_floor"] == pytest.approx(2) == vs_floor(2.0, 1.0)
     assert vs_floor(2.0, None) is None

@@ -113,6 +113,7 @@ def test_a_real_job_runs_on_the_toy_world_and_is_recorded(registry):
     assert record["status"] == "ok" and record["correct"] is True, record
     assert record["world_size"] == 1 and record["p50_us"] > 0
     assert record["world"] == "in-process"  # the world's own fields reach the record
+    assert records.type_problems(record) == []
 
 
 def test_a_failing_rank_is_named_and_the_registry_starts_a_fresh_world(registry):
