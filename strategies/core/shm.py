@@ -192,6 +192,7 @@ class NodeChannel:
         self.nodes = groups.replica_nodes
         self.stripe_min_bytes = stripe_min_bytes
         self.striped_upto: dict[int, int] = {}  # writer: reader rank -> last message it striped
+        self._stripes_of: tuple[int, tuple] = (-1, ())  # (message bytes, its stripes)
         self.local = groups.node_local_ranks
         self.node_leader = self.local[0]
         self.is_node_leader = groups.rank == self.node_leader
@@ -234,9 +235,12 @@ class NodeChannel:
             listener.listen(len(self.readers))
             mine = (address, token)
         offers: list = [None] * len(g.replica_ranks)
-        dist.all_gather_object(offers, (g.rank, mine), group=g.cpu_replica_group)
-        by_rank = dict(offers)
+        dist.all_gather_object(
+            offers, (g.rank, mine, self.stripe_min_bytes), group=g.cpu_replica_group
+        )
+        by_rank = {rank: offer for rank, offer, _ in offers}
         try:
+            self._agree_on_stripes({rank: threshold for rank, _, threshold in offers})
             if listener is not None:
                 self._accept(listener, mine[1])
             elif not self.is_node_leader:
@@ -249,6 +253,18 @@ class NodeChannel:
             if listener is not None:
                 listener.close()
         self.connected = True
+
+    def _agree_on_stripes(self, thresholds: dict[int, int | None]) -> None:
+        """Across nodes every rank of the replica must compute the same stripes, so the same
+        ``stripe_min_bytes``: with another, a stripe receiver would wait for a slice nobody
+        sends. The set-up gather carried every rank's, so every rank refuses alike, here (on
+        one node nothing is striped and the option does nothing)."""
+        if len(self.nodes) > 1 and len(set(thresholds.values())) > 1:
+            values = ", ".join(f"rank {r}: {v}" for r, v in sorted(thresholds.items()))
+            raise ShmError(
+                f"rank {self.groups.rank}: shm: stripe_min_bytes differs across the replica "
+                f"({values}); build the strategy with the same options on every rank"
+            )
 
     def _accept(self, listener: socket.socket, token: bytes) -> None:
         listener.settimeout(CONNECT_TIMEOUT_S)
@@ -561,11 +577,14 @@ class NodeChannel:
         """This rank's node's stripes of a message of ``nbytes`` (a node other than the
         replica leader's), its node leader's first."""
         me = self.groups.rank
-        return next(
-            node
-            for node in stripes(self.nodes, nbytes, self.stripe_min_bytes)
-            if any(s.receiver == me for s in node)
-        )
+        return next(node for node in self._stripes(nbytes) if any(s.receiver == me for s in node))
+
+    def _stripes(self, nbytes: int) -> tuple[tuple[Stripe, ...], ...]:
+        """``groups.stripes`` for this replica's nodes, remembered for the last size (a
+        stream of same-sized messages asks for the same stripes on both sides every call)."""
+        if self._stripes_of[0] != nbytes:
+            self._stripes_of = (nbytes, stripes(self.nodes, nbytes, self.stripe_min_bytes))
+        return self._stripes_of[1]
 
     def _send_stripes(self, buf: torch.Tensor, nbytes: int) -> list:
         """Post this rank's stripes of the message in ``buf`` to the other nodes (the replica
@@ -573,7 +592,7 @@ class NodeChannel:
         g = self.groups
         return [
             dist.isend(buf[s.lo : s.hi], s.receiver, group=g.cpu_replica_group)
-            for node in stripes(self.nodes, nbytes, self.stripe_min_bytes)
+            for node in self._stripes(nbytes)
             for s in node
             if s.sender == g.rank
         ]

@@ -2,8 +2,9 @@
 4-rank jobs (one rank per Slurm task) writes one record per job, from rank 0 only, and a job with
 a crashing rank fails the sweep instead of hanging it.
 
-The cluster (tests/infra/slurm.py) is the session's, shared with the infra smoke tests and\nstopped by PID at session end. Skips when it
-cannot be (not root, no apt); BCB_REQUIRE_INFRA=1 turns the skip into a failure.
+The cluster (tests/infra/slurm.py) is the session's, shared with the infra smoke tests and
+stopped by PID at session end. Skips when it cannot be (not root, no apt); BCB_REQUIRE_INFRA=1
+turns the skip into a failure.
 """
 
 from __future__ import annotations

@@ -202,6 +202,30 @@ def test_a_signal_that_cannot_be_sent_strands_no_rank(world4):
     assert f"rank {missed}" in leader_out[2], leader_out
 
 
+def mismatched_stripes_job(ctx):
+    """Rank 3 builds shm with another ``stripe_min_bytes`` than the rest, across two nodes;
+    every rank's outcome of the first call, and how long it took."""
+    groups = dataclasses.replace(ctx.groups_for(LAYOUT), node_of=(0, 0, 1, 1))
+    strategy = strategies.get("shm", groups, stripe_min_bytes=0 if ctx.rank == 3 else None)
+    want = batch(0)
+    t0 = time.monotonic()
+    try:
+        strategy.get_data_input(batch(0) if groups.is_leader else want.entry_state(False))
+        outcome = "returned"
+    except Exception as exc:  # noqa: BLE001 -- the test reads every rank's outcome
+        outcome = f"{type(exc).__name__}: {exc}"
+    return outcome, time.monotonic() - t0
+
+
+def test_ranks_that_disagree_on_stripes_all_refuse_at_set_up(world4):
+    """A stripe receiver built with another threshold would wait for a slice nobody sends:
+    the set-up's one gather carries every rank's, and every rank refuses, naming them."""
+    for rank, (outcome, seconds) in enumerate(world4.run(mismatched_stripes_job, timeout_s=60)):
+        assert outcome.startswith(f"ShmError: rank {rank}: shm: stripe_min_bytes differs"), outcome
+        assert "rank 0: None" in outcome and "rank 3: 0" in outcome, outcome
+        assert seconds < FAIL_WITHIN_S, (rank, seconds)
+
+
 KILL_SCRIPT = textwrap.dedent(
     """
     import os, sys, time, datetime
@@ -257,6 +281,22 @@ def _shm_listing() -> list[str]:
     return sorted(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else []
 
 
+def _mapped_shm(pid: int) -> set[str]:
+    """The shared segments process ``pid`` maps: /dev/shm names (``(deleted)`` once
+    unlinked, dropped here) and memfds (``memfd:<name>``, never in /dev/shm)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            fields = [line.split(maxsplit=5) for line in f]
+        paths = {cols[5].strip() for cols in fields if len(cols) == 6}
+    except OSError:
+        return set()
+    return {
+        p.removeprefix("/dev/shm/").removeprefix("/").removesuffix(" (deleted)")
+        for p in paths
+        if p.startswith(("/dev/shm/", "/memfd:"))
+    }
+
+
 def _children(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -284,6 +324,7 @@ def test_kill_9_of_the_leader_reaches_every_reader_at_once_and_leaves_no_segment
         during = _shm_listing()
         ranks = sorted(_children(proc.pid))
         assert len(ranks) == 3, ranks
+        ours = sorted({name for rank in ranks for name in _mapped_shm(rank)})
         leader = ranks[0]  # forked first: rank 0
         time.sleep(0.5)  # the readers are waiting for their second batch
         os.kill(leader, signal.SIGKILL)
@@ -301,7 +342,12 @@ def test_kill_9_of_the_leader_reaches_every_reader_at_once_and_leaves_no_segment
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     after = _shm_listing()
-    print(f"\n{name}: /dev/shm before {before}, while running {during}, after kill -9 {after}")
-    # Only our own names count: another process of the machine may come and go meanwhile.
-    ours = ("psm_", "bcastbench")  # multiprocessing.shared_memory's names, and ours
-    assert [n for n in set(during) | set(after) if n not in before and n.startswith(ours)] == []
+    print(
+        f"\n{name}: /dev/shm before {before}, while running {during}, after kill -9 {after}; "
+        f"the ranks mapped {ours}"
+    )
+    # Only the job's own segments count (what its ranks mapped): another process of the
+    # machine may come and go meanwhile. None of them is named in /dev/shm while the job runs
+    # (unlinked once every rank has it open) or after the kill.
+    assert ours, "the ranks mapped no shared segment: nothing was checked"
+    assert [n for n in ours if n in set(during) | set(after)] == []
