@@ -41,7 +41,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import replace
-from functools import cache
+from functools import cache, lru_cache
 
 import strategies
 from strategies.core.cluster import load_cluster
@@ -190,7 +190,7 @@ def choose(
     return _choose(layout, spec, cluster, tuple(candidates), device)
 
 
-@cache
+@lru_cache(maxsize=NextShape.KEEP)  # a run of ever-new shapes keeps memory bounded
 def _choose(layout, spec: PayloadSpec, cluster, candidates: tuple[str, ...], device: str) -> str:
     conf = _cluster(cluster) if isinstance(cluster, str) else cluster
     priced: dict[str, float] = {}

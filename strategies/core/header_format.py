@@ -55,6 +55,11 @@ NEXT_EXPECT_OFFSET = 20  # byte offset of next_expect in the prefix
 FLAG_NON_TENSOR = 1
 
 
+RECENT_HEADERS = 8
+"""Decoded headers a receiver keeps (``read_header``'s cache): a step whose calls cycle through
+a few shapes decodes each shape's header once."""
+
+
 class HeaderError(ValueError):
     """A header that is corrupt, unsupported or larger than the receiver accepts."""
 
@@ -288,8 +293,8 @@ def read_header(
 ) -> Header:
     """Decode the header at the front of a (possibly CUDA) buffer; ``prefix``: its
     ``read_prefix``, when the caller has it already. ``cache`` (a dict the caller keeps)
-    holds the last header decoded, by its bytes: a stream of same-shaped batches sends the same
-    header bytes every call, and only those are ever returned from it."""
+    holds the last ``RECENT_HEADERS`` headers decoded, by their bytes: batches of a shape seen
+    recently send the same header bytes again, and only those are ever returned from it."""
     if prefix is None:
         prefix = read_prefix(buf, max_bytes, rank)
     header_len = prefix.header_len
@@ -302,7 +307,8 @@ def read_header(
         return decode_header(raw, max_bytes, rank)
     hit = cache.get(raw)
     if hit is None:
-        cache.clear()
+        while len(cache) >= RECENT_HEADERS:
+            del cache[next(iter(cache))]  # the oldest decoded
         hit = cache[raw] = decode_header(raw, max_bytes, rank)
     return hit
 

@@ -24,7 +24,7 @@ from strategies.core.header_format import (
     Header,
     HeaderError,
 )
-from strategies.core.packer import Packer
+from strategies.core.packer import RECENT_LAYOUTS, Packer
 from strategies.core.parts import message_parts, nbytes_of, structure, transportable
 from strategies.core.unpacker import unpack
 from strategies.core.wire import Wire
@@ -56,7 +56,7 @@ class PackedStrategy(Strategy):
         self.packer = Packer()  # leader: the send buffer and the last structure's layout
         self._fill = None
         self._direct: list[torch.Tensor] = []  # leader: the leaves that travel on their own
-        self._valid: tuple | None = None  # leader: the structure of the last valid batch
+        self._valid: dict[tuple, None] = {}  # leader: structures of recent valid batches
         self._checked: tuple | None = None  # leader: (td, parts, structure) leader_view saw
         self.last_header: Header | None = None
         """The header of the last batch that arrived (on every rank alike; ``auto`` decides
@@ -137,10 +137,10 @@ class PackedStrategy(Strategy):
 
     def checked_parts(self, batch: DataProto) -> tuple[list, tuple]:
         """The batch's ``message_parts`` and ``structure``, validated (``contract.validate``)
-        whenever the structure differs from the last valid one. A structure that passed
-        once passes again (its keys, dtypes, shapes and devices are what validate checks), so
-        a stream of same-shaped batches skips the per-leaf checks; non-tensor arrays are
-        checked every call."""
+        unless the structure is one of the last ``RECENT_LAYOUTS`` valid ones. A structure
+        that passed once passes again (its keys, dtypes, shapes and devices are what validate
+        checks), so batches of a shape seen recently skip the per-leaf checks; non-tensor
+        arrays are checked every call."""
         g = self.groups
         try:
             parts = message_parts(batch.batch, g.rank)
@@ -148,9 +148,11 @@ class PackedStrategy(Strategy):
         except Exception:
             validate(batch, g.rank, g.device)  # what breaks the contract says so plainly
             raise
-        if shape != self._valid or not all(hasattr(batch, a) for a in PROTO_ATTRS):
+        if shape not in self._valid or not all(hasattr(batch, a) for a in PROTO_ATTRS):
             validate(batch, g.rank, g.device)
-            self._valid = shape
+            self._valid[shape] = None
+            while len(self._valid) > RECENT_LAYOUTS:
+                del self._valid[next(iter(self._valid))]  # the oldest
         else:
             check_non_tensor(batch, shape[1][0], g.rank)
         return parts, shape

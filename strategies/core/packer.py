@@ -7,7 +7,7 @@ buffer's capacity may exceed the message; the message is ``buffer[:header.total_
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +29,10 @@ from strategies.core.trace import WORK
 
 RECENT_PACKS = 4
 """A held buffer is sized for the largest of this many recent messages, not the largest ever."""
+RECENT_LAYOUTS = 8
+"""Batch structures whose layout, encoded header and destination views a packer keeps: a step
+whose calls cycle through a few shapes (a rollout batch then micro-batches, uneven replicas)
+lays each out once, not on every change of shape."""
 SHRINK_ABOVE = 2
 """A held buffer more than this many times the largest recent need is released and made again
 at the size of the one being packed: peak memory follows the recent batches."""
@@ -86,7 +90,7 @@ class _Layout:
     tensor_end: int  # end of the tensor region, before the non-tensor blob
 
 
-@dataclass
+@dataclass(eq=False)
 class _HeaderBytes:
     """The encoded header of one layout and message size, with the next_expect it carries."""
 
@@ -99,7 +103,7 @@ class _HeaderBytes:
 class _Views:
     """Destination views of every packed entry in one buffer at one header length."""
 
-    key: tuple  # (buffer's data_ptr, header_len)
+    key: tuple  # (layout signature, buffer's data_ptr, header_len)
     dst: list[torch.Tensor]
     src_index: list[int]  # the entry (and part) each view is for
     starts: list[int]  # its first byte in the buffer
@@ -108,9 +112,9 @@ class _Views:
 class Packer:
     """The leader's send buffer and what stays the same between batches of one structure.
 
-    A steady stream of same-shaped batches reuses the layout, the encoded header and the
-    destination views of the last call, and does not write header bytes a buffer already
-    holds: only the packer writes into its buffer.
+    Batches of a structure seen recently (``RECENT_LAYOUTS``) reuse its layout, encoded header
+    and destination views, and header bytes a buffer already holds are not written again: only
+    the packer writes into its buffer.
     """
 
     def __init__(
@@ -121,10 +125,10 @@ class Packer:
         self.buffer = buffer
         self.allocate = allocate or _empty
         """Makes a new buffer of (capacity, device): torch.empty, or a shared segment (shm)."""
-        self._layout: _Layout | None = None
-        self._header: _HeaderBytes | None = None
-        self._header_in: torch.Tensor | None = None  # the buffer that holds _header's bytes
-        self._views: _Views | None = None
+        self._layouts: OrderedDict[tuple, _Layout] = OrderedDict()  # signature -> layout
+        self._headers: OrderedDict[tuple, _HeaderBytes] = OrderedDict()  # (signature, sizes)
+        self._header_in: tuple | None = None  # (buffer, header bytes, stamp) it holds
+        self._views: OrderedDict[tuple, _Views] = OrderedDict()  # views in the current buffer
         self.recent_needs: deque[int] = deque(maxlen=RECENT_PACKS)  # bytes each pack needed
 
     def pack(
@@ -156,16 +160,18 @@ class Packer:
         if blob is not None:
             span = (layout.tensor_end, len(blob))
             data_bytes = align(layout.tensor_end + len(blob))
-        raw, nxt = self._encoded(batch, layout.entries, data_bytes, span, next_expect)
+        held = self._encoded(batch, layout, data_bytes, span, next_expect)
+        raw, nxt = held.raw, held.stamped
         header_len = raw.numel()
         total = header_len + data_bytes
         device = batch.device if batch.device is not None else _leaf_device(parts)
         room = min_capacity(total) if callable(min_capacity) else min_capacity
         out = self._room_for(max(total, room), device)
-        if self._header_in is not out:  # a buffer that holds these header bytes keeps them
-            out[:header_len].copy_(raw)
-            self._header_in = out
-        views = self._views_in(out, layout.entries, header_len)
+        written = self._header_in
+        if written is None or written[0] is not out or written[1] is not held or written[2] != nxt:
+            out[:header_len].copy_(raw)  # a buffer that holds these header bytes keeps them
+            self._header_in = (out, held, nxt)
+        views = self._views_in(out, layout, header_len)
         sources = [parts[i][3] for i in views.src_index]
         blob_at = header_len + span[0] if blob is not None else total
         fill = _filler(out, views.dst, sources, views.starts, blob, blob_at)
@@ -178,7 +184,8 @@ class Packer:
 
     def forget(self) -> None:
         """Drop the buffer and everything cached about it (its owner took it back)."""
-        self.buffer = self._header_in = self._views = None
+        self.buffer = self._header_in = None
+        self._views.clear()
 
     def _room_for(self, capacity: int, device: torch.device) -> torch.Tensor:
         """The buffer, reallocated when it is too small or elsewhere, or more than
@@ -192,52 +199,63 @@ class Packer:
         oversized = held and out is not None and out.numel() > SHRINK_ABOVE * max(self.recent_needs)
         if out is None or out.numel() < capacity or out.device != device or oversized:
             # Released before the new one is made (views of it included): one at a time.
-            self.buffer = out = self._header_in = self._views = None
+            self.forget()
             out = self.allocate(capacity + capacity // 4, device)
             self.buffer = out
         return out
 
     def _laid_out(self, batch, parts: list[Part], direct, rank: int, shape) -> _Layout:
-        """The layout, made again only when the structure changes (``shape``: the batch's
-        ``structure``, when the caller has it already); a new one forgets the rest."""
+        """The layout of this structure (``shape``: the batch's ``structure``, when the caller
+        has it already), made once while it is among the recent ones."""
         signature = (structure(batch, parts) if shape is None else shape, direct)
-        if self._layout is None or self._layout.signature != signature:
+        layout = self._layouts.get(signature)
+        if layout is None:
             entries, tensor_end, _ = layout_entries(batch, rank, None, direct, parts)
-            self._layout = _Layout(signature, entries, tensor_end)
-            self._header = self._header_in = self._views = None
-        return self._layout
+            layout = _Layout(signature, entries, tensor_end)
+        _keep(self._layouts, signature, layout)
+        return layout
 
-    def _encoded(self, batch, entries, data_bytes: int, span, next_expect):
-        """(raw header bytes as a uint8 tensor, the next_expect it carries), encoded again only
-        when the sizes change; a new next_expect patches the bytes and marks buffers stale."""
+    def _encoded(self, batch, layout: _Layout, data_bytes: int, span, next_expect) -> _HeaderBytes:
+        """The layout's header for these sizes, encoded once while it is recent, with the
+        next_expect it carries (a new one patches the bytes in place)."""
         sizes = (data_bytes, span)
-        if self._header is None or self._header.sizes != sizes:
-            raw = encode_header(tuple(batch.batch_size), entries, data_bytes, span, 0)
-            raw = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-            self._header = _HeaderBytes(sizes, raw)
-            self._header_in = None
-        held = self._header
+        key = (layout.signature, sizes)
+        held = self._headers.get(key)
+        if held is None:
+            raw = encode_header(tuple(batch.batch_size), layout.entries, data_bytes, span, 0)
+            held = _HeaderBytes(sizes, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        _keep(self._headers, key, held)
         nxt = next_expect(held.raw.numel() + data_bytes) if callable(next_expect) else next_expect
         if held.stamped != nxt:
             stamp_next_expect(held.raw, nxt)
             held.stamped = nxt
-            self._header_in = None
-        return held.raw, nxt
+        return held
 
-    def _views_in(self, out: torch.Tensor, entries, header_len: int) -> _Views:
-        """Destination views of every packed entry in ``out``, made again only for a new
-        buffer or header length."""
-        key = (out.data_ptr(), header_len)
-        if self._views is None or self._views.key != key:
+    def _views_in(self, out: torch.Tensor, layout: _Layout, header_len: int) -> _Views:
+        """Destination views of every packed entry of ``layout`` in ``out`` (the current
+        buffer: ``forget`` drops them with it), made once per layout and header length."""
+        key = (layout.signature, out.data_ptr(), header_len)
+        views = self._views.get(key)
+        if views is None:
             dst, src_index, starts = [], [], []
-            for i, e in enumerate(entries):
+            for i, e in enumerate(layout.entries):
                 if e.nbytes and e.offset != DIRECT:
                     start = header_len + e.offset
                     dst.append(out[start : start + e.nbytes].view(e.dtype).view(e.shape))
                     src_index.append(i)
                     starts.append(start)
-            self._views = _Views(key, dst, src_index, starts)
-        return self._views
+            views = _Views(key, dst, src_index, starts)
+        _keep(self._views, key, views)
+        return views
+
+
+def _keep(recent: OrderedDict, key, value) -> None:
+    """``recent[key] = value`` as the most recent entry; the oldest beyond ``RECENT_LAYOUTS``
+    go."""
+    recent[key] = value
+    recent.move_to_end(key)
+    while len(recent) > RECENT_LAYOUTS:
+        recent.popitem(last=False)
 
 
 def _filler(out: torch.Tensor, dst, sources, starts, blob: bytes | None, blob_at: int):

@@ -18,6 +18,7 @@ from strategies.core.header_format import (
     KIND_OBJECT,
     KIND_OFFSETS,
     KIND_VALUES,
+    RECENT_HEADERS,
     Entry,
     Header,
 )
@@ -112,8 +113,8 @@ def _views(data: torch.Tensor, header: Header) -> list[torch.Tensor | None]:
 
 def _view_plan(header: Header) -> list[tuple]:
     """Per entry: (dtype, shape, contiguous strides, offset in elements), or Nones for an
-    entry sent on its own; cached for the header that is live (one at a time in steady
-    state, where ``read_header`` hands back the same Header object every call)."""
+    entry sent on its own; cached for the last ``RECENT_HEADERS`` headers (``read_header``
+    hands back the same Header object for a shape it decoded recently)."""
     cached = _PLANS.get(id(header))
     if cached is not None and cached[0] is header:
         return cached[1]
@@ -129,7 +130,8 @@ def _view_plan(header: Header) -> list[tuple]:
         plan.append(
             (e.dtype, tuple(e.shape), tuple(reversed(strides)), e.offset // ITEMSIZE[e.dtype])
         )
-    _PLANS.clear()
+    while len(_PLANS) >= RECENT_HEADERS:
+        del _PLANS[next(iter(_PLANS))]  # the oldest (the header it holds keeps its id unique)
     _PLANS[id(header)] = (header, plan)
     return plan
 

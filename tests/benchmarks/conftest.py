@@ -22,13 +22,15 @@ class BenchMode:
     iters: int
     """Timed, interleaved iterations per job (each of strategy, floor, pickled)."""
     warmup: int
-    """Untimed iterations per strategy before them."""
+    """Untimed iterations per strategy before them: at least as many as shm's ring has slots
+    (``strategies.core.shm.DEFAULT_SLOTS``), whose segments its first calls make, so no timed
+    call of shm (or of auto serving with it, or the floor's shm method) makes one."""
     rounds: int
     """Jobs per benchmark; the gate takes the median of their ratios."""
 
 
 MODES = {
-    "short": BenchMode("short", iters=8, warmup=1, rounds=5),
+    "short": BenchMode("short", iters=8, warmup=3, rounds=5),
     "full": BenchMode("full", iters=30, warmup=3, rounds=7),
 }
 

@@ -36,7 +36,7 @@ def alternating_spec(strategy: str, mode) -> JobSpec:
         batch_size=ALTERNATING["large"],
         seq_len=SEQ_LEN,
         iters=2 * mode.iters,
-        warmup=2 * mode.warmup,
+        warmup=2 * mode.warmup,  # every slot of shm's ring has held both shapes (auto)
         references=(),
         workload=build(payload, LAYOUT.dp, SEQ_LEN, recorded=False),
         steady_iters=mode.iters,

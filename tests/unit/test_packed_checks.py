@@ -11,13 +11,14 @@ import torch
 from tensordict import TensorDict
 
 from strategies import ContractError, DataProto
+from strategies.core.packer import RECENT_LAYOUTS
 from strategies.flat import Flat
 
 
 def leader() -> Flat:
     s = object.__new__(Flat)  # only the checks: no groups, no wire
     s.groups = SimpleNamespace(rank=3, device=torch.device("cpu"))
-    s._valid = None
+    s._valid = {}
     return s
 
 
@@ -31,7 +32,7 @@ def test_a_valid_structure_is_remembered_and_its_parts_returned():
     s = leader()
     parts, shape = s.checked_parts(batch())
     assert [p[0] for p in parts] == [("x",), ("y",)]
-    assert s._valid == shape
+    assert list(s._valid) == [shape]
     assert s.checked_parts(batch())[1] == shape
 
 
@@ -50,7 +51,19 @@ def test_a_changed_structure_is_validated_again():
     with pytest.raises(ContractError, match="rank 3: batch.batch_size is"):
         s.checked_parts(bad)
     s.checked_parts(batch(dtype=torch.float64))  # a new dtype: validated, then remembered
-    assert s._valid[2][0][3] == torch.float64
+    assert list(s._valid)[-1][2][0][3] == torch.float64
+
+
+def test_recent_structures_are_remembered_and_the_oldest_forgotten():
+    """A step that cycles through a few shapes validates each once; a run of ever-new shapes
+    keeps only the most recent ``RECENT_LAYOUTS``."""
+    s = leader()
+    first = s.checked_parts(batch())[1]
+    s.checked_parts(batch(dtype=torch.float64))
+    assert first in s._valid  # the first shape again would not be validated again
+    for b in range(5, 5 + RECENT_LAYOUTS):
+        s.checked_parts(batch(b))
+    assert first not in s._valid and len(s._valid) == RECENT_LAYOUTS
 
 
 def test_what_is_no_dataproto_gets_the_contract_error():
