@@ -199,6 +199,7 @@ class Packer:
         oversized = held and out is not None and out.numel() > SHRINK_ABOVE * max(self.recent_needs)
         if out is None or out.numel() < capacity or out.device != device or oversized:
             # Released before the new one is made (views of it included): one at a time.
+            out = None
             self.forget()
             out = self.allocate(capacity + capacity // 4, device)
             self.buffer = out
