@@ -51,6 +51,7 @@ from strategies.core.layout import Layout
 from strategies.core.packed import PackedStrategy
 from strategies.core.plan import PayloadSpec, Plan, bytes_per_dtype, plan_of
 from strategies.core.pricing import price
+from strategies.core.recent import remember
 
 CANDIDATES = ("flat", "direct", "header", "pp_first", "scatter_allgather", "shm")
 """The built-ins auto chooses among, in order of preference when the model cannot tell them
@@ -119,7 +120,7 @@ class Auto(Strategy):
             if choice is None:  # a new shape: price it (a seen one is a lookup)
                 spec = spec_of_header(header)
                 choice = choose(self.layout, spec, self.cluster, tuple(self.built), self.device)
-            _remember(self._choice_of, key, choice, NextShape.KEEP)
+            remember(self._choice_of, key, choice, NextShape.KEEP)
             predicted = self._next.observe(key)
             self.choice = self._choice_of.get(predicted, self._choice_of[key])
         return out
@@ -152,7 +153,7 @@ class NextShape:
     def observe(self, key: Hashable) -> Hashable:
         """Record that a call moved ``key``; return the prediction for the next call."""
         if self.previous is not None:
-            _remember(self.follows, self.previous, key, self.KEEP)
+            remember(self.follows, self.previous, key, self.KEEP)
         self.previous = key
         return self.follows.get(key, key)
 
@@ -164,14 +165,6 @@ def shape_key(header) -> tuple:
     strings' lengths change with the data, call by call, in batches of one shape)."""
     leaves = tuple((e.key, e.dtype, e.shape, e.kind, e.aux) for e in header.entries)
     return (leaves, header.non_tensor is not None)
-
-
-def _remember(table: OrderedDict, key, value, keep: int) -> None:
-    """``table[key] = value`` as the most recent entry, the oldest dropped beyond ``keep``."""
-    table[key] = value
-    table.move_to_end(key)
-    while len(table) > keep:
-        table.popitem(last=False)
 
 
 def choose(

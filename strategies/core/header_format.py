@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from strategies.core.recent import remember
+
 MAGIC = b"BCB1"
 VERSION = 3
 """2: every entry carries its kind (dense, jagged part, pickled non-tensor leaf); 3: the
@@ -53,11 +55,6 @@ KIND_NAMES = ("dense", "values", "offsets", "lengths", "object")
 _PREFIX = struct.Struct("<4sHHIQQ")  # magic, version, flags, header_len, data_bytes, next_expect
 NEXT_EXPECT_OFFSET = 20  # byte offset of next_expect in the prefix
 FLAG_NON_TENSOR = 1
-
-
-RECENT_HEADERS = 8
-"""Decoded headers a receiver keeps (``read_header``'s cache): a step whose calls cycle through
-a few shapes decodes each shape's header once."""
 
 
 class HeaderError(ValueError):
@@ -293,7 +290,7 @@ def read_header(
 ) -> Header:
     """Decode the header at the front of a (possibly CUDA) buffer; ``prefix``: its
     ``read_prefix``, when the caller has it already. ``cache`` (a dict the caller keeps)
-    holds the last ``RECENT_HEADERS`` headers decoded, by their bytes: batches of a shape seen
+    holds the headers of the last ``RECENT_SHAPES`` shapes decoded, by their bytes: batches of a shape seen
     recently send the same header bytes again, and only those are ever returned from it."""
     if prefix is None:
         prefix = read_prefix(buf, max_bytes, rank)
@@ -307,9 +304,8 @@ def read_header(
         return decode_header(raw, max_bytes, rank)
     hit = cache.get(raw)
     if hit is None:
-        while len(cache) >= RECENT_HEADERS:
-            del cache[next(iter(cache))]  # the oldest decoded
-        hit = cache[raw] = decode_header(raw, max_bytes, rank)
+        hit = decode_header(raw, max_bytes, rank)
+        remember(cache, raw, hit)
     return hit
 
 

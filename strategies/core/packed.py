@@ -24,8 +24,9 @@ from strategies.core.header_format import (
     Header,
     HeaderError,
 )
-from strategies.core.packer import RECENT_LAYOUTS, Packer
+from strategies.core.packer import Packer
 from strategies.core.parts import message_parts, nbytes_of, structure, transportable
+from strategies.core.recent import remember
 from strategies.core.unpacker import unpack
 from strategies.core.wire import Wire
 
@@ -137,7 +138,7 @@ class PackedStrategy(Strategy):
 
     def checked_parts(self, batch: DataProto) -> tuple[list, tuple]:
         """The batch's ``message_parts`` and ``structure``, validated (``contract.validate``)
-        unless the structure is one of the last ``RECENT_LAYOUTS`` valid ones. A structure
+        unless the structure is one of the last ``RECENT_SHAPES`` valid ones. A structure
         that passed once passes again (its keys, dtypes, shapes and devices are what validate
         checks), so batches of a shape seen recently skip the per-leaf checks; non-tensor
         arrays are checked every call."""
@@ -150,9 +151,7 @@ class PackedStrategy(Strategy):
             raise
         if shape not in self._valid or not all(hasattr(batch, a) for a in PROTO_ATTRS):
             validate(batch, g.rank, g.device)
-            self._valid[shape] = None
-            while len(self._valid) > RECENT_LAYOUTS:
-                del self._valid[next(iter(self._valid))]  # the oldest
+            remember(self._valid, shape, None)
         else:
             check_non_tensor(batch, shape[1][0], g.rank)
         return parts, shape

@@ -7,9 +7,9 @@ buffer's capacity may exceed the message; the message is ``buffer[:header.total_
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,14 +25,11 @@ from strategies.core.header_format import (
     stamp_next_expect,
 )
 from strategies.core.parts import Part, encode_non_tensor, message_parts, nbytes_of, structure
+from strategies.core.recent import remember
 from strategies.core.trace import WORK
 
 RECENT_PACKS = 4
 """A held buffer is sized for the largest of this many recent messages, not the largest ever."""
-RECENT_LAYOUTS = 8
-"""Batch structures whose layout, encoded header and destination views a packer keeps: a step
-whose calls cycle through a few shapes (a rollout batch then micro-batches, uneven replicas)
-lays each out once, not on every change of shape."""
 SHRINK_ABOVE = 2
 """A held buffer more than this many times the largest recent need is released and made again
 at the size of the one being packed: peak memory follows the recent batches."""
@@ -81,13 +78,18 @@ def pack(
     return out, header
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class _Layout:
-    """Where a batch structure's entries go: fixed by its ``structure`` and direct leaves."""
+    """Where a batch structure's entries go (fixed by its ``structure`` and direct leaves), and
+    what was made from it: its encoded headers and its destination views in the buffer."""
 
     signature: tuple
     entries: list[Entry]
     tensor_end: int  # end of the tensor region, before the non-tensor blob
+    headers: dict = field(default_factory=dict)
+    """(data bytes, non-tensor span) -> ``_HeaderBytes``, the recent ones."""
+    views: dict = field(default_factory=dict)
+    """(buffer's data_ptr, header length) -> ``_Views`` in the packer's current buffer."""
 
 
 @dataclass(eq=False)
@@ -103,7 +105,6 @@ class _HeaderBytes:
 class _Views:
     """Destination views of every packed entry in one buffer at one header length."""
 
-    key: tuple  # (layout signature, buffer's data_ptr, header_len)
     dst: list[torch.Tensor]
     src_index: list[int]  # the entry (and part) each view is for
     starts: list[int]  # its first byte in the buffer
@@ -112,7 +113,7 @@ class _Views:
 class Packer:
     """The leader's send buffer and what stays the same between batches of one structure.
 
-    Batches of a structure seen recently (``RECENT_LAYOUTS``) reuse its layout, encoded header
+    Batches of a structure seen recently (``RECENT_SHAPES``) reuse its layout, encoded header
     and destination views, and header bytes a buffer already holds are not written again: only
     the packer writes into its buffer.
     """
@@ -125,10 +126,8 @@ class Packer:
         self.buffer = buffer
         self.allocate = allocate or _empty
         """Makes a new buffer of (capacity, device): torch.empty, or a shared segment (shm)."""
-        self._layouts: OrderedDict[tuple, _Layout] = OrderedDict()  # signature -> layout
-        self._headers: OrderedDict[tuple, _HeaderBytes] = OrderedDict()  # (signature, sizes)
+        self._layouts: dict[tuple, _Layout] = {}  # signature -> layout, the recent ones
         self._header_in: tuple | None = None  # (buffer, header bytes, stamp) it holds
-        self._views: OrderedDict[tuple, _Views] = OrderedDict()  # views in the current buffer
         self.recent_needs: deque[int] = deque(maxlen=RECENT_PACKS)  # bytes each pack needed
 
     def pack(
@@ -185,7 +184,8 @@ class Packer:
     def forget(self) -> None:
         """Drop the buffer and everything cached about it (its owner took it back)."""
         self.buffer = self._header_in = None
-        self._views.clear()
+        for layout in self._layouts.values():
+            layout.views.clear()
 
     def _room_for(self, capacity: int, device: torch.device) -> torch.Tensor:
         """The buffer, reallocated when it is too small or elsewhere, or more than
@@ -213,19 +213,18 @@ class Packer:
         if layout is None:
             entries, tensor_end, _ = layout_entries(batch, rank, None, direct, parts)
             layout = _Layout(signature, entries, tensor_end)
-        _keep(self._layouts, signature, layout)
+        remember(self._layouts, signature, layout)
         return layout
 
     def _encoded(self, batch, layout: _Layout, data_bytes: int, span, next_expect) -> _HeaderBytes:
         """The layout's header for these sizes, encoded once while it is recent, with the
         next_expect it carries (a new one patches the bytes in place)."""
         sizes = (data_bytes, span)
-        key = (layout.signature, sizes)
-        held = self._headers.get(key)
+        held = layout.headers.get(sizes)
         if held is None:
             raw = encode_header(tuple(batch.batch_size), layout.entries, data_bytes, span, 0)
             held = _HeaderBytes(sizes, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-        _keep(self._headers, key, held)
+            remember(layout.headers, sizes, held)
         nxt = next_expect(held.raw.numel() + data_bytes) if callable(next_expect) else next_expect
         if held.stamped != nxt:
             stamp_next_expect(held.raw, nxt)
@@ -235,8 +234,8 @@ class Packer:
     def _views_in(self, out: torch.Tensor, layout: _Layout, header_len: int) -> _Views:
         """Destination views of every packed entry of ``layout`` in ``out`` (the current
         buffer: ``forget`` drops them with it), made once per layout and header length."""
-        key = (layout.signature, out.data_ptr(), header_len)
-        views = self._views.get(key)
+        key = (out.data_ptr(), header_len)
+        views = layout.views.get(key)
         if views is None:
             dst, src_index, starts = [], [], []
             for i, e in enumerate(layout.entries):
@@ -245,18 +244,9 @@ class Packer:
                     dst.append(out[start : start + e.nbytes].view(e.dtype).view(e.shape))
                     src_index.append(i)
                     starts.append(start)
-            views = _Views(key, dst, src_index, starts)
-        _keep(self._views, key, views)
+            views = _Views(dst, src_index, starts)
+            remember(layout.views, key, views)
         return views
-
-
-def _keep(recent: OrderedDict, key, value) -> None:
-    """``recent[key] = value`` as the most recent entry; the oldest beyond ``RECENT_LAYOUTS``
-    go."""
-    recent[key] = value
-    recent.move_to_end(key)
-    while len(recent) > RECENT_LAYOUTS:
-        recent.popitem(last=False)
 
 
 def _filler(out: torch.Tensor, dst, sources, starts, blob: bytes | None, blob_at: int):

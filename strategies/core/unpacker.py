@@ -18,11 +18,11 @@ from strategies.core.header_format import (
     KIND_OBJECT,
     KIND_OFFSETS,
     KIND_VALUES,
-    RECENT_HEADERS,
     Entry,
     Header,
 )
 from strategies.core.parts import decode_non_tensor
+from strategies.core.recent import remember
 from strategies.core.trace import WORK
 
 
@@ -113,7 +113,7 @@ def _views(data: torch.Tensor, header: Header) -> list[torch.Tensor | None]:
 
 def _view_plan(header: Header) -> list[tuple]:
     """Per entry: (dtype, shape, contiguous strides, offset in elements), or Nones for an
-    entry sent on its own; cached for the last ``RECENT_HEADERS`` headers (``read_header``
+    entry sent on its own; cached for the last ``RECENT_SHAPES`` headers (``read_header``
     hands back the same Header object for a shape it decoded recently)."""
     cached = _PLANS.get(id(header))
     if cached is not None and cached[0] is header:
@@ -130,9 +130,7 @@ def _view_plan(header: Header) -> list[tuple]:
         plan.append(
             (e.dtype, tuple(e.shape), tuple(reversed(strides)), e.offset // ITEMSIZE[e.dtype])
         )
-    while len(_PLANS) >= RECENT_HEADERS:
-        del _PLANS[next(iter(_PLANS))]  # the oldest (the header it holds keeps its id unique)
-    _PLANS[id(header)] = (header, plan)
+    remember(_PLANS, id(header), (header, plan))  # the header held keeps its id unique
     return plan
 
 

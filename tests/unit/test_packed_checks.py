@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDict
 
 from strategies import ContractError, DataProto
-from strategies.core.packer import RECENT_LAYOUTS
+from strategies.core.recent import RECENT_SHAPES
 from strategies.flat import Flat
 
 
@@ -56,14 +56,14 @@ def test_a_changed_structure_is_validated_again():
 
 def test_recent_structures_are_remembered_and_the_oldest_forgotten():
     """A step that cycles through a few shapes validates each once; a run of ever-new shapes
-    keeps only the most recent ``RECENT_LAYOUTS``."""
+    keeps only the most recent ``RECENT_SHAPES``."""
     s = leader()
     first = s.checked_parts(batch())[1]
     s.checked_parts(batch(dtype=torch.float64))
     assert first in s._valid  # the first shape again would not be validated again
-    for b in range(5, 5 + RECENT_LAYOUTS):
+    for b in range(5, 5 + RECENT_SHAPES):
         s.checked_parts(batch(b))
-    assert first not in s._valid and len(s._valid) == RECENT_LAYOUTS
+    assert first not in s._valid and len(s._valid) == RECENT_SHAPES
 
 
 def test_what_is_no_dataproto_gets_the_contract_error():
