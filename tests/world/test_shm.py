@@ -255,8 +255,11 @@ KILL_SCRIPT = textwrap.dedent(
             what = "returned"
         except Exception as exc:
             what = f"{type(exc).__name__}: {exc}"
-        with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
+        # Written aside and renamed: the test reads the file as soon as it exists.
+        path = os.path.join(out_dir, f"rank{rank}")
+        with open(path + ".part", "w") as f:
             f.write(f"{time.monotonic() - t0:.3f}\\n{what}\\n{int(torch.equal(held.batch['x'], td['x']))}")
+        os.rename(path + ".part", path)
         os._exit(0)
 
     if __name__ == "__main__":
@@ -331,7 +334,6 @@ def test_kill_9_of_the_leader_reaches_every_reader_at_once_and_leaves_no_segment
         while not all((tmp_path / f"rank{r}").exists() for r in (1, 2)):
             assert time.monotonic() < deadline + 60, "a reader never learnt of the leader's death"
             time.sleep(0.05)
-        time.sleep(0.2)  # the files are written in one go; let them land
         for r in (1, 2):
             seconds, what, held = (tmp_path / f"rank{r}").read_text().splitlines()
             assert float(seconds) < FAIL_WITHIN_S, (r, seconds, what)
