@@ -343,9 +343,11 @@ class NodeChannel:
             if sock is None:
                 failed.append(f"rank {rank} ({self.broken.get(rank, 'not connected')})")
                 continue
-            fds = [] if rank in slot.delivered else [seg.fd]
             try:
-                socket.send_fds(sock, [msg], fds)
+                if rank in slot.delivered:  # it has the segment: a plain send is cheaper
+                    sock.send(msg)
+                else:
+                    socket.send_fds(sock, [msg], [seg.fd])
             except Exception as exc:  # noqa: BLE001 -- reported once every reader had its turn
                 failed.append(f"rank {rank} ({type(exc).__name__}: {exc})")
                 # Closed, so that reader raises at once instead of waiting for a signal.
