@@ -1,12 +1,14 @@
 """``make test``'s runner: the benchmark tier alone, then the other tiers in two pytest sessions
 side by side.
 
-Most of the suite's wall time is waiting, not computing: Slurm scheduling, daemons and
-network namespaces coming up, worlds starting, fault tests waiting out a hung rank. One session
-leaves one of two cores idle most of the time, so the infra tier (with the world tier's Ray
-files, to even the two out) runs in a session of its own beside the unit and world tiers. The
-benchmark tier times strategies against each other and needs a quiet machine, so it runs
-first, alone.
+Most of the suite's wall time is waiting, not computing: Slurm scheduling, daemons, Ray
+clusters and network namespaces coming up, worlds starting, fault tests waiting out a hung
+rank. One session leaves one of two cores idle most of the time, so the infra tier (with the
+world tier's two Ray files, which mostly wait for their clusters) runs in a session of its own
+beside the unit and world tiers. The benchmark tier times strategies against each other and
+needs a quiet machine, so it runs first, alone. (Three sessions, the world tier apart from the
+unit tier, were slower: the infra session, the longest, lost more to contention than the
+split saved.)
 
 Each session has its own temporary directory (``--basetemp``) and no cache, so the two never
 write the same file. The unit+world session prints as it goes; the other's output goes to
@@ -33,13 +35,12 @@ CI = REPO / "results" / "ci"
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=10"]
 BENCH = ["tests/benchmarks", "--benchmark-enable", "--benchmark-json", str(CI / "benchmarks.json")]
 RAY_WORLD = ["tests/world/test_ray_world.py", "tests/world/test_ray_tools.py"]
-"""World-tier files that mostly wait for Ray clusters: they run beside the rest of the world
-tier, with the infra tier, so the two sessions take about as long as each other."""
 SIDE_BY_SIDE = {
     "unit+world": ["tests/unit", "tests/world", *(f"--ignore={f}" for f in RAY_WORLD)],
     "infra+ray": ["tests/infra", *RAY_WORLD],
 }
-"""The sessions that run together; the first prints live, the others to results/ci/<name>.log."""
+"""The sessions that run together, of about equal length; the first prints live, the others to
+results/ci/<name>.log."""
 
 
 def _start(name: str, args: list[str], scratch: Path, log: Path | None) -> subprocess.Popen:

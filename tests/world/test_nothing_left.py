@@ -94,6 +94,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.ray
 def test_kill_9_of_a_ray_driver_leaves_nothing(tmp_path):
     """The driver is killed with SIGKILL while its cluster runs: within 15 s every process the
     cluster started and its directory are gone, and nothing was written to the home
@@ -148,6 +149,7 @@ def test_kill_9_of_a_ray_driver_leaves_nothing(tmp_path):
     assert after == shared_before, "a session folder was left in Ray's shared /tmp/ray"
 
 
+@pytest.mark.ray
 def test_ctrl_c_ends_a_ray_sweep_within_5_s(tmp_path):
     """SIGINT to the sweep's process group mid-job: the command ends within 5 s with its one
     line, and the private cluster's processes and directory are gone."""

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 ray = pytest.importorskip("ray", reason='ray is an optional extra: pip install "ray==2.60.0"')
+pytestmark = pytest.mark.ray  # a private Ray cluster per test: make test runs these apart
 if not hasattr(ray, "init"):  # tests/verl_support.py registers a bare stand-in without Ray
     pytest.skip(
         'only a test stand-in for ray is loaded: pip install "ray==2.60.0"', allow_module_level=True
