@@ -1,13 +1,16 @@
 """pytest-benchmark cases (strategy × payload on tp2pp2) and a gate on same-job ratios.
 
 One round = one interleaved job per payload size that times every gated strategy, the fixed
-strategies auto is held against, every raw method of the floor and pickled side by side on the session's 4-rank world (``side_by_side``: made once per size, shared by that size's cases).
+strategies auto is held against, every raw method of the floor and pickled side by side on the
+session's 4-rank world (``side_by_side``: made once per size, shared by that size's cases).
 Each case reads its strategy's figures from those rounds: the statistics pytest-benchmark keeps
 are the strategy's per-call p50 from each job; the gate compares the median over rounds of
 ``vs_floor_network`` and ``vs_baseline`` with ``bounds.BOUNDS``, and ``vs_floor`` with
 ``bounds.MIN_VS_FLOOR``; ``test_auto_vs_best_fixed`` holds auto's pick and its cost to the
-same jobs' figures. With ``--benchmark-disable`` (the default addopts) nothing is timed by
-pytest-benchmark, but every round still runs and the gate still checks.
+same jobs' figures. A case that breaks a bound is measured once more (fresh rounds, side by
+side again) and fails only when that measurement breaks one too. With ``--benchmark-disable``
+(the default addopts) nothing is timed by pytest-benchmark, but every round still runs and the
+gate still checks.
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ held against (the floor's raw methods and pickled come with every job)."""
 @pytest.fixture(scope="module")
 def side_by_side(bench_world, mode):
     """``get(size)``: the summaries of ``mode.rounds`` jobs, each timing every strategy of
-    ``TIMED`` side by side at that size, with each job's wall time; run on first use."""
+    ``TIMED`` side by side at that size, with each job's wall time; run on first use.
+    ``get(size, again=True)``: a fresh set of rounds (a failed case's second measurement),
+    which that size's later cases read too."""
     made: dict[str, list[tuple[dict, float]]] = {}
 
-    def get(size: str) -> list[tuple[dict, float]]:
-        if size not in made:
+    def get(size: str, again: bool = False) -> list[tuple[dict, float]]:
+        if size not in made or again:
             spec = JobSpec(
                 TIMED[0],
                 LAYOUT[1],
@@ -129,9 +134,23 @@ def test_bench_gate(benchmark, side_by_side, mode, strategy: str, size: str):
     )
 
     problems = gate_problems(median, BOUNDS[(strategy, size)])
-    assert not problems, (
-        f"{strategy} at {size} on {layout_name}: " + "; ".join(problems) + f" [{per_round(rounds)}]"
-    )
+    if problems:
+        # Measured once more, side by side again: a shared machine's burst of other work can
+        # slow one strategy's rounds (pickled's most, the one that allocates most per call).
+        # The case fails only when both measurements break a bound; both are reported.
+        again = [
+            round_record(summary, strategy, wall) for summary, wall in side_by_side(size, True)
+        ]
+        median_again = {k: statistics.median(r[k] for r in again) for k in measures}
+        benchmark.extra_info["first_measurement"] = {"problems": problems, "rounds": rounds}
+        benchmark.extra_info["rounds"] = again
+        benchmark.extra_info.update({k: median_again[k] for k in measures})
+        again_problems = gate_problems(median_again, BOUNDS[(strategy, size)])
+        assert not again_problems, (
+            f"{strategy} at {size} on {layout_name}, measured twice: first "
+            + "; ".join(problems) + f" [{per_round(rounds)}]; again "
+            + "; ".join(again_problems) + f" [{per_round(again)}]"
+        )  # fmt: skip
 
 
 def round_record(summary: dict, strategy: str, job_wall_s: float) -> dict:
