@@ -4,7 +4,7 @@ side by side.
 Most of the suite's wall time is waiting, not computing: Slurm scheduling, daemons, Ray
 clusters and network namespaces coming up, worlds starting, fault tests waiting out a hung
 rank. One session leaves one of two cores idle most of the time, so the infra tier (with the
-world tier's two Ray files, which mostly wait for their clusters) runs in a session of its own
+world tier's Ray world file, which mostly waits for its clusters) runs in a session of its own
 beside the unit and world tiers. The benchmark tier times strategies against each other and
 needs a quiet machine, so it runs first, alone. (Three sessions, the world tier apart from the
 unit tier, were slower: the infra session, the longest, lost more to contention than the
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 CI = REPO / "results" / "ci"
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=10"]
 BENCH = ["tests/benchmarks", "--benchmark-enable", "--benchmark-json", str(CI / "benchmarks.json")]
-RAY_WORLD = ["tests/world/test_ray_world.py", "tests/world/test_ray_tools.py"]
+RAY_WORLD = ["tests/world/test_ray_world.py"]
 SIDE_BY_SIDE = {
     "unit+world": ["tests/unit", "tests/world", *(f"--ignore={f}" for f in RAY_WORLD)],
     "infra+ray": ["tests/infra", *RAY_WORLD],
