@@ -19,6 +19,8 @@ import pytest
 
 from harness.emulate.netns import unavailable_reason
 
+pytestmark = pytest.mark.ray  # a private Ray cluster across the emulated nodes
+
 
 def _skip(reason: str) -> None:
     if os.environ.get("BCB_REQUIRE_INFRA") == "1":
