@@ -7,6 +7,9 @@ BIN := $(VENV)/bin
 # The CPU build of torch CI installs; GPU users: make TORCH_SPEC=torch bench
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# Byte-compile the venv's packages with a worker per core (files no Python 3 compiles, which
+# some packages ship as test data, are skipped as pip skips them).
+COMPILE_SITE := import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0)
 
 .PHONY: bench bench-gate test test-fast lint setup clean gpu-wheels gpu-check
 
@@ -15,11 +18,14 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev]" "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q --no-compile "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q --no-compile -e ".[dev]" "$(TORCH_SPEC)"
 	# verl's own DataProto and worker payload for the interop tests; its ray/transformers
 	# imports are never used on that path (tests/verl_support.py), so no deps.
-	$(BIN)/python -m pip install -q --no-deps "verl==0.9.1"
+	$(BIN)/python -m pip install -q --no-compile --no-deps "verl==0.9.1"
+	# The bytecode pip would have compiled on one core, compiled on every core: where
+	# PYTHONDONTWRITEBYTECODE is set, imports only read .pyc files, never write them.
+	$(BIN)/python -c "$(COMPILE_SITE)"
 	touch $(STAMP)
 
 lint: $(STAMP)
