@@ -42,13 +42,6 @@ def torch_spec() -> str:
     return match.group(1)
 
 
-COMPILE_SITE = (
-    "import compileall, sysconfig; "
-    "compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0)"
-)
-"""What the Makefile runs after its installs (``COMPILE_SITE`` there)."""
-
-
 def pip(python: Path, *args: str, timeout: int = 900) -> None:
     out = subprocess.run(
         [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
@@ -70,11 +63,9 @@ def installed(tmp_path_factory) -> Path:
     env_dir = root / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
-    # As the Makefile installs: pip without its one-core compile, then every core compiles.
-    pip(python, "--no-compile", torch_spec())
+    pip(python, torch_spec())
     (wheel,) = wheels.glob("bcastbench-*.whl")
-    pip(python, "--no-compile", str(wheel))
-    subprocess.run([str(python), "-c", COMPILE_SITE], check=True, capture_output=True, timeout=600)
+    pip(python, str(wheel))
     return env_dir / "bin"
 
 
