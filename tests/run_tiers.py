@@ -28,7 +28,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 REPO = Path(__file__).resolve().parents[1]
 CI = REPO / "results" / "ci"
@@ -43,61 +45,62 @@ SIDE_BY_SIDE = {
 results/ci/<name>.log."""
 
 
-def _start(name: str, args: list[str], scratch: Path, log: Path | None) -> subprocess.Popen:
-    cmd = [*PYTEST, f"--basetemp={scratch / name.replace('+', '_')}", *args]
-    out = open(log, "w") if log is not None else None  # noqa: SIM115 -- closed in _wait
-    print(f"[run_tiers] {name}: {' '.join(cmd[1:])}" + (f" > {log}" if log else ""), flush=True)
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT if out else None)
-    proc.log = out  # type: ignore[attr-defined]
-    return proc
+@dataclass
+class _Session:
+    """One pytest session: its process, and the log it writes to (None: the terminal)."""
 
+    name: str
+    proc: subprocess.Popen
+    log: Path | None
+    out: IO | None
 
-def _wait(name: str, proc: subprocess.Popen, t0: float) -> int:
-    rc = proc.wait()
-    if proc.log is not None:  # type: ignore[attr-defined]
-        proc.log.close()  # type: ignore[attr-defined]
-    print(f"[run_tiers] {name}: exit {rc} after {time.monotonic() - t0:.0f} s", flush=True)
-    return rc
+    @classmethod
+    def start(cls, name: str, args: list[str], scratch: Path, log: Path | None) -> _Session:
+        cmd = [*PYTEST, f"--basetemp={scratch / name.replace('+', '_')}", *args]
+        print(f"[run_tiers] {name}: {' '.join(cmd[1:])}" + (f" > {log}" if log else ""), flush=True)
+        out = open(log, "w") if log is not None else None  # noqa: SIM115 -- closed in finish
+        err = subprocess.STDOUT if out else None
+        return cls(name, subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err), log, out)
+
+    def finish(self, t0: float) -> int:
+        """Wait for the session, say how it ended and print what it logged; its exit status."""
+        rc = self.proc.wait()
+        print(f"[run_tiers] {self.name}: exit {rc} after {time.monotonic() - t0:.0f} s", flush=True)
+        if self.out is not None:
+            self.out.close()
+            sys.stdout.write(f"\n[run_tiers] ---- {self.name} session output ----\n")
+            sys.stdout.write(self.log.read_text(errors="replace"))
+            sys.stdout.flush()
+        return rc
 
 
 def main(extra: list[str]) -> int:
     CI.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="bcastbench-tests-"))
-    procs: list[subprocess.Popen] = []
+    sessions: list[_Session] = []
 
     def forward(signum, _frame):
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
+        for session in sessions:
+            if session.proc.poll() is None:
+                session.proc.send_signal(signum)
 
     signal.signal(signal.SIGTERM, forward)
     t0 = time.monotonic()
     failed: list[str] = []
     try:
-        bench = _start("benchmarks", BENCH + extra, scratch, None)
-        procs.append(bench)
-        if _wait("benchmarks", bench, t0) != 0:
+        sessions.append(_Session.start("benchmarks", BENCH + extra, scratch, None))
+        if sessions[0].finish(t0) != 0:
             failed.append("benchmarks")
         t1 = time.monotonic()
-        names = list(SIDE_BY_SIDE)
-        started = {
-            name: _start(
-                name, SIDE_BY_SIDE[name] + extra, scratch, None if i == 0 else CI / f"{name}.log"
-            )
-            for i, name in enumerate(names)
-        }
-        procs.extend(started.values())
-        for i, (name, proc) in enumerate(started.items()):
-            rc = _wait(name, proc, t1)
-            if i > 0:
-                sys.stdout.write(f"\n[run_tiers] ---- {name} session output ----\n")
-                sys.stdout.write((CI / f"{name}.log").read_text(errors="replace"))
-                sys.stdout.flush()
-            if rc != 0:
-                failed.append(name)
+        side = [
+            _Session.start(name, args + extra, scratch, None if i == 0 else CI / f"{name}.log")
+            for i, (name, args) in enumerate(SIDE_BY_SIDE.items())
+        ]
+        sessions.extend(side)
+        failed += [session.name for session in side if session.finish(t1) != 0]
     except KeyboardInterrupt:  # the sessions got the same Ctrl-C; let them clean up
-        for p in procs:
-            p.wait()
+        for session in sessions:
+            session.proc.wait()
         raise
     print(
         f"[run_tiers] {'FAILED: ' + ', '.join(failed) if failed else 'all sessions passed'} in "

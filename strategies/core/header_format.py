@@ -290,8 +290,9 @@ def read_header(
 ) -> Header:
     """Decode the header at the front of a (possibly CUDA) buffer; ``prefix``: its
     ``read_prefix``, when the caller has it already. ``cache`` (a dict the caller keeps)
-    holds the headers of the last ``RECENT_SHAPES`` shapes decoded, by their bytes: batches of a shape seen
-    recently send the same header bytes again, and only those are ever returned from it."""
+    holds the headers of the last ``RECENT_SHAPES`` shapes decoded, by their bytes: batches of
+    a shape seen recently send the same header bytes again, and only those are ever returned
+    from it."""
     if prefix is None:
         prefix = read_prefix(buf, max_bytes, rank)
     header_len = prefix.header_len
