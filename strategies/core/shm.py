@@ -205,6 +205,7 @@ class NodeChannel:
         self.read_upto: dict[int, int] = {}  # writer: reader rank -> last sequence it took
         self.sock: socket.socket | None = None  # reader: the socket to the node leader
         self.fds: dict[int, tuple[int, int]] = {}  # reader: slot -> (generation, fd)
+        self.last_index: int | None = None  # reader: the slot of the last message it took
         self.timeout_s = group_timeout_s(groups.cpu_replica_group)
         self.connected = False
         self.closed = False
@@ -418,9 +419,30 @@ class NodeChannel:
                 slot.holders.discard(rank)
 
     # -- a reader --------------------------------------------------------------------------
-    def receive(self) -> torch.Tensor:
+    def premap(self) -> Premap | None:
+        """A reader, before it waits: a copy-on-write mapping of the slot the next message
+        most likely arrives in (the one after the last, as the writer takes them in turn),
+        made while the writer still packs; None until this reader holds that slot's segment.
+        ``receive`` uses it when the signal names that very segment; otherwise it is dropped
+        unused and releases nothing."""
+        if self.last_index is None:
+            return None
+        index = (self.last_index + 1) % len(self.slots)
+        held = self.fds.get(index)
+        if held is None:
+            return None
+        generation, fd = held
+        claim: list[int] = []
+        view = map_private(
+            fd, _segment_size(fd), self.groups.rank, _release_claimed, self.sock, claim, index,
+            generation,
+        )  # fmt: skip
+        return Premap(index, generation, view, claim)
+
+    def receive(self, premap: Premap | None = None) -> torch.Tensor:
         """Wait for the next message; returns it as a copy-on-write view of its segment (the
-        release goes out when the last tensor viewing it dies). On the replica leader's node a
+        release goes out when the last tensor viewing it dies): ``premap``'s view when the
+        message is in its segment, else a new mapping. On the replica leader's node a
         stripe sender sends its stripes before it returns; on another node a stripe receiver
         writes its stripe first, when its node leader asks."""
         while True:
@@ -432,10 +454,19 @@ class NodeChannel:
             self.sock.send(RELEASE.pack(READ, index, generation, sequence))
         except OSError:  # the leader is gone: this message is whole all the same
             pass
-        view = map_private(
-            self._fd(index, generation), nbytes, self.groups.rank, _send_report, self.sock,
-            RELEASED, index, generation, sequence,
-        )  # fmt: skip
+        self.last_index = index
+        if (
+            premap is not None
+            and (premap.index, premap.generation) == (index, generation)
+            and 0 < nbytes <= premap.view.numel()
+        ):
+            premap.claim.append(sequence)
+            view = premap.view[:nbytes]
+        else:
+            view = map_private(
+                self._fd(index, generation), nbytes, self.groups.rank, _send_report, self.sock,
+                RELEASED, index, generation, sequence,
+            )  # fmt: skip
         if self.groups.rank in self.nodes[0]:
             for handle in self._send_stripes(view, nbytes):
                 handle.wait()
@@ -664,6 +695,28 @@ def map_private(fd: int, nbytes: int, rank: int, on_release, *args) -> torch.Ten
     array = np.frombuffer(mapping, dtype=np.uint8)
     weakref.finalize(array, on_release, *args)
     return torch.from_numpy(array)
+
+
+@dataclass
+class Premap:
+    """A reader's mapping of the segment it expects the next message in (``premap``)."""
+
+    index: int
+    generation: int
+    view: torch.Tensor
+    """The whole segment, copy-on-write."""
+    claim: list[int]
+    """The sequence of the message that took this mapping, once one has: its release."""
+
+
+def _segment_size(fd: int) -> int:
+    return os.fstat(fd).st_size
+
+
+def _release_claimed(sock: socket.socket, claim: list[int], index: int, generation: int) -> None:
+    # A premap no message took held nothing the writer waits for.
+    if claim:
+        _send_report(sock, RELEASED, index, generation, claim[0])
 
 
 def _send_report(sock: socket.socket, kind: int, index: int, generation: int, seq: int) -> None:

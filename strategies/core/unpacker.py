@@ -59,6 +59,17 @@ def unpack(
 ) -> tuple[TensorDict, dict[str, np.ndarray] | None]:
     """Zero-copy views of every tensor in ``buf``; the non-tensor blob is unpickled. Entries
     at offset DIRECT take the tensors in ``direct``, in order."""
+    return unpack_tensors(buf, header, td_device, direct), unpack_non_tensor(buf, header)
+
+
+def unpack_tensors(
+    buf: torch.Tensor,
+    header: Header,
+    td_device: torch.device | None = None,
+    direct: list[torch.Tensor] = (),
+) -> TensorDict:
+    """``unpack``'s TensorDict alone. For a header whose entries are all dense it reads no
+    byte of ``buf`` (views only), so it can be built before the message is written."""
     data = buf[header.header_len : header.total_bytes]
     views = _views(data, header)
     received = iter(direct)
@@ -80,17 +91,19 @@ def unpack(
         node[e.key[-1]] = t
     if flat and td_device is None:
         # The header was validated above: skip TensorDict's per-key checks, the slow part.
-        td = TensorDict._new_unsafe(nested, batch_size=torch.Size(header.batch_size))
-    else:
-        td = TensorDict(nested, batch_size=list(header.batch_size), device=td_device)
-    non_tensor = None
-    if header.non_tensor is not None:
-        off, n = header.non_tensor
-        blob = data[off : off + n]
-        raw = blob.numpy() if blob.device.type == "cpu" else blob.cpu().numpy()
-        non_tensor = decode_non_tensor(raw)
-        WORK["unpickled_bytes"] += n
-    return td, non_tensor
+        return TensorDict._new_unsafe(nested, batch_size=torch.Size(header.batch_size))
+    return TensorDict(nested, batch_size=list(header.batch_size), device=td_device)
+
+
+def unpack_non_tensor(buf: torch.Tensor, header: Header) -> dict[str, np.ndarray] | None:
+    """``unpack``'s non-tensor batch (None when the message carries none)."""
+    if header.non_tensor is None:
+        return None
+    off, n = header.non_tensor
+    blob = buf[header.header_len + off : header.header_len + off + n]
+    raw = blob.numpy() if blob.device.type == "cpu" else blob.cpu().numpy()
+    WORK["unpickled_bytes"] += n
+    return decode_non_tensor(raw)
 
 
 def _views(data: torch.Tensor, header: Header) -> list[torch.Tensor | None]:

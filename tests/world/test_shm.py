@@ -126,6 +126,35 @@ def test_a_receivers_batch_is_its_own_and_a_held_one_is_never_overwritten(world4
         assert striped == {}, striped
 
 
+def guess_job(ctx, sizes: list[int]):
+    """A call per size, fixed-width prompts (so a repeated size repeats the header bytes);
+    returns (every call exact, calls whose batch a receiver built while it waited)."""
+    strategy = strategies.get("shm", ctx.groups_for(LAYOUT))
+    exact = []
+    for call, b in enumerate(sizes):
+        want = batch(call % 10, b)
+        entry = batch(call % 10, b) if strategy.groups.is_leader else want.entry_state(False)
+        out = strategy.get_data_input(entry)
+        exact.append(same(out, want))
+        del out
+        torch.distributed.barrier()  # the releases are in before the leader's next turn
+    return exact, strategy.guessed
+
+
+def test_a_receiver_builds_a_repeated_shape_while_it_waits_and_never_a_wrong_one(world4):
+    # A change of shape (4 -> 6 rows, and back) is a guess that fails on the header bytes:
+    # that call is unpacked from its own header. The first calls have no segment to guess.
+    sizes = [4, 4, 4, 4, 6, 6, 6, 4, 4, 4]
+    results = world4.run(guess_job, sizes, timeout_s=60)
+    for rank, (exact, guessed) in enumerate(results):
+        assert all(exact), f"rank {rank}: calls {[i for i, e in enumerate(exact) if not e]} inexact"
+        if rank == 0:
+            assert guessed == 0, "the leader guesses nothing"
+        else:
+            # 3 slots: calls 3 on (the ring's segments all delivered), less the two changes.
+            assert guessed >= 4, f"rank {rank}: only {guessed} of {len(sizes)} calls guessed"
+
+
 def refusal_job(ctx) -> str:
     """shm told not to stage on groups that live on a device: the error it raises."""
     groups = dataclasses.replace(ctx.groups_for(LAYOUT), device=torch.device("meta"))
