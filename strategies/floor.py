@@ -107,6 +107,11 @@ class Floor(Strategy):
         self.received = buf
         return batch
 
+    def let_go(self) -> None:
+        """Drop the bytes the last call received (the harness calls it once a timed call's
+        clock stopped, when it drops every other strategy's returned batch)."""
+        self.received = None
+
     def _through_shm(self) -> torch.Tensor:
         """The raw bytes through the node's shared segment: the leader's one copy in, every
         node-local rank's view of it (the other node leaders receive them first)."""

@@ -176,13 +176,21 @@ class Prepared:
         return out
 
     def timed(self, name: str) -> float:
-        """One call of ``name`` timed on this rank from ``start_line``, in seconds."""
+        """One call of ``name`` timed on this rank from ``start_line`` until the rank holds
+        the batch, in seconds. What the call returned is let go after the clock stopped (a
+        caller keeps its batch for the step; freeing it is not the call's cost), the floor's
+        received bytes alike."""
+        strategy = self.built[name]
         entry = self.full.entry_state(self.groups.is_leader)
         start_line(self.groups)
         t0 = time.perf_counter()
-        self.built[name].get_data_input(entry)
+        out = strategy.get_data_input(entry)
         sync(self.groups.device)
-        return time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        del out, entry
+        if getattr(strategy, "raw_bytes", False):
+            strategy.let_go()
+        return elapsed
 
     def fence(self) -> None:
         """A barrier over the world."""
