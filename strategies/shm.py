@@ -43,20 +43,24 @@ Options:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from tensordict import TensorDict
 
 from strategies.core.contract import DataProto, deliver
 from strategies.core.header_format import (
     DEFAULT_MAX_BYTES,
     DIRECT,
     KIND_DENSE,
+    Header,
     HeaderError,
     host_bytes,
     read_header,
 )
 from strategies.core.packed import PackedStrategy
 from strategies.core.plan import Handoff, LocalWork, PayloadSpec, Plan
-from strategies.core.shm import DEFAULT_STRIPE_MIN_BYTES, NodeChannel, ShmError
+from strategies.core.shm import DEFAULT_STRIPE_MIN_BYTES, NodeChannel, Premap, ShmError
 from strategies.core.unpacker import unpack, unpack_non_tensor, unpack_tensors
 
 
@@ -111,7 +115,7 @@ class Shm(PackedStrategy):
             buf = ch.receive_from_leader(None, self.wire.max_bytes)
         else:
             guess = self._guess()
-            buf = ch.receive(guess[0] if guess else None)
+            buf = ch.receive(guess.premap if guess else None)
         header, td = self._header_of(buf, guess)
         total = header.total_bytes
         self.agree(header, total)
@@ -129,37 +133,29 @@ class Shm(PackedStrategy):
             td = td.clone()  # owned copies: the views (and the segment's hold) go with buf
         return deliver(batch, td, non_tensor)
 
-    def _guess(self):
-        """A reader, before it waits: (the channel's ``premap`` of the segment the next
-        message most likely arrives in, the last message's header bytes and header, the
-        batch's tensors viewed in that mapping as that header lays them out). A stream of
-        same-shaped batches sends the same header again, so after the signal only the header
-        bytes are compared and the non-tensor blob read; the wait covers the rest. None when
-        there is nothing to guess from."""
+    def _guess(self) -> Guess | None:
+        """A reader, before it waits: the channel's ``premap`` of the segment the next message
+        most likely arrives in and, when the last message's header was of dense leaves only,
+        the batch's tensors viewed in that mapping as that header lays them out. None when
+        there is no segment to guess."""
         premap = self.channel.premap()
         if premap is None:
             return None
         last = self._last
         if last is None or not self.views or self.stage:
-            return premap, None, None, None
+            return Guess(premap)
         raw, header = last
         if header.total_bytes > premap.view.numel():
-            return premap, None, None, None
-        return premap, raw, header, unpack_tensors(premap.view, header)
+            return Guess(premap)
+        return Guess(premap, raw, header, unpack_tensors(premap.view, header))
 
-    def _header_of(self, buf: torch.Tensor, guess):
+    def _header_of(self, buf: torch.Tensor, guess: Guess | None):
         """The message's header (checked against the segment), and the guessed TensorDict
-        when the message is laid out as the guess was (else None)."""
+        when the message is in the guessed mapping and its header bytes are the guessed ones
+        (else None)."""
         g = self.groups
-        if (
-            guess is not None
-            and guess[1] is not None
-            and buf.data_ptr() == guess[0].view.data_ptr()
-        ):
-            _, raw, header, td = guess
-            if buf.numel() >= len(raw) and host_bytes(buf, len(raw)) == raw:
-                if header.total_bytes <= buf.numel():
-                    return header, td
+        if guess is not None and guess.td is not None and guess.holds(buf):
+            return guess.header, guess.td
         header = read_header(buf, self.wire.max_bytes, g.rank, cache=self._headers)
         total = header.total_bytes
         if total > buf.numel():
@@ -167,10 +163,8 @@ class Shm(PackedStrategy):
                 f"rank {g.rank}: shm: the header claims {total} bytes, the segment holds "
                 f"{buf.numel()}"
             )
-        if all(e.kind == KIND_DENSE and e.offset != DIRECT for e in header.entries):
-            self._last = (host_bytes(buf, header.header_len), header)
-        else:
-            self._last = None
+        dense = all(e.kind == KIND_DENSE and e.offset != DIRECT for e in header.entries)
+        self._last = (host_bytes(buf, header.header_len), header) if dense else None
         return header, None
 
     def _pack_into(self, slot, batch: DataProto):
@@ -224,6 +218,26 @@ class Shm(PackedStrategy):
             leader=LocalWork(packed_bytes=n, d2h_bytes=n if stage else 0),
             receiver=LocalWork(pickled_bytes=nt, h2d_bytes=n if stage else 0),
             shared=shared,
+        )
+
+
+@dataclass
+class Guess:
+    """What a reader built while it waited (``Shm._guess``)."""
+
+    premap: Premap
+    raw: bytes | None = None
+    """The last message's header bytes: the guess holds when the new message starts with them."""
+    header: Header | None = None
+    td: TensorDict | None = None
+    """The tensors as ``header`` lays them out, viewed in ``premap``'s mapping."""
+
+    def holds(self, buf: torch.Tensor) -> bool:
+        """Whether the message ``buf`` is in the guessed mapping and laid out as guessed."""
+        return (
+            buf.data_ptr() == self.premap.view.data_ptr()
+            and buf.numel() >= max(len(self.raw), self.header.total_bytes)
+            and host_bytes(buf, len(self.raw)) == self.raw
         )
 
 
