@@ -114,7 +114,8 @@ class Floor(Strategy):
 
     def _through_shm(self) -> torch.Tensor:
         """The raw bytes through the node's shared segment: the leader's one copy in, every
-        node-local rank's view of it (the other node leaders receive them first)."""
+        node-local rank's view of it, the segment mapped before the signal when it is the
+        expected one (the other node leaders receive them first)."""
         g, ch = self.groups, self.channel
         if not ch.connected:
             ch.connect()
@@ -126,7 +127,7 @@ class Floor(Strategy):
             return self.sent
         if ch.is_node_leader:
             return ch.receive_from_leader(n, n)
-        return ch.receive()[:n]
+        return ch.receive(ch.premap())[:n]  # mapped while it waits, as shm's readers do
 
     def _hops(self) -> list[tuple[object, tuple[int, ...]]]:
         """(group, ranks) of each hop this rank takes part in, in order; source = ranks[0]."""
