@@ -38,6 +38,12 @@ Options:
   other node, which writes it into its node's segment (with one link per GPU each link
   carries its share; with one link per node it carries the message once either way); None
   sends every message whole, leader to node leader;
+- ``early_min_bytes`` (1 MiB): on one node, a message at least this large is signalled early:
+  the leader writes the header and the non-tensor blob, signals, then copies the leaves and
+  signals their completion, so each receiver unpickles the blob (and views the leaves) while
+  the leader copies; a failure meanwhile reaches every receiver as the leader's. None: every
+  message is signalled once, whole (below the threshold the second signal costs more than the
+  overlap saves);
 - ``max_bytes`` (16 GiB): receivers refuse a header that claims more than this.
 """
 
@@ -48,7 +54,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
-from strategies.core.contract import DataProto, deliver
+from strategies.core.contract import DataProto, deliver, failure_text, settled
 from strategies.core.header_format import (
     DEFAULT_MAX_BYTES,
     DIRECT,
@@ -61,7 +67,22 @@ from strategies.core.header_format import (
 from strategies.core.packed import PackedStrategy
 from strategies.core.plan import Handoff, LocalWork, PayloadSpec, Plan
 from strategies.core.shm import DEFAULT_STRIPE_MIN_BYTES, NodeChannel, Premap, ShmError
-from strategies.core.unpacker import unpack, unpack_non_tensor, unpack_tensors
+from strategies.core.unpacker import unpack_non_tensor, unpack_tensors
+
+DEFAULT_EARLY_MIN_BYTES = 1 << 20
+"""Messages from this size on are signalled early (``early_min_bytes``)."""
+UNREAD = object()
+"""``Shm._read``'s non-tensor batch when it was not read before the message was complete."""
+
+
+def dense_only(header: Header) -> bool:
+    """Whether every entry is a dense leaf in the message: its views read no byte, so they can
+    be made before the bytes are written."""
+    return all(e.kind == KIND_DENSE and e.offset != DIRECT for e in header.entries)
+
+
+def guess_td(guess: Guess | None) -> TensorDict | None:
+    return guess.td if guess is not None else None
 
 
 class Shm(PackedStrategy):
@@ -79,7 +100,10 @@ class Shm(PackedStrategy):
         stage: bool | None = None,
         stripe_min_bytes: int | None = DEFAULT_STRIPE_MIN_BYTES,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        early_min_bytes: int | None = DEFAULT_EARLY_MIN_BYTES,
     ) -> None:
+        if early_min_bytes is not None and early_min_bytes < 0:
+            raise ValueError(f"shm: early_min_bytes must be >= 0 or None, got {early_min_bytes}")
         on_device = groups.device.type != "cpu"
         if stage is None:
             stage = on_device
@@ -92,6 +116,7 @@ class Shm(PackedStrategy):
         self.channel = NodeChannel(groups, slots, stripe_min_bytes)
         self.views = views
         self.stage = stage
+        self.early_min_bytes = early_min_bytes
         self._headers: dict = {}  # read_header's cache: same-shaped batches decode once
         self._last = None  # a reader: (header bytes, header) of the last dense-only message
         self.guessed = 0
@@ -104,9 +129,12 @@ class Shm(PackedStrategy):
             return batch
         if g.is_leader:
             slot = ch.writer_slot()
-            buf, header, total = self._pack_into(slot, batch)
+            buf, header, total, fill = self._pack_into(slot, batch)
             self._connect()
-            ch.hand_over(slot, buf[:total], announce=True)
+            if fill is None:
+                ch.hand_over(slot, buf[:total], announce=True)
+            else:
+                self._write_early(slot, total, fill)
             self.agree(header, total)  # auto's candidates share one Wire: keep it agreed
             return batch
         self._connect()
@@ -116,22 +144,41 @@ class Shm(PackedStrategy):
         else:
             guess = self._guess()
             buf = ch.receive(guess.premap if guess else None)
-        header, td = self._header_of(buf, guess)
+        header, td, non_tensor = self._read(buf, guess)
         total = header.total_bytes
         self.agree(header, total)
-        if td is not None:  # the guess held: the views are built, the blob is read now
-            self.guessed += 1
-            return deliver(batch, td, unpack_non_tensor(buf, header))
+        if non_tensor is UNREAD:
+            non_tensor = unpack_non_tensor(buf, header)
+        if td is not None:  # guessed, or viewed while the leaves were copied
+            if td is guess_td(guess):
+                self.guessed += 1
+            return deliver(batch, td, non_tensor)
         if self.stage:  # onto this rank's device; the segment goes with buf
             staged = torch.empty(total, dtype=torch.uint8, device=g.device)
             staged.copy_(buf[:total])
             del buf
-            td, non_tensor = unpack(staged, header)
-            return deliver(batch, td, non_tensor)
-        td, non_tensor = unpack(buf[:total], header)
+            return deliver(batch, unpack_tensors(staged, header), non_tensor)
+        td = unpack_tensors(buf[:total], header)
         if not self.views:
             td = td.clone()  # owned copies: the views (and the segment's hold) go with buf
         return deliver(batch, td, non_tensor)
+
+    def _read(self, buf: torch.Tensor, guess: Guess | None):
+        """A reader: (the header, the TensorDict or None, the non-tensor batch or UNREAD) of
+        the message in ``buf``. Signalled early (``channel.pending``: the leader still copies
+        the leaves), the blob is decoded and a batch of dense leaves viewed meanwhile; the
+        completion is awaited whatever happens here, so the channel stays in step."""
+        ch = self.channel
+        non_tensor = UNREAD
+        try:
+            header, td = self._header_of(buf, guess)
+            if ch.pending is not None:
+                non_tensor = unpack_non_tensor(buf, header)
+                if td is None and self.views and not self.stage and dense_only(header):
+                    td = unpack_tensors(buf[: header.total_bytes], header)
+        finally:
+            ch.wait_complete()
+        return header, td, non_tensor
 
     def _guess(self) -> Guess | None:
         """A reader, before it waits: the channel's ``premap`` of the segment the next message
@@ -163,31 +210,59 @@ class Shm(PackedStrategy):
                 f"rank {g.rank}: shm: the header claims {total} bytes, the segment holds "
                 f"{buf.numel()}"
             )
-        dense = all(e.kind == KIND_DENSE and e.offset != DIRECT for e in header.entries)
-        self._last = (host_bytes(buf, header.header_len), header) if dense else None
+        self._last = (host_bytes(buf, header.header_len), header) if dense_only(header) else None
         return header, None
 
     def _pack_into(self, slot, batch: DataProto):
         """Leader: the message in ``slot``'s segment; returns the segment's view of it (host
-        memory, what the sends read), the header and the message bytes. On host groups the
-        slot's packer writes the segment itself; staged, the leader's own packer packs on the
-        groups' device and the message is copied into the segment once."""
+        memory, what the sends read), the header, the message bytes, and the leaves' copy
+        still to do when the message is signalled early (``_early``; else None: all written).
+        On host groups the slot's packer writes the segment itself; staged, the leader's own
+        packer packs on the groups' device and the message is copied into the segment once."""
         if not self.stage:
             self.packer = slot.packer  # the slot's packer writes into the slot's segment
             buf, header, total = self.pack(batch)
+            fill = self.take_fill()
             if buf.data_ptr() != slot.segment.view.data_ptr():
                 raise ShmError(
                     f"rank {self.groups.rank}: shm: the message was not packed into its slot"
                 )
-            self.take_fill()(total)
-            return buf, header, total
+            if self._early(total):
+                return buf, header, total, fill
+            fill(total)
+            return buf, header, total, None
         packed, header, total = self.pack(batch)
         fill = self.take_fill()
         if fill is not None:
             fill(total)
         buf = slot.buffer(max(total, self.wire.expect))  # grows as the wire does, not per byte
         buf[:total].copy_(packed[:total])
-        return buf, header, total
+        return buf, header, total, None
+
+    def _early(self, total: int) -> bool:
+        """Signal this message early (header and non-tensor blob first, the leaves after): on
+        one node, from ``early_min_bytes`` on, where the leaves take long enough to copy that
+        the readers decode the blob meanwhile."""
+        ch = self.channel
+        return (
+            self.early_min_bytes is not None
+            and total >= self.early_min_bytes
+            and len(ch.nodes) == 1
+            and bool(ch.readers)
+        )
+
+    def _write_early(self, slot, total: int, fill) -> None:
+        """Leader, ``_early``: the non-tensor blob into ``slot`` (the header is in), the early
+        signal, the leaves, the completion. A failure while the leaves are copied reaches
+        every reader as this leader's (``abort``)."""
+        fill.blob()
+        self.channel.publish(slot, total, early=True)
+        try:
+            fill(total)
+        except BaseException as exc:
+            self.channel.abort(slot, failure_text(exc))
+            raise settled(exc) from None
+        self.channel.complete(slot)
 
     def _connect(self) -> None:
         if not self.channel.connected:

@@ -140,7 +140,7 @@ class Packer:
         direct: frozenset[int] = frozenset(),
         parts: list[Part] | None = None,
         shape: tuple | None = None,
-    ) -> tuple[torch.Tensor, Header, Callable[[int], None]]:
+    ) -> tuple[torch.Tensor, Header, Filler]:
         """Write the header only; returns (buffer, header, fill) where ``fill(upto)`` copies
         every leaf that starts before byte ``upto``, so a sender can put the first part of a
         large message on the wire while it packs the rest. Leaves whose index is in ``direct``
@@ -173,7 +173,7 @@ class Packer:
         views = self._views_in(out, layout, header_len)
         sources = [parts[i][3] for i in views.src_index]
         blob_at = header_len + span[0] if blob is not None else total
-        fill = _filler(out, views.dst, sources, views.starts, blob, blob_at)
+        fill = Filler(out, views.dst, sources, views.starts, blob, blob_at)
         entries = tuple(layout.entries)
         header = Header(tuple(batch.batch_size), entries, data_bytes, header_len, nxt, span)
         WORK["packed_bytes"] += total
@@ -249,31 +249,36 @@ class Packer:
         return views
 
 
-def _filler(out: torch.Tensor, dst, sources, starts, blob: bytes | None, blob_at: int):
+class Filler:
     """``fill(upto)``: copy every leaf (and the blob) that starts before byte ``upto`` and is
-    not copied yet."""
-    done = 0
-    blob_done = blob is None
+    not copied yet; ``fill.blob()`` writes the non-tensor blob now, ahead of the leaves (a
+    reader can decode it while they are copied)."""
 
-    def fill(upto: int) -> None:
-        nonlocal done, blob_done
-        end = done
-        while end < len(dst) and starts[end] < upto:
+    def __init__(self, out: torch.Tensor, dst, sources, starts, blob: bytes | None, blob_at: int):
+        self.out, self.dst, self.sources, self.starts = out, dst, sources, starts
+        self._blob, self.blob_at = blob, blob_at
+        self.done = 0  # leaves copied so far, in order
+
+    def __call__(self, upto: int) -> None:
+        end = self.done
+        while end < len(self.dst) and self.starts[end] < upto:
             end += 1
-        if end > done:
+        if end > self.done:
             # One C++ call for these copies; non-contiguous sources copy only their elements.
-            torch._foreach_copy_(dst[done:end], sources[done:end])
-            done = end
-        if not blob_done and blob_at < upto:
-            if out.device.type == "cpu":  # straight from the bytes: no tensor made of them
-                out.numpy()[blob_at : blob_at + len(blob)] = np.frombuffer(blob, np.uint8)
-            else:
-                out[blob_at : blob_at + len(blob)].copy_(
-                    torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-                )
-            blob_done = True
+            torch._foreach_copy_(self.dst[self.done : end], self.sources[self.done : end])
+            self.done = end
+        if self._blob is not None and self.blob_at < upto:
+            self.blob()
 
-    return fill
+    def blob(self) -> None:
+        blob, self._blob = self._blob, None
+        if blob is None:
+            return
+        at, out = self.blob_at, self.out
+        if out.device.type == "cpu":  # straight from the bytes: no tensor made of them
+            out.numpy()[at : at + len(blob)] = np.frombuffer(blob, np.uint8)
+        else:
+            out[at : at + len(blob)].copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
 
 
 def _empty(capacity: int, device: torch.device) -> torch.Tensor:

@@ -18,7 +18,11 @@ makes a new segment for the slot; the holder keeps the old one until it lets go)
 leader never waits for a reader and never overwrites bytes a reader views.
 
 The signal is one socket message per reader (slot, generation, sequence number, size), so a
-small message costs a syscall on each side instead of a collective. A reader waits for it as
+small message costs a syscall on each side instead of a collective. A message can be signalled
+early (``publish(early=True)``: its header and non-tensor blob are in, its leaves not yet), and
+then completed (``complete``) or aborted with the writer's error (``abort``); a reader of such a
+message reads what is there and waits for the rest (``wait_complete``). While it waits for a
+signal a reader maps the slot the next message most likely lands in (``premap``). A reader waits for it as
 long as a gloo collective on the same replica would (that group's timeout); a leader that
 dies closes its sockets, and its readers learn at once.
 """
@@ -40,12 +44,26 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from strategies.core.contract import ContractError, ProcessGroups, Unsupported, settled
+from strategies.core.contract import (
+    ContractError,
+    ProcessGroups,
+    Unsupported,
+    leader_failed,
+    settled,
+)
 from strategies.core.groups import Stripe, stripes
 from strategies.core.packer import Packer
 
 SIGNAL = struct.Struct("<4sIIQQ")  # magic, slot, generation, sequence, message bytes
 SIGNAL_MAGIC = b"BCBS"
+EARLY_MAGIC = b"BCBE"
+"""A signal sent once the header and the non-tensor blob are in the slot, before the leaves:
+the reader decodes while the writer copies, then waits for the message's ``DONE_MAGIC``."""
+DONE_MAGIC = b"BCBD"
+"""The leaves of the message signalled early are in the slot too."""
+ABORT_MAGIC = b"BCBA"
+"""The writer failed while writing the message signalled early; its error follows, as text."""
+ABORT_TEXT_BYTES = 4096
 STRIPE_MAGIC = b"BCSW"
 """A request (same layout as a signal) to write one stripe of the next message into a slot."""
 RELEASE = struct.Struct("<IIIQ")  # kind, slot, generation, sequence
@@ -206,6 +224,7 @@ class NodeChannel:
         self.sock: socket.socket | None = None  # reader: the socket to the node leader
         self.fds: dict[int, tuple[int, int]] = {}  # reader: slot -> (generation, fd)
         self.last_index: int | None = None  # reader: the slot of the last message it took
+        self.pending: int | None = None  # reader: a message signalled early, not complete yet
         self.timeout_s = group_timeout_s(groups.cpu_replica_group)
         self.connected = False
         self.closed = False
@@ -328,8 +347,9 @@ class NodeChannel:
         """Segments the writer has made so far (growth and retired slots make them)."""
         return sum(slot.generation for slot in self.slots)
 
-    def publish(self, slot: Slot, nbytes: int) -> None:
-        """Tell every reader that ``slot`` holds a message of ``nbytes`` bytes."""
+    def publish(self, slot: Slot, nbytes: int, early: bool = False) -> None:
+        """Tell every reader that ``slot`` holds a message of ``nbytes`` bytes; ``early``: its
+        header and non-tensor blob only, so far (``complete`` follows, or ``abort``)."""
         seg = slot.segment
         if seg is None or nbytes > seg.capacity:
             raise ShmError(f"rank {self.groups.rank}: shm: {nbytes} bytes do not fit the slot")
@@ -337,7 +357,8 @@ class NodeChannel:
         self.published[0] = self.sequence
         slot.sequence = self.sequence
         slot.holders = set(self.readers)
-        msg = SIGNAL.pack(SIGNAL_MAGIC, slot.index, seg.generation, self.sequence, nbytes)
+        magic = EARLY_MAGIC if early else SIGNAL_MAGIC
+        msg = SIGNAL.pack(magic, slot.index, seg.generation, self.sequence, nbytes)
         failed: list[str] = []
         for rank in self.readers:  # every live reader is told, whoever fails before it
             sock = self.socks.get(rank)
@@ -357,12 +378,53 @@ class NodeChannel:
                 continue
             slot.delivered.add(rank)
         if failed:
+            if early:  # the readers that were told wait for the rest: release them
+                self._abort(slot, f"the signal to node-local {', '.join(failed)} failed")
             # Settled: every other reader has this call's message, so nothing may be shipped
             # in its place (it would reach them as their next call's batch).
             raise settled(ShmError(
                 f"rank {self.groups.rank}: shm: the message could not be signalled to node-local "
                 f"{', '.join(failed)}; every other node-local rank has it"
             ))  # fmt: skip
+
+    def complete(self, slot: Slot) -> None:
+        """Tell every reader of a message signalled early that all of it is in the slot."""
+        msg = SIGNAL.pack(
+            DONE_MAGIC, slot.index, slot.segment.generation, slot.sequence, 0
+        )  # fmt: skip
+        failed: list[str] = []
+        for rank in self.readers:
+            sock = self.socks.get(rank)
+            if sock is None:  # dropped while signalling: publish named it
+                continue
+            try:
+                sock.send(msg)
+            except Exception as exc:  # noqa: BLE001 -- reported once every reader had its turn
+                failed.append(f"rank {rank} ({type(exc).__name__}: {exc})")
+                self._drop(rank, f"its completion failed on an earlier call: {exc}")
+                slot.holders.discard(rank)
+        if failed:
+            raise settled(ShmError(
+                f"rank {self.groups.rank}: shm: the message's completion could not be signalled "
+                f"to node-local {', '.join(failed)}; every other node-local rank has it"
+            ))  # fmt: skip
+
+    def abort(self, slot: Slot, text: str) -> None:
+        """The writer failed after an early signal: every reader raises with ``text``."""
+        self._abort(slot, text)
+
+    def _abort(self, slot: Slot, text: str) -> None:
+        msg = SIGNAL.pack(ABORT_MAGIC, slot.index, slot.segment.generation, slot.sequence, 0)
+        detail = text.encode(errors="replace")[:ABORT_TEXT_BYTES]
+        for rank in self.readers:
+            sock = self.socks.get(rank)
+            if sock is None:
+                continue
+            try:
+                sock.send(msg)
+                sock.send(detail)
+            except OSError as exc:
+                self._drop(rank, f"its abort failed: {exc}")
 
     def _drain(self) -> None:
         """Take every report the readers have sent since the last call, without waiting. A
@@ -447,9 +509,10 @@ class NodeChannel:
         writes its stripe first, when its node leader asks."""
         while True:
             magic, index, generation, sequence, nbytes = self._next_message()
-            if magic == SIGNAL_MAGIC:
+            if magic in (SIGNAL_MAGIC, EARLY_MAGIC):
                 break
             self._write_stripe(index, generation, sequence, nbytes)
+        self.pending = sequence if magic == EARLY_MAGIC else None
         try:  # waits for room: the leader may be waiting for exactly this report
             self.sock.send(RELEASE.pack(READ, index, generation, sequence))
         except OSError:  # the leader is gone: this message is whole all the same
@@ -472,9 +535,31 @@ class NodeChannel:
                 handle.wait()
         return view
 
-    def _next_message(self) -> tuple[bytes, int, int, int, int]:
-        """A reader: the next signal or stripe request from the node leader (a segment's fd
-        that comes with it is kept for its slot)."""
+    def wait_complete(self) -> None:
+        """A reader of a message signalled early (``pending``): wait until all of it is in the
+        segment; the writer's failure meanwhile is raised here, as the leader's."""
+        sequence, self.pending = self.pending, None
+        if sequence is None:
+            return
+        magic, _, _, got, _ = self._next_message(DONE_MAGIC, ABORT_MAGIC)
+        if magic == ABORT_MAGIC:
+            try:
+                text = self.sock.recv(ABORT_TEXT_BYTES).decode(errors="replace")
+            except OSError:
+                text = ""
+            raise settled(leader_failed(self.groups, text or "it failed while writing"))
+        if got != sequence:
+            self.close()
+            raise ShmError(
+                f"rank {self.groups.rank}: shm: the completion of message {got} arrived while "
+                f"message {sequence} was awaited; the channel is closed"
+            )
+
+    def _next_message(self, *accept: bytes) -> tuple[bytes, int, int, int, int]:
+        """A reader: the next message from the node leader, one of ``accept`` (by default a
+        signal, early or not, or a stripe request); a segment's fd that comes with it is kept
+        for its slot."""
+        accept = accept or (SIGNAL_MAGIC, EARLY_MAGIC, STRIPE_MAGIC)
         rank = self.groups.rank
         if self.sock is None or self.sock.fileno() == -1:
             raise ShmError(
@@ -499,10 +584,14 @@ class NodeChannel:
                 f"rank {rank}: shm: node leader rank {self.node_leader} closed its socket (it "
                 "ended or died)"
             )
-        if len(msg) != SIGNAL.size or msg[:4] not in (SIGNAL_MAGIC, STRIPE_MAGIC):
+        if len(msg) != SIGNAL.size or msg[:4] not in accept:
             for fd in fds:
                 os.close(fd)
-            raise ShmError(f"rank {rank}: shm: a malformed signal of {len(msg)} bytes")
+            self.sock.close()  # out of step with the writer: nothing after it can be trusted
+            raise ShmError(
+                f"rank {rank}: shm: a malformed signal of {len(msg)} bytes (magic "
+                f"{msg[:4]!r}; expected one of {b', '.join(accept).decode()}); the channel is closed"
+            )
         magic, index, generation, sequence, nbytes = SIGNAL.unpack(msg)
         if fds:
             old = self.fds.pop(index, None)

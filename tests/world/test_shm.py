@@ -92,6 +92,9 @@ OWNERSHIP = [
     ((0, 0, 1, 1), {}),
     ((0, 1, 0, 1), {}),
     (None, {"views": False}),
+    # Every message signalled early: header and blob first, the leaves while readers decode.
+    (None, {"early_min_bytes": 0}),
+    (None, {"early_min_bytes": 0, "views": False}),
     # The GPU path's staging (the leader's own packed buffer copied into the segment, every
     # receiver's copy out of it), run on host groups.
     (None, {"stage": True}),
@@ -126,10 +129,10 @@ def test_a_receivers_batch_is_its_own_and_a_held_one_is_never_overwritten(world4
         assert striped == {}, striped
 
 
-def guess_job(ctx, sizes: list[int]):
+def guess_job(ctx, sizes: list[int], options: dict):
     """A call per size, fixed-width prompts (so a repeated size repeats the header bytes);
     returns (every call exact, calls whose batch a receiver built while it waited)."""
-    strategy = strategies.get("shm", ctx.groups_for(LAYOUT))
+    strategy = strategies.get("shm", ctx.groups_for(LAYOUT), **options)
     exact = []
     for call, b in enumerate(sizes):
         want = batch(call % 10, b)
@@ -141,11 +144,12 @@ def guess_job(ctx, sizes: list[int]):
     return exact, strategy.guessed
 
 
-def test_a_receiver_builds_a_repeated_shape_while_it_waits_and_never_a_wrong_one(world4):
+@pytest.mark.parametrize("options", [{}, {"early_min_bytes": 0}], ids=str)
+def test_a_receiver_builds_a_repeated_shape_while_it_waits_and_never_a_wrong_one(world4, options):
     # A change of shape (4 -> 6 rows, and back) is a guess that fails on the header bytes:
     # that call is unpacked from its own header. The first calls have no segment to guess.
     sizes = [4, 4, 4, 4, 6, 6, 6, 4, 4, 4]
-    results = world4.run(guess_job, sizes, timeout_s=60)
+    results = world4.run(guess_job, sizes, options, timeout_s=60)
     for rank, (exact, guessed) in enumerate(results):
         assert all(exact), f"rank {rank}: calls {[i for i, e in enumerate(exact) if not e]} inexact"
         if rank == 0:
@@ -229,6 +233,53 @@ def test_a_signal_that_cannot_be_sent_strands_no_rank(world4):
     # The broken channel says so on every later call instead of waiting.
     assert results[missed][0][2].startswith("ShmError"), results[missed][0]
     assert f"rank {missed}" in leader_out[2], leader_out
+
+
+def early_fault_job(ctx):
+    """Three calls signalled early; in the second the leader's copy of the leaves raises after
+    the early signal went out. (outcome per call, seconds of the faulty one) on this rank."""
+    groups = ctx.groups_for(LAYOUT)
+    strategy = strategies.get("shm", groups, early_min_bytes=0)
+    outcomes, seconds = [], 0.0
+    real = torch._foreach_copy_
+
+    def faulty(*args, **kwargs):
+        raise RuntimeError("injected copy failure")
+
+    for seed in range(3):
+        want = batch(seed)
+        entry = batch(seed) if groups.is_leader else want.entry_state(False)
+        patch = seed == 1 and groups.is_leader
+        if patch:
+            torch._foreach_copy_ = faulty
+        t0 = time.monotonic()
+        try:
+            out = strategy.get_data_input(entry)
+            outcomes.append("exact" if same(out, want) else "wrong")
+            del out
+        except Exception as exc:  # noqa: BLE001 -- the test looks at every rank's outcome
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            torch._foreach_copy_ = real
+        if seed == 1:
+            seconds = time.monotonic() - t0
+        torch.distributed.barrier()
+    return outcomes, seconds
+
+
+def test_a_leader_that_fails_after_its_early_signal_reaches_every_reader(world4):
+    """The readers took the early signal and decode the blob; the leader's copy of the leaves
+    fails: every reader raises the leader's error at once (not a timeout), and the next call
+    is exact everywhere (the channel stayed in step)."""
+    results = world4.run(early_fault_job, timeout_s=3 * FAIL_WITHIN_S)
+    leader, _ = results[0]
+    assert leader[0] == "exact" and "injected copy failure" in leader[1], leader
+    for rank, (outcomes, seconds) in enumerate(results):
+        assert outcomes[0] == "exact" and outcomes[2] == "exact", (rank, outcomes)
+        assert seconds < FAIL_WITHIN_S, (rank, seconds)
+        if rank:
+            assert outcomes[1].startswith("LeaderFailed: "), (rank, outcomes)
+            assert "injected copy failure" in outcomes[1], (rank, outcomes)
 
 
 def mismatched_stripes_job(ctx):
