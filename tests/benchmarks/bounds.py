@@ -78,7 +78,11 @@ BOUNDS: dict[tuple[str, str], dict[str, float]] = {
     # pickled is the baseline (vs_baseline = 1 by definition): bound how far above the floor.
     # vs_floor medians 4.50-8.41 (69KiB; single jobs up to 10.9), 3.44-4.69 (8MiB; up to 5.2).
     ("pickled", "69KiB"): {"vs_floor_network": 20.0, "collectives_per_call": 4},
-    ("pickled", "8MiB"): {"vs_floor_network": 10.0, "collectives_per_call": 4},
+    # At 8 MiB pickled's rounds swing most with the host's load (one loaded fresh-clone run:
+    # rounds of 49-203 ms against a network floor near 10 ms, medians 10.1 and 10.3 in the
+    # measurement and its repeat, while every other test ran 30-50 % slower; on an idle host
+    # 5.1-6.0 in the same gate). 14 still fails a pickled three times as slow as on an idle host.
+    ("pickled", "8MiB"): {"vs_floor_network": 14.0, "collectives_per_call": 4},
 }
 
 
