@@ -267,7 +267,10 @@ class SlurmCluster:
         # and on a loaded disk InnoDB's fsyncs made slurmdbd's table creation crawl.
         shm = Path("/dev/shm")
         base = shm if shm.is_dir() and os.access(shm, os.W_OK) else self.root
-        data = Path(tempfile.mkdtemp(prefix="bcb-mysql-", dir=base))
+        _remove_orphans(base)
+        # The owner's pid in the name: a session killed before its teardown leaves the
+        # directory behind, and the next cluster started here removes it.
+        data = Path(tempfile.mkdtemp(prefix=f"bcb-mysql-{os.getpid()}-", dir=base))
         self._scratch.append(data)
         common = ["--no-defaults", f"--datadir={data}", "--user=root"]
         res = subprocess.run(
@@ -381,3 +384,21 @@ class SlurmCluster:
             shutil.rmtree(self.root, ignore_errors=True)
             for path in self._scratch:
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_orphans(base: Path) -> None:
+    """Remove the database directories in ``base`` whose owning test process is gone."""
+    for path in base.glob("bcb-mysql-*-*"):
+        pid = path.name.split("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
