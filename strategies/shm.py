@@ -66,23 +66,23 @@ from strategies.core.header_format import (
 )
 from strategies.core.packed import PackedStrategy
 from strategies.core.plan import Handoff, LocalWork, PayloadSpec, Plan
-from strategies.core.shm import DEFAULT_STRIPE_MIN_BYTES, NodeChannel, Premap, ShmError
+from strategies.core.shm import (
+    DEFAULT_STRIPE_MIN_BYTES,
+    NodeChannel,
+    Premap,
+    ShmError,
+    check_size_option,
+)
 from strategies.core.unpacker import unpack_non_tensor, unpack_tensors
 
 DEFAULT_EARLY_MIN_BYTES = 1 << 20
 """Messages from this size on are signalled early (``early_min_bytes``)."""
-UNREAD = object()
-"""``Shm._read``'s non-tensor batch when it was not read before the message was complete."""
 
 
 def dense_only(header: Header) -> bool:
     """Whether every entry is a dense leaf in the message: its views read no byte, so they can
     be made before the bytes are written."""
     return all(e.kind == KIND_DENSE and e.offset != DIRECT for e in header.entries)
-
-
-def guess_td(guess: Guess | None) -> TensorDict | None:
-    return guess.td if guess is not None else None
 
 
 class Shm(PackedStrategy):
@@ -102,8 +102,7 @@ class Shm(PackedStrategy):
         max_bytes: int = DEFAULT_MAX_BYTES,
         early_min_bytes: int | None = DEFAULT_EARLY_MIN_BYTES,
     ) -> None:
-        if early_min_bytes is not None and early_min_bytes < 0:
-            raise ValueError(f"shm: early_min_bytes must be >= 0 or None, got {early_min_bytes}")
+        check_size_option("early_min_bytes", early_min_bytes)
         on_device = groups.device.type != "cpu"
         if stage is None:
             stage = on_device
@@ -147,10 +146,8 @@ class Shm(PackedStrategy):
         header, td, non_tensor = self._read(buf, guess)
         total = header.total_bytes
         self.agree(header, total)
-        if non_tensor is UNREAD:
-            non_tensor = unpack_non_tensor(buf, header)
         if td is not None:  # guessed, or viewed while the leaves were copied
-            if td is guess_td(guess):
+            if guess is not None and td is guess.td:
                 self.guessed += 1
             return deliver(batch, td, non_tensor)
         if self.stage:  # onto this rank's device; the segment goes with buf
@@ -164,20 +161,22 @@ class Shm(PackedStrategy):
         return deliver(batch, td, non_tensor)
 
     def _read(self, buf: torch.Tensor, guess: Guess | None):
-        """A reader: (the header, the TensorDict or None, the non-tensor batch or UNREAD) of
-        the message in ``buf``. Signalled early (``channel.pending``: the leader still copies
-        the leaves), the blob is decoded and a batch of dense leaves viewed meanwhile; the
-        completion is awaited whatever happens here, so the channel stays in step."""
+        """A reader: (the header, the TensorDict or None, the non-tensor batch) of the message
+        in ``buf``. Signalled early (``channel.pending``: the leader still copies the leaves),
+        the blob is decoded and a batch of dense leaves viewed meanwhile; the completion is
+        awaited whatever happens here, so the channel stays in step."""
         ch = self.channel
-        non_tensor = UNREAD
         try:
             header, td = self._header_of(buf, guess)
-            if ch.pending is not None:
+            early = ch.pending is not None
+            if early:
                 non_tensor = unpack_non_tensor(buf, header)
                 if td is None and self.views and not self.stage and dense_only(header):
                     td = unpack_tensors(buf[: header.total_bytes], header)
         finally:
             ch.wait_complete()
+        if not early:
+            non_tensor = unpack_non_tensor(buf, header)
         return header, td, non_tensor
 
     def _guess(self) -> Guess | None:

@@ -18,13 +18,15 @@ makes a new segment for the slot; the holder keeps the old one until it lets go)
 leader never waits for a reader and never overwrites bytes a reader views.
 
 The signal is one socket message per reader (slot, generation, sequence number, size), so a
-small message costs a syscall on each side instead of a collective. A message can be signalled
-early (``publish(early=True)``: its header and non-tensor blob are in, its leaves not yet), and
-then completed (``complete``) or aborted with the writer's error (``abort``); a reader of such a
-message reads what is there and waits for the rest (``wait_complete``). While it waits for a
-signal a reader maps the slot the next message most likely lands in (``premap``). A reader waits for it as
+small message costs a syscall on each side instead of a collective. A reader waits for it as
 long as a gloo collective on the same replica would (that group's timeout); a leader that
-dies closes its sockets, and its readers learn at once.
+dies closes its sockets, and its readers learn at once. While it waits, a reader maps the slot
+the next message most likely lands in (``premap``).
+
+A message can be signalled early (``publish(early=True)``: its header and non-tensor blob are
+in, its leaves not yet), then completed (``complete``) or aborted with the writer's error
+(``abort``); a reader of such a message reads what is there and waits for the rest
+(``wait_complete``).
 """
 
 from __future__ import annotations
@@ -85,6 +87,13 @@ CONNECT_TIMEOUT_S = 60.0
 class ShmError(ContractError):
     """The shared-memory channel broke (a peer's socket closed, a message that does not fit its
     segment, a stranger on the socket); the message names the rank and what it expected."""
+
+
+def check_size_option(name: str, value) -> None:
+    """Refuse a byte-count option that is not an int >= 0 or None, naming it and its value."""
+    if value is None or (type(value) is int and value >= 0):
+        return
+    raise ValueError(f"shm: {name} must be a byte count (an int >= 0) or None, got {value!r}")
 
 
 def available() -> str | None:
@@ -204,8 +213,7 @@ class NodeChannel:
             raise Unsupported(f"shm: {why}")
         if slots < 1:
             raise ValueError(f"shm: slots must be >= 1, got {slots}")
-        if stripe_min_bytes is not None and stripe_min_bytes < 0:
-            raise ValueError(f"shm: stripe_min_bytes must be >= 0 or None, got {stripe_min_bytes}")
+        check_size_option("stripe_min_bytes", stripe_min_bytes)
         self.groups = groups
         self.nodes = groups.replica_nodes
         self.stripe_min_bytes = stripe_min_bytes
@@ -379,7 +387,7 @@ class NodeChannel:
             slot.delivered.add(rank)
         if failed:
             if early:  # the readers that were told wait for the rest: release them
-                self._abort(slot, f"the signal to node-local {', '.join(failed)} failed")
+                self.abort(slot, f"the signal to node-local {', '.join(failed)} failed")
             # Settled: every other reader has this call's message, so nothing may be shipped
             # in its place (it would reach them as their next call's batch).
             raise settled(ShmError(
@@ -389,20 +397,8 @@ class NodeChannel:
 
     def complete(self, slot: Slot) -> None:
         """Tell every reader of a message signalled early that all of it is in the slot."""
-        msg = SIGNAL.pack(
-            DONE_MAGIC, slot.index, slot.segment.generation, slot.sequence, 0
-        )  # fmt: skip
-        failed: list[str] = []
-        for rank in self.readers:
-            sock = self.socks.get(rank)
-            if sock is None:  # dropped while signalling: publish named it
-                continue
-            try:
-                sock.send(msg)
-            except Exception as exc:  # noqa: BLE001 -- reported once every reader had its turn
-                failed.append(f"rank {rank} ({type(exc).__name__}: {exc})")
-                self._drop(rank, f"its completion failed on an earlier call: {exc}")
-                slot.holders.discard(rank)
+        msg = SIGNAL.pack(DONE_MAGIC, slot.index, slot.segment.generation, slot.sequence, 0)
+        failed = self._tell(slot, [msg])
         if failed:
             raise settled(ShmError(
                 f"rank {self.groups.rank}: shm: the message's completion could not be signalled "
@@ -411,20 +407,25 @@ class NodeChannel:
 
     def abort(self, slot: Slot, text: str) -> None:
         """The writer failed after an early signal: every reader raises with ``text``."""
-        self._abort(slot, text)
-
-    def _abort(self, slot: Slot, text: str) -> None:
         msg = SIGNAL.pack(ABORT_MAGIC, slot.index, slot.segment.generation, slot.sequence, 0)
-        detail = text.encode(errors="replace")[:ABORT_TEXT_BYTES]
+        self._tell(slot, [msg, text.encode(errors="replace")[:ABORT_TEXT_BYTES]])
+
+    def _tell(self, slot: Slot, messages: list[bytes]) -> list[str]:
+        """Send ``messages`` to every live reader of the message in ``slot``; a reader whose
+        socket fails is dropped (its socket closed: it raises at once). Returns the failures."""
+        failed: list[str] = []
         for rank in self.readers:
             sock = self.socks.get(rank)
-            if sock is None:
+            if sock is None:  # dropped while signalling: publish named it
                 continue
             try:
-                sock.send(msg)
-                sock.send(detail)
-            except OSError as exc:
-                self._drop(rank, f"its abort failed: {exc}")
+                for msg in messages:
+                    sock.send(msg)
+            except Exception as exc:  # noqa: BLE001 -- reported once every reader had its turn
+                failed.append(f"rank {rank} ({type(exc).__name__}: {exc})")
+                self._drop(rank, f"a message to it failed on an earlier call: {exc}")
+                slot.holders.discard(rank)
+        return failed
 
     def _drain(self) -> None:
         """Take every report the readers have sent since the last call, without waiting. A
@@ -496,9 +497,8 @@ class NodeChannel:
         generation, fd = held
         claim: list[int] = []
         view = map_private(
-            fd, _segment_size(fd), self.groups.rank, _release_claimed, self.sock, claim, index,
-            generation,
-        )  # fmt: skip
+            fd, None, self.groups.rank, _release_claimed, self.sock, claim, index, generation
+        )
         return Premap(index, generation, view, claim)
 
     def receive(self, premap: Premap | None = None) -> torch.Tensor:
@@ -771,11 +771,13 @@ class NodeChannel:
             _close_all(self.socks, self.fds, self.slots, self.read_upto, self.published)
 
 
-def map_private(fd: int, nbytes: int, rank: int, on_release, *args) -> torch.Tensor:
-    """The first ``nbytes`` of a segment, mapped copy-on-write, as a uint8 tensor;
-    ``on_release(*args)`` runs when the last tensor viewing it dies (the array the tensor's
-    storage holds is what dies last)."""
+def map_private(fd: int, nbytes: int | None, rank: int, on_release, *args) -> torch.Tensor:
+    """The first ``nbytes`` of a segment (None: all of it), mapped copy-on-write, as a uint8
+    tensor; ``on_release(*args)`` runs when the last tensor viewing it dies (the array the
+    tensor's storage holds is what dies last)."""
     size = os.fstat(fd).st_size
+    if nbytes is None:
+        nbytes = size
     if nbytes > size or nbytes == 0:
         raise ShmError(
             f"rank {rank}: shm: a message of {nbytes} bytes announced for a {size}-byte segment"
@@ -796,10 +798,6 @@ class Premap:
     """The whole segment, copy-on-write."""
     claim: list[int]
     """The sequence of the message that took this mapping, once one has: its release."""
-
-
-def _segment_size(fd: int) -> int:
-    return os.fstat(fd).st_size
 
 
 def _release_claimed(sock: socket.socket, claim: list[int], index: int, generation: int) -> None:
