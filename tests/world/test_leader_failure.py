@@ -82,9 +82,10 @@ CASES = {
 }
 
 
-VARIANTS = {"shm:stage": ("shm", {"stage": True})}
+VARIANTS = {"shm:stage": ("shm", {"stage": True}), "shm:early": ("shm", {"early_min_bytes": 0})}
 """Leader paths a strategy takes only under an option, run through the same cases: shm's
-staged (GPU) path packs into the leader's own buffer and copies it into the segment."""
+staged (GPU) path packs into the leader's own buffer and copies it into the segment; its early
+signal (every message here: the threshold is 0) sends the header and blob before the leaves."""
 
 
 def build_strategy(name: str, groups):

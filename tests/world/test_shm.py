@@ -177,6 +177,24 @@ def test_views_of_the_segment_are_refused_for_groups_on_a_device(world4):
         assert "meta" in message and "need stage=True" in message, message
 
 
+def size_option_job(ctx, option: str, value) -> str:
+    """shm built with a byte-count option that is not one: the error it raises."""
+    try:
+        strategies.get("shm", ctx.groups_for(LAYOUT), **{option: value})
+    except ValueError as exc:
+        return str(exc)
+    return "built"
+
+
+@pytest.mark.parametrize("value", ["1MiB", -1, 1.5, True], ids=repr)
+@pytest.mark.parametrize("option", ["early_min_bytes", "stripe_min_bytes"])
+def test_a_byte_count_option_that_is_not_one_is_refused_by_name(world4, option, value):
+    for message in world4.run(size_option_job, option, value):
+        assert message == (
+            f"shm: {option} must be a byte count (an int >= 0) or None, got {value!r}"
+        ), message
+
+
 def signal_fault_job(ctx, fail_at: int):
     """A good call, then one where the leader's ``fail_at``-th signal send raises, then a
     call after it. (outcome per call, seconds of the faulty one) on this rank."""
