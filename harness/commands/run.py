@@ -83,7 +83,10 @@ def run(argv: list[str]) -> int:
 
     register()
     if any("hydra/launcher=" in arg for arg in argv):
-        launch.prompt_slurm_failures()
+        try:
+            launch.prompt_slurm_failures()
+        except ConfigError as exc:
+            return _exit_status(exc)
     records.COMMAND[:] = ["bcastbench", *argv]  # what the records say made them
     sys.argv = ["bcastbench", *_scratch_for_other_ranks(argv)]
     os.environ["HYDRA_FULL_ERROR"] = "1"

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.emulate.netns import EmulateConf
 from harness.ray.dispatch import run_dispatch
-from harness.run.config import ray_conf
+from harness.run.config import ConfigError, ray_conf
 from harness.run.records import layout_name
 from harness.run.runner import run_job_on_rank
 from harness.run.worlds import REGISTRY, Reused, World
@@ -137,12 +137,28 @@ def quiet_other_ranks(launch: Launch) -> None:
 def prompt_slurm_failures() -> None:
     """submitit polls sacct with a back-off of up to 10 min (SlurmJob.watcher), so a job whose
     rank crashed can sit unnoticed for minutes; poll at least every BCASTBENCH_SLURM_POLL_S
-    (default 10 s) instead, so a failed sweep fails within seconds."""
+    (default 10 s) instead, so a failed sweep fails within seconds. A job that ended without a
+    result is then waited on for BCASTBENCH_SLURM_RESULT_WAIT_S (default: submitit's own 15 s,
+    its margin for a shared filesystem that shows a result file late)."""
     try:
         from submitit.slurm import slurm
     except ImportError:
         return
-    slurm.SlurmJob.watcher._delay_s = float(os.environ.get("BCASTBENCH_SLURM_POLL_S", "10"))
+    slurm.SlurmJob.watcher._delay_s = _seconds_from_env("BCASTBENCH_SLURM_POLL_S", "10")
+    if "BCASTBENCH_SLURM_RESULT_WAIT_S" in os.environ:
+        slurm.SlurmJob._results_timeout_s = _seconds_from_env("BCASTBENCH_SLURM_RESULT_WAIT_S")
+
+
+def _seconds_from_env(name: str, default: str = "") -> float:
+    """The number of seconds the environment variable ``name`` gives (else ``default``)."""
+    text = os.environ.get(name, default)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not seconds >= 0:
+        raise ConfigError(f"{name}={text!r}: expected a number of seconds >= 0, e.g. 10")
+    return seconds
 
 
 # -- the typed spec a world is made from, and the one cache of live worlds ------------------

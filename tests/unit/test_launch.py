@@ -9,6 +9,8 @@ from dataclasses import replace
 import pytest
 
 from harness.ray.actors import RayConf
+from harness.run import launch
+from harness.run.config import ConfigError
 from harness.run.launch import EMULATED, FORKED, JOINED, RAY, Launch, WorldSpec, detect, forked_spec
 from harness.run.records import layout_name
 from harness.run.worlds import WorldRegistry, group_by_node
@@ -203,3 +205,20 @@ def test_a_sweep_job_with_a_longer_limit_gets_a_world_whose_collectives_wait_for
     assert longer is not first and not first.alive and longer.collective_timeout_s == 605
     assert launch.open_world(launch.forked_spec(4, timeout_s=120)) is longer
     assert len(Fake.started) == 2
+
+
+def test_slurm_poll_and_result_wait_come_from_the_environment_or_are_refused(monkeypatch):
+    """``BCASTBENCH_SLURM_POLL_S`` and ``BCASTBENCH_SLURM_RESULT_WAIT_S`` tune how fast a
+    Slurm sweep notices a failed job; a value that is not a number of seconds is refused by
+    name, with what was expected."""
+    slurm = pytest.importorskip("submitit.slurm.slurm")
+    monkeypatch.setattr(slurm.SlurmJob.watcher, "_delay_s", slurm.SlurmJob.watcher._delay_s)
+    monkeypatch.setattr(slurm.SlurmJob, "_results_timeout_s", slurm.SlurmJob._results_timeout_s)
+    monkeypatch.setenv("BCASTBENCH_SLURM_POLL_S", "2")
+    monkeypatch.setenv("BCASTBENCH_SLURM_RESULT_WAIT_S", "1.5")
+    launch.prompt_slurm_failures()
+    assert (slurm.SlurmJob.watcher._delay_s, slurm.SlurmJob._results_timeout_s) == (2.0, 1.5)
+    for bad in ("abc", "-1", "nan", ""):
+        monkeypatch.setenv("BCASTBENCH_SLURM_RESULT_WAIT_S", bad)
+        with pytest.raises(ConfigError, match="BCASTBENCH_SLURM_RESULT_WAIT_S=.*expected a number"):
+            launch.prompt_slurm_failures()
