@@ -2,7 +2,8 @@
 dependencies, resolved by pip, into a clean venv, and from a directory that is not the checkout
 it answers ``bcastbench run --help``, runs a job, writes its report and serves the pytest
 plugin. Only torch is put in first, from the same pin as the Makefile (``TORCH_SPEC``), so pip
-takes the CPU build this machine's pip serves instead of resolving the CUDA one.
+takes the CPU build this machine's pip serves instead of resolving the CUDA one: the checkout's
+own torch where it is that pin (linked, not unpacked again), else ``pip install TORCH_SPEC``.
 
 This is what a new user's ``pip install`` does, so a dependency the product imports but does
 not declare fails here, not on their machine.
@@ -13,12 +14,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import venv
+from importlib import metadata
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 from harness.paths import REPO
 
@@ -44,7 +48,7 @@ def torch_spec() -> str:
 
 def pip(python: Path, *args: str, timeout: int = 900) -> None:
     out = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile", *args],
         capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     assert out.returncode == 0, f"pip install {' '.join(args)} failed:\n{out.stderr[-3000:]}"
@@ -63,10 +67,49 @@ def installed(tmp_path_factory) -> Path:
     env_dir = root / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
-    pip(python, torch_spec())
+    site = env_dir / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    if not place_pinned_torch(site):
+        pip(python, torch_spec())
     (wheel,) = wheels.glob("bcastbench-*.whl")
     pip(python, str(wheel))
+    # pip was told not to byte-compile (one core); compile on every core instead, as the
+    # Makefile does, so the commands below do not compile what they import every time. Its
+    # status is not checked: some packages ship files no Python 3 compiles, as test data.
+    subprocess.run(
+        [str(python), "-m", "compileall", "-q", "-j", "0", str(site)],
+        capture_output=True, timeout=600,
+    )  # fmt: skip
     return env_dir / "bin"
+
+
+def place_pinned_torch(site: Path) -> bool:
+    """Put this interpreter's torch distribution into ``site`` when it is the pinned one (the
+    same files pip would unpack from the same pin, already byte-compiled): hard links, or
+    copies across filesystems. pip then finds torch installed, as after ``pip install
+    TORCH_SPEC``, and resolves torch's own dependencies with the product's. False, with nothing
+    placed, when this interpreter's torch is not the pin."""
+    try:
+        dist = metadata.distribution("torch")
+    except metadata.PackageNotFoundError:
+        return False
+    if not Requirement(torch_spec()).specifier.contains(dist.version, prereleases=True):
+        return False
+    origin = Path(dist.locate_file(""))
+    tops = {f.parts[0] for f in dist.files or () if f.parts[0] != ".."}
+    for top in sorted(tops):
+        source = origin / top
+        if source.is_dir():
+            shutil.copytree(source, site / top, copy_function=_link_or_copy, symlinks=True)
+        elif source.is_file():
+            _link_or_copy(source, site / top)
+    return True
+
+
+def _link_or_copy(source: str | Path, target: str | Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def run_in(cwd: Path, *argv, timeout: int = 600) -> subprocess.CompletedProcess:
