@@ -98,6 +98,11 @@ class Progress(Callback):
         df = load(root)
         if not df.empty:
             files.write_csv(root / "results.csv", df)
+        if not STATE.done and not df.empty:
+            # The launcher ran every job in processes of its own (Slurm tasks), so no job
+            # ended here: the records are the count, and a failed one fails the command.
+            STATE.done = len(df)
+            STATE.failed = int((df["status"] == "failed").sum()) if "status" in df else 0
         lines = [
             f"\nbcastbench: {STATE.done} jobs, {STATE.failed} failed, "
             f"{time.monotonic() - self.t0:.0f} s",

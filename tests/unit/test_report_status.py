@@ -71,6 +71,27 @@ def test_failed_jobs_are_left_out_and_counted(tmp_path):
     assert "failed" in collect.summary_table(collect.load(tmp_path))
 
 
+def test_a_sweep_whose_jobs_ran_elsewhere_is_counted_from_its_records(
+    tmp_path, capsys, monkeypatch
+):
+    """A launcher that runs each job in processes of its own (submitit on Slurm) never ends a
+    job in the driver: the summary counts the sweep's records, and a failed one is a failure
+    the command reports, not "0 jobs, 0 failed"."""
+    from omegaconf import OmegaConf
+
+    from harness.report import progress
+
+    _record(tmp_path, "0_header", strategy="header")
+    _record(tmp_path, "1_flat", strategy="flat", status="failed")
+    monkeypatch.setattr(progress, "STATE", progress.SweepState(total=2))
+    progress.Progress().on_multirun_end(
+        OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    )
+    assert (progress.STATE.done, progress.STATE.failed) == (2, 1)
+    out = capsys.readouterr().out
+    assert "bcastbench: 2 jobs, 1 failed" in out and "FAILED  flat" in out, out
+
+
 def test_report_of_only_failed_jobs_is_one_line_and_exit_1(tmp_path, capsys):
     from harness.commands.report import main
 
