@@ -34,7 +34,7 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 
 # tests/run_tiers.py: the benchmark gate (short mode) alone, leaving its pytest-benchmark JSON
-# in results/ci/, then the infra tier (with the world tier's Ray files) beside the unit and world
+# in results/ci/, then the infra tier (with the world tier's Ray tests) beside the unit and world
 # tiers: the suite mostly waits, and two sessions fill two cores.
 # `pytest tests` runs the same tests in one session.
 test: lint

@@ -4,7 +4,7 @@ side by side.
 Most of the suite's wall time is waiting, not computing: Slurm scheduling, daemons, Ray
 clusters and network namespaces coming up, worlds starting, fault tests waiting out a hung
 rank. One session leaves one of two cores idle most of the time, so the infra tier (with the
-world tier's Ray world file, which mostly waits for its clusters) runs in a session of its own
+world tier's Ray tests, which mostly wait for their clusters) runs in a session of its own
 beside the unit and world tiers. The benchmark tier times strategies against each other and
 needs a quiet machine, so it runs first, alone. (Three sessions, the world tier apart from the
 unit tier, were slower: the infra session, the longest, lost more to contention than the
@@ -36,10 +36,20 @@ REPO = Path(__file__).resolve().parents[1]
 CI = REPO / "results" / "ci"
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=10"]
 BENCH = ["tests/benchmarks", "--benchmark-enable", "--benchmark-json", str(CI / "benchmarks.json")]
-RAY_WORLD = ["tests/world/test_ray_world.py"]
+RAY_FILES = ["tests/world/test_ray_world.py"]
+RAY_TESTS = [
+    "tests/world/test_nothing_left.py::test_kill_9_of_a_ray_driver_leaves_nothing",
+    "tests/world/test_nothing_left.py::test_ctrl_c_ends_a_ray_sweep_within_5_s",
+]
+"""The world tier's tests that wait on Ray clusters of their own: run with the infra tier."""
 SIDE_BY_SIDE = {
-    "unit+world": ["tests/unit", "tests/world", *(f"--ignore={f}" for f in RAY_WORLD)],
-    "infra+ray": ["tests/infra", *RAY_WORLD],
+    "unit+world": [
+        "tests/unit",
+        "tests/world",
+        *(f"--ignore={f}" for f in RAY_FILES),
+        *(f"--deselect={t}" for t in RAY_TESTS),
+    ],
+    "infra+ray": ["tests/infra", *RAY_FILES, *RAY_TESTS],
 }
 """The sessions that run together, of about equal length; the first prints live, the others to
 results/ci/<name>.log."""
