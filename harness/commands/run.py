@@ -9,6 +9,7 @@ far are and exits 130.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
 import sys
@@ -109,11 +110,29 @@ def run(argv: list[str]) -> int:
     decorated = hydra.main(
         version_base="1.3", config_path=str(paths.CONF_DIR), config_name="config"
     )
+    logger = logging.getLogger()
+    found = (logger.level, list(logger.handlers))
     try:
         return _run_app(decorated)
     finally:
+        _hand_back_logging(*found)
         if root is not None:
             release(root)
+
+
+def _hand_back_logging(level: int, handlers: list[logging.Handler]) -> None:
+    """Hydra points the root logger at the job's log file; a command run in process (a
+    notebook, a test) hands the root logger back as it found it, so later lines do not go to a
+    run directory that may since have been removed."""
+    logger = logging.getLogger()
+    for handler in list(logger.handlers):
+        if handler not in handlers:
+            logger.removeHandler(handler)
+            handler.close()
+    for handler in handlers:
+        if handler not in logger.handlers:
+            logger.addHandler(handler)
+    logger.setLevel(level)
 
 
 def _run_app(decorated) -> int:

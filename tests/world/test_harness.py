@@ -7,6 +7,7 @@ imports, so they are few and each checks several things.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -174,7 +175,11 @@ def test_one_job_in_process_records_its_shape(tmp_path, monkeypatch, forked_worl
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    handlers = list(logging.getLogger().handlers)
     assert cli.main(["layout=tp2pp2", "layout.tp=1", *FAST, f"hydra.run.dir={tmp_path}"]) == 0
+    # The command hands the root logger back as it found it (no handler left on the job's
+    # log file, which a later line would reopen after the directory is gone).
+    assert logging.getLogger().handlers == handlers
     rec = json.loads((tmp_path / "result.json").read_text())
     assert (rec["layout"], rec["world_size"], rec["tp"], rec["pp"]) == ("pp2", 2, 1, 2)
     assert rec["status"] == "ok" and rec["correct"] is True and rec["vs_floor"] > 0
