@@ -72,13 +72,6 @@ def installed(tmp_path_factory) -> Path:
         pip(python, torch_spec())
     (wheel,) = wheels.glob("bcastbench-*.whl")
     pip(python, str(wheel))
-    # pip was told not to byte-compile (one core); compile on every core instead, as the
-    # Makefile does, so the commands below do not compile what they import every time. Its
-    # status is not checked: some packages ship files no Python 3 compiles, as test data.
-    subprocess.run(
-        [str(python), "-m", "compileall", "-q", "-j", "0", str(site)],
-        capture_output=True, timeout=600,
-    )  # fmt: skip
     return env_dir / "bin"
 
 
@@ -113,7 +106,10 @@ def _link_or_copy(source: str | Path, target: str | Path) -> None:
 
 
 def run_in(cwd: Path, *argv, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # pip was told not to byte-compile the venv (it would compile every file on one core):
+    # the first command writes the bytecode of what it imports, and the next ones read it.
+    drop = {"PYTHONPATH", "PYTHONDONTWRITEBYTECODE"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     return subprocess.run(
         [str(a) for a in argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )

@@ -1,5 +1,5 @@
 """The harness on a real (single-node) Slurm through hydra-submitit-launcher: in one sweep of two
-4-rank jobs (one rank per Slurm task) the healthy job writes its record from rank 0 only, and the
+2-rank jobs (one rank per Slurm task) the healthy job writes its record from rank 0 only, and the
 job with a crashing rank fails the sweep promptly instead of hanging it.
 
 The cluster (tests/infra/slurm.py) is the session's, shared with the infra smoke tests and
@@ -21,10 +21,17 @@ import pytest
 from infra.slurm import SlurmCluster
 
 REPO = Path(__file__).resolve().parents[2]
-FAST = ["layout=tp2pp2", "iters=2", "warmup=1", "payload.batch_size=2", "payload.seq_len=64"]
+FAST = [
+    "layout=tp2pp2",
+    "layout.pp=1",
+    "iters=2",
+    "warmup=1",
+    "payload.batch_size=2",
+    "payload.seq_len=64",
+]
 RESOURCES = [
     "hydra.launcher.nodes=1",
-    "hydra.launcher.tasks_per_node=4",
+    "hydra.launcher.tasks_per_node=2",
     "hydra.launcher.cpus_per_task=1",
     "hydra.launcher.mem_gb=1",
     "hydra.launcher.timeout_min=5",
@@ -76,9 +83,9 @@ def test_slurm_sweep_one_rank_per_task_and_crash(slurm, tmp_path):
     assert res.returncode != 0, out
     assert sweep_s < 240, f"the crashed job took {sweep_s:.0f} s to fail the sweep:\n{out}"
     records = sorted(sweep.rglob("result.json"))
-    assert [p.parent.name for p in records] == ["0_header_tp2pp2_b2"], res.stderr[-3000:]
+    assert [p.parent.name for p in records] == ["0_header_tp2_b2"], res.stderr[-3000:]
     rec = json.loads(records[0].read_text())
-    assert rec["world_size"] == 4 and rec["correct"] is True, rec
+    assert rec["world_size"] == 2 and rec["correct"] is True, rec
     # Each task of a job shares its directory; only rank 0 wrote there (no partial or extra
     # records, no per-rank files), and the job's log holds rank 0's lines only.
     assert not list(sweep.rglob(".result.*"))
@@ -87,11 +94,11 @@ def test_slurm_sweep_one_rank_per_task_and_crash(slurm, tmp_path):
         "bcastbench.log",
         "result.json",
     ]
-    # Each job ran as 4 Slurm tasks (one rank each), not as a world forked by one task: one
+    # Each job ran as 2 Slurm tasks (one rank each), not as a world forked by one task: one
     # submitit folder per job (array task), one log per task.
     task_logs = list((sweep / ".submitit").glob("*/*_log.out"))
     assert len({p.parent.name for p in task_logs}) == 2, task_logs
-    assert len(task_logs) == 8, [p.name for p in task_logs]
+    assert len(task_logs) == 4, [p.name for p in task_logs]
     slurm.wait_idle(timeout=60)
     print(f"\nslurm sweep of 2 jobs, one crashing, failed in {sweep_s:.0f} s")
 
@@ -102,7 +109,7 @@ def test_plain_srun_tasks_are_the_ranks(slurm, tmp_path):
     run_dir = tmp_path / "run"
     res = subprocess.run(
         ["srun", "-n", "2", "-t", "5", "--kill-on-bad-exit=1", "-J", "bcb-plain-srun",
-         sys.executable, "-m", "harness", "strategy=flat", *FAST, "layout.pp=1",
+         sys.executable, "-m", "harness", "strategy=flat", *FAST,
          f"hydra.run.dir={run_dir}"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
         env={**os.environ, **slurm.env, "OMP_NUM_THREADS": "1"},
