@@ -89,6 +89,8 @@ def place_pinned_torch(site: Path) -> bool:
         return False
     origin = Path(dist.locate_file(""))
     tops = {f.parts[0] for f in dist.files or () if f.parts[0] != ".."}
+    if not tops:  # no RECORD to say which files are torch's
+        return False
     for top in sorted(tops):
         source = origin / top
         if source.is_dir():
