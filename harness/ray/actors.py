@@ -49,6 +49,9 @@ LEAVE_S, CLOSE_GRACE_S, KILL_GRACE_S = 10.0, 15.0, 2.0
 private cluster's processes get to end by themselves (after a clean close) or after SIGTERM
 (an interrupted or failed job) before SIGKILL."""
 
+DROPPED = "the Ray world's ranks were torn down (a next job starts new ones on the same cluster)"
+"""What a failed task's error says happened to the world (``RayWorld.revive``)."""
+
 LOOPBACK = "127.0.0.2"
 """The address a private local Ray cluster advertises and connects on (see ``RayWorld``)."""
 
@@ -315,6 +318,7 @@ class RayWorld:
         self._saved_env: dict[str, str | None] = {}
         self._reaper: tuple[int, Any] | None = None
         self._network: PrivateNetwork | None = None
+        self._node_ids: set[str] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> RayWorld:
@@ -331,6 +335,60 @@ class RayWorld:
             self.started_pids |= _descendants() - self._before
         self.start_s = time.perf_counter() - t0
         return self
+
+    def revive(self) -> RayWorld:
+        """Start the ranks again after a failed task dropped them (``collect``): a new
+        placement group and new actors join a new torch.distributed world on the cluster this
+        world still holds, so a sweep's next job does not pay a cluster's start again. Raises
+        (the world closed) when the cluster lost a node the ranks ran on or cannot place them."""
+        if self.alive:
+            return self
+        if self._ray is None or not self._connected:
+            raise WorldError("the Ray world was closed; start a new one")
+        ray = self._ray
+        t0 = time.perf_counter()
+        try:
+            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            lost = self._node_ids - alive
+            if lost:
+                raise WorldError(
+                    f"the Ray cluster lost {len(lost)} node(s) the ranks ran on; a new world "
+                    "is started instead"
+                )
+            self._place(ray)
+            self._join(ray)
+        except BaseException:
+            self.close(kill=True)
+            raise
+        if self._owns_cluster:
+            self.started_pids |= _descendants() - self._before
+        self.start_s = time.perf_counter() - t0
+        return self
+
+    def _drop_ranks(self) -> None:
+        """A failed task: the rank actors killed (their processes ended, by pid) and the
+        placement group removed; the cluster stays, for ``revive``."""
+        ray = self._ray
+        for actor in self.actors:
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
+        self.actors = []
+        if self._pg is not None:
+            try:
+                ray.util.remove_placement_group(self._pg)
+            except Exception:
+                pass
+            self._pg = None
+        procs = []
+        for pid in self.rank_pids:
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                continue
+        reaper.end_processes(procs, KILL_GRACE_S, terminate=True)
+        self.rank_pids = []
 
     def _actor_env(self) -> dict[str, str]:
         path = os.environ.get("PYTHONPATH", "")
@@ -478,6 +536,7 @@ class RayWorld:
             c.start_timeout_s,
         )
         self._nodes = group_by_node(node_ids)
+        self._node_ids = set(node_ids)
 
     def _ifname(self, rank: int) -> str | None:
         """Rank ``rank``'s interface when ``socket_ifname`` names one per rank, else None."""
@@ -544,7 +603,9 @@ class RayWorld:
         reaper.end_processes(procs, KILL_GRACE_S if kill else CLOSE_GRACE_S, terminate=kill)
 
     def __enter__(self) -> RayWorld:
-        return self.start() if not self.alive else self
+        if self.alive:
+            return self
+        return self.revive() if self._connected else self.start()
 
     def __exit__(self, *exc) -> None:
         self.close(kill=exc[0] is not None)
@@ -585,23 +646,22 @@ class RayWorld:
                     [rank_of[r] for r in pending], limit, time.monotonic() - started
                 )
                 if silent:
-                    self.close(kill=True)
+                    self._drop_ranks()
                     named = "; ".join(
                         f"rank {r} stopped responding for {limit:.0f} s while {phase!r} ({at})"
                         for r, phase, at in silent
                     )
-                    raise WorldError(f"{named}, in {what}; the Ray world was torn down")
+                    raise WorldError(f"{named}, in {what}; {DROPPED}")
                 continue
             ref = ready[0]
             try:
                 results[rank_of[ref]] = ray.get(ref)
             except Exception as exc:
                 rank, exc = self._root_failure(rank_of[ref], exc, pending, rank_of)
-                self.close(kill=True)
+                self._drop_ranks()
                 detail = str(exc).strip()
                 raise WorldError(
-                    f"rank {rank} failed in {what}: {type(exc).__name__}; the Ray world "
-                    f"was torn down\n{detail}"
+                    f"rank {rank} failed in {what}: {type(exc).__name__}; {DROPPED}\n{detail}"
                 ) from None
         return [results[r] for r in range(len(refs))]
 

@@ -12,8 +12,11 @@ torch: the protocol and the registry are cheap to import.
 from __future__ import annotations
 
 import atexit
+import logging
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol, runtime_checkable
+
+log = logging.getLogger(__name__)
 
 RankFn = Callable[..., Any]
 """A task run on every rank: ``fn(ctx, *args)`` with ctx a ``harness.run.forked.RankContext``;
@@ -78,11 +81,28 @@ def group_by_node(node_of_rank: Sequence[Hashable]) -> tuple[tuple[int, ...], ..
     return tuple(tuple(ranks) for ranks in by_node.values())
 
 
+def _revived(world: World) -> bool:
+    """Whether a world a failed task tore down started its ranks again: a world that keeps
+    what its ranks ran on (a Ray world its cluster) offers ``revive()``; one that cannot
+    revive, or fails to, is closed and started anew by the caller."""
+    revive = getattr(world, "revive", None)
+    if revive is None:
+        return False
+    try:
+        revive()
+    except Exception as exc:  # noqa: BLE001 -- a new world is started instead; say why
+        log.warning("the %s world could not start its ranks again (%s); starting a new one",
+                    type(world).__name__, exc)  # fmt: skip
+        return False
+    return world.alive
+
+
 class WorldRegistry:
     """The live worlds of this process, one per key: the key is what makes a world reusable
     (``(kind, world_size, ...)``, its first item the kind), so a sweep's jobs and a test
     session's tests share worlds instead of starting their own. A world that a failed job
-    tore down is closed and started again on the next ``get``."""
+    tore down is revived (``revive()``, where it offers one) or closed and started again on
+    the next ``get``."""
 
     def __init__(self) -> None:
         self.worlds: dict[Hashable, World] = {}
@@ -97,8 +117,9 @@ class WorldRegistry:
         whether the live world can serve this job (one that cannot is closed and started
         again)."""
         world = self.worlds.get(key)
-        if world is not None and world.alive and (fits is None or fits(world)):
-            return world
+        if world is not None and (fits is None or fits(world)):
+            if world.alive or _revived(world):
+                return world
         self.close(key, kill=True)
         if alone:
             self.close_kind(key[0], kill=False)

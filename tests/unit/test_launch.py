@@ -143,6 +143,34 @@ def test_the_registry_reuses_live_worlds_and_replaces_dead_ones():
     assert registry.worlds == {} and not (fresh.alive or other.alive or two.alive)
 
 
+class _Revivable(_Ranks):
+    """A world that keeps what its ranks ran on (a Ray world its cluster) and can start its
+    ranks again; ``fail`` makes the next revive raise."""
+
+    fail = False
+    revived = 0
+
+    def revive(self):
+        if self.fail:
+            raise RuntimeError("the cluster lost a node")
+        self.revived += 1
+        self.alive = True
+        return self
+
+
+def test_a_world_a_failed_job_tore_down_is_revived_where_it_can_be(caplog):
+    registry = WorldRegistry()
+    world = registry.get(("ray", 4), lambda: _Revivable().start(), alone=True)
+    world.alive = False  # a failed job dropped its ranks
+    assert registry.get(("ray", 4), lambda: _Revivable().start(), alone=True) is world
+    assert world.revived == 1 and world.alive and world.closed_with is None
+    world.alive, world.fail = False, True
+    with caplog.at_level("WARNING"):
+        fresh = registry.get(("ray", 4), lambda: _Revivable().start(), alone=True)
+    assert fresh is not world and world.closed_with is True
+    assert "could not start its ranks again (the cluster lost a node)" in caplog.text
+
+
 @pytest.mark.parametrize(
     "layout, name",
     [

@@ -3,7 +3,7 @@
 value with one line and exit 2 before anything starts, and the ones that need no world run for
 real here, writing their record into the job's directory with the command that reruns it.
 
-The Ray tool's real run is in tests/world/test_ray_tools.py.
+The Ray tool's real run is in tests/world/test_ray_world.py.
 """
 
 from __future__ import annotations

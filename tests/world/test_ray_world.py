@@ -185,6 +185,44 @@ def test_bcastbench_run_world_ray_broadcast_and_dispatch(ray_world, tmp_path):
     assert set(merged["modes"]) == {"leader:header", "leader:floor", "all_ranks", "all_ranks:raw"}
 
 
+def test_ray_dispatch_sweep_shares_one_world(ray_world, tmp_path):
+    """``bcastbench ray-dispatch``, a two-job sweep on the module's Ray world (the jobs start
+    nothing): each record verified, written to its job directory, the sweep's list and
+    ``out``, with the command that reruns that job."""
+    import json
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from harness.commands import cli
+    from harness.run.worlds import REGISTRY
+
+    def values(overrides: list[str]) -> dict:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        return {o.key_or_group: o.value() for o in parsed}
+
+    job = ["layout=tp2pp2", "payload.seq_len=64", "iters=2", "warmup=1"]
+    job += ["modes=[leader:header,all_ranks]", "ray.object_store_mb=256"]
+    out = tmp_path / "all.json"
+    argv = ["-m", *job, "payload.batch_size=2,4", f"out={out}", f"hydra.sweep.dir={tmp_path}"]
+    assert cli.main(["ray-dispatch", *argv]) == 0
+    assert [w for k, w in REGISTRY.worlds.items() if k[0] == "ray"] == [ray_world], (
+        "the sweep must reuse the running Ray world"
+    )
+    records = json.loads(out.read_text())
+    assert json.loads((tmp_path / "dispatch.json").read_text()) == records  # the sweep's list
+    assert [r["batch_size"] for r in records] == [2, 4]
+    for rec, path in zip(records, sorted(tmp_path.glob("*/dispatch.json"))):
+        assert json.loads(path.read_text()) == [rec]
+        assert rec["correct"] and rec["world_size"] == 4
+        assert set(rec["modes"]) == {"leader:header", "all_ranks", "leader:floor", "all_ranks:raw"}
+        # Hydra writes a sweep job's values in its own escaped form (leader\:header): they
+        # parse back to this job's values.
+        this_job = [*job, f"payload.batch_size={rec['batch_size']}", f"out={out}"]
+        assert values(shlex.split(rec["command"])[2:]) == values(this_job), rec["command"]
+    assert [r["world_start_s"] for r in records] == [0.0, 0.0]
+
+
 def test_a_varying_workload_on_uneven_replicas_is_dispatched_call_by_call(ray_world, tmp_path):
     """A dispatch job is the broadcast job in the other scope, so it moves a real step too:
     seq_len cycled per call, replicas handed 3 and 1 rows, steady rounds after the sequence;
@@ -219,6 +257,39 @@ def test_the_limit_is_on_silence_not_on_the_job(ray_world):
     assert time.monotonic() - t0 > 6, "the job must outlast the limit to test it"
 
 
+def test_a_hung_rank_is_named_with_its_phase_and_the_next_job_revives_the_ranks(ray_world):
+    """One rank stops answering (outside any collective) while the others wait for it in one:
+    the job fails within the limit and a few polls, naming that rank alone and its phase. The
+    ranks are torn down (their processes gone) and the next job starts new ones on the same
+    cluster, not a new cluster."""
+    from harness.run import launch
+
+    healthy = JobSpec("header", TP2PP2, iters=2, warmup=0, **SMALL)
+    t0 = time.monotonic()
+    ray_world.run(run_job_on_rank, healthy)
+    healthy_s = time.monotonic() - t0  # what the job takes on this machine, now
+    spec = replace(healthy, fault_rank=1, fault_at_iter=0, fault_kind="hang")
+    old_ranks = list(ray_world.rank_pids)
+    t0 = time.monotonic()
+    with pytest.raises(WorldError) as err:
+        ray_world.run(run_job_on_rank, spec, timeout_s=4)
+    took = time.monotonic() - t0
+    message = str(err.value)
+    assert "rank 1 stopped responding for 4 s while 'timed iteration 0 of header'" in message
+    assert "outside any collective" in message
+    assert "rank 0" not in message and "rank 2" not in message, message
+    assert took < healthy_s + 4 + 15, (took, healthy_s)
+    assert not ray_world.alive
+    assert not [
+        p for p in old_ranks if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+    ]
+    cluster = ray_world._cluster_dir
+    again = launch.ray_world(4, CONF)
+    assert again is ray_world and again.alive and again._cluster_dir == cluster
+    assert not set(again.rank_pids) & set(old_ranks)
+    again.run(run_job_on_rank, healthy)
+
+
 def test_crashing_rank_fails_by_name_and_close_leaves_nothing(ray_world):
     pids = set(ray_world.started_pids)
     assert set(ray_world.rank_pids) <= pids, "the rank actors must be among the tracked pids"
@@ -229,28 +300,3 @@ def test_crashing_rank_fails_by_name_and_close_leaves_nothing(ray_world):
     ray_world.close()
     left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert left == [], f"processes the Ray world started are still running: {left}"
-
-
-def test_a_hung_rank_is_named_with_its_phase():
-    """One rank stops answering (outside any collective) while the others wait for it in one:
-    the job fails within the limit and a few polls, naming that rank alone and its phase."""
-    from harness.run import launch
-
-    world = launch.ray_world(4, CONF)
-    try:
-        healthy = JobSpec("header", TP2PP2, iters=2, warmup=0, **SMALL)
-        t0 = time.monotonic()
-        world.run(run_job_on_rank, healthy)
-        healthy_s = time.monotonic() - t0  # what the job takes on this machine, now
-        spec = replace(healthy, fault_rank=1, fault_at_iter=0, fault_kind="hang")
-        t0 = time.monotonic()
-        with pytest.raises(WorldError) as err:
-            world.run(run_job_on_rank, spec, timeout_s=4)
-        took = time.monotonic() - t0
-    finally:
-        launch.close_ray(kill=True)
-    message = str(err.value)
-    assert "rank 1 stopped responding for 4 s while 'timed iteration 0 of header'" in message
-    assert "outside any collective" in message
-    assert "rank 0" not in message and "rank 2" not in message, message
-    assert took < healthy_s + 4 + 15, (took, healthy_s)
