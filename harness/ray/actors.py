@@ -285,6 +285,17 @@ class RankActor:
             dist.destroy_process_group()
 
 
+def _end_pids(pids, grace_s: float, terminate: bool) -> None:
+    """``reaper.end_processes`` on those of ``pids`` still running."""
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    reaper.end_processes(procs, grace_s, terminate=terminate)
+
+
 def _descendants() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
@@ -322,19 +333,8 @@ class RayWorld:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> RayWorld:
-        ray = self._ray = import_ray()
-        t0 = time.perf_counter()
-        try:
-            self._connect(ray)
-            self._place(ray)
-            self._join(ray)
-        except BaseException:
-            self.close(kill=True)
-            raise
-        if self._owns_cluster:
-            self.started_pids |= _descendants() - self._before
-        self.start_s = time.perf_counter() - t0
-        return self
+        self._ray = import_ray()
+        return self._bring_up(self._connect)
 
     def revive(self) -> RayWorld:
         """Start the ranks again after a failed task dropped them (``collect``): a new
@@ -345,16 +345,15 @@ class RayWorld:
             return self
         if self._ray is None or not self._connected:
             raise WorldError("the Ray world was closed; start a new one")
+        return self._bring_up(self._check_nodes)
+
+    def _bring_up(self, first: Callable[[Any], None]) -> RayWorld:
+        """``first(ray)`` (connect, or check the cluster), then the ranks placed and joined;
+        on any failure the world is closed, every process it started ended."""
         ray = self._ray
         t0 = time.perf_counter()
         try:
-            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-            lost = self._node_ids - alive
-            if lost:
-                raise WorldError(
-                    f"the Ray cluster lost {len(lost)} node(s) the ranks ran on; a new world "
-                    "is started instead"
-                )
+            first(ray)
             self._place(ray)
             self._join(ray)
         except BaseException:
@@ -365,9 +364,25 @@ class RayWorld:
         self.start_s = time.perf_counter() - t0
         return self
 
+    def _check_nodes(self, ray) -> None:
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        lost = self._node_ids - alive
+        if lost:
+            raise WorldError(
+                f"the Ray cluster lost {len(lost)} node(s) the ranks ran on; a new world is "
+                "started instead"
+            )
+
     def _drop_ranks(self) -> None:
         """A failed task: the rank actors killed (their processes ended, by pid) and the
         placement group removed; the cluster stays, for ``revive``."""
+        self._kill_actors()
+        _end_pids(self.rank_pids, KILL_GRACE_S, terminate=True)
+        self.rank_pids = []
+
+    def _kill_actors(self) -> None:
+        """The rank actors killed and their placement group removed (neither may stop a
+        close or a failure's teardown)."""
         ray = self._ray
         for actor in self.actors:
             try:
@@ -381,14 +396,6 @@ class RayWorld:
             except Exception:
                 pass
             self._pg = None
-        procs = []
-        for pid in self.rank_pids:
-            try:
-                procs.append(psutil.Process(pid))
-            except psutil.NoSuchProcess:
-                continue
-        reaper.end_processes(procs, KILL_GRACE_S, terminate=True)
-        self.rank_pids = []
 
     def _actor_env(self) -> dict[str, str]:
         path = os.environ.get("PYTHONPATH", "")
@@ -573,18 +580,7 @@ class RayWorld:
                 ray.get([a.leave.remote() for a in self.actors], timeout=LEAVE_S)
             except Exception:
                 pass  # a rank that cannot leave cleanly is killed below anyway
-        for actor in self.actors:
-            try:
-                ray.kill(actor)
-            except Exception:
-                pass
-        self.actors = []
-        if self._pg is not None:
-            try:
-                ray.util.remove_placement_group(self._pg)
-            except Exception:
-                pass
-            self._pg = None
+        self._kill_actors()
         ray.shutdown()
         self._connected = False
         self._reap(kill)
@@ -594,13 +590,7 @@ class RayWorld:
         """Wait for the processes the private cluster started (SIGTERM them first when
         ``kill``: an interrupted or failed job does not wait for Ray's own shutdown); SIGKILL
         any left after the grace, by pid."""
-        procs = []
-        for pid in self.started_pids:
-            try:
-                procs.append(psutil.Process(pid))
-            except psutil.NoSuchProcess:
-                continue
-        reaper.end_processes(procs, KILL_GRACE_S if kill else CLOSE_GRACE_S, terminate=kill)
+        _end_pids(self.started_pids, KILL_GRACE_S if kill else CLOSE_GRACE_S, terminate=kill)
 
     def __enter__(self) -> RayWorld:
         if self.alive:
