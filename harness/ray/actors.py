@@ -340,11 +340,10 @@ class RayWorld:
         """Start the ranks again after a failed task dropped them (``collect``): a new
         placement group and new actors join a new torch.distributed world on the cluster this
         world still holds, so a sweep's next job does not pay a cluster's start again. Raises
-        (the world closed) when the cluster lost a node the ranks ran on or cannot place them."""
-        if self.alive:
+        (the world closed) when the cluster lost a node the ranks ran on or cannot place them;
+        a world already closed stays closed (not alive: the caller starts a new one)."""
+        if self.alive or self._ray is None or not self._connected:
             return self
-        if self._ray is None or not self._connected:
-            raise WorldError("the Ray world was closed; start a new one")
         return self._bring_up(self._check_nodes)
 
     def _bring_up(self, first: Callable[[Any], None]) -> RayWorld:

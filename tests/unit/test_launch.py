@@ -169,6 +169,12 @@ def test_a_world_a_failed_job_tore_down_is_revived_where_it_can_be(caplog):
         fresh = registry.get(("ray", 4), lambda: _Revivable().start(), alone=True)
     assert fresh is not world and world.closed_with is True
     assert "could not start its ranks again (the cluster lost a node)" in caplog.text
+    closed = registry.get(("ray", 4), lambda: _Revivable().start(), alone=True)
+    closed.close()  # closed by its owner, not torn down by a job: revive keeps it closed
+    closed.revive = lambda: closed
+    caplog.clear()
+    assert registry.get(("ray", 4), lambda: _Revivable().start(), alone=True) is not closed
+    assert "could not start" not in caplog.text
 
 
 @pytest.mark.parametrize(
