@@ -58,8 +58,14 @@ def export_rendezvous(launch: Launch, env=os.environ) -> None:
     if launch.via == "submitit" and "RANK" not in env:
         import submitit  # optional: the slurm extra
 
+        # submitit draws its port from the whole 20000-60000 range, mostly the kernel's
+        # ephemeral ports, where any outgoing connection on the node may hold it; it takes a
+        # MASTER_PORT already set, and exports over it (the same value) only when told to.
+        env.setdefault("MASTER_PORT", str(job_port(env)))
         # One rank per task: every task already is a process of the world, nothing to spawn.
-        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        submitit.helpers.TorchDistributedEnvironment().export(
+            set_cuda_visible_devices=False, overwrite=True
+        )
     elif launch.via == "srun" and "RANK" not in env:
         env.update(srun_rendezvous(env, launch.world_size or 1))
 
@@ -78,15 +84,27 @@ def srun_rendezvous(env, tasks: int) -> dict[str, str]:
             "or launch through torchrun"
         )
     per_node = re.match(r"\d+", env.get("SLURM_STEP_TASKS_PER_NODE", ""))
-    step = env_int(env, "SLURM_STEP_ID", 0)
     return dict(
         RANK=env["SLURM_PROCID"],
         WORLD_SIZE=str(tasks),
         LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
         LOCAL_WORLD_SIZE=per_node.group(0) if per_node else str(tasks),
         MASTER_ADDR=hosts[0],
-        MASTER_PORT=str(20000 + (env_int(env, "SLURM_JOB_ID", 0) * 16 + step) % 20000),
+        MASTER_PORT=str(job_port(env)),
     )
+
+
+PORT_BASE, PORT_SPAN = 20000, 12000
+"""Where a Slurm job's rendezvous port lies: below 32768, where Linux's ephemeral ports (the
+local ports of outgoing connections) begin by default, so only another listener can hold it."""
+
+
+def job_port(env) -> int:
+    """The rendezvous port every task of a Slurm job step derives alike from the job and step
+    ids (``SLURM_JOB_ID`` is an array task's own): jobs whose ids differ by less than 750, and
+    their steps, get different ports."""
+    key = env_int(env, "SLURM_JOB_ID", 0) * 16 + env_int(env, "SLURM_STEP_ID", 0)
+    return PORT_BASE + key % PORT_SPAN
 
 
 class _Watchdog:

@@ -256,3 +256,28 @@ def test_slurm_poll_and_result_wait_come_from_the_environment_or_are_refused(mon
         monkeypatch.setenv("BCASTBENCH_SLURM_RESULT_WAIT_S", bad)
         with pytest.raises(ConfigError, match="BCASTBENCH_SLURM_RESULT_WAIT_S=.*expected a number"):
             launch.prompt_slurm_failures()
+
+
+def test_a_slurm_jobs_rendezvous_port_is_below_the_ephemeral_ports(monkeypatch):
+    """Both Slurm paths (plain srun, submitit) take the port from the job and step ids, below
+    where Linux's ephemeral ports begin: submitit's own choice for array task "3_0" is 59734,
+    which an outgoing connection on a busy node can hold (a fresh-clone run lost a job to it)."""
+    from harness.run.joined import PORT_BASE, PORT_SPAN, export_rendezvous, job_port
+
+    ports = {
+        job_port({"SLURM_JOB_ID": str(j), "SLURM_STEP_ID": str(s)}) for j in (4, 5) for s in (0, 1)
+    }
+    assert len(ports) == 4 and all(PORT_BASE <= p < PORT_BASE + PORT_SPAN <= 32768 for p in ports)
+    slurm = {"SLURM_JOB_ID": "5", "SLURM_ARRAY_JOB_ID": "3", "SLURM_ARRAY_TASK_ID": "1",
+             "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
+             "SLURM_JOB_NODELIST": "vm", "SLURM_STEP_NODELIST": "vm", "SLURM_JOB_NUM_NODES": "1",
+             "SLURM_NTASKS_PER_NODE": "2", "SLURM_STEP_ID": "0", "SUBMITIT_EXECUTOR": "slurm"}  # fmt: skip
+    for key in ("RANK", "MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    import os
+
+    export_rendezvous(Launch(JOINED, "submitit", 2))
+    assert os.environ["MASTER_PORT"] == str(job_port(slurm)), os.environ["MASTER_PORT"]
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("1", "2")
