@@ -17,6 +17,22 @@ import torch
 # fork after a multi-threaded OpenMP region can deadlock a rank (see harness/run/forked.py).
 torch.set_num_threads(1)
 
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "SLURM_JOB_ID", "SLURM_PROCID", "TORCHELASTIC_RUN_ID")  # fmt: skip
+"""Variables that make a process (and every command a later test starts) believe it is a rank
+of a launched world."""
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_variables_left():
+    """A test that leaves a launcher's variables in this process's environment fails by name,
+    rather than every later command failing as a rank of a world that does not exist."""
+    before = {k: os.environ.get(k) for k in LAUNCHER_VARS}
+    yield
+    left = {k: os.environ.get(k) for k in LAUNCHER_VARS if os.environ.get(k) != before[k]}
+    assert not left, f"the test left launcher variables in the environment: {left}"
+
+
 WORLD_TIMEOUT_S = 120.0
 """No-progress limit for jobs on the session worlds: every job here takes well under a second
 on a quiet machine; the margin is for loaded CI runners."""

@@ -272,8 +272,18 @@ def test_a_slurm_jobs_rendezvous_port_is_below_the_ephemeral_ports(monkeypatch):
              "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
              "SLURM_JOB_NODELIST": "vm", "SLURM_STEP_NODELIST": "vm", "SLURM_JOB_NUM_NODES": "1",
              "SLURM_NTASKS_PER_NODE": "2", "SLURM_STEP_ID": "0", "SUBMITIT_EXECUTOR": "slurm"}  # fmt: skip
-    for key in ("RANK", "MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(key, raising=False)
+    for key in (
+        "RANK",
+        "MASTER_PORT",
+        "MASTER_ADDR",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+    ):
+        # Set, then removed: monkeypatch restores only what it touched, and submitit's export
+        # writes all of these into this process's environment (every later subprocess's too).
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     for key, value in slurm.items():
         monkeypatch.setenv(key, value)
     import os
