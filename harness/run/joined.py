@@ -59,9 +59,14 @@ def export_rendezvous(launch: Launch, env=os.environ) -> None:
         import submitit  # optional: the slurm extra
 
         # submitit draws its port from the whole 20000-60000 range, mostly the kernel's
-        # ephemeral ports, where any outgoing connection on the node may hold it; it takes a
-        # MASTER_PORT already set, and exports over it (the same value) only when told to.
-        env.setdefault("MASTER_PORT", str(job_port(env)))
+        # ephemeral ports, where any outgoing connection on the node may hold it. It reads a
+        # MASTER_PORT already set, and exports while one is set only when told to overwrite.
+        port = env.setdefault("MASTER_PORT", str(job_port(env)))
+        if not (port.isdigit() and 0 < int(port) < 65536):
+            raise RuntimeError(
+                f"MASTER_PORT={port!r}: expected a TCP port (an integer 1-65535), or leave it "
+                "unset and every task derives one from the Slurm job id"
+            )
         # One rank per task: every task already is a process of the world, nothing to spawn.
         submitit.helpers.TorchDistributedEnvironment().export(
             set_cuda_visible_devices=False, overwrite=True

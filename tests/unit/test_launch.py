@@ -291,3 +291,9 @@ def test_a_slurm_jobs_rendezvous_port_is_below_the_ephemeral_ports(monkeypatch):
     export_rendezvous(Launch(JOINED, "submitit", 2))
     assert os.environ["MASTER_PORT"] == str(job_port(slurm)), os.environ["MASTER_PORT"]
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("1", "2")
+    for bad in ("abc", "0", "70000", ""):
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+            monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv("MASTER_PORT", bad)
+        with pytest.raises(RuntimeError, match=f"MASTER_PORT='{bad}': expected a TCP port"):
+            export_rendezvous(Launch(JOINED, "submitit", 2))
