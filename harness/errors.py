@@ -9,6 +9,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; raised before any rank starts."""
+
+
 USAGE_EXIT = 2
 """Exit status for a bad command line or config value (argparse's)."""
 

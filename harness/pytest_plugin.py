@@ -69,8 +69,8 @@ def bcastbench_world():
     """A factory: ``bcastbench_world(n)`` is a running gloo world of n ranks (one per n)."""
     import torch
 
-    from harness.run.launch import forked_spec, open_world  # lean: module docstring
-    from harness.run.worlds import REGISTRY  # lean: module docstring
+    from harness.worlds.launcher import forked_spec, open_world  # lean: module docstring
+    from harness.worlds.protocol import REGISTRY  # lean: module docstring
 
     # Worlds fork this process: keep it single-threaded, or a fork after an OpenMP region can
     # deadlock a rank.
@@ -111,7 +111,7 @@ def bcastbench_job(request, bcastbench_world, bcastbench_mode):
     """A function running one verified job and returning its summary (see module docstring).
     Every summary is also kept for the terminal section under this test's name."""
     import strategies  # lean: module docstring
-    from harness.run.runner import (
+    from harness.job.broadcast import (
         JobSpec,
         run_job_on_rank,
         summarize,
@@ -125,7 +125,7 @@ def bcastbench_job(request, bcastbench_world, bcastbench_mode):
         spec.setdefault("iters", bcastbench_mode.iters)
         spec.setdefault("warmup", bcastbench_mode.warmup)
         if spec.get("payload_path"):  # as every rank can open it (a schema by its bare name)
-            from harness.run.payloads import path_of  # lean: module docstring
+            from harness.payload.source import path_of  # lean: module docstring
 
             spec["payload_path"] = path_of(spec.get("payload", ""), spec["payload_path"])
         job_spec = JobSpec(strategy, the_layout, options=options, **spec)
@@ -146,10 +146,15 @@ def _check_recorded(spec) -> None:
     the loader every command uses, so a bad or unsafe file fails the test with its one-line
     reason before any rank starts (as ``bcastbench run`` refuses it before any rank); a
     generated one is priced against the same limit."""
-    from harness.run import payloads, recording, schema  # lean: module docstring
-    from harness.run.config import ConfigError, check_size, per_leader  # lean: module docstring
+    from harness.errors import ConfigError
+    from harness.job.config import check_size, per_leader  # lean: module docstring
+    from harness.payload import (
+        payload_schema,  # lean: module docstring
+        recording,  # lean: module docstring
+        source,  # lean: module docstring
+    )
 
-    if spec.payload not in payloads.RECORDED:
+    if spec.payload not in source.RECORDED:
         shapes = per_leader(spec.distinct_shapes(), spec.seq_len)
         try:  # priced from its shapes, as bcastbench run prices it, before any rank allocates
             check_size(spec.payload, shapes, spec.payload_max_bytes)
@@ -159,16 +164,16 @@ def _check_recorded(spec) -> None:
     if not spec.payload_path:
         raise ValueError(f'payload="{spec.payload}" needs payload_path=<file>')
     try:
-        payloads.make(
+        source.make(
             spec.payload, spec.batch_size, spec.seq_len, spec.seed, None, spec.payload_path,
             spec.payload_trust, spec.payload_max_bytes,
         )  # fmt: skip
-    except (recording.PayloadFileError, schema.SchemaError) as exc:
+    except (recording.PayloadFileError, payload_schema.SchemaError) as exc:
         raise ValueError(str(exc)) from None
 
 
 def _layout_text(layout) -> str:
-    from harness.run.records import layout_name  # lean: module docstring
+    from harness.job.records import layout_name  # lean: module docstring
 
     return layout_name(layout)
 
@@ -367,7 +372,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
 def _flat(strategy: str, summary: dict) -> dict:
     """The strategy's own figures at the top level, with the references' p50 and ratios."""
     # Here, not at the top: the plugin loads in every pytest session, and records bring torch.
-    from harness.run.records import vs_floor  # lean: module docstring
+    from harness.job.records import vs_floor  # lean: module docstring
 
     if "unsupported" in summary:
         pytest.skip(f"{strategy} refuses this layout: {summary['unsupported']}")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from harness.run.config import register
+from harness.job.config import register
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = str(REPO / "conf")

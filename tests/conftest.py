@@ -2,7 +2,7 @@
 
 Worlds start on first use (a test run that needs none starts none) and close at session end;
 a test that tears its world down (a rank crashed or hung) gets a fresh one for the next test.
-They live in the registry of live worlds (``harness.run.worlds.REGISTRY``), so an in-process
+They live in the registry of live worlds (``harness.worlds.protocol.REGISTRY``), so an in-process
 ``bcastbench run`` of the same size reuses them too.
 """
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 # Worlds are forked from this process: keep it single-threaded from the first test on, or a
-# fork after a multi-threaded OpenMP region can deadlock a rank (see harness/run/forked.py).
+# fork after a multi-threaded OpenMP region can deadlock a rank (see harness/worlds/forked.py).
 torch.set_num_threads(1)
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -41,9 +41,9 @@ on a quiet machine; the margin is for loaded CI runners."""
 def _session_world(n: int):
     """The run path's forked world of ``n`` from the one registry of live worlds, as a handle
     that starts it again when an earlier test tore it down."""
-    # Imported here: harness.run.launch is light, the forked world it starts pulls in
+    # Imported here: harness.worlds.launcher is light, the forked world it starts pulls in
     # megatron-core, which tier-1 runs do not need.
-    from harness.run.launch import forked_spec, reused_world
+    from harness.worlds.launcher import forked_spec, reused_world
 
     # Started now, as the session's first test that asks for it expects.
     world = reused_world(forked_spec(n, timeout_s=WORLD_TIMEOUT_S)).start()

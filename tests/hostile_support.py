@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from harness.run import recording, schema
+from harness.payload import payload_schema, recording
 from strategies import DataProto
 
 QUICK_S = 5.0
@@ -140,7 +140,7 @@ def one_line_error(call) -> tuple[str, float]:
     start = time.monotonic()
     try:
         call()
-    except (recording.PayloadFileError, schema.SchemaError) as exc:
+    except (recording.PayloadFileError, payload_schema.SchemaError) as exc:
         took = time.monotonic() - start
         text = str(exc)
         assert "\n" not in text and "Traceback" not in text, text
@@ -156,7 +156,7 @@ def run_cli(argv: list[str], capsys, monkeypatch) -> tuple[int, list[str], float
     """``bcastbench ARGV`` in process: its exit status, its stderr lines, its time. Starting
     ranks is forbidden: every input here must stop at validation."""
     from harness.commands import cli
-    from harness.run import app
+    from harness.job import app
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")

@@ -9,7 +9,7 @@ costs (pickle.dumps/loads, pack/unpack (strategies.core.packer, unpacker) on tin
 count it ran on (``calibrated_ranks``, ``cpu_cores``: the oversubscription factor's reference).
 
 Run it on a quiet machine: every figure includes whatever else shares the cores. ``max_load=N``
-refuses to start while other work uses more than N cores (harness.run.machine, from /proc/stat;
+refuses to start while other work uses more than N cores (harness.machine, from /proc/stat;
 the load average can be meaningless in a VM), and the report warns when other work took > 0.5
 cores during the run.
 """
@@ -30,9 +30,9 @@ import numpy as np
 
 from harness.commands.hydra_app import run_app
 from harness.files import write_atomic
-from harness.run import payloads
-from harness.run.forked import World
-from harness.run.machine import other_cores, other_cores_now, snapshot
+from harness.machine import other_cores, other_cores_now, snapshot
+from harness.payload import source
+from harness.worlds.forked import World
 from strategies.core.cluster import CONF_DIR, GB, US, ClusterConf, LinkConf, load_cluster
 from strategies.core.formulas import (
     ALLGATHER_ALGORITHMS,
@@ -235,7 +235,7 @@ def _time_per_call(ctx, reps):
     import torch.distributed as dist
 
     name, sizes, seq_len = PER_CALL_PAYLOAD
-    batches = [payloads.make(name, b, seq_len, 0) for b in sizes]
+    batches = [source.make(name, b, seq_len, 0) for b in sizes]
     out: dict[str, list] = {"pack": [], "unpack": [], "pickle": [], "unpickle": []}
     bufs: dict[int, object] = {}
     caches: dict[int, dict] = {i: {} for i in range(len(batches))}  # steady state: hits
@@ -516,7 +516,7 @@ def calibrate(
 ) -> tuple[ClusterConf, dict[str, Fit], list[Sample]]:
     """Measure, fit, and (unless ``out`` is None) write the ``local`` cluster file.
     ``max_load``: refuse to start while other work uses more than this many cores (measured
-    from /proc/stat over one second, see harness.run.machine)."""
+    from /proc/stat over one second, see harness.machine)."""
     if world_size < 2:
         raise ClusterError(f"world: calibration needs at least 2 ranks, got {world_size}")
     t0 = time.perf_counter()

@@ -38,7 +38,10 @@ SUBCOMMANDS = {
     "predict": ("harness.commands.predict", "predict every strategy's time on a cluster"),
     "calibrate": ("harness.commands.calibrate", "fit the cost model to this cluster"),
     "extrapolate": ("harness.commands.extrapolate", "predicted latency from 8 to 16k GPUs"),
-    "schema": ("harness.run.schema", "FILE -o schema.yaml: a recorded batch's shape, no data"),
+    "schema": (
+        "harness.payload.payload_schema",
+        "FILE -o schema.yaml: a recorded batch's shape, no data",
+    ),
     "report": ("harness.commands.report", "DIR: report.md and figures of a run or sweep"),
     "collect": ("harness.report.collect", "DIR: one CSV row per job of a run or sweep"),
     "validate": ("harness.commands.validate", "DIR: the cost model against a measured sweep"),

@@ -3,7 +3,7 @@
     bcastbench emulated-table                       # run both jobs, write the table
     bcastbench emulated-table source=results/reference_emulated   # re-read earlier records
 
-Two jobs run on the emulated 2-node cluster (harness.emulate.emulated; tp=2 inside a node, pp=2 across
+Two jobs run on the emulated 2-node cluster (harness.worlds.emulated; tp=2 inside a node, pp=2 across
 1 Gbit/s links, rl_rollout 720 × 512 ≈ 16 MiB): one with one link per node, one with one link
 per rank ("rails"). Each job times all seven strategies interleaved (``auto``, told the link
 layout's cost model preset, is the job's strategy and the other six its references, so every
@@ -31,12 +31,13 @@ import strategies
 from harness import paths
 from harness.commands.hydra_app import run_app
 from harness.commands.tool import job_command, job_dir
-from harness.emulate.netns import unavailable_reason
+from harness.errors import ConfigError
 from harness.files import write_atomic, write_json
-from harness.model.predict import predicted_cross_bytes
-from harness.run import payloads
-from harness.run.config import ConfigError, PayloadConf
-from harness.run.machine import other_cores, snapshot
+from harness.job.config import PayloadConf
+from harness.machine import other_cores, snapshot
+from harness.model.prices import predicted_cross_bytes
+from harness.payload import source
+from harness.worlds.emulated_network import unavailable_reason
 from strategies.core.cluster import load_cluster
 from strategies.core.layout import Layout
 from strategies.core.plan import spec_of
@@ -99,7 +100,7 @@ def predictions(batch_size: int, seq_len: int, seed: int = 0,
                 payload: str = "rl_rollout") -> dict[str, dict[str, dict]]:  # fmt: skip
     """{links: {strategy: {total_s, link_bound, cross_bytes}}} from each strategy's plan."""
     layout = Layout(tp=2, pp=2)
-    spec = spec_of(payloads.make(payload, batch_size, seq_len, seed, None))
+    spec = spec_of(source.make(payload, batch_size, seq_len, seed, None))
     out: dict[str, dict[str, dict]] = {}
     for links, preset in LINKS.items():
         cluster = load_cluster(preset)
@@ -239,7 +240,7 @@ def table(root: Path) -> str:
     lines = [
         "# Emulated 2-node cluster: 1 Gbit/s links, tp=2 in a node, pp=2 across",
         "",
-        "Measured: `bcastbench emulated-table` (harness.emulate.emulated, gloo on CPU, p50 of",
+        "Measured: `bcastbench emulated-table` (harness.worlds.emulated, gloo on CPU, p50 of",
         "the slowest rank per iteration, every strategy interleaved in one job per link",
         "layout). Predicted: each strategy's plan priced by strategies.core.pricing on",
         "conf/cluster/emulated.yaml (one link per node) and emulated_rails.yaml (one per rank).",
@@ -285,10 +286,9 @@ def register() -> None:
 
 def check(cfg) -> None:
     """The values a table reads, checked before any job runs (``command.run_app``)."""
-    if cfg.payload.name not in payloads.PAYLOADS:
+    if cfg.payload.name not in source.PAYLOADS:
         raise ConfigError(
-            f"payload.name: {cfg.payload.name!r} is not generated; valid: "
-            f"{sorted(payloads.PAYLOADS)}"
+            f"payload.name: {cfg.payload.name!r} is not generated; valid: {sorted(source.PAYLOADS)}"
         )
     p = cfg.payload
     for key, value, least in (("iters", cfg.iters, 1), ("warmup", cfg.warmup, 0),

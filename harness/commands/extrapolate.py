@@ -5,7 +5,7 @@
 
 A Hydra app (``conf/extrapolate.yaml``) on the same ``cluster/``, ``layout/`` and ``payload/``
 groups as ``harness.commands.predict``. Nothing runs: every strategy's plan is priced by
-``strategies.core.pricing`` (via ``harness.model.predict``) for a fixed payload (default
+``strategies.core.pricing`` (via ``harness.model.prices``) for a fixed payload (default
 rl_rollout, B=512, S=4096, an RL step's global batch slice per replica) on layouts tp × cp inside
 a node, pp ∈ {1, 2, 4, …, layout.pp} stages and dp filling the world. Writes
 ``extrapolation.csv``, ``extrapolation.png`` and ``extrapolation.md`` (a recommendation table),
@@ -36,10 +36,10 @@ from harness.commands import emulated_table as table
 from harness.commands.hydra_app import run_app
 from harness.commands.predict import check as check_prediction
 from harness.commands.predict import scaled_spec
-from harness.errors import program
+from harness.errors import ConfigError, program
 from harness.files import write_atomic, write_csv, write_figure
-from harness.model.predict import predict_all
-from harness.run.config import ConfigError, LayoutConf, PayloadConf
+from harness.job.config import LayoutConf, PayloadConf
+from harness.model.prices import predict_all
 from strategies.core.cluster import ClusterConf, load_cluster
 from strategies.core.layout import Layout
 

@@ -14,8 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from harness import paths
-from harness.errors import program, usage_error
-from harness.run.config import ConfigError
+from harness.errors import ConfigError, program, usage_error
 from strategies.core.formulas import ClusterError
 from strategies.core.layout import LayoutError
 

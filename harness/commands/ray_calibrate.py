@@ -6,11 +6,11 @@ get, and the per-actor call overhead, fitted as α + n·β; written to ``conf/ra
 Configured through ``conf/ray_calibrate.yaml`` (schema ``RayCalibrateConf``); the points and
 the fit also go to ``calibration.json`` in the Hydra job's directory (``results/ray/calibrate/``).
 
-What is timed is what a dispatch call pays (``harness.ray.dispatch``): chunking the global
+What is timed is what a dispatch call pays (``harness.job.dispatch``): chunking the global
 batch and ``ray.put`` of each chunk (a DataProto, or the floor's flat uint8 array), every rank's
 ``ray.get`` of its replica's object (all ranks at once, as in ``all_ranks``: the slowest rank
 counts), and a round of no-op tasks to k actors (k = 1..ranks) for the call overhead. The
-pricing lives in ``harness.model.ray_dispatch``; this module only measures.
+pricing lives in ``harness.model.dispatch_prices``; this module only measures.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ import numpy as np
 from harness import paths
 from harness.commands.hydra_app import run_app
 from harness.commands.tool import job_command, job_dir
+from harness.errors import ConfigError
 from harness.files import write_atomic, write_json
-from harness.ray.actors import RayConf, RayUnavailable, import_ray
-from harness.ray.dispatch import chunk, flat_bytes
-from harness.run import launch, payloads
-from harness.run.config import ConfigError
+from harness.job.dispatch import chunk, flat_bytes
+from harness.payload import source
+from harness.worlds import launcher
+from harness.worlds.ray_world import RayConf, RayUnavailable, import_ray
 
 SIZES = (4, 48, 192, 704)
 """rl_rollout rows per chunk at seq_len 512: from tens of KiB to the 16 MiB the tables use."""
@@ -115,7 +116,7 @@ def measure(world, reps: int) -> dict[str, list]:
     """Every timing the fit needs: {term: [(bytes or actors, seconds), ...]}."""
     out: dict[str, list] = {k: [] for k in ("put", "put_raw", "get", "get_raw", "call")}
     for rows in SIZES:
-        batch = payloads.make("rl_rollout", rows, SEQ_LEN, 0, None)
+        batch = source.make("rl_rollout", rows, SEQ_LEN, 0, None)
         piece = chunk(batch, 1)[0]
         flat = flat_bytes(piece)
         n = int(flat.nbytes)
@@ -177,7 +178,7 @@ def task(cfg) -> dict[str, float]:
     """One Hydra job: measure on this process's local Ray world, fit, write the preset and
     the job's ``calibration.json``."""
     t0 = time.perf_counter()
-    world = launch.ray_world(cfg.ranks, RayConf(num_cpus=2, object_store_mb=512))
+    world = launcher.ray_world(cfg.ranks, RayConf(num_cpus=2, object_store_mb=512))
     points = measure(world, cfg.reps)
     conf = fitted(points)
     command = job_command(MODULE)

@@ -1,4 +1,4 @@
-"""``bcastbench ray-dispatch``: the dispatch modes (``harness.ray.dispatch``) side by side on a
+"""``bcastbench ray-dispatch``: the dispatch modes (``harness.job.dispatch``) side by side on a
 Ray world, as a Hydra app.
 
     bcastbench ray-dispatch layout=tp2pp2 payload=rl_rollout payload.batch_size=32 \
@@ -21,13 +21,11 @@ from omegaconf import OmegaConf
 
 from harness.commands.hydra_app import run_app
 from harness.commands.tool import job_command, write_records
-from harness.ray.actors import RayConf, RayUnavailable, import_ray
-from harness.ray.dispatch import run_dispatch
-from harness.ray.modes import ALL_RANKS, FLOORS, Mode
-from harness.run import launch, payloads, records
-from harness.run.config import (
+from harness.errors import ConfigError
+from harness.job import records
+from harness.job.broadcast import JobSpec
+from harness.job.config import (
     DRIVER,
-    ConfigError,
     LayoutConf,
     PayloadConf,
     RayNode,
@@ -35,7 +33,11 @@ from harness.run.config import (
     check_size,
     layout_of,
 )
-from harness.run.runner import JobSpec
+from harness.job.dispatch import run_dispatch
+from harness.job.dispatch_modes import ALL_RANKS, FLOORS, Mode
+from harness.payload import source
+from harness.worlds import launcher
+from harness.worlds.ray_world import RayConf, RayUnavailable, import_ray
 
 # -- command line --------------------------------------------------------------------------
 MODULE = "harness.commands.ray_dispatch"
@@ -91,7 +93,7 @@ class RayDispatchConf:
     options: dict[str, Any] = field(default_factory=dict)
     """Options of every leader mode's strategy (``strategies.get(name, groups, **options)``)."""
     ray: RayNode = field(default_factory=RayNode)
-    """The Ray world (``harness.ray.actors.RayConf``'s fields: address, num_cpus, placement,
+    """The Ray world (``harness.worlds.ray_world.RayConf``'s fields: address, num_cpus, placement,
     ...); ``ray.timeout_s`` also bounds one dispatch call. ``ray.dispatch`` is
     ``bcastbench run``'s and must stay ``none`` here: ``modes`` says what runs."""
     out: str | None = None
@@ -137,10 +139,10 @@ def spec_of_job(cfg) -> JobSpec:
 
 def check(cfg) -> None:
     """Every value a dispatch job reads, checked before any job runs (``command.run_app``)."""
-    if cfg.payload.name not in payloads.PAYLOADS:
+    if cfg.payload.name not in source.PAYLOADS:
         raise ConfigError(
             f"payload.name: {cfg.payload.name!r} is not generated; the driver builds the "
-            f"global batch, valid: {sorted(payloads.PAYLOADS)}"
+            f"global batch, valid: {sorted(source.PAYLOADS)}"
         )
     for key, least in (("payload.batch_size", 1), ("payload.seq_len", 1), ("iters", 1),
                        ("warmup", 0), ("link_bytes_calls", 0)):  # fmt: skip
@@ -169,10 +171,10 @@ def check(cfg) -> None:
 
 def task(cfg) -> dict:
     """One Hydra job: time the modes on this process's Ray world of the layout's size (started
-    by the first job of that size, reused by the next ones: ``harness.run.launch.ray_world``),
+    by the first job of that size, reused by the next ones: ``harness.worlds.launcher.ray_world``),
     print the table, write the record."""
     spec = spec_of_job(cfg)
-    world = launch.ray_world(spec.layout.world_size, ray_conf(cfg))
+    world = launcher.ray_world(spec.layout.world_size, ray_conf(cfg))
     start_s, world.start_s = world.start_s, 0.0  # paid once, by the job that started it
     if start_s:
         print(f"Ray world of {world.world_size} ranks started in {start_s:.1f} s", flush=True)

@@ -1,5 +1,5 @@
 """Ray dispatch across emulated nodes: one Ray node per network namespace of
-``harness.emulate.netns``, the driver inside node 0's namespace, cross-node bytes per call read
+``harness.worlds.emulated_network``, the driver inside node 0's namespace, cross-node bytes per call read
 from the links' counters.
 
     bcastbench ray-emulated emulate.nodes=2 emulate.rate_mbit=1000 layout=tp2pp2 \
@@ -7,7 +7,7 @@ from the links' counters.
     bcastbench ray-emulated -m payload.batch_size=48,704 emulate.links=node,gpu
 
 Configured through ``conf/ray_emulated.yaml``: ``bcastbench ray-dispatch``'s config
-(``harness.commands.ray_dispatch.RayDispatchConf``) plus ``emulate`` (``harness.emulate.netns.EmulateConf``:
+(``harness.commands.ray_dispatch.RayDispatchConf``) plus ``emulate`` (``harness.worlds.emulated_network.EmulateConf``:
 nodes, rate_mbit, links, bytes_calls, limit_s); ``ray.num_cpus`` and ``ray.object_store_mb`` are
 each node's. Each job runs the driver, ``bcastbench ray-dispatch`` with the job's values, inside
 node 0's namespace, attached to the cluster, and writes its record (the cluster's shape added)
@@ -46,11 +46,12 @@ from harness.commands import ray_dispatch as dispatch
 from harness.commands.hydra_app import run_app
 from harness.commands.ray_dispatch import RECORDS, RayDispatchConf, format_table
 from harness.commands.tool import job_command, job_dir, override, write_records
-from harness.emulate.emulated import LINKS_ENV
-from harness.emulate.netns import EmulateConf, Emulation, unavailable_reason
-from harness.ray.actors import NODE_RESOURCE, cluster_auth, private_cluster_dir
-from harness.run.config import ConfigError, layout_of
-from harness.run.forked import WorldError
+from harness.errors import ConfigError
+from harness.job.config import layout_of
+from harness.worlds.emulated import LINKS_ENV
+from harness.worlds.emulated_network import EmulateConf, Emulation, unavailable_reason
+from harness.worlds.forked import WorldError
+from harness.worlds.ray_world import NODE_RESOURCE, cluster_auth, private_cluster_dir
 
 MODULE = "harness.commands.ray_emulated"
 """Where ``bcastbench ray-emulated`` lives (its printed name: ``harness.errors.program``)."""

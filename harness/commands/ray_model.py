@@ -1,6 +1,6 @@
-"""``bcastbench ray-model``: the cost model's price of Ray dispatch (``harness.model.ray_dispatch``)
+"""``bcastbench ray-model``: the cost model's price of Ray dispatch (``harness.model.dispatch_prices``)
 as a Hydra app, ``task=example`` (all_ranks against leader + broadcast at 16,384 GPUs) or
-``task=validate`` (measured dispatch records beside the model, ``harness.report.ray_model``).
+``task=validate`` (measured dispatch records beside the model, ``harness.report.dispatch_model``).
 
     bcastbench ray-model [cluster=h200_ib] [ray=local]      # the 16,384-GPU answer
     bcastbench ray-model task=validate \
@@ -23,8 +23,7 @@ from harness.commands.hydra_app import run_app
 from harness.commands.predict import EXAMPLE, scaled_spec
 from harness.commands.tool import job_command, job_dir
 from harness.files import write_json
-from harness.model.predict import price_strategy
-from harness.model.ray_dispatch import (
+from harness.model.dispatch_prices import (
     ASSUMPTIONS,
     EXAMPLE_BATCHES,
     EXAMPLE_DPS,
@@ -36,7 +35,8 @@ from harness.model.ray_dispatch import (
     price_all_ranks,
     price_leader,
 )
-from harness.report.ray_model import compare, format_compare
+from harness.model.prices import price_strategy
+from harness.report.dispatch_model import compare, format_compare
 from strategies.core.cluster import ClusterConf, ClusterError
 from strategies.core.layout import Layout
 

@@ -24,14 +24,15 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from harness import paths
-from harness.errors import usage_error
+from harness.errors import ConfigError, usage_error
+from harness.job import app, records
+from harness.job.app import JOB_FAILURES
+from harness.job.config import BenchConf, register
+from harness.job.sweep_lock import claim, release
+from harness.job.sweep_plan import check_sweep, sweep_dir
+from harness.megatron_import import quiet_megatron
 from harness.report.progress import STATE
-from harness.run import app, launch, records
-from harness.run.app import JOB_FAILURES
-from harness.run.config import BenchConf, ConfigError, register
-from harness.run.lean_import import quiet_megatron
-from harness.run.sweep import check_sweep, sweep_dir
-from harness.run.sweep_dir import claim, release
+from harness.worlds import launcher
 
 FAILED_EXIT, INTERRUPTED_EXIT = 1, 130
 
@@ -43,8 +44,8 @@ PASSTHROUGH = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "-
 def _scratch_for_other_ranks(argv: list[str]) -> list[str]:
     """Under torchrun every rank runs this command; only global rank 0 owns the output
     directory, so the others get a scratch one (removed at exit) and no log file."""
-    here = launch.current()
-    if here.kind != launch.JOINED or here.via != "torchrun" or here.writes_records:
+    here = launcher.current()
+    if here.kind != launcher.JOINED or here.via != "torchrun" or here.writes_records:
         return argv
     scratch = tempfile.mkdtemp(prefix=f"bcastbench-rank{here.rank}-")
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
@@ -85,7 +86,7 @@ def run(argv: list[str]) -> int:
     register()
     if any("hydra/launcher=" in arg for arg in argv):
         try:
-            launch.prompt_slurm_failures()
+            launcher.prompt_slurm_failures()
         except ConfigError as exc:
             return _exit_status(exc)
     records.COMMAND[:] = ["bcastbench", *argv]  # what the records say made them
@@ -100,7 +101,7 @@ def run(argv: list[str]) -> int:
             # Claimed before Hydra starts (it ignores what its callbacks raise), and handed
             # back resolved so Hydra writes exactly where the claim is; under torchrun only
             # the rank that writes records owns it.
-            if launch.current().writes_records:
+            if launcher.current().writes_records:
                 root = claim(sweep_dir(overrides))
         except ConfigError as exc:
             return _exit_status(exc)
@@ -142,7 +143,7 @@ def _run_app(decorated) -> int:
     except SystemExit as exc:  # --help, or a job's one-line config error
         return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     except KeyboardInterrupt:
-        launch.close_ray(
+        launcher.close_ray(
             kill=True
         )  # a Ray world's ranks may be mid-job: no clean leave to wait for
         print(

@@ -366,7 +366,7 @@ def save_figures(df: pd.DataFrame, out_dir: Path | str, dpi: int = 110) -> dict[
             for name, plot in PLOTS.items()}  # fmt: skip
 
 
-# -- Ray dispatch (harness.ray.dispatch records) ---------------------------------------------
+# -- Ray dispatch (harness.job.dispatch records) ---------------------------------------------
 RAY_FIGURE = "ray_dispatch_p50_vs_payload.png"
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from harness.files import write_atomic, write_figure
+from harness.job.rounds import Scope
 from harness.report.figures import RAY_FIGURE, dispatch_frame, plot_ray_dispatch, save_figures
 from harness.report.tables import (
     BASELINE,
@@ -35,7 +36,6 @@ from harness.report.tables import (
     unique_values,
     winning_floor,
 )
-from harness.run.rounds import Scope
 
 CORE_FIELDS = ("cpu_count", "cpus", "cores")
 """Record fields that may say how many cores the machine had (the first present is used)."""
@@ -460,7 +460,7 @@ def _failed_note(df: pd.DataFrame) -> str:
     return f"; {n} failed job(s) left out (their result.json says why)" if n else ""
 
 
-# -- Ray dispatch (harness.ray.dispatch records) ---------------------------------------------
+# -- Ray dispatch (harness.job.dispatch records) ---------------------------------------------
 RAY_TIE = 0.10
 """Relative p50 difference below which the Ray section calls two modes even."""
 
@@ -565,13 +565,13 @@ def ray_dispatch_markdown(records: list[dict]) -> str:
 
 
 def _ray_model(records: list[dict]) -> dict:
-    """{(panel, payload, mode): (model ms, error)} from harness.model.ray_dispatch; {} when the
+    """{(panel, payload, mode): (model ms, error)} from harness.model.dispatch_prices; {} when the
     Ray costs are not calibrated."""
     try:
         # Here, for Ray records only: pricing them builds payloads (torch); a report of
         # broadcast records imports neither.
-        from harness.model.ray_dispatch import load_ray_costs
-        from harness.report.ray_model import compare
+        from harness.model.dispatch_prices import load_ray_costs
+        from harness.report.dispatch_model import compare
 
         ray = load_ray_costs()
     except Exception:
@@ -600,7 +600,7 @@ replica holds its chunk", chunking and `ray.put` inside the time, every rank ver
 bit. `all_ranks`: one object per replica, every rank gets the same ref (verl, NeMo-RL,
 OpenRLHF); `leader:<strategy>`: the object to each replica's leader, then that broadcast
 (ROLL); `leader:floor` and `all_ranks:raw`: each path with the batch as one flat array. MB
-crossed: bytes on the emulated node links per call. Model: `harness.model.ray_dispatch`.
+crossed: bytes on the emulated node links per call. Model: `harness.model.dispatch_prices`.
 With rails (one link per rank), the broadcasts spread over the rails but Ray's object manager
 uses the node's one address, so its transfers all cross on rail 0.
 

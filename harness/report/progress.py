@@ -18,8 +18,8 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from harness import files
+from harness.job.records import job_line
 from harness.report.collect import load, summary_table
-from harness.run.records import job_line
 
 
 @dataclass
@@ -62,7 +62,7 @@ class Progress(Callback):
     def on_multirun_start(self, config, **kwargs) -> None:
         self.t0 = time.monotonic()
         self.sweeping = True
-        # bcastbench run claimed it already (harness.run.sweep_dir); a sweep started another
+        # bcastbench run claimed it already (harness.job.sweep_lock); a sweep started another
         # way (a test's compose) just writes there.
         STATE.records = Path(str(config.hydra.sweep.dir))
         jobs = f"{STATE.total} jobs, every config valid" if STATE.total else "jobs"

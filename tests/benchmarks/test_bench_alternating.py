@@ -14,9 +14,9 @@ import statistics
 import pytest
 from bounds import ALTERNATING, ALTERNATING_STRATEGIES, VS_STEADY
 
-from harness.run.records import shape_entries
-from harness.run.runner import JobSpec, run_job_on_rank, summarize
-from harness.run.workload import build
+from harness.job.broadcast import JobSpec, run_job_on_rank, summarize
+from harness.job.records import shape_entries
+from harness.payload.workload import build
 from strategies.core.layout import Layout
 
 LAYOUT = Layout(pp=2, tp=2)

@@ -18,7 +18,7 @@ import statistics
 import pytest
 from bare_world import BareWorld
 
-from harness.run.runner import JobSpec, run_job_on_rank, summarize
+from harness.job.broadcast import JobSpec, run_job_on_rank, summarize
 from strategies.core.layout import Layout
 
 BOUNDS_BARE = {"full": 1.05, "short": 1.5}

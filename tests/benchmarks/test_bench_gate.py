@@ -22,7 +22,7 @@ from collections import Counter
 import pytest
 from bounds import AUTO_FIXED, AUTO_OVER_PICK, AUTO_VS_BEST, BOUNDS, MIN_VS_FLOOR, SIZES
 
-from harness.run.runner import JobSpec, run_job_on_rank, summarize
+from harness.job.broadcast import JobSpec, run_job_on_rank, summarize
 from strategies.core.layout import Layout
 
 LAYOUT = ("tp2pp2", Layout(pp=2, tp=2))

@@ -1,4 +1,4 @@
-"""The harness beyond one machine, on an emulated cluster (harness.emulate.netns): torchrun across two
+"""The harness beyond one machine, on an emulated cluster (harness.worlds.emulated_network): torchrun across two
 "hosts" (network namespaces), the ``emulate.enabled=true`` option end to end, a crashing rank,
 and that no ``bcb-`` namespace survives any of it.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.emulate.netns import EmulateConf, Emulation, unavailable_reason
+from harness.worlds.emulated_network import EmulateConf, Emulation, unavailable_reason
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["iters=2", "warmup=1", "payload.batch_size=64", "payload.seq_len=256"]
@@ -30,7 +30,8 @@ def test_emulate_options_are_validated():
     """Bad cluster shapes are refused before anything starts (no root needed)."""
     from hydra import compose, initialize_config_dir
 
-    from harness.run.config import ConfigError, register, validate
+    from harness.errors import ConfigError
+    from harness.job.config import register, validate
 
     register()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -65,7 +66,7 @@ def netns_ok():
 def _our_netns() -> list[str]:
     # Namespaces of this test process (bcb-<pid>-…) or of the harness drivers it started and
     # that have exited (their pids are gone; a live concurrent run's are not counted).
-    from harness.emulate.netns import _pid_alive
+    from harness.worlds.emulated_network import _pid_alive
 
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
     names = [ln.split()[0] for ln in out.stdout.splitlines() if ln.startswith("bcb-")]

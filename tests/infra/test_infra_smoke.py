@@ -19,15 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from harness.emulate.netns import (
+from harness.machine import other_cores, snapshot
+from harness.worlds.emulated_network import (
     EmulateConf as EmulatedCluster,
 )
-from harness.emulate.netns import (
+from harness.worlds.emulated_network import (
     Emulation,
     EmulationUnavailable,
     unavailable_reason,
 )
-from harness.run.machine import other_cores, snapshot
 
 from .slurm import SlurmCluster
 
@@ -298,7 +298,7 @@ def test_emulation_cleans_up_on_exception_and_sigterm(netns_ok, tmp_path):
         f"""
         import sys, time
         sys.path.insert(0, {str(HERE.parent.parent)!r})
-        from harness.emulate.netns import Emulation
+        from harness.worlds.emulated_network import Emulation
         with Emulation(nodes=2) as emu:
             print(emu.uid, flush=True)
             time.sleep(60)
@@ -326,7 +326,7 @@ def test_emulation_cleans_up_on_exception_and_sigterm(netns_ok, tmp_path):
 
 
 def test_emulation_reports_unavailable_cleanly(monkeypatch):
-    import harness.emulate.netns as emulate
+    import harness.worlds.emulated_network as emulate
 
     monkeypatch.setattr(emulate.os, "geteuid", lambda: 1000)
     assert "root" in (emulate.unavailable_reason() or "")

@@ -17,7 +17,7 @@ import subprocess
 import psutil
 import pytest
 
-from harness.emulate.netns import unavailable_reason
+from harness.worlds.emulated_network import unavailable_reason
 
 pytestmark = pytest.mark.ray  # a private Ray cluster across the emulated nodes
 

@@ -8,8 +8,9 @@ import sys
 import pytest
 from cli_support import REPO, cfg_of
 
-from harness.run import payloads
-from harness.run.config import ConfigError, validate
+from harness.errors import ConfigError
+from harness.job.config import validate
+from harness.payload import source
 
 
 @pytest.mark.parametrize(
@@ -141,7 +142,7 @@ def test_named_sweeps_expand_every_selectable_strategy():
     """conf/sweep/bench.yaml sweeps every selectable strategy (strategies.names()) with no list
     to keep up to date; its product is what `make bench` runs, layouts outermost."""
     import strategies
-    from harness.run.sweep import sweep_jobs
+    from harness.job.sweep_plan import sweep_jobs
 
     jobs = sweep_jobs(["sweep=bench"])
     names = strategies.names()
@@ -159,7 +160,7 @@ def test_the_real_step_sweep_is_a_varying_workload_on_uneven_replicas():
     """conf/sweep/real_step.yaml: every selectable strategy on tp2pp2dp2, each call padded to
     its own seq_len and the two replicas handed a drawn, uneven split of the rows."""
     import strategies
-    from harness.run.sweep import check_sweep, sweep_jobs
+    from harness.job.sweep_plan import check_sweep, sweep_jobs
 
     assert {j[1] for j in sweep_jobs(["sweep=real_step"])} == {
         f"strategy={n}" for n in strategies.names()
@@ -193,7 +194,7 @@ def test_cli_exits_2_with_one_line_and_no_traceback(tmp_path, capsys, monkeypatc
 def test_run_folders_are_named_by_the_shape_that_runs():
     from omegaconf import OmegaConf
 
-    from harness.run.config import shape_name
+    from harness.job.config import shape_name
 
     assert shape_name(cfg_of("layout=tp2pp2", "layout.tp=8", "layout.pp=8").layout) == "tp8pp8"
     assert shape_name(OmegaConf.create({"tp": 0})) == "invalid-layout"
@@ -204,7 +205,7 @@ def test_run_folders_are_named_by_the_shape_that_runs():
 def test_a_world_of_more_than_two_ranks_per_cpu_is_warned_about_once(caplog, monkeypatch):
     import logging
 
-    from harness.run import app
+    from harness.job import app
     from strategies.core.layout import Layout
 
     monkeypatch.setattr(app.os, "cpu_count", lambda: 2)
@@ -223,10 +224,10 @@ def test_a_generated_payload_is_priced_exactly_before_it_is_made(name, rows, seq
     """The bound config.validate checks is the generator's own size: tensors to the byte, the
     text columns never above their per-row allowance."""
 
-    batch = payloads.make(name, rows, seq_len, seed=5)
+    batch = source.make(name, rows, seq_len, seed=5)
     tensors = sum(v.numel() * v.element_size() for v in batch.batch.values())
     text = sum(len(str(x).encode()) for col in batch.non_tensor_batch.values() for x in col)
-    priced = payloads.payload_bytes(name, rows, seq_len)
-    allowance = rows * payloads.TEXT_BYTES_PER_ROW if batch.non_tensor_batch else 0
+    priced = source.payload_bytes(name, rows, seq_len)
+    allowance = rows * source.TEXT_BYTES_PER_ROW if batch.non_tensor_batch else 0
     assert priced == tensors + allowance
     assert text <= allowance

@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDict
 
 import strategies
-from harness.run.verify import compare, digest, tensor_digest
+from harness.job.verification import compare, digest, tensor_digest
 from strategies import NON_TENSOR_FLAG, ContractError, DataProto, ProcessGroups
 from strategies.core import contract
 

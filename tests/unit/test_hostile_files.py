@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 from tensordict import TensorDict
 
 from harness.paths import CONF_DIR
-from harness.run import recording, schema
+from harness.payload import payload_schema, recording
 from strategies import DataProto
 
 
@@ -404,7 +404,8 @@ def _check_refusal(case, status, err, took, snapshot_before, places, within=QUIC
 def test_hostile_input_is_one_line_exit_2_and_harmless(case, places, capsys):
     """The job's validation of the payload, and the CLI's printer for what it raises."""
     from harness.commands import run as cli
-    from harness.run.config import ConfigError, PayloadConf, _validate_recorded
+    from harness.errors import ConfigError
+    from harness.job.config import PayloadConf, _validate_recorded
 
     payload, build, extra, _ = CASES[case]
     path = build(*places[:3])
@@ -470,15 +471,16 @@ def test_schema_command_with_trust_reads_a_pickled_leaf(tmp_path, capsys, monkey
 def test_every_reader_refuses_the_same_pickle(tmp_path):
     """The job's validation, a replica leader's payload (what the pytest plugin's jobs build)
     and bcastbench schema's reader all go through recording.load: none runs the pickle."""
-    from harness.run import payloads
-    from harness.run.config import ConfigError, PayloadConf, _validate_recorded
+    from harness.errors import ConfigError
+    from harness.job.config import PayloadConf, _validate_recorded
+    from harness.payload import source
 
     marker = tmp_path / "marker"
     rec = evil_memmap(tmp_path / "rec", marker)
     node = OmegaConf.merge(OmegaConf.structured(PayloadConf), {"name": "file", "path": str(rec)})
     with pytest.raises(ConfigError, match="needs io.open"):
         _validate_recorded(node, node.batch_size)
-    one_line_error(lambda: payloads.make("file", 4, 16, 0, None, str(rec), False))
+    one_line_error(lambda: source.make("file", 4, 16, 0, None, str(rec), False))
     text, _ = one_line_error(lambda: recording.load(rec, flags=recording.SCHEMA_FLAGS))
     assert "--trust" in text and not marker.exists()
     trusted = {"path": str(tagged_memmap(tmp_path / "t")), "trust": True}
@@ -532,7 +534,7 @@ def test_recorded_batch_reports_its_real_seq_len(tmp_path):
     ragged = torch.nested.nested_tensor([torch.ones(n) for n in (2, 7, 3)], layout=torch.jagged)
     jagged = DataProto(TensorDict({"ids": ragged}, batch_size=[3]), {}, {})
     assert recording.seq_len_of(jagged) == 7
-    replayed = schema.make(str(CONF_DIR / "schemas" / "rl_rollout.yaml"), 2, seed=0)
+    replayed = payload_schema.make(str(CONF_DIR / "schemas" / "rl_rollout.yaml"), 2, seed=0)
     assert recording.seq_len_of(replayed) == 1024
 
 
@@ -549,9 +551,11 @@ def test_schema_bytes_per_row_are_its_shapes_arithmetic():
     strings = sum(  # a pointer, the str's own bytes and its longest text
         8 + 8 + math.ceil(e["lengths"]["percentiles"][-1]) for e in doc["non_tensor_batch"].values()
     )
-    assert schema.validate(doc) == tensors + strings
-    with pytest.raises(schema.SchemaError, match=rf"2 rows × {tensors + strings:,} bytes per row"):
-        schema.validate(doc, batch_size=2, max_bytes=tensors)
+    assert payload_schema.validate(doc) == tensors + strings
+    with pytest.raises(
+        payload_schema.SchemaError, match=rf"2 rows × {tensors + strings:,} bytes per row"
+    ):
+        payload_schema.validate(doc, batch_size=2, max_bytes=tensors)
 
 
 def test_the_pytest_plugin_refuses_an_unsafe_recording_before_any_rank(tmp_path):
@@ -559,8 +563,8 @@ def test_the_pytest_plugin_refuses_an_unsafe_recording_before_any_rank(tmp_path)
     driver: code in a pickle is refused in one line naming the trust flag."""
     import pickle
 
+    from harness.job.broadcast import JobSpec
     from harness.pytest_plugin import _check_recorded
-    from harness.run.runner import JobSpec
     from strategies.core.layout import Layout
 
     marker = tmp_path / "ran"
@@ -580,8 +584,8 @@ def test_the_pytest_plugin_refuses_an_unsafe_recording_before_any_rank(tmp_path)
 def test_the_pytest_plugin_prices_a_generated_payload_before_any_rank():
     """A batch no machine holds (a typo'd batch_size in a user's CI) is one line before the
     world is asked for, priced as bcastbench run prices it."""
+    from harness.job.broadcast import JobSpec
     from harness.pytest_plugin import _check_recorded
-    from harness.run.runner import JobSpec
     from strategies.core.layout import Layout
 
     spec = JobSpec("header", Layout(tp=2, pp=2), batch_size=10**12, seq_len=512)

@@ -33,11 +33,11 @@ from hypothesis import strategies as st
 from verl_support import verl_dataproto
 
 from harness.paths import CONF_DIR
-from harness.run import recording, schema
+from harness.payload import payload_schema, recording
 
 LIMIT = 1 << 20
 """The byte limit every example runs under: a missing check would show as a batch above it."""
-ERRORS = (recording.PayloadFileError, schema.SchemaError)
+ERRORS = (recording.PayloadFileError, payload_schema.SchemaError)
 
 EXAMPLES = settings(
     max_examples=100,
@@ -80,8 +80,8 @@ def load_file(path: Path, batch_size: int = 8):
 
 
 def make_schema(path: Path, batch_size: int = 8):
-    schema.check(str(path), batch_size, LIMIT)
-    return schema.make(str(path), batch_size, 0, max_bytes=LIMIT)
+    payload_schema.check(str(path), batch_size, LIMIT)
+    return payload_schema.make(str(path), batch_size, 0, max_bytes=LIMIT)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ VOCAB = [
     "format", "batch_size", "batch_dims", "leaves", "non_tensor_batch", "meta_info", "key",
     "kind", "dtype", "shape", "trailing_shape", "lengths", "percentiles", "items", "value",
     "type", "tensor", "jagged", "non_tensor_stack", "non_tensor_data", "int64", "bfloat16",
-    "bool", "cuda", "Tensor", "object", "<U4", "str", "int", schema.FORMAT, "../x",
+    "bool", "cuda", "Tensor", "object", "<U4", "str", "int", payload_schema.FORMAT, "../x",
 ]  # fmt: skip
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.sampled_from([0, 1, 10**12]),
@@ -137,7 +137,7 @@ SEEDS = [
     for name in ("rl_rollout", "multimodal")
 ] + [
     {
-        "format": schema.FORMAT, "batch_size": 2, "batch_dims": [],
+        "format": payload_schema.FORMAT, "batch_size": 2, "batch_dims": [],
         "leaves": [
             {"key": ["ids"], "kind": "jagged", "dtype": "int64", "trailing_shape": [2],
              "lengths": {"percentiles": [1.0] * 11}},

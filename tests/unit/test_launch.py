@@ -9,12 +9,21 @@ from dataclasses import replace
 
 import pytest
 
-from harness.ray.actors import RayConf
-from harness.run import launch
-from harness.run.config import ConfigError
-from harness.run.launch import EMULATED, FORKED, JOINED, RAY, Launch, WorldSpec, detect, forked_spec
-from harness.run.records import layout_name
-from harness.run.worlds import WorldRegistry, group_by_node
+from harness.errors import ConfigError
+from harness.job.records import layout_name
+from harness.worlds import launcher
+from harness.worlds.launcher import (
+    EMULATED,
+    FORKED,
+    JOINED,
+    RAY,
+    Launch,
+    WorldSpec,
+    detect,
+    forked_spec,
+)
+from harness.worlds.protocol import WorldRegistry, group_by_node
+from harness.worlds.ray_world import RayConf
 from strategies.core.layout import SEED_ORDER, Layout
 
 
@@ -88,7 +97,7 @@ def test_world_ray_is_chosen_where_no_launcher_or_emulation_is():
     ],
 )
 def test_a_joined_rank_knows_its_node_from_its_launcher(env, via, node):
-    from harness.run.joined import node_of
+    from harness.worlds.joined import node_of
 
     assert node_of(env, via) == node
 
@@ -197,8 +206,8 @@ def test_layout_name_describes_the_shape(layout, name):
 
 def test_record_of_an_overridden_preset_names_its_shape():
     """The record path itself (records.build), for a preset overridden to another shape."""
-    from harness.run import records
-    from harness.run.runner import JobSpec
+    from harness.job import records
+    from harness.job.broadcast import JobSpec
 
     spec = JobSpec("header", Layout(pp=2, tp=1, order=SEED_ORDER))
     rec = records.build(spec, {"unsupported": "header: not here"})
@@ -217,8 +226,8 @@ def test_a_sweep_job_with_a_longer_limit_gets_a_world_whose_collectives_wait_for
     """A forked world's gloo timeout is fixed when it starts (the first job's ``timeout_s`` + 5).
     A later job of the same shape with a shorter limit reuses it; one with a longer limit gets
     a world started for it, so a long collective is not cut at the first job's limit."""
-    from harness.run import launch
-    from harness.run.worlds import WorldRegistry
+    from harness.worlds import launcher
+    from harness.worlds.protocol import WorldRegistry
 
     class Fake:
         started: list = []
@@ -233,13 +242,13 @@ def test_a_sweep_job_with_a_longer_limit_gets_a_world_whose_collectives_wait_for
         def close(self, kill=False):
             self.alive = False
 
-    monkeypatch.setattr(launch, "REGISTRY", WorldRegistry())
-    monkeypatch.setitem(launch.KINDS, launch.FORKED, Fake)
-    first = launch.open_world(launch.forked_spec(4, timeout_s=60))
-    assert launch.open_world(launch.forked_spec(4, timeout_s=30)) is first
-    longer = launch.open_world(launch.forked_spec(4, timeout_s=600))
+    monkeypatch.setattr(launcher, "REGISTRY", WorldRegistry())
+    monkeypatch.setitem(launcher.KINDS, launcher.FORKED, Fake)
+    first = launcher.open_world(launcher.forked_spec(4, timeout_s=60))
+    assert launcher.open_world(launcher.forked_spec(4, timeout_s=30)) is first
+    longer = launcher.open_world(launcher.forked_spec(4, timeout_s=600))
     assert longer is not first and not first.alive and longer.collective_timeout_s == 605
-    assert launch.open_world(launch.forked_spec(4, timeout_s=120)) is longer
+    assert launcher.open_world(launcher.forked_spec(4, timeout_s=120)) is longer
     assert len(Fake.started) == 2
 
 
@@ -252,19 +261,19 @@ def test_slurm_poll_and_result_wait_come_from_the_environment_or_are_refused(mon
     monkeypatch.setattr(slurm.SlurmJob, "_results_timeout_s", slurm.SlurmJob._results_timeout_s)
     monkeypatch.setenv("BCASTBENCH_SLURM_POLL_S", "2")
     monkeypatch.setenv("BCASTBENCH_SLURM_RESULT_WAIT_S", "1.5")
-    launch.prompt_slurm_failures()
+    launcher.prompt_slurm_failures()
     assert (slurm.SlurmJob.watcher._delay_s, slurm.SlurmJob._results_timeout_s) == (2.0, 1.5)
     for bad in ("abc", "-1", "nan", ""):
         monkeypatch.setenv("BCASTBENCH_SLURM_RESULT_WAIT_S", bad)
         with pytest.raises(ConfigError, match="BCASTBENCH_SLURM_RESULT_WAIT_S=.*expected a number"):
-            launch.prompt_slurm_failures()
+            launcher.prompt_slurm_failures()
 
 
 def test_a_slurm_jobs_rendezvous_port_is_below_the_ephemeral_ports(monkeypatch):
     """Both Slurm paths (plain srun, submitit) take the port from the job and step ids, below
     where Linux's ephemeral ports begin: submitit's own choice for array task "3_0" is 59734,
     which an outgoing connection on a busy node can hold (a fresh-clone run lost a job to it)."""
-    from harness.run.joined import PORT_BASE, PORT_SPAN, export_rendezvous, job_port
+    from harness.worlds.joined import PORT_BASE, PORT_SPAN, export_rendezvous, job_port
 
     ports = {
         job_port({"SLURM_JOB_ID": str(j), "SLURM_STEP_ID": str(s)}) for j in (4, 5) for s in (0, 1)

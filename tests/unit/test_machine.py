@@ -1,4 +1,4 @@
-"""Tier 1: harness.run.machine measures other work's CPU from /proc/stat (not the load average)."""
+"""Tier 1: harness.machine measures other work's CPU from /proc/stat (not the load average)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from harness.run.machine import other_cores, other_cores_now, snapshot
+from harness.machine import other_cores, other_cores_now, snapshot
 
 pytestmark = pytest.mark.skipif(snapshot() is None, reason="no /proc/stat")
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from harness.commands.predict import CONF, EXAMPLE, run, scaled_spec
-from harness.model.predict import predict_all, price_strategy, replicas_independent
-from harness.run import payloads
+from harness.model.prices import predict_all, price_strategy, replicas_independent
+from harness.payload import source
 from strategies import Unsupported, get_class, has_plan, names
 from strategies.core.cluster import load_cluster
 from strategies.core.layout import Layout
@@ -76,7 +76,7 @@ def test_multirun_writes_one_prediction_per_job(tmp_path):
 @pytest.mark.parametrize("name", ["rl_rollout", "pretrain", "multimodal"])
 def test_scaled_spec_matches_the_real_batch(name):
     b, s = 200, 128
-    fast, real = scaled_spec(name, b, s), spec_of(payloads.make(name, b, s, 0))
+    fast, real = scaled_spec(name, b, s), spec_of(source.make(name, b, s, 0))
     for field in ("tensor_bytes", "n_tensors", "header_bytes", "dtype_bytes", "leaf_bytes"):
         assert getattr(fast, field) == getattr(real, field), field
     assert fast.broadcast_non_tensor == real.broadcast_non_tensor
@@ -87,7 +87,7 @@ def test_scaled_spec_matches_the_real_batch(name):
 
 
 def test_scaled_spec_small_batch_is_exact():
-    assert scaled_spec("rl_rollout", 8, 64) == spec_of(payloads.make("rl_rollout", 8, 64, 0))
+    assert scaled_spec("rl_rollout", 8, 64) == spec_of(source.make("rl_rollout", 8, 64, 0))
 
 
 # -- one-replica pricing is exact --------------------------------------------------------------
@@ -124,7 +124,7 @@ def test_a_gpu_cluster_prices_shm_with_its_staging_copies():
     staged through host memory (one D2H on the leader, one H2D per receiver), as it runs there,
     so over NVLink a collective beats it and auto would not pick it; on the local CPU preset
     the same plan carries no copy."""
-    from harness.model.predict import auto_pick
+    from harness.model.prices import auto_pick
 
     h200, local = load_cluster("h200_ib"), load_cluster("local")
     assert (h200.device, local.device) == ("cuda", "cpu")
@@ -144,7 +144,7 @@ def test_validate_prices_the_floor_method_that_won():
     from harness.commands.validate import floor_plan
 
     layout = Layout(tp=2, pp=2)
-    spec = spec_of(payloads.make("rl_rollout", 128, 512, seed=0))
+    spec = spec_of(source.make("rl_rollout", 128, 512, seed=0))
     assert len(floor_plan(layout, spec, "one").comms) == 1
     assert len(floor_plan(layout, spec, "chunks4").comms) == 4
     shm = floor_plan(layout, spec, "shm")

@@ -1,4 +1,4 @@
-"""The cost model's Ray dispatch pricing (harness.model.ray_dispatch), pure: no Ray, no process
+"""The cost model's Ray dispatch pricing (harness.model.dispatch_prices), pure: no Ray, no process
 group. What crosses between nodes, how the phases add up, which preset values are read, and
 that bad inputs are named."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.model.ray_dispatch import (
+from harness.model.dispatch_prices import (
     RayCostConf,
     example_answer,
     load_ray_costs,
@@ -112,7 +112,7 @@ def _record(p50_ms: dict[str, float], batch_size: int = 48) -> dict:
 
 
 def test_compare_prices_every_measured_mode():
-    from harness.report.ray_model import compare
+    from harness.report.dispatch_model import compare
 
     rec = _record({"leader:header": 40, "all_ranks": 30, "leader:floor": 30, "all_ranks:raw": 25})
     rows = compare([rec], RAY)

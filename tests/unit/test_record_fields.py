@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import re
 
+from harness.job import phases
+from harness.job.records import FIELDS, Record, complete, type_problems
 from harness.paths import REPO
-from harness.run import phases
-from harness.run.records import FIELDS, Record, complete, type_problems
 
 
 def test_readme_lists_exactly_the_record_fields():

@@ -14,9 +14,9 @@ from tensordict import TensorDict
 from verl_support import verl_dataproto, verl_worker_payload
 
 import strategies
+from harness.job.verification import digest
 from harness.paths import CONF_DIR
-from harness.run import payloads, recording, schema
-from harness.run.verify import digest
+from harness.payload import payload_schema, recording, source
 from strategies import DataProto
 from strategies.core.contract import leaves
 
@@ -47,7 +47,7 @@ def test_verl_worker_payload_keeps_jagged_and_non_tensor_leaves(tmp_path):
 
 @pytest.mark.parametrize("how", ["torch_save", "memmap", "ours"])
 def test_tensordict_and_our_dataproto_formats(tmp_path, how):
-    dp = payloads.make("rl_rollout", 4, 32, seed=2)
+    dp = source.make("rl_rollout", 4, 32, seed=2)
     path = tmp_path / "rec"
     if how == "torch_save":
         torch.save(dp.batch, path)
@@ -75,7 +75,7 @@ def test_resample_repeats_or_trims_rows_in_order(rows):
 
 
 def test_make_sets_the_non_tensor_flag_when_asked(tmp_path):
-    recording.save(payloads.make("pretrain", 2, 16, seed=0), tmp_path / "b.pt")
+    recording.save(source.make("pretrain", 2, 16, seed=0), tmp_path / "b.pt")
     dp = recording.make(str(tmp_path / "b.pt"), 5, broadcast_non_tensor=True)
     assert dp.batch.batch_size[0] == 5 and dp.broadcast_non_tensor
 
@@ -145,7 +145,7 @@ def shape_of(dp: DataProto) -> list:
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: payloads.make("multimodal", 4, 64, seed=1),
+        lambda: source.make("multimodal", 4, 64, seed=1),
         lambda: verl_dataproto(4, 0, True),
         lambda: verl_worker_payload(4, 0),
     ],
@@ -154,9 +154,9 @@ def shape_of(dp: DataProto) -> list:
 def test_schema_round_trip_keeps_keys_dtypes_shapes(tmp_path, make):
     original = make()
     dp = DataProto(original.batch, dict(original.non_tensor_batch), dict(original.meta_info))
-    schema.write(schema.extract(dp), tmp_path / "s.yaml")
+    payload_schema.write(payload_schema.extract(dp), tmp_path / "s.yaml")
     text = (tmp_path / "s.yaml").read_text()
-    replayed = schema.make(str(tmp_path / "s.yaml"), 7, seed=3)
+    replayed = payload_schema.make(str(tmp_path / "s.yaml"), 7, seed=3)
     assert replayed.batch.batch_size[0] == 7
     assert shape_of(replayed) == shape_of(dp)
     assert {k: v.dtype for k, v in replayed.non_tensor_batch.items()} == {
@@ -165,28 +165,30 @@ def test_schema_round_trip_keeps_keys_dtypes_shapes(tmp_path, make):
     assert set(replayed.meta_info) == set(dp.meta_info)
     for key, values in dp.non_tensor_batch.items():  # no data in the schema
         assert all(str(v) not in text for v in values if len(str(v)) > 6), key
-    again = schema.make(str(tmp_path / "s.yaml"), 7, seed=3)
+    again = payload_schema.make(str(tmp_path / "s.yaml"), 7, seed=3)
     assert digest(again, True) == digest(replayed, True)
 
 
 def test_jagged_lengths_come_from_the_recorded_distribution():
     dp = verl_worker_payload(8, 0)
-    entry = next(e for e in schema.extract(dp)["leaves"] if e["key"] == ["input_ids"])
+    entry = next(e for e in payload_schema.extract(dp)["leaves"] if e["key"] == ["input_ids"])
     low, high = entry["lengths"]["percentiles"][0], entry["lengths"]["percentiles"][-1]
-    lengths = np.diff(schema.replay(schema.extract(dp), 64, 1).batch["input_ids"].offsets())
+    lengths = np.diff(
+        payload_schema.replay(payload_schema.extract(dp), 64, 1).batch["input_ids"].offsets()
+    )
     assert low <= lengths.min() and lengths.max() <= high
 
 
 @pytest.mark.parametrize("name", ["rl_rollout", "multimodal"])
 def test_committed_schemas_replay(name):
-    dp = schema.make(str(CONF_DIR / "schemas" / f"{name}.yaml"), 3, seed=0)
+    dp = payload_schema.make(str(CONF_DIR / "schemas" / f"{name}.yaml"), 3, seed=0)
     assert dp.batch.batch_size[0] == 3 and dp.non_tensor_batch
 
 
 def test_a_file_that_is_no_schema_is_refused(tmp_path):
     (tmp_path / "x.yaml").write_text("strategy: header\n")
-    with pytest.raises(schema.SchemaError, match="not a bcastbench schema"):
-        schema.read(tmp_path / "x.yaml")
+    with pytest.raises(payload_schema.SchemaError, match="not a bcastbench schema"):
+        payload_schema.read(tmp_path / "x.yaml")
 
 
 # -- the registry: targets, options, plans -------------------------------------------------------------
@@ -226,7 +228,7 @@ class NoPlan(strategies.Strategy):
 
 def test_plan_is_optional_and_predict_names_who_has_none():
     from harness.commands.predict import scaled_spec
-    from harness.model.predict import predict_all
+    from harness.model.prices import predict_all
     from strategies.core.cluster import load_cluster
     from strategies.core.layout import Layout
 

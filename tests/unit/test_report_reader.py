@@ -209,7 +209,7 @@ def test_growth_counts_what_a_call_allocates_even_after_the_same_call_freed_it()
     pages' 0, once the free heap is released before VmHWM is reset (phases.PeakMemory)."""
     import torch
 
-    from harness.run import phases
+    from harness.job import phases
 
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("no /proc/self/clear_refs to reset VmHWM with")

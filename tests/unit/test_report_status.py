@@ -10,9 +10,9 @@ import types
 
 import pytest
 
+from harness.job import records
+from harness.job.broadcast import JobSpec
 from harness.report import collect, tables
-from harness.run import records
-from harness.run.runner import JobSpec
 from strategies.core.layout import Layout
 
 
@@ -107,7 +107,7 @@ def _compose(overrides):
     from hydra import compose, initialize_config_dir
 
     from harness import paths
-    from harness.run.config import register
+    from harness.job.config import register
 
     register()
     with initialize_config_dir(config_dir=str(paths.CONF_DIR), version_base="1.3"):
@@ -126,7 +126,8 @@ def _compose(overrides):
     ],
 )
 def test_ray_settings_are_checked_before_ray_starts(overrides, says):
-    from harness.run.config import ConfigError, validate
+    from harness.errors import ConfigError
+    from harness.job.config import validate
 
     with pytest.raises(ConfigError, match=says):
         validate(_compose(overrides))

@@ -11,7 +11,7 @@ import weakref
 import torch
 
 import strategies
-from harness.run import runner
+from harness.job import broadcast
 from strategies.floor import Floor
 
 
@@ -27,21 +27,21 @@ class _Returns:
         return out
 
 
-def _prepared(built: dict) -> runner.Prepared:
+def _prepared(built: dict) -> broadcast.Prepared:
     groups = types.SimpleNamespace(is_leader=False, device=torch.device("cpu"))
     full = strategies.DataProto(None, {}, {})
-    return runner.Prepared(groups=groups, full=full, order=list(built), built=built)
+    return broadcast.Prepared(groups=groups, full=full, order=list(built), built=built)
 
 
 def _clock(monkeypatch, log: list[str]) -> None:
     ticks = iter(range(100))
-    monkeypatch.setattr(runner, "start_line", lambda groups: None)
+    monkeypatch.setattr(broadcast, "start_line", lambda groups: None)
 
     def perf_counter() -> float:
         log.append("clock")
         return float(next(ticks))
 
-    monkeypatch.setattr(runner.time, "perf_counter", perf_counter)
+    monkeypatch.setattr(broadcast.time, "perf_counter", perf_counter)
 
 
 def test_the_returned_batch_is_dropped_after_the_clock_stops(monkeypatch):

@@ -8,12 +8,13 @@ import pandas as pd
 import pytest
 from cli_support import cfg_of
 
+from harness.errors import ConfigError
+from harness.job.broadcast import JobSpec, summarize
+from harness.job.config import validate, workload_of
+from harness.job.records import FIELDS, build, complete, type_problems, vs_floor
+from harness.payload.workload import CallShape, WorkloadError, drawn_rows
+from harness.payload.workload import build as build_workload
 from harness.report.tables import shapes_table
-from harness.run.config import ConfigError, validate, workload_of
-from harness.run.records import FIELDS, build, complete, type_problems, vs_floor
-from harness.run.runner import JobSpec, summarize
-from harness.run.workload import CallShape, WorkloadError, drawn_rows
-from harness.run.workload import build as build_workload
 from strategies.core.layout import Layout
 
 

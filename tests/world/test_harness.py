@@ -19,8 +19,8 @@ import pytest
 import torch
 from cli_support import REPO, check_uneven_cycle_shapes, harness
 
+from harness.job.records import FIELDS
 from harness.report.collect import load
-from harness.run.records import FIELDS
 
 FAST = ["iters=2", "warmup=1", "payload.batch_size=2", "payload.seq_len=64"]
 
@@ -158,7 +158,7 @@ def test_ctrl_c_leaves_no_rank_and_no_half_record(tmp_path):
 @pytest.fixture
 def forked_worlds_closed():
     """Close the worlds a test's in-process job forked (the session's worlds stay)."""
-    from harness.run.worlds import REGISTRY
+    from harness.worlds.protocol import REGISTRY
 
     before = set(REGISTRY.worlds)
     yield
@@ -231,7 +231,7 @@ def test_a_recorded_batch_is_recorded_with_its_real_shape(
     from tensordict import TensorDict
 
     from harness.commands import cli
-    from harness.run.recording import save
+    from harness.payload.recording import save
     from strategies import DataProto
 
     td = TensorDict(

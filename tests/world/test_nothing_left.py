@@ -5,7 +5,7 @@ driver ends, kill -9 included.
 Ray's own gRPC servers (gcs_server, raylet, workers, the driver's core worker) bind every
 interface and Ray 2.60 has no setting to change that (``get_all_interfaces_ip``); as root, a
 private cluster runs in a network namespace of its own whose only interface is loopback
-(``harness.ray.netns``), so those listeners are reachable from nowhere else. Sockets are read
+(``harness.worlds.ray_network``), so those listeners are reachable from nowhere else. Sockets are read
 from each process's own ``/proc/<pid>/net``, which shows the namespace the process is in.
 """
 
@@ -85,7 +85,7 @@ def _ray_or_skip():
 DRIVER = """
 import json, os, sys, time
 sys.path.insert(0, {repo!r})
-from harness.ray.actors import RayConf, RayWorld
+from harness.worlds.ray_world import RayConf, RayWorld
 world = RayWorld(2, RayConf(num_cpus=2, object_store_mb=128)).start()
 pids = world.rank_pids
 print(json.dumps({{"dir": str(world._cluster_dir), "started": sorted(world.started_pids),
@@ -115,7 +115,7 @@ def test_kill_9_of_a_ray_driver_leaves_nothing(tmp_path):
         assert line, proc.stderr.read()[-3000:]
         info = json.loads(line)
         cluster = psutil.Process(proc.pid).children(recursive=True)
-        reaper = [p for p in cluster if "harness.ray.reaper" in " ".join(p.cmdline())]
+        reaper = [p for p in cluster if "harness.worlds.ray_reaper" in " ".join(p.cmdline())]
         ray_procs = [p for p in cluster if p not in reaper]
         assert reaper and ray_procs and Path(info["dir"]).is_dir()
         found = listeners({proc.pid, *(p.pid for p in ray_procs)})
@@ -176,7 +176,7 @@ def test_ctrl_c_ends_a_ray_sweep_within_5_s(tmp_path):
         assert len(ranks) == 4, "the Ray world did not start"
         cluster = [
             p for p in psutil.Process(proc.pid).children(recursive=True)
-            if "harness.ray.reaper" not in " ".join(p.cmdline())
+            if "harness.worlds.ray_reaper" not in " ".join(p.cmdline())
         ]  # fmt: skip
         time.sleep(3.0)  # into the first job's timed calls
         t0 = time.monotonic()

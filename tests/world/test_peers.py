@@ -13,9 +13,9 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 import strategies
-from harness.run.forked import World, WorldError
-from harness.run.runner import JobSpec, run_job_on_rank, summarize
-from harness.run.verify import compare, digest
+from harness.job.broadcast import JobSpec, run_job_on_rank, summarize
+from harness.job.verification import compare, digest
+from harness.worlds.forked import World, WorldError
 from strategies import NON_TENSOR_FLAG, ContractError, DataProto
 from strategies.core.layout import SEED_ORDER, Layout
 from strategies.core.plan import PayloadSpec, spec_of

@@ -22,11 +22,11 @@ if not hasattr(ray, "init"):  # tests/verl_support.py registers a bare stand-in 
         'only a test stand-in for ray is loaded: pip install "ray==2.60.0"', allow_module_level=True
     )
 
-from harness.ray.actors import RayConf  # noqa: E402
-from harness.ray.dispatch import Mode, _Driver, _verify, run_dispatch  # noqa: E402
-from harness.run.forked import WorldError  # noqa: E402
-from harness.run.records import build  # noqa: E402
-from harness.run.runner import JobSpec, run_job_on_rank, summarize  # noqa: E402
+from harness.job.broadcast import JobSpec, run_job_on_rank, summarize  # noqa: E402
+from harness.job.dispatch import Mode, _Driver, _verify, run_dispatch  # noqa: E402
+from harness.job.records import build  # noqa: E402
+from harness.worlds.forked import WorldError  # noqa: E402
+from harness.worlds.ray_world import RayConf  # noqa: E402
 from strategies.core.layout import Layout  # noqa: E402
 
 TP2PP2 = Layout(pp=2, tp=2)
@@ -40,13 +40,13 @@ CONF = RayConf(num_cpus=2, object_store_mb=256)
 @pytest.fixture(scope="module")
 def _ray_worlds():
     """The module's Ray worlds, closed at its end (one, unless a test tore it down)."""
-    from harness.run import launch
+    from harness.worlds import launcher
 
     worlds: list = []
     try:
         yield worlds
     finally:
-        launch.close_ray()
+        launcher.close_ray()
         for world in worlds:
             world.close(kill=True)
 
@@ -55,9 +55,9 @@ def _ray_worlds():
 def ray_world(_ray_worlds):
     """The registry's live Ray world, as the run path opens it (its jobs reuse this one); a
     test after one that failed or closed the world gets a fresh world, not a dead one."""
-    from harness.run import launch
+    from harness.worlds import launcher
 
-    world = launch.ray_world(4, CONF)
+    world = launcher.ray_world(4, CONF)
     if not any(w is world for w in _ray_worlds):
         _ray_worlds.append(world)
     return world
@@ -148,7 +148,7 @@ def test_bcastbench_run_world_ray_broadcast_and_dispatch(ray_world, tmp_path):
     import json
 
     from harness.commands import cli
-    from harness.run.worlds import REGISTRY
+    from harness.worlds.protocol import REGISTRY
 
     status = cli.main(
         ["-m", "ray_job=broadcast,leader_header,all_ranks", "payload.batch_size=4",
@@ -195,7 +195,7 @@ def test_ray_dispatch_sweep_shares_one_world(ray_world, tmp_path):
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from harness.commands import cli
-    from harness.run.worlds import REGISTRY
+    from harness.worlds.protocol import REGISTRY
 
     def values(overrides: list[str]) -> dict:
         parsed = OverridesParser.create().parse_overrides(overrides)
@@ -262,7 +262,7 @@ def test_a_hung_rank_is_named_with_its_phase_and_the_next_job_revives_the_ranks(
     the job fails within the limit and a few polls, naming that rank alone and its phase. The
     ranks are torn down (their processes gone) and the next job starts new ones on the same
     cluster, not a new cluster."""
-    from harness.run import launch
+    from harness.worlds import launcher
 
     healthy = JobSpec("header", TP2PP2, iters=2, warmup=0, **SMALL)
     t0 = time.monotonic()
@@ -284,7 +284,7 @@ def test_a_hung_rank_is_named_with_its_phase_and_the_next_job_revives_the_ranks(
         p for p in old_ranks if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
     ]
     cluster = ray_world._cluster_dir
-    again = launch.ray_world(4, CONF)
+    again = launcher.ray_world(4, CONF)
     assert again is ray_world and again.alive and again._cluster_dir == cluster
     assert not set(again.rank_pids) & set(old_ranks)
     again.run(run_job_on_rank, healthy)

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 import strategies
-from harness.run import payloads
-from harness.run.forked import World, WorldError
-from harness.run.verify import compare, digest
+from harness.job.verification import compare, digest
+from harness.payload import source
+from harness.worlds.forked import World, WorldError
 from strategies.core.layout import SEED_ORDER, Layout
 from strategies.header import HeaderStrategy
 
@@ -34,7 +34,7 @@ would leave every small test batch on the packed path, so here most leaves trave
 
 class Refused(strategies.Unsupported):
     """A strategy declined a layout (NotImplementedError) or a batch (ContractError). An
-    Unsupported raised on every rank keeps the world alive (harness.run.forked), which is how
+    Unsupported raised on every rank keeps the world alive (harness.worlds.forked), which is how
     run_contract tells an all-rank refusal from a failure on some ranks."""
 
 
@@ -178,8 +178,8 @@ def payload_job(ctx, name: str, layout: Layout, options) -> list[str]:
     for call, (payload, b, s) in enumerate(
         [("rl_rollout", 2, 64), ("multimodal", 2, 64), ("multimodal", 4, 128), ("pretrain", 1, 32)]
     ):
-        expected = payloads.make(payload, b, s, seed=call)
-        entry = payloads.make(payload, b, s, seed=call) if groups.is_leader else expected
+        expected = source.make(payload, b, s, seed=call)
+        entry = source.make(payload, b, s, seed=call) if groups.is_leader else expected
         out = strategy.get_data_input(entry.entry_state(groups.is_leader))
         problems += batch_problems(expected, out, groups.is_leader, f"{name}: rank {ctx.rank}")
     return problems
@@ -199,8 +199,8 @@ class FlipsOneByte(HeaderStrategy):
 
 def broken_job(ctx, layout: Layout) -> list[str]:
     groups = ctx.groups_for(layout)
-    expected = payloads.make("rl_rollout", 2, 32, seed=5)
-    entry = payloads.make("rl_rollout", 2, 32, seed=5) if groups.is_leader else expected
+    expected = source.make("rl_rollout", 2, 32, seed=5)
+    entry = source.make("rl_rollout", 2, 32, seed=5) if groups.is_leader else expected
     out = FlipsOneByte(groups).get_data_input(entry.entry_state(groups.is_leader))
     return compare(digest(expected, False), digest(out, False), ctx.rank, "flips_one_byte")
 
@@ -347,7 +347,7 @@ def test_direct_refuses_leaves_over_max_bytes_on_every_rank(scratch_world):
 def test_large_messages_go_out_pipelined_and_arrive_whole(world4, name):
     """Above PIPELINE_MIN_BYTES the first message is SEGMENTS async broadcasts (packing
     overlaps sending); the runner verifies every rank bit for bit and counts them."""
-    from harness.run.runner import JobSpec, run_job_on_rank, summarize
+    from harness.job.broadcast import JobSpec, run_job_on_rank, summarize
     from strategies.core.wire import PIPELINE_MIN_BYTES, SEGMENTS
 
     spec = JobSpec(

@@ -1,7 +1,7 @@
 """A new kind of world is one class: this file defines its own (one rank, run in this process)
 and runs a real job through the run path's job step, the registry and the record.
 
-The world fills ``harness.run.worlds.World`` and nothing else: no launcher, runner or record
+The world fills ``harness.worlds.protocol.World`` and nothing else: no launcher, runner or record
 code knows about it.
 """
 
@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.run import launch, records
-from harness.run.forked import ForkedWorld, RankContext
-from harness.run.runner import JobSpec, summarize
-from harness.run.worlds import RankFn, World, WorldError, WorldRegistry
+from harness.job import execute, records
+from harness.job.broadcast import JobSpec, summarize
+from harness.worlds.forked import ForkedWorld, RankContext
+from harness.worlds.protocol import RankFn, World, WorldError, WorldRegistry
 from strategies.core.layout import Layout
 
 
@@ -108,7 +108,7 @@ def test_a_real_job_runs_on_the_toy_world_and_is_recorded(registry):
     world = registry.get(("in-process", 1), _start)
     assert registry.get(("in-process", 1), _start) is world, "a live world is reused"
     assert world.nodes == ((0,),)
-    ran = launch.run_job(world, SPEC, timeout_s=60.0)
+    ran = execute.run_job(world, SPEC, timeout_s=60.0)
     record = {**records.build(SPEC, summarize(SPEC, ran.results), ran.world_start_s), **ran.fields}
     assert record["status"] == "ok" and record["correct"] is True, record
     assert record["world_size"] == 1 and record["p50_us"] > 0
@@ -120,11 +120,11 @@ def test_a_failing_rank_is_named_and_the_registry_starts_a_fresh_world(registry)
     world = registry.get(("in-process", 1), _start)
     bad = JobSpec("no_such_strategy", Layout(), batch_size=2, seq_len=32, iters=1, warmup=0)
     with pytest.raises(WorldError, match="rank 0 failed in job no_such_strategy"):
-        launch.run_job(world, bad, timeout_s=60.0)
+        execute.run_job(world, bad, timeout_s=60.0)
     assert not world.alive
     again = registry.get(("in-process", 1), _start)
     assert again is not world and again.alive
-    ran = launch.run_job(again, SPEC, timeout_s=60.0)
+    ran = execute.run_job(again, SPEC, timeout_s=60.0)
     assert summarize(SPEC, ran.results)["strategies"]["header"]["p50_us"] > 0
 
 
@@ -138,7 +138,7 @@ def test_a_forked_world_started_after_an_in_process_job_does_not_hang(registry):
     a rank forked afterwards must neither destroy it (its destructor would join the driver's
     threads forever) nor see megatron-core initialised."""
     world = registry.get(("in-process", 1), _start)
-    launch.run_job(world, SPEC, timeout_s=60.0)
+    execute.run_job(world, SPEC, timeout_s=60.0)
     world.close()
     forked = ForkedWorld(2, timeout_s=30).start()
     try:

@@ -1,11 +1,11 @@
 """What every world of ranks offers (``World``), and the one place a process keeps its live
 worlds between jobs (``REGISTRY``): a new kind of world is one class that fills the protocol.
 
-The implementations: ``harness.run.forked.ForkedWorld`` (ranks forked from the driver),
-``harness.run.joined.JoinedWorld`` (this process is one rank of a world torchrun, srun or
-submitit started), ``harness.ray.actors.RayWorld`` (ranks as Ray actors) and
-``harness.emulate.emulated.EmulatedWorld`` (a joined world on emulated nodes, driven from
-here). ``harness.run.launch.choose`` decides which one a job runs on. Nothing here imports
+The implementations: ``harness.worlds.forked.ForkedWorld`` (ranks forked from the driver),
+``harness.worlds.joined.JoinedWorld`` (this process is one rank of a world torchrun, srun or
+submitit started), ``harness.worlds.ray_world.RayWorld`` (ranks as Ray actors) and
+``harness.worlds.emulated.EmulatedWorld`` (a joined world on emulated nodes, driven from
+here). ``harness.worlds.launcher.choose`` decides which one a job runs on. Nothing here imports
 torch: the protocol and the registry are cheap to import.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 log = logging.getLogger(__name__)
 
 RankFn = Callable[..., Any]
-"""A task run on every rank: ``fn(ctx, *args)`` with ctx a ``harness.run.forked.RankContext``;
+"""A task run on every rank: ``fn(ctx, *args)`` with ctx a ``harness.worlds.forked.RankContext``;
 it and its arguments must pickle (forked, Ray and emulated worlds send them to the ranks)."""
 
 
@@ -192,6 +192,6 @@ class Reused:
 
 
 REGISTRY = WorldRegistry()
-"""This process's live worlds: the run path (``harness.run.launch.open_world``), the test
+"""This process's live worlds: the run path (``harness.worlds.launcher.open_world``), the test
 session's worlds (tests/conftest.py) and the pytest plugin's (``harness.pytest_plugin``)."""
 atexit.register(REGISTRY.close_all)

@@ -1,9 +1,9 @@
-"""The forked world (``ForkedWorld``, a ``harness.run.worlds.World``): N real ranks forked
+"""The forked world (``ForkedWorld``, a ``harness.worlds.protocol.World``): N real ranks forked
 from the driver once, then many jobs on them; and the rank side every world shares
 (``RankContext``: who a rank is, its phase reports, its megatron-core groups).
 
 Starting a gloo world of 8 costs seconds of imports and rendezvous, so sweeps and tests reuse
-one world per (world size, backend, device) through ``harness.run.worlds.REGISTRY``. Ranks are
+one world per (world size, backend, device) through ``harness.worlds.protocol.REGISTRY``. Ranks are
 forked from the driver after the heavy imports, report their progress, and are killed as a
 group when anything fails: no rank outlives its driver.
 """
@@ -39,12 +39,12 @@ import torch.multiprocessing as tmp
 torch.set_num_threads(1)
 
 # Imported here, in the driver, so forked ranks inherit them instead of each importing them.
-from harness.run.lean_import import parallel_state  # noqa: E402
+from harness.megatron_import import parallel_state  # noqa: E402
 
 ps = parallel_state()
 from tensordict import TensorDict  # noqa: E402, F401
 
-from harness.run.worlds import REGISTRY, WorldError  # noqa: E402, F401 - WorldError's old home
+from harness.worlds.protocol import REGISTRY, WorldError  # noqa: E402, F401 - WorldError's old home
 from strategies import ProcessGroups, Unsupported  # noqa: E402
 
 PHASE_BYTES = 240
@@ -105,7 +105,7 @@ class RankContext:
     job: int = 0
     """The driver's number for the task being run; every message back carries it."""
     link_counter: Callable[[], int] | None = None
-    """Bytes the emulated cluster's node links have sent so far (``harness.emulate.emulated``),
+    """Bytes the emulated cluster's node links have sent so far (``harness.worlds.emulated``),
     or None outside one: the hook the rank-side job counts cross-node bytes with."""
     board: PhaseBoard | None = None
     """Where a forked world's rank posts its phase (shared memory the driver reads), or None:
@@ -499,7 +499,7 @@ class ForkedWorld:
     def collective_timeout_s(self) -> float:
         """Gloo's own limit on one collective in this world's ranks, fixed when it starts: past
         ``timeout_s``, so the driver names a hung rank before gloo raises. A later job with a
-        longer limit needs a world started for it (``harness.run.launch.open_world``)."""
+        longer limit needs a world started for it (``harness.worlds.launcher.open_world``)."""
         return self.timeout_s + 5
 
     @property

@@ -9,7 +9,7 @@ while that pipe is open (so it knows every pid, with its start time against pid 
 acts on EOF. A driver that closes cleanly has already stopped the cluster, so the reaper finds
 nothing left but the directory.
 
-    python -m harness.ray.reaper <driver pid> <cluster dir>     (fd 0: the pipe)
+    python -m harness.worlds.ray_reaper <driver pid> <cluster dir>     (fd 0: the pipe)
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def start(cluster_dir: Path) -> tuple[int, subprocess.Popen]:
     os.set_inheritable(write_fd, False)
     # Its own session: a Ctrl-C or kill of the driver's process group does not reach it.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "harness.ray.reaper", str(os.getpid()), str(cluster_dir)],
+        [sys.executable, "-m", "harness.worlds.ray_reaper", str(os.getpid()), str(cluster_dir)],
         stdin=read_fd,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

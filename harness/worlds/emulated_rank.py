@@ -1,5 +1,5 @@
-"""One rank of an emulated cluster's task: ``python -m harness.emulate.worker <task.pkl>``, run
-by each node's torchrun agent (``harness.emulate.emulated.EmulatedWorld``).
+"""One rank of an emulated cluster's task: ``python -m harness.worlds.emulated_rank <task.pkl>``, run
+by each node's torchrun agent (``harness.worlds.emulated.EmulatedWorld``).
 
 The rank joins the world its agents started, runs the task the driver wrote, and global rank 0
 writes every rank's result beside the task, atomically, for the driver to read.
@@ -12,9 +12,9 @@ import pickle
 import sys
 from pathlib import Path
 
-from harness.emulate.emulated import RESULTS_FILE
-from harness.run.joined import JoinedWorld
-from harness.run.launch import JOINED, detect
+from harness.worlds.emulated import RESULTS_FILE
+from harness.worlds.joined import JoinedWorld
+from harness.worlds.launcher import JOINED, detect
 
 
 def main(task_path: str) -> int:
@@ -23,7 +23,7 @@ def main(task_path: str) -> int:
     fn, args, what, timeout_s, backend, device = pickle.loads(task.read_bytes())
     launch = detect(dict(os.environ))
     if launch.kind != JOINED:
-        raise SystemExit(f"harness.emulate.worker runs under torchrun only, not {launch.via}")
+        raise SystemExit(f"harness.worlds.emulated_rank runs under torchrun only, not {launch.via}")
     world = JoinedWorld(launch, backend, device, timeout_s).start()
     try:
         results = world.run(fn, *args, what=what, timeout_s=timeout_s)

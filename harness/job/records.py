@@ -18,9 +18,9 @@ from typing import Annotated, TypedDict, get_args, get_origin, get_type_hints
 import torch
 
 from harness import files, paths
-from harness.ray.modes import FLOORS, Mode
-from harness.run.phases import PHASES
-from harness.run.rounds import Scope
+from harness.job.dispatch_modes import FLOORS, Mode
+from harness.job.phases import PHASES
+from harness.job.rounds import Scope
 from harness.units import human_bytes
 from strategies.core.layout import DEFAULT_ORDER
 

@@ -3,7 +3,7 @@
     launcher (detected once per process) → validate (once) → job spec → launch → summarize
     → record (atomically, into the job's output directory)
 
-The worlds (``harness.run.launch``, chosen once by ``launch.detect``): a forked local world, a
+The worlds (``harness.worlds.launcher``, chosen once by ``launch.detect``): a forked local world, a
 world a launcher started this process in (torchrun, a submitit job, a plain ``srun`` step: every
 task runs this whole task with one shared output directory and only global rank 0 writes the
 record and the log), or an emulated multi-node cluster (``emulate.enabled=true``), or a world of
@@ -24,13 +24,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from harness.run import launch as launchers
-from harness.run import payloads, records
-from harness.run.config import strategy_of, validate, workload_of
-from harness.run.forked import WorldError
-from harness.run.records import job_line
-from harness.run.rounds import VerificationError
-from harness.run.runner import JobSpec, summarize
+from harness.job import execute, records
+from harness.job.broadcast import JobSpec, summarize
+from harness.job.config import strategy_of, validate, workload_of
+from harness.job.records import job_line
+from harness.job.rounds import VerificationError
+from harness.payload import source
+from harness.worlds import launcher as launchers
+from harness.worlds.forked import WorldError
 
 JOB_FAILURES = (WorldError, VerificationError)
 """What a job that ran but did not succeed raises (as opposed to a bad config or a bug)."""
@@ -70,10 +71,10 @@ def _seq_len(cfg) -> int | None:
     recording's own for a recorded one (validation has read the file, so this cannot fail
     where the job would not)."""
     p = cfg.payload
-    if p.name not in payloads.RECORDED:
+    if p.name not in source.RECORDED:
         return int(p.seq_len)
-    path = payloads.path_of(p.name, p.get("path"))
-    return payloads.recorded_seq_len(
+    path = source.path_of(p.name, p.get("path"))
+    return source.recorded_seq_len(
         p.name, path, int(p.seed), bool(p.get("trust", False)), p.get("max_bytes")
     )
 
@@ -84,7 +85,7 @@ def spec_of(cfg, layout) -> JobSpec:
         strategy=strategy_of(cfg),
         layout=layout,
         payload=cfg.payload.name,
-        payload_path=payloads.path_of(cfg.payload.name, cfg.payload.get("path")),
+        payload_path=source.path_of(cfg.payload.name, cfg.payload.get("path")),
         payload_trust=bool(cfg.payload.get("trust", False)),
         payload_max_bytes=cfg.payload.get("max_bytes"),
         batch_size=int(cfg.payload.batch_size),
@@ -110,8 +111,8 @@ def spec_of(cfg, layout) -> JobSpec:
 
 
 def _launch(launch: launchers.Launch, cfg, spec: JobSpec, out_dir: Path):
-    world_spec = launchers.world_spec(cfg, spec.layout, launch, out_dir)
-    return launchers.run_job(launchers.open_world(world_spec), spec, world_spec.timeout_s)
+    world_spec = execute.world_spec(cfg, spec.layout, launch, out_dir)
+    return execute.run_job(launchers.open_world(world_spec), spec, world_spec.timeout_s)
 
 
 def run(cfg) -> dict | None:

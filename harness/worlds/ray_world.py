@@ -1,11 +1,11 @@
-"""The Ray world (``RayWorld``, a ``harness.run.worlds.World``): ranks as Ray actors, placed in
+"""The Ray world (``RayWorld``, a ``harness.worlds.protocol.World``): ranks as Ray actors, placed in
 one placement group as RL frameworks place their workers, with torch.distributed and
 megatron-core groups built inside the actors.
 
-Each actor holds a ``harness.run.forked.RankContext``, so the rank-side job of the forked world
-(``harness.run.runner.run_job_on_rank``) runs here unchanged: same groups, same timing, same
+Each actor holds a ``harness.worlds.forked.RankContext``, so the rank-side job of the forked world
+(``harness.job.broadcast.run_job_on_rank``) runs here unchanged: same groups, same timing, same
 verification. ``RayWorld.submit``/``collect`` also let a driver hand each rank its own arguments
-(Ray ObjectRefs included), which is what dispatch (``harness.ray.dispatch``) needs.
+(Ray ObjectRefs included), which is what dispatch (``harness.job.dispatch``) needs.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import Any, Literal
 import psutil
 
 from harness import paths
-from harness.emulate.emulated import LINKS_ENV, link_counter
-from harness.ray import reaper
-from harness.ray.netns import PrivateNetwork
-from harness.run.forked import RankContext, _device_for, rendezvous_store, where
-from harness.run.worlds import WorldError, group_by_node
+from harness.worlds import ray_reaper
+from harness.worlds.emulated import LINKS_ENV, link_counter
+from harness.worlds.forked import RankContext, _device_for, rendezvous_store, where
+from harness.worlds.protocol import WorldError, group_by_node
+from harness.worlds.ray_network import PrivateNetwork
 
 NODE_RESOURCE = "bcb_node"
 """Custom resource a multi-node cluster's node ``k`` advertises as ``bcb_node<k>``: bundles ask
@@ -164,7 +164,7 @@ class RayConf:
     strategy broadcasts it (ROLL). ``all_ranks``: one object per replica, fetched by every rank
     (verl, NeMo-RL, OpenRLHF); the strategy plays no part. Both dispatch modes time from the
     driver holding the batch to every rank holding its chunk (scope ``dispatch+broadcast``)
-    beside their raw floor (``harness.ray.dispatch``)."""
+    beside their raw floor (``harness.job.dispatch``)."""
 
     def __post_init__(self) -> None:
         if self.placement not in ("STRICT_PACK", "PACK"):
@@ -286,14 +286,14 @@ class RankActor:
 
 
 def _end_pids(pids, grace_s: float, terminate: bool) -> None:
-    """``reaper.end_processes`` on those of ``pids`` still running."""
+    """``ray_reaper.end_processes`` on those of ``pids`` still running."""
     procs = []
     for pid in pids:
         try:
             procs.append(psutil.Process(pid))
         except psutil.NoSuchProcess:
             continue
-    reaper.end_processes(procs, grace_s, terminate=terminate)
+    ray_reaper.end_processes(procs, grace_s, terminate=terminate)
 
 
 def _descendants() -> set[int]:
@@ -454,7 +454,7 @@ class RayWorld:
         for key, value in _private_token_env().items():
             self._saved_env[key] = os.environ.get(key)
             os.environ[key] = value
-        self._reaper = reaper.start(self._cluster_dir)
+        self._reaper = ray_reaper.start(self._cluster_dir)
         self._before.add(self._reaper[1].pid)  # not the cluster's: it ends when told
         # After the reaper (which must stay on the host's network to outlive the cluster).
         self._network = PrivateNetwork()
@@ -604,7 +604,7 @@ class RayWorld:
         self, fn: Callable[..., Any], *args: Any, what: str = "", timeout_s: float | None = None
     ) -> list[Any]:
         """Run ``fn(ctx, *args)`` on every rank; the per-rank results in rank order (as
-        ``harness.run.forked.World.run``)."""
+        ``harness.worlds.forked.World.run``)."""
         refs = self.submit(fn, [args] * self.world_size)
         return self.collect(refs, what or getattr(fn, "__name__", "task"), timeout_s)
 

@@ -13,18 +13,15 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 import strategies
-from harness.emulate.netns import EmulateConf
+from harness.errors import ConfigError
+from harness.job.dispatch_modes import LEADER, Mode
+from harness.job.records import layout_name
 from harness.paths import CONF_DIR
-from harness.ray.actors import RayConf, RayUnavailable, import_ray
-from harness.ray.modes import LEADER, Mode
-from harness.run import payloads, recording, schema, workload
-from harness.run.records import layout_name
+from harness.payload import payload_schema, recording, source, workload
 from harness.units import human_bytes
+from harness.worlds.emulated_network import EmulateConf
+from harness.worlds.ray_world import RayConf, RayUnavailable, import_ray
 from strategies.core.layout import Layout, LayoutError
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; raised before any rank starts."""
 
 
 @dataclass
@@ -57,8 +54,8 @@ def _schema_of(runtime: type, name: str, doc: str) -> type:
         if f.init
     ]
     schema = make_dataclass(name, spec)
-    schema.__doc__ = doc
-    schema.__module__ = __name__
+    payload_schema.__doc__ = doc
+    payload_schema.__module__ = __name__
     return schema
 
 
@@ -79,7 +76,7 @@ LayoutConf = _schema_of(
 RayNode = _schema_of(
     RayConf,
     "RayNode",
-    """The ``ray`` node: ``harness.ray.actors.RayConf``'s own fields (where the Ray cluster is,
+    """The ``ray`` node: ``harness.worlds.ray_world.RayConf``'s own fields (where the Ray cluster is,
     how ranks are placed, ``dispatch``; each documented there), read when ``world=ray``.""",
 )
 
@@ -87,7 +84,7 @@ RayNode = _schema_of(
 @dataclass
 class PayloadConf:
     name: str = "rl_rollout"
-    """Batch generator: rl_rollout | pretrain | multimodal (harness/run/payloads.py)."""
+    """Batch generator: rl_rollout | pretrain | multimodal (harness/payload/source.py)."""
     batch_size: int = 8
     """B, the leading dimension of every tensor."""
     seq_len: int = 1024
@@ -98,21 +95,21 @@ class PayloadConf:
     """Replica r's leader generates its batch from seed + r."""
     path: str | None = None
     """payload=file: a recorded batch; payload=schema: a schema file, or the name of one in
-    conf/schemas/ (harness/run/recording.py, harness/run/schema.py)."""
+    conf/schemas/ (harness/payload/recording.py, harness/payload/payload_schema.py)."""
     trust: bool = False
     """payload=file: allow arbitrary unpickling (only for a file you trust)."""
     max_bytes: int | None = None
     """The most bytes a replica leader's batches may take: a generated payload's every
     distinct shape together (a leader builds them all before the first call; priced by
-    ``harness.run.payloads.payload_bytes``), a recording's or a schema's batch from the file's
+    ``harness.payload.source.payload_bytes``), a recording's or a schema's batch from the file's
     sizes and shapes; ``bcastbench ray-dispatch``: the driver's global batch. Checked before
     anything is allocated. null: a quarter of this machine's physical memory
-    (``harness.run.recording.default_max_bytes``)."""
+    (``harness.payload.recording.default_max_bytes``)."""
     cycle: Any = None
     """Overrides of batch_size and seq_len (seq_len not for a recorded payload) cycled call
     by call, e.g. ``[{batch_size: 768}, {batch_size: 3}]``; the floor and pickled are timed on
     the same sequence, shape by shape. null: every call moves one shape
-    (``harness.run.workload``)."""
+    (``harness.payload.workload``)."""
     cycle_file: str | None = None
     """A recorded sequence of shapes: a YAML list of entries as in ``cycle`` (instead of it)."""
     draws: int = 0
@@ -169,7 +166,7 @@ class BenchConf:
     """Fault injection (tests)."""
     world: str = "forked"
     """Who runs the ranks when this process launches them: ``forked`` (local processes,
-    ``harness.run.forked``) | ``ray`` (Ray actors in a placement group, ``harness.ray.actors``;
+    ``harness.worlds.forked``) | ``ray`` (Ray actors in a placement group, ``harness.worlds.ray_world``;
     needs the optional ``ray`` package). A world a launcher started (torchrun, Slurm) is
     joined whatever this says, and must leave it ``forked``."""
     ray: RayNode = field(default_factory=RayNode)
@@ -298,10 +295,10 @@ def _validate_names(cfg) -> None:
             raise ConfigError(
                 f"references: unknown reference strategy {ref!r}; valid names: {known}"
             )
-    if cfg.payload.name not in (*payloads.PAYLOADS, *payloads.RECORDED):
+    if cfg.payload.name not in (*source.PAYLOADS, *source.RECORDED):
         raise ConfigError(
             f"payload.name: unknown payload {cfg.payload.name!r}; "
-            f"valid names: {sorted(payloads.PAYLOADS) + list(payloads.RECORDED)}"
+            f"valid names: {sorted(source.PAYLOADS) + list(source.RECORDED)}"
         )
 
 
@@ -311,7 +308,7 @@ def _validate_payload(cfg, layout: Layout) -> None:
         if value < 1:
             raise ConfigError(f"payload.{key} must be positive, got {value}")
     check_max_bytes(cfg.payload)
-    recorded = cfg.payload.name in payloads.RECORDED
+    recorded = cfg.payload.name in source.RECORDED
     work = workload_of(cfg, layout, None if recorded else int(cfg.payload.seq_len))
     if recorded:
         _validate_recorded(cfg.payload, max(s.batch_size for s in work.period))
@@ -341,12 +338,12 @@ def _seq_lens(cfg, work) -> list[tuple[str, int]]:
 
 
 def workload_of(cfg, layout: Layout, seq_len: int | None):
-    """The job's ``harness.run.workload.Workload`` (``seq_len``: the job's own, the
+    """The job's ``harness.payload.workload.Workload`` (``seq_len``: the job's own, the
     recording's for a recorded payload); ConfigError, one line, for a bad one."""
     node = OmegaConf.to_container(cfg.payload, resolve=True)
     problem = None
     try:
-        return workload.build(node, layout.dp, seq_len, cfg.payload.name in payloads.RECORDED)
+        return workload.build(node, layout.dp, seq_len, cfg.payload.name in source.RECORDED)
     except workload.WorkloadError as exc:
         problem = str(exc)  # raised below, outside the except: one line, no context
     raise ConfigError(problem)
@@ -364,12 +361,12 @@ def _validate_recorded(payload, batch_size: int) -> None:
     problem = None
     try:
         if payload.name == "schema":
-            schema.check(payload.path, batch_size, max_bytes)
+            payload_schema.check(payload.path, batch_size, max_bytes)
         else:
             recording.load(
                 payload.path, bool(payload.trust), max_bytes=max_bytes, batch_size=batch_size,
             )  # fmt: skip
-    except (recording.PayloadFileError, schema.SchemaError) as exc:
+    except (recording.PayloadFileError, payload_schema.SchemaError) as exc:
         problem = str(exc)  # raised below, outside the except: one line, no context
     if problem is not None:
         raise ConfigError(problem)
@@ -420,7 +417,7 @@ def check_size(
     limit = recording.default_max_bytes() if max_bytes is None else int(max_bytes)
     where = "set" if max_bytes is not None else "a quarter of this machine's memory"
     for d, shapes in enumerate(per_leader):
-        sizes = [payloads.payload_bytes(name, rows, seq_len) for rows, seq_len in shapes]
+        sizes = [source.payload_bytes(name, rows, seq_len) for rows, seq_len in shapes]
         need = sum(sizes) * copies
         if need <= limit:
             continue
@@ -495,10 +492,10 @@ def _validate_ray(cfg, joined: bool) -> None:
 
 
 def _validate_dispatch(cfg) -> None:
-    if cfg.payload.name not in payloads.PAYLOADS:
+    if cfg.payload.name not in source.PAYLOADS:
         raise ConfigError(
             f"ray.dispatch={cfg.ray.dispatch}: the driver generates the global batch, so the "
-            f"payload must be one of {sorted(payloads.PAYLOADS)}, got {cfg.payload.name!r}"
+            f"payload must be one of {sorted(source.PAYLOADS)}, got {cfg.payload.name!r}"
         )
     if cfg.fault.rank >= 0:
         raise ConfigError("fault injection runs on broadcast jobs only: set ray.dispatch=none")

@@ -4,7 +4,7 @@ Hydra composes a job's config only when the job starts, so a sweep whose 40th co
 invalid would run 39 jobs first. ``check_sweep`` expands the sweep the way Hydra's basic
 sweeper will (its ``params`` from ``conf/sweep/*`` and the command line's ``a=1,2`` lists,
 ``glob(...)`` over config groups included), composes every combination and runs
-``harness.run.config.validate`` on each; the first bad one raises ``ConfigError`` naming the
+``harness.job.config.validate`` on each; the first bad one raises ``ConfigError`` naming the
 job, its overrides and what is wrong.
 """
 
@@ -17,8 +17,8 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from harness import paths
-from harness.errors import one_line
-from harness.run.config import ConfigError, register, validate
+from harness.errors import ConfigError, one_line
+from harness.job.config import register, validate
 
 
 def describe(exc: BaseException) -> str:

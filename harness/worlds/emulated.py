@@ -1,21 +1,21 @@
-"""The emulated cluster (``EmulatedWorld``, a ``harness.run.worlds.World``): a joined world on
-emulated nodes, driven from here (``emulate.enabled=true``; see harness.emulate.netns).
+"""The emulated cluster (``EmulatedWorld``, a ``harness.worlds.protocol.World``): a joined world on
+emulated nodes, driven from here (``emulate.enabled=true``; see harness.worlds.emulated_network).
 
     python -m harness strategy=pp_first layout=tp2pp2 emulate.enabled=true \
         emulate.nodes=2 emulate.rate_mbit=1000 emulate.links=node   # or links=gpu ("rails")
 
-The driver (this module, chosen by ``harness.run.launch.choose`` when not under a launcher)
+The driver (this module, chosen by ``harness.worlds.launcher.choose`` when not under a launcher)
 builds the namespaces, then, for each task, starts one torchrun agent per node inside that
 node's namespace (``torchrun --nnodes N --node-rank k --master-addr <node 0's address>``, static
 rendezvous, so node k holds global ranks k·R … k·R+R−1 exactly as the layout's order places
-them: rank r on node r // R, TP then CP innermost). Each agent runs ``harness.emulate.worker``,
-whose ranks join that world (``harness.run.joined.JoinedWorld``) and run the task the driver
+them: rank r on node r // R, TP then CP innermost). Each agent runs ``harness.worlds.emulated_rank``,
+whose ranks join that world (``harness.worlds.joined.JoinedWorld``) and run the task the driver
 wrote into a scratch directory; global rank 0 writes every rank's result back there, and the
 driver hands them on with the cluster's shape (``record_fields``).
 
 Cross-node bytes per call. The job's calls (warm-up, timed, counting, verification) and its
 references all cross the links, so totals around the whole job cannot be split per strategy.
-Instead the runner has a dedicated, untimed phase (``harness.run.phases.LinkBytes``): for each
+Instead the runner has a dedicated, untimed phase (``harness.job.phases.LinkBytes``): for each
 strategy in turn, global rank 0 reads every node link's tx counter, the ranks make
 ``emulate.bytes_calls`` back-to-back calls, and rank 0 reads the counters again; barriers fence
 the window. ``cross_node_bytes_per_call`` is that difference / calls: wire bytes (Ethernet, IP
@@ -27,7 +27,7 @@ Both count what TCP resent after a shaped link dropped it (a busy host drops mor
 ``emulate_retransmitted_segments`` says how many segments that was.
 
 A rank that crashes or hangs fails the job: its agent exits non-zero (a silent rank's watchdog
-ends it, see ``harness.run.joined``; or gloo's timeout makes the others fail), the driver sees
+ends it, see ``harness.worlds.joined``; or gloo's timeout makes the others fail), the driver sees
 it, kills every agent and removes the namespaces; the driver's own wall-clock limit
 (``emulate.limit_s``) is the backstop. Ctrl-C and SIGTERM clean up too.
 """
@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from harness import paths  # noqa: I001
-from harness.emulate.netns import Emulation, EmulationUnavailable
-from harness.run.worlds import RankFn, WorldError
+from harness.worlds.emulated_network import Emulation, EmulationUnavailable
+from harness.worlds.protocol import RankFn, WorldError
 
 LINKS_ENV = "BCB_LINK_COUNTERS"
 """JSON ``[[netns, ifname], …]``: the node end of every inter-node link (set by the driver)."""
@@ -134,7 +134,7 @@ def _start_agents(emu, task: Path, port: int, log_dir: Path) -> tuple[list, list
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(c.nodes)]
         argv += ["--nproc-per-node", str(c.ranks_per_node), "--node-rank", str(node)]
         argv += ["--master-addr", emu.node_ip(0), "--master-port", str(port)]
-        argv += ["--max-restarts", "0", "-m", "harness.emulate.worker", str(task)]
+        argv += ["--max-restarts", "0", "-m", "harness.worlds.emulated_rank", str(task)]
         log = log_dir / f"emulate-node{node}.log"
         logs.append(log)
         with open(log, "wb") as f:

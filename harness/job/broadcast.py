@@ -1,10 +1,10 @@
 """What a job runs (``JobSpec``, for both scopes), a broadcast job on one rank, and every job's
 summary. A broadcast job's rank prepares (groups, every shape's batch, the strategies built:
-``Prepared``, its ``harness.run.phases.Job``) and runs the measured phases
-(``harness.run.phases.run_phases``); a dispatch job runs the same phases on its driver
-(``harness.ray.dispatch``).
+``Prepared``, its ``harness.job.phases.Job``) and runs the measured phases
+(``harness.job.phases.run_phases``); a dispatch job runs the same phases on its driver
+(``harness.job.dispatch``).
 
-``run_job_on_rank`` runs identically in every world (``harness.run.worlds``). ``summarize``
+``run_job_on_rank`` runs identically in every world (``harness.worlds.protocol``). ``summarize``
 turns the answers (every rank's, or a dispatch driver's one) into one record's measured
 fields (a call costs its slowest rank), and a varying workload's per-shape figures
 (``per_shape``).
@@ -19,12 +19,12 @@ import numpy as np
 import torch.distributed as dist
 
 import strategies
-from harness.ray.modes import FLOORS, Mode, under_test, with_floors
-from harness.run import payloads
-from harness.run.phases import PHASES, run_phases, start_line, sync, verify_broadcast
-from harness.run.rounds import Scope, p50_us
-from harness.run.verify import digest
-from harness.run.workload import CallShape, Workload, constant
+from harness.job.dispatch_modes import FLOORS, Mode, under_test, with_floors
+from harness.job.phases import PHASES, run_phases, start_line, sync, verify_broadcast
+from harness.job.rounds import Scope, p50_us
+from harness.job.verification import digest
+from harness.payload import source
+from harness.payload.workload import CallShape, Workload, constant
 from strategies.core.layout import Layout
 from strategies.floor import Floor, raw_parts
 
@@ -57,7 +57,7 @@ class JobSpec:
     fault_kind: str = "crash"
     link_bytes_calls: int = 0
     """Emulated clusters only: untimed calls per strategy whose node-link bytes are counted
-    through the rank context's ``link_counter`` hook (``harness.emulate.emulated``); 0, or a
+    through the rank context's ``link_counter`` hook (``harness.worlds.emulated``); 0, or a
     context without the hook, skips the phase."""
     backend: str = "gloo"
     """Process-group backend the world runs (recorded)."""
@@ -68,7 +68,7 @@ class JobSpec:
     dispatch: str = "none"
     """Ray worlds: none (the broadcast alone) | leader | all_ranks (``RayConf.dispatch``)."""
     workload: Workload | None = None
-    """The shapes the calls cycle through (``harness.run.workload``); None: every call moves
+    """The shapes the calls cycle through (``harness.payload.workload``); None: every call moves
     ``batch_size`` rows on every replica leader."""
     steady_iters: int = 0
     """A varying workload: after the sequence, this many interleaved rounds of each distinct
@@ -76,7 +76,7 @@ class JobSpec:
     modes: tuple[str, ...] = ()
     """A dispatch job: the modes it compares, the one under test first (``bcastbench
     ray-dispatch``); empty: the mode ``dispatch`` and ``strategy`` name (``under_test``). Each
-    family's floor is added (``harness.ray.modes.with_floors``)."""
+    family's floor is added (``harness.job.dispatch_modes.with_floors``)."""
 
     @property
     def scope(self) -> Scope:
@@ -134,7 +134,7 @@ def leader_batch(
         return None
     shape = shape or spec.period()[0]
     replica = layout.coords(groups.rank)["dp"]
-    dp = payloads.make(
+    dp = source.make(
         spec.payload,
         shape.rows[replica],
         shape.seq_len if shape.seq_len is not None else spec.seq_len,
@@ -268,7 +268,7 @@ def _order(spec: JobSpec) -> tuple[list[str], dict[str, dict]]:
 
 def run_job_on_rank(ctx, spec: JobSpec) -> dict:
     """A broadcast job's rank: prepare, then every measured phase of its scope that applies
-    (``harness.run.phases.run_phases``), each but the rounds on the period's first shape."""
+    (``harness.job.phases.run_phases``), each but the rounds on the period's first shape."""
     job = prepare(ctx, spec)
     if isinstance(job, dict):
         return job

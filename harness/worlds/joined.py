@@ -1,4 +1,4 @@
-"""The joined world (``JoinedWorld``, a ``harness.run.worlds.World``): this process is one rank
+"""The joined world (``JoinedWorld``, a ``harness.worlds.protocol.World``): this process is one rank
 of a world a launcher started (torchrun, a submitit job of several tasks, a plain ``srun``
 step, or an emulated node's torchrun); every rank runs the task and rank 0 gets every result.
 
@@ -26,10 +26,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from harness.emulate.emulated import adopt_worker_env, link_counter
-from harness.run.forked import RankContext, _device_for, where
-from harness.run.launch import Launch, env_int
-from harness.run.worlds import RankFn, WorldError, group_by_node
+from harness.worlds.emulated import adopt_worker_env, link_counter
+from harness.worlds.forked import RankContext, _device_for, where
+from harness.worlds.launcher import Launch, env_int
+from harness.worlds.protocol import RankFn, WorldError, group_by_node
 
 SILENT_EXIT = 124
 """Exit status of a joined rank that stopped responding outside any collective."""

@@ -1,8 +1,8 @@
 """The measured part of every job, written once: interleaved rounds with the first strategy
 rotating, the statistics of the calls they time, and the verdict of the verification.
 
-Both job kinds are built on it. A broadcast job (``harness.run.runner``) times each call on
-the ranks, from the start line; a dispatch job (``harness.ray.dispatch``) times it on the
+Both job kinds are built on it. A broadcast job (``harness.job.broadcast``) times each call on
+the ranks, from the start line; a dispatch job (``harness.job.dispatch``) times it on the
 driver, from "the driver holds the global batch" until the last rank holds its chunk. That
 difference is the job's *scope* (``Scope``); what each round does, in which order, and how
 its times become a record's p50 is the same. Light (numpy only): the report reads ``Scope``.

@@ -1,9 +1,9 @@
 """The measured phases of every job: one class each, in one list (``PHASES``), run by one
 function (``run_phases``) for both scopes.
 
-A job's *scope* (``harness.run.rounds.Scope``) says where its clock runs. A broadcast job runs
-the phases on every rank (``harness.run.runner.Prepared`` is its ``Job``); a dispatch job runs
-them on the driver (``harness.ray.dispatch.DispatchJob``), where one call is the whole hand-out
+A job's *scope* (``harness.job.rounds.Scope``) says where its clock runs. A broadcast job runs
+the phases on every rank (``harness.job.broadcast.Prepared`` is its ``Job``); a dispatch job runs
+them on the driver (``harness.job.dispatch.DispatchJob``), where one call is the whole hand-out
 from the driver's global batch to every rank. A phase only ever talks to its ``Job``: what it
 moves (``use``), one untimed call (``call``), one timed call (``timed``), the fence between its
 windows (``fence``) and one checked call (``verify``), so a phase written once measures both.
@@ -12,8 +12,8 @@ A phase says which scopes it runs in (``scopes``), what it measures there (``mea
 answer is merged into that process's result under the keys it names), how all answers become
 one strategy's summary fields (``fold``; a dispatch job has one answer, the driver's), and which
 of those fields a record carries (``record_fields``, documented in
-``harness.run.records.FIELDS``). ``harness.run.runner.summarize`` folds the list;
-``harness.run.records`` copies every phase's ``record_fields``. Adding a measured phase is one
+``harness.job.records.FIELDS``). ``harness.job.broadcast.summarize`` folds the list;
+``harness.job.records`` copies every phase's ``record_fields``. Adding a measured phase is one
 class here, its entry in ``PHASES`` and its fields' documentation.
 """
 
@@ -30,8 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from harness.run.rounds import TIMING_FIELDS, Scope, interleaved, timing_stats, verdict
-from harness.run.verify import compare, digest, tensor_digest
+from harness.job.rounds import TIMING_FIELDS, Scope, interleaved, timing_stats, verdict
+from harness.job.verification import compare, digest, tensor_digest
 from strategies.core.trace import Recorder
 
 
@@ -43,7 +43,7 @@ class Job(Protocol):
     """The strategy (or mode) under test first, then what it is compared with."""
 
     def use(self, shape) -> None:
-        """Make ``shape`` (a ``harness.run.workload.CallShape``) the one calls move."""
+        """Make ``shape`` (a ``harness.payload.workload.CallShape``) the one calls move."""
 
     def call(self, name: str) -> Any:
         """One untimed call of ``name``, finished (device work included) when it returns."""
@@ -130,7 +130,7 @@ def _fault(spec, job: Job, rank: int, it: int) -> None:
 # -- timing ---------------------------------------------------------------------------------
 class TimedRounds(Phase):
     """Warm-up rounds, then timed rounds that interleave every strategy, who goes first
-    rotating (``harness.run.rounds.interleaved``); each call is timed where the scope says
+    rotating (``harness.job.rounds.interleaved``); each call is timed where the scope says
     (``Job.timed``: on each rank from ``start_line``, or on the driver from its global batch),
     in seconds per call (``times_s``). Round c moves the workload's call c (warm-up rounds
     count first), the same shape for every strategy of the round, so the floor and pickled are
@@ -166,7 +166,7 @@ class SteadyRounds(Phase):
     """A varying workload's steady state: each distinct shape alone, one untimed round (the
     call after a change of shape is the sequence's cost, not the steady one) then
     ``steady_iters`` timed rounds; seconds per call by strategy then shape (``steady_s``,
-    folded per shape by ``harness.run.runner.per_shape``)."""
+    folded per shape by ``harness.job.broadcast.per_shape``)."""
 
     scopes = BOTH
 

@@ -17,8 +17,8 @@ import socket
 import sys
 from pathlib import Path
 
+from harness.errors import ConfigError
 from harness.files import MODE, make_dirs
-from harness.run.config import ConfigError
 
 LOCK = ".bcastbench-sweep.lock"
 _HELD: dict[Path, int] = {}

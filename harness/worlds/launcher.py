@@ -1,27 +1,29 @@
-"""Which world runs a job's ranks, decided in one place (``detect``), and the job run on it.
+"""Which world runs a job's ranks, decided in one place (``detect``), and the live world of
+each kind (``open_world``).
 
 Four worlds, one question each answers: *where are the ranks?* (each a
-``harness.run.worlds.World``):
+``harness.worlds.protocol.World``):
 
 * ``forked``: nobody launched us as a rank, so this process forks a local world
-  (``harness.run.forked.ForkedWorld``) and the ranks serve the job; the driver gets every
+  (``harness.worlds.forked.ForkedWorld``) and the ranks serve the job; the driver gets every
   rank's result.
 * ``joined``: a launcher already started this process as one rank of a world (``torchrun``, a
   submitit job of several tasks, or a plain ``srun`` step of several tasks); every rank runs the
-  job and global rank 0 gets every rank's result (``harness.run.joined.JoinedWorld``).
+  job and global rank 0 gets every rank's result (``harness.worlds.joined.JoinedWorld``).
 * ``ray`` (``world=ray``): like ``forked``, but the ranks are Ray actors in a placement group
-  (``harness.ray.actors.RayWorld``); with ``ray.dispatch`` set, the job times Ray dispatch plus
-  the broadcast instead: the same phases run on the driver (``harness.ray.dispatch``), which
+  (``harness.worlds.ray_world.RayWorld``); with ``ray.dispatch`` set, the job times Ray dispatch plus
+  the broadcast instead: the same phases run on the driver (``harness.job.dispatch``), which
   hands back the job's summary.
 * ``emulated``: ``emulate.enabled=true`` and not already a rank: the driver builds an emulated
   multi-node cluster and runs the job there as a joined world one level down
-  (``harness.emulate.emulated.EmulatedWorld``); the record gets the cluster's shape added.
+  (``harness.worlds.emulated.EmulatedWorld``); the record gets the cluster's shape added.
 
 ``detect`` is a pure function of the environment and the two config choices (``world``,
 ``emulate.enabled``), tested from plain dicts; ``current`` reads the environment once per
-process, before anything here exports the variables ``env://`` needs. ``world_spec`` reads the
-config into the typed ``WorldSpec`` a world is made from, ``open_world`` reuses the live world
-of that spec or starts one (``harness.run.worlds.REGISTRY``), and ``run_job`` runs the job on it.
+process, before anything here exports the variables ``env://`` needs. A ``WorldSpec`` is what a
+world is made from (``harness.job.execute.world_spec`` reads it from a job's config);
+``open_world`` reuses the live world of that spec or starts one
+(``harness.worlds.protocol.REGISTRY``).
 """
 
 from __future__ import annotations
@@ -32,19 +34,16 @@ import logging
 import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import astuple, dataclass, field, replace
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from harness.emulate.netns import EmulateConf
-from harness.ray.dispatch import run_dispatch
-from harness.run.config import ConfigError, ray_conf
-from harness.run.records import layout_name
-from harness.run.runner import run_job_on_rank
-from harness.run.worlds import REGISTRY, Reused, World
+from harness.errors import ConfigError
+from harness.worlds.emulated_network import EmulateConf
+from harness.worlds.protocol import REGISTRY, Reused, World
 
 if TYPE_CHECKING:  # an annotation only; the Ray world is imported when one is opened
-    from harness.ray.actors import RayConf
+    from harness.worlds.ray_world import RayConf
 
 FORKED, JOINED, EMULATED, RAY = "forked", "joined", "emulated", "ray"
 
@@ -172,7 +171,7 @@ class WorldSpec:
     backend: str = "gloo"
     device: str = "cpu"
     timeout_s: float = 120.0
-    """No progress for this long fails the job (every world; see ``harness.run.worlds``)."""
+    """No progress for this long fails the job (every world; see ``harness.worlds.protocol``)."""
     ray: RayConf | None = None
     """A Ray world's settings (with the job's backend, device and timeout)."""
     emulate: EmulateConf | None = None
@@ -199,32 +198,14 @@ class WorldSpec:
         return key
 
 
-def world_spec(cfg, layout, launch: Launch, out_dir: Path | None = None) -> WorldSpec:
-    """The ``WorldSpec`` of a validated job config on ``launch``'s world."""
-    extra: dict[str, Any] = {}
-    if launch.kind == RAY:
-        extra["ray"] = ray_conf(cfg)
-    if launch.kind == EMULATED:
-        from omegaconf import OmegaConf
-
-        conf = OmegaConf.to_object(cfg.emulate) if OmegaConf.is_config(cfg.emulate) else cfg.emulate
-        if not isinstance(conf, EmulateConf):  # a job config composed without the schema
-            conf = EmulateConf(**conf)
-        extra.update(emulate=conf, log_dir=out_dir)
-    return WorldSpec(
-        launch, layout.world_size, cfg.backend.name, cfg.backend.device, float(cfg.timeout_s),
-        **extra,
-    )  # fmt: skip
-
-
 def _forked(spec: WorldSpec) -> World:
-    from harness.run.forked import ForkedWorld  # imported when opened: it imports this module
+    from harness.worlds.forked import ForkedWorld  # imported when opened: it imports this module
 
     return ForkedWorld(spec.world_size, spec.backend, spec.device, spec.timeout_s)
 
 
 def _joined(spec: WorldSpec) -> World:
-    from harness.run.joined import JoinedWorld  # imported when opened: it imports this module
+    from harness.worlds.joined import JoinedWorld  # imported when opened: it imports this module
 
     atexit.unregister(leave_joined)  # once, however many times a process joins
     atexit.register(leave_joined)
@@ -232,13 +213,13 @@ def _joined(spec: WorldSpec) -> World:
 
 
 def _ray(spec: WorldSpec) -> World:
-    from harness.ray.actors import RayWorld  # imported when opened: it imports this module
+    from harness.worlds.ray_world import RayWorld  # imported when opened: it imports this module
 
     return RayWorld(spec.world_size, replace(spec.ray, dispatch="none"))
 
 
 def _emulated(spec: WorldSpec) -> World:
-    from harness.emulate.emulated import (
+    from harness.worlds.emulated import (
         EmulatedWorld,  # imported when opened: it imports this module
     )
 
@@ -282,35 +263,6 @@ def forked_spec(world_size: int, timeout_s: float = 120.0) -> WorldSpec:
     """A forked gloo world of ``world_size`` ranks on CPU, as a plain ``bcastbench run`` of
     that size gets (tests and the pytest plugin share it with in-process jobs)."""
     return WorldSpec(Launch(FORKED, "local"), world_size, timeout_s=timeout_s)
-
-
-# -- the job on a world ----------------------------------------------------------------------
-@dataclass
-class JobOutcome:
-    """What a world hands back on the process that writes the record."""
-
-    results: list[dict] | None = None
-    """Every rank's result of ``runner.run_job_on_rank``, in rank order."""
-    world_start_s: float = 0.0
-    """Seconds spent starting (or joining) the world for this job; 0 for a reused world."""
-    summary: dict | None = None
-    """A dispatch job's summary instead of results (its driver ran the phases)."""
-    fields: dict = field(default_factory=dict)
-    """What the record takes from the world (``World.record_fields``)."""
-
-
-def run_job(world: World, spec, timeout_s: float) -> JobOutcome | None:
-    """Run the job ``spec`` (a ``runner.JobSpec``) on ``world``: a broadcast job's phases on
-    every rank, or (``ray.dispatch``) a dispatch job's on the driver. None on a joined world's
-    ranks other than 0."""
-    start_s, world.start_s = world.start_s, 0.0  # paid once; later jobs on it started nothing
-    if spec.dispatch != "none":
-        return JobOutcome(
-            None, start_s, run_dispatch(world, spec, timeout_s), world.record_fields()
-        )
-    what = f"job {spec.strategy} on {layout_name(spec.layout)}"
-    results = world.run(run_job_on_rank, spec, what=what, timeout_s=timeout_s)
-    return None if results is None else JobOutcome(results, start_s, fields=world.record_fields())
 
 
 # -- names the rest of the harness and its tests call -----------------------------------------

@@ -1,6 +1,6 @@
 """The shape of a batch without its data, and seeded batches of that shape (``payload=schema``).
 
-``bcastbench schema FILE -o schema.yaml`` reads a recorded batch (``harness.run.recording``) and
+``bcastbench schema FILE -o schema.yaml`` reads a recorded batch (``harness.payload.recording``) and
 writes its keys, dtypes and shapes; for a jagged leaf the distribution of its row lengths; for
 non-tensor data the kind of its items (and the distribution of string lengths); meta_info's
 keys with their types (numbers, booleans and None keep their values: they are settings, not
@@ -26,7 +26,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from harness.files import write_atomic
 from harness.paths import CONF_DIR
-from harness.run.recording import (
+from harness.payload.recording import (
     DTYPES,
     MAX_DEPTH,
     MAX_DIMS,
@@ -117,7 +117,7 @@ class _NoAliases(yaml.SafeDumper):
 
 
 def write(schema: dict, path: str | Path) -> Path:
-    text = "# bcastbench batch schema: shapes and kinds only, no data (harness/run/schema.py)\n"
+    text = "# bcastbench batch schema: shapes and kinds only, no data (harness/payload/payload_schema.py)\n"
     body = yaml.dump(schema, Dumper=_NoAliases, sort_keys=False, width=100, default_flow_style=None)
     return write_atomic(path, text + body)
 

@@ -1,5 +1,5 @@
 """Measured Ray dispatch records beside the cost model's price of them, one row per mode
-(``harness.model.ray_dispatch``): read by the report and by ``bcastbench ray-model
+(``harness.model.dispatch_prices``): read by the report and by ``bcastbench ray-model
 task=validate``."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from harness.model.ray_dispatch import RayCostConf, price_mode
-from harness.run import payloads
-from harness.run.lean_import import quiet_megatron
+from harness.megatron_import import quiet_megatron
+from harness.model.dispatch_prices import RayCostConf, price_mode
+from harness.payload import source
 from strategies.core.cluster import ClusterConf, load_cluster
 from strategies.core.layout import Layout
 from strategies.core.plan import spec_of
@@ -37,7 +37,7 @@ def compare(records: list[dict], ray: RayCostConf) -> list[dict]:
         if rec.get("workload"):
             continue
         layout = Layout(**{k: rec[k] for k in ("dp", "pp", "tp", "cp", "order")})
-        spec = spec_of(payloads.make(rec["payload"], rec["batch_size"], rec["seq_len"], 0, None))
+        spec = spec_of(source.make(rec["payload"], rec["batch_size"], rec["seq_len"], 0, None))
         cluster = _record_cluster(rec)
         for mode, row in rec["modes"].items():
             cost = price_mode(mode, layout, spec, cluster, ray, ray.calibrated_cores or None)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from harness.run import recording, schema
+from harness.payload import payload_schema, recording
 from strategies import NON_TENSOR_FLAG, DataProto
 
 VOCAB = 151_936  # Qwen2's vocabulary, as in ROLL's and verl's examples
@@ -140,7 +140,7 @@ def payload_bytes(name: str, batch_size: int, seq_len: int) -> int:
 
 RECORDED = ("file", "schema")
 """Payloads read from ``payload.path`` instead of generated: a recorded batch
-(``harness.run.recording``) or a schema replayed with seeded data (``harness.run.schema``)."""
+(``harness.payload.recording``) or a schema replayed with seeded data (``harness.payload.payload_schema``)."""
 
 
 def recorded_seq_len(
@@ -158,7 +158,7 @@ def path_of(name: str, path: str | None) -> str | None:
         return None
     from pathlib import Path
 
-    resolved = schema.resolve(path) if name == "schema" else Path(path).expanduser()
+    resolved = payload_schema.resolve(path) if name == "schema" else Path(path).expanduser()
     return str(resolved.resolve())
 
 
@@ -177,7 +177,7 @@ def make(
     if name == "file":
         return recording.make(path, batch_size, trust, broadcast_non_tensor, max_bytes)
     if name == "schema":
-        return schema.make(path, batch_size, seed, broadcast_non_tensor, max_bytes)
+        return payload_schema.make(path, batch_size, seed, broadcast_non_tensor, max_bytes)
     try:
         fn = PAYLOADS[name]
     except KeyError:

@@ -1,5 +1,5 @@
 """Dispatch inside the measured path: from "the driver holds the global batch" to "every rank of
-every replica holds its chunk", on a Ray world (``harness.ray.actors``).
+every replica holds its chunk", on a Ray world (``harness.worlds.ray_world``).
 
 Modes (``scope = "dispatch+broadcast"``; the forked world's jobs are ``"broadcast"``):
 
@@ -12,15 +12,15 @@ Modes (``scope = "dispatch+broadcast"``; the forked world's jobs are ``"broadcas
   the replica gets the same ObjectRef and deserializes it. No collective.
 - ``all_ranks:raw``, its floor: one put of the flat array per replica, every rank gets it.
 
-Chunking and the put are inside the time. The job is a ``harness.run.runner.JobSpec`` of
+Chunking and the put are inside the time. The job is a ``harness.job.broadcast.JobSpec`` of
 scope ``dispatch+broadcast``; its driver runs the same measured phases as a broadcast job's
-ranks (``harness.run.phases.run_phases``: rotated rounds, link bytes, verification) through a
-``DispatchJob``, whose call is one whole dispatch, and ``harness.run.runner.summarize`` and
-``harness.run.records.build`` make its record as they make every other. Each rank's result is
-checked bit for bit (``harness.run.verify``) against the chunk the driver cut for its replica.
+ranks (``harness.job.phases.run_phases``: rotated rounds, link bytes, verification) through a
+``DispatchJob``, whose call is one whole dispatch, and ``harness.job.broadcast.summarize`` and
+``harness.job.records.build`` make its record as they make every other. Each rank's result is
+checked bit for bit (``harness.job.verification``) against the chunk the driver cut for its replica.
 
 ``bcastbench ray-dispatch`` (``harness.commands.ray_dispatch``) times several modes side by side;
-``bcastbench run`` with ``ray.dispatch=`` runs one of them as a job (``harness.run.launch``).
+``bcastbench run`` with ``ray.dispatch=`` runs one of them as a job (``harness.worlds.launcher``).
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ import numpy as np
 import torch
 
 import strategies
-from harness.emulate.emulated import link_counter
-from harness.ray.modes import LEADER, Mode
-from harness.run import payloads
-from harness.run.forked import WorldError
-from harness.run.phases import run_phases
-from harness.run.rounds import Scope
-from harness.run.runner import JobSpec, summarize
-from harness.run.verify import compare, digest, tensor_digest
+from harness.job.broadcast import JobSpec, summarize
+from harness.job.dispatch_modes import LEADER, Mode
+from harness.job.phases import run_phases
+from harness.job.rounds import Scope
+from harness.job.verification import compare, digest, tensor_digest
+from harness.payload import source
+from harness.worlds.emulated import link_counter
+from harness.worlds.forked import WorldError
 from strategies import DataProto
 from strategies.floor import raw_parts
 
@@ -100,7 +100,7 @@ class _Driver:
         one seeded global batch of every replica's rows together, each draw its own data."""
         lay = spec.layout
         shape = shape or spec.period()[0]
-        batch = payloads.make(
+        batch = source.make(
             spec.payload,
             sum(shape.rows),
             shape.seq_len if shape.seq_len is not None else spec.seq_len,
@@ -180,7 +180,7 @@ def _setup_on_rank(ctx, spec: JobSpec, entry: DataProto) -> dict:
 
 def _prepare_raw_on_rank(ctx, entry: DataProto) -> None:
     """A new shape: every raw-bytes strategy (the floor) packs and sizes its buffer for it, as
-    a broadcast job's ranks do between rounds (``harness.run.runner.Prepared.use``)."""
+    a broadcast job's ranks do between rounds (``harness.job.broadcast.Prepared.use``)."""
     for strategy in ctx.cache["dispatch"].values():
         if getattr(strategy, "raw_bytes", False):
             strategy.prepare(_on_device(entry, strategy.groups.device))
@@ -280,7 +280,7 @@ class DriverContext:
     was doing."""
 
     link_counter: object = None
-    """The emulated cluster's link counter (``harness.emulate.emulated.link_counter``), or None."""
+    """The emulated cluster's link counter (``harness.worlds.emulated.link_counter``), or None."""
     phase: str = "dispatch"
     rank: int = 0
 
@@ -290,7 +290,7 @@ class DriverContext:
 
 @dataclass
 class DispatchJob:
-    """The dispatch scope's ``harness.run.phases.Job``: one call is one dispatch of the global
+    """The dispatch scope's ``harness.job.phases.Job``: one call is one dispatch of the global
     batch to every rank of every replica, timed on the driver."""
 
     world: object
@@ -341,7 +341,7 @@ class DispatchJob:
 def run_dispatch(world, spec: JobSpec, timeout_s: float = 120.0) -> dict:
     """A dispatch job on ``world`` (a started RayWorld): every phase of its scope on the driver,
     the modes interleaved with the first rotating, each rank verified; its summary
-    (``harness.run.runner.summarize``), or ``{"unsupported": why}`` when the mode under test's
+    (``harness.job.broadcast.summarize``), or ``{"unsupported": why}`` when the mode under test's
     strategy refused the layout. ``timeout_s`` bounds one dispatch call."""
     spec.layout.check_world(world.world_size)
     shapes = spec.distinct_shapes()

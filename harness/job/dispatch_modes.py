@@ -1,6 +1,6 @@
 """The dispatch modes' names and their parsed form (``leader:<strategy>``, ``all_ranks[:raw]``):
 what the job's config checks and its records name, apart from the code that runs them
-(``harness.ray.dispatch``, which imports the config and the records)."""
+(``harness.job.dispatch``, which imports the config and the records)."""
 
 from __future__ import annotations
 

@@ -40,10 +40,10 @@ class EmulationUnavailable(RuntimeError):
 class EmulateConf:
     """An emulated cluster: how many nodes, how they are linked, how fast the links are, and
     how the harness runs a job on it. The job config's ``emulate:`` key (schema registered by
-    ``harness.run.config``) and the argument of ``Emulation`` are this one type."""
+    ``harness.job.config``) and the argument of ``Emulation`` are this one type."""
 
     enabled: bool = False
-    """Run the job on the emulated cluster (``harness.emulate.emulated``). Needs root and
+    """Run the job on the emulated cluster (``harness.worlds.emulated``). Needs root and
     iproute2; gloo on CPU."""
     nodes: int = 2
     """Emulated nodes (one network namespace each); the world (dp·pp·tp·cp) is split into

@@ -2,9 +2,9 @@
 rank holds its chunk", for ``all_ranks`` (one object per replica, every rank gets it) and
 ``leader`` (the object to each replica's leader, then a broadcast strategy), without running.
 ``bcastbench ray-model`` (``harness.commands.ray_model``) asks it the 16,384-GPU question and
-sets it beside measured records (``harness.report.ray_model``).
+sets it beside measured records (``harness.report.dispatch_model``).
 
-One call is priced as the sum of its phases, as ``harness.ray.dispatch`` runs them:
+One call is priced as the sum of its phases, as ``harness.job.dispatch`` runs them:
 
 - **put**: the driver chunks and ``ray.put``\\s each of the dp chunks: dp·(α_put + n·β_put).
 - **call**: one task per actor, submitted by the driver: α_call + W·β_call.
@@ -15,7 +15,7 @@ One call is priced as the sum of its phases, as ``harness.ray.dispatch`` runs th
   object store, no copy of the bytes, but a DataProto is unpickled per actor): α_get + n·β_get,
   slowed by max(1, getters/cores) where ranks share a host's cores; on a GPU cluster each
   receiving rank then copies n bytes host→device.
-- **broadcast** (``leader`` only): the strategy's own price (``harness.model.predict``).
+- **broadcast** (``leader`` only): the strategy's own price (``harness.model.prices``).
 
 The Ray terms (put, get, call) are fitted on a local Ray world by ``bcastbench
 ray-calibrate`` into ``conf/ray/local.yaml`` (``RayCostConf``); links, host cores and
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import strategies
 from harness import paths
-from harness.model.predict import predicted_cross_bytes, price_strategy
+from harness.model.prices import predicted_cross_bytes, price_strategy
 from strategies.core.cluster import GB, US, ClusterConf, ClusterError, check_number
 
 CONF_DIR = paths.CONF_DIR / "ray"
@@ -227,7 +227,7 @@ def price_leader(layout, nbytes: float, cluster: ClusterConf, ray: RayCostConf,
 
 def price_mode(mode: str, layout, spec, cluster: ClusterConf, ray: RayCostConf,
                host_cores: int | None = None) -> DispatchCost:  # fmt: skip
-    """Any dispatch mode of ``harness.ray.dispatch`` on ``layout`` with a chunk of ``spec``."""
+    """Any dispatch mode of ``harness.job.dispatch`` on ``layout`` with a chunk of ``spec``."""
     nbytes = spec.tensor_bytes + spec.non_tensor_bytes
     kind, _, rest = mode.partition(":")
     if kind == "all_ranks":
@@ -254,7 +254,7 @@ ASSUMPTIONS = (
     "every rank gets one task per call in both modes (the leader mode's non-leaders get "
     "meta_info), so the call overhead is the same on both sides",
     "leader + broadcast takes the best of the header family and pickled as priced by "
-    "harness.model.predict on the same cluster",
+    "harness.model.prices on the same cluster",
 )
 
 
