@@ -43,7 +43,8 @@ def _session_world(n: int):
     that starts it again when an earlier test tore it down."""
     # Imported here: harness.worlds.launcher is light, the forked world it starts pulls in
     # megatron-core, which tier-1 runs do not need.
-    from harness.worlds.launcher import forked_spec, reused_world
+    from harness.worlds.launcher import forked_spec
+    from harness.worlds.opening import reused_world
 
     # Started now, as the session's first test that asks for it expects.
     world = reused_world(forked_spec(n, timeout_s=WORLD_TIMEOUT_S)).start()

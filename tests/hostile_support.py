@@ -160,7 +160,7 @@ def run_cli(argv: list[str], capsys, monkeypatch) -> tuple[int, list[str], float
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
-    monkeypatch.setattr(app, "_launch", _no_launch)
+    monkeypatch.setattr(app, "run_job", _no_launch)
     capsys.readouterr()
     start = time.monotonic()
     status = cli.main(argv)

@@ -32,7 +32,7 @@ from harness.commands.hydra_app import run_app
 from harness.files import write_atomic
 from harness.machine import other_cores, other_cores_now, snapshot
 from harness.payload import source
-from harness.worlds.forked import World
+from harness.worlds.forked import ForkedWorld
 from strategies.core.cluster import CONF_DIR, GB, US, ClusterConf, LinkConf, load_cluster
 from strategies.core.formulas import (
     ALLGATHER_ALGORITHMS,
@@ -524,7 +524,7 @@ def calibrate(
     start = snapshot()
     group_sizes = tuple(sorted({min(2, world_size), world_size}))
     own = world is None
-    world = world or World(world_size).start()
+    world = world or ForkedWorld(world_size).start()
     try:
         per_rank, host = _measure(world, group_sizes, sizes, reps, host_bytes)
     finally:

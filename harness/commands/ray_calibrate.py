@@ -28,7 +28,7 @@ from harness.errors import ConfigError
 from harness.files import write_atomic, write_json
 from harness.job.dispatch import chunk, flat_bytes
 from harness.payload import source
-from harness.worlds import launcher
+from harness.worlds import opening
 from harness.worlds.ray_world import RayConf, RayUnavailable, import_ray
 
 SIZES = (4, 48, 192, 704)
@@ -178,7 +178,7 @@ def task(cfg) -> dict[str, float]:
     """One Hydra job: measure on this process's local Ray world, fit, write the preset and
     the job's ``calibration.json``."""
     t0 = time.perf_counter()
-    world = launcher.ray_world(cfg.ranks, RayConf(num_cpus=2, object_store_mb=512))
+    world = opening.ray_world(cfg.ranks, RayConf(num_cpus=2, object_store_mb=512))
     points = measure(world, cfg.reps)
     conf = fitted(points)
     command = job_command(MODULE)

@@ -5,10 +5,11 @@ Ray world, as a Hydra app.
         'modes=[leader:header,leader:pickled,all_ranks]' iters=5
     bcastbench ray-dispatch -m layout=tp2pp2,tp2pp2dp2 payload.batch_size=48,704
 
-Configured through ``conf/ray_dispatch.yaml`` (schema ``RayDispatchConf``); each job writes its
-record to ``dispatch.json`` in its Hydra job directory (``results/ray/dispatch/...``), a sweep
-lists all of them in its directory's ``dispatch.json`` (``bcastbench report <sweep dir>`` reads
-it), and ``out=FILE`` collects them in one more list.
+Configured through ``conf/ray_dispatch.yaml`` (schema ``RayDispatchConf``, checked by
+``harness.job.config.validate_dispatch``); each job is a dispatch job (``harness.job.build``)
+run by ``harness.job.execute.run_job``, which writes its record to ``result.json`` in its Hydra
+job directory (``results/ray/dispatch/...``; ``bcastbench report <sweep dir>`` reads them), and
+``out=FILE`` collects every record of the command in one JSON list.
 """
 
 from __future__ import annotations
@@ -20,33 +21,23 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from harness.commands.hydra_app import run_app
-from harness.commands.tool import job_command, write_records
-from harness.errors import ConfigError
+from harness.commands.tool import job_command, job_dir, write_out
 from harness.job import records
-from harness.job.broadcast import JobSpec
+from harness.job.build import from_dispatch_config
 from harness.job.config import (
-    DRIVER,
     LayoutConf,
     PayloadConf,
     RayNode,
-    check_max_bytes,
-    check_size,
-    layout_of,
+    dispatch_ray_conf,
+    validate_dispatch,
 )
-from harness.job.dispatch import run_dispatch
-from harness.job.dispatch_modes import ALL_RANKS, FLOORS, Mode
-from harness.payload import source
-from harness.worlds import launcher
-from harness.worlds.ray_world import RayConf, RayUnavailable, import_ray
+from harness.job.dispatch_modes import ALL_RANKS, FLOORS
+from harness.job.execute import run_job
+from harness.worlds import opening
 
 # -- command line --------------------------------------------------------------------------
 MODULE = "harness.commands.ray_dispatch"
 """Where ``bcastbench ray-dispatch`` lives (its printed name: ``harness.errors.program``)."""
-
-
-RECORDS = "dispatch.json"
-"""Each job's record, a JSON list of one, in the job's directory; a sweep's list of all of them
-in the sweep's directory (``harness.commands.tool.write_records``; ``harness.report`` reads such lists)."""
 
 
 def format_table(record: dict) -> str:
@@ -98,6 +89,9 @@ class RayDispatchConf:
     ``bcastbench run``'s and must stay ``none`` here: ``modes`` says what runs."""
     out: str | None = None
     """Also write every record of this command so far to this file (a JSON list)."""
+    record: dict[str, Any] = field(default_factory=dict)
+    """Fields each record takes as they are: what a command wrapping this one knows and it
+    does not (``bcastbench ray-emulated``: the emulated cluster's shape, its own command)."""
 
 
 def register() -> None:
@@ -105,85 +99,21 @@ def register() -> None:
     ConfigStore.instance().store(name="ray_dispatch_schema", node=RayDispatchConf)
 
 
-def ray_conf(cfg):
-    """The runtime ``RayConf`` of ``cfg.ray``."""
-    return RayConf(**OmegaConf.to_container(cfg.ray, resolve=True))
-
-
-def spec_of_job(cfg) -> JobSpec:
-    """The ``JobSpec`` of one job's config: a dispatch job whose record is about its first
-    mode, with every other mode (and each family's floor) timed beside it."""
-    p, first = cfg.payload, Mode.parse(str(cfg.modes[0])) if cfg.modes else None
-    if first is None:
-        raise ConfigError("modes: name at least one dispatch mode, e.g. modes=[leader:header]")
-    conf = ray_conf(cfg)
-    return JobSpec(
-        strategy=first.strategy or "",  # all_ranks runs no strategy
-        layout=layout_of(cfg),
-        payload=p.name,
-        batch_size=int(p.batch_size),
-        seq_len=int(p.seq_len),
-        broadcast_non_tensor=p.broadcast_non_tensor,
-        seed=int(p.seed),
-        iters=int(cfg.iters),
-        warmup=int(cfg.warmup),
-        options=OmegaConf.to_container(cfg.options, resolve=True),
-        link_bytes_calls=int(cfg.link_bytes_calls),
-        backend=conf.backend,
-        device=conf.device,
-        world="ray",
-        dispatch=first.kind,
-        modes=tuple(str(m) for m in cfg.modes),
-    )
-
-
-def check(cfg) -> None:
-    """Every value a dispatch job reads, checked before any job runs (``command.run_app``)."""
-    if cfg.payload.name not in source.PAYLOADS:
-        raise ConfigError(
-            f"payload.name: {cfg.payload.name!r} is not generated; the driver builds the "
-            f"global batch, valid: {sorted(source.PAYLOADS)}"
-        )
-    for key, least in (("payload.batch_size", 1), ("payload.seq_len", 1), ("iters", 1),
-                       ("warmup", 0), ("link_bytes_calls", 0)):  # fmt: skip
-        value = OmegaConf.select(cfg, key)
-        if value < least:
-            raise ConfigError(f"{key} must be >= {least}, got {value}")
-    p, dp = cfg.payload, layout_of(cfg).dp
-    # The driver builds the global batch of every replica: dp × batch_size rows.
-    rows = int(p.batch_size) * dp
-    check_size(p.name, [[(rows, int(p.seq_len))]], check_max_bytes(p), DRIVER, copies=2)
-    try:
-        spec_of_job(cfg).dispatch_modes()
-        conf = ray_conf(cfg)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if conf.dispatch != "none":
-        raise ConfigError(
-            f"ray.dispatch={conf.dispatch} is bcastbench run's setting; here modes= says what "
-            "runs (leave ray.dispatch=none)"
-        )
-    try:
-        import_ray()
-    except RayUnavailable as exc:
-        raise ConfigError(str(exc)) from None
-
-
 def task(cfg) -> dict:
     """One Hydra job: time the modes on this process's Ray world of the layout's size (started
-    by the first job of that size, reused by the next ones: ``harness.worlds.launcher.ray_world``),
-    print the table, write the record."""
-    spec = spec_of_job(cfg)
-    world = launcher.ray_world(spec.layout.world_size, ray_conf(cfg))
-    start_s, world.start_s = world.start_s, 0.0  # paid once, by the job that started it
-    if start_s:
-        print(f"Ray world of {world.world_size} ranks started in {start_s:.1f} s", flush=True)
-    summary = run_dispatch(world, spec, float(cfg.ray.timeout_s))
-    record = records.complete(records.build(spec, summary, start_s))
-    record["command"] = job_command(MODULE)
+    by the first job of that size, reused by the next ones: ``harness.worlds.opening.ray_world``),
+    write the record in the job's directory, print the table."""
+    spec = from_dispatch_config(cfg)
+    world = opening.ray_world(spec.layout.world_size, dispatch_ray_conf(cfg))
+    records.COMMAND[:] = [job_command(MODULE)]  # this job's own line, a sweep's values in it
+    extra = OmegaConf.to_container(cfg.record, resolve=True)
+    record = run_job(world, spec, job_dir(), extra=extra)
+    if record["world_start_s"]:
+        print(f"Ray world of {world.world_size} ranks started in "
+              f"{record['world_start_s']:.1f} s", flush=True)  # fmt: skip
     print(format_table(record) + "\n", flush=True)
     _DONE.append(record)
-    write_records(RECORDS, _DONE, cfg.out)
+    write_out(_DONE, cfg.out)
     return record
 
 
@@ -194,7 +124,7 @@ _DONE: list[dict] = []
 def main(argv: list[str] | None = None) -> int:
     """``bcastbench ray-dispatch [overrides]``; a bad value exits 2 with one line."""
     register()
-    return run_app(MODULE, "ray_dispatch", task, check, argv)
+    return run_app(MODULE, "ray_dispatch", task, validate_dispatch, argv)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ Configured through ``conf/ray_emulated.yaml``: ``bcastbench ray-dispatch``'s con
 (``harness.commands.ray_dispatch.RayDispatchConf``) plus ``emulate`` (``harness.worlds.emulated_network.EmulateConf``:
 nodes, rate_mbit, links, bytes_calls, limit_s); ``ray.num_cpus`` and ``ray.object_store_mb`` are
 each node's. Each job runs the driver, ``bcastbench ray-dispatch`` with the job's values, inside
-node 0's namespace, attached to the cluster, and writes its record (the cluster's shape added)
-to ``dispatch.json`` in the job's directory. The jobs of a sweep that share a cluster shape
+node 0's namespace, attached to the cluster, and writes its record (the cluster's shape added,
+``record=``) as ``result.json`` in the job's directory. The jobs of a sweep that share a cluster shape
 share one cluster, started by the first of them and stopped at exit.
 
 Node k runs ``ray start --block`` with ``--node-ip-address`` its namespace's address and the
@@ -44,13 +44,14 @@ from pathlib import Path
 from harness import paths
 from harness.commands import ray_dispatch as dispatch
 from harness.commands.hydra_app import run_app
-from harness.commands.ray_dispatch import RECORDS, RayDispatchConf, format_table
-from harness.commands.tool import job_command, job_dir, override, write_records
+from harness.commands.ray_dispatch import RayDispatchConf, format_table
+from harness.commands.tool import job_command, job_dir, override, write_out
 from harness.errors import ConfigError
-from harness.job.config import layout_of
+from harness.job.config import layout_of, validate_dispatch
+from harness.job.execute import RESULT_FILE
 from harness.worlds.emulated import LINKS_ENV
 from harness.worlds.emulated_network import EmulateConf, Emulation, unavailable_reason
-from harness.worlds.forked import WorldError
+from harness.worlds.protocol import WorldError
 from harness.worlds.ray_world import NODE_RESOURCE, cluster_auth, private_cluster_dir
 
 MODULE = "harness.commands.ray_emulated"
@@ -171,7 +172,7 @@ def _namespaces_unavailable() -> str | None:
 
 def check(cfg) -> None:
     """``ray-dispatch``'s checks, the cluster's shape, and that namespaces can be made here."""
-    dispatch.check(cfg)
+    validate_dispatch(cfg)
     given = [f"ray.{k}" for k in SET_HERE if cfg.ray[k] != getattr(RayEmulatedConf().ray, k)]
     if given:
         raise ConfigError(f"{', '.join(given)}: set by ray-emulated for its cluster; leave unset")
@@ -236,8 +237,9 @@ def driver_overrides(cfg) -> list[str]:
 
 def _drive(emu, overrides: list[str], scratch: Path, job: Path, calls: int, limit_s: float):
     """The driver: ``bcastbench ray-dispatch`` inside node 0's namespace, attached to the
-    cluster, ranks pinned per node, gloo on each node's link; its records."""
-    out = scratch / "records.json"
+    cluster, ranks pinned per node, gloo on each node's link, writing its record (with the
+    cluster's fields in ``overrides``) as this job's ``result.json``; that record."""
+    out = job / RESULT_FILE
     out.unlink(missing_ok=True)
     per_node = emu.cfg.ranks_per_node
     rails = emu.cfg.links == "gpu"
@@ -245,8 +247,9 @@ def _drive(emu, overrides: list[str], scratch: Path, job: Path, calls: int, limi
     argv += [override("ray.address", f"{emu.node_ip(0)}:{RAY_PORT}"), "ray.placement=PACK"]
     argv += [f"ray.ranks_per_node={per_node}"]
     argv += [override("ray.socket_ifname", "eth{local_rank}" if rails else emu.rank_ifname(0))]
-    argv += [f"link_bytes_calls={calls}", override("out", str(out))]
-    argv += [override("hydra.run.dir", str(job / "driver"))]
+    argv += [f"link_bytes_calls={calls}"]
+    # The driver's Hydra files apart, its record in this job's directory.
+    argv += [override("hydra.run.dir", str(job)), override("hydra.output_subdir", "driver")]
     devs = [f"eth{k}" for k in range(per_node)] if rails else ["eth0"]
     links = [[emu.netns(n), dev] for n in range(emu.cfg.nodes) for dev in devs]
     env = {**cluster_auth(scratch), LINKS_ENV: json.dumps(links), "OMP_NUM_THREADS": "1"}
@@ -274,21 +277,21 @@ def task(cfg) -> dict:
     emu, scratch = cluster(emulate, int(cfg.ray.num_cpus), int(cfg.ray.object_store_mb))
     job = job_dir()
     job.mkdir(parents=True, exist_ok=True)
-    overrides = driver_overrides(cfg)
-    (record,) = _drive(emu, overrides, scratch, job, emulate.bytes_calls, emulate.limit_s)
-    record.update(
-        emulate_nodes=emulate.nodes,
-        emulate_links=emulate.links,
-        emulate_rate_mbit=emulate.rate_mbit,
-        emulate_ranks_per_node=emulate.ranks_per_node,
-        emulate_bytes_calls=emulate.bytes_calls,
-        command=job_command(MODULE),
-    )
+    shape = {
+        "emulate_nodes": emulate.nodes,
+        "emulate_links": emulate.links,
+        "emulate_rate_mbit": emulate.rate_mbit,
+        "emulate_ranks_per_node": emulate.ranks_per_node,
+        "emulate_bytes_calls": emulate.bytes_calls,
+        "command": job_command(MODULE),
+    }
+    overrides = [*driver_overrides(cfg), *(override(f"++record.{k}", v) for k, v in shape.items())]
+    record = _drive(emu, overrides, scratch, job, emulate.bytes_calls, emulate.limit_s)
     each = "node" if emulate.links == "node" else "rank (rails)"
     print(f"emulated: {emulate.nodes} nodes, one {emulate.rate_mbit} Mbit/s link per {each}")
     print(format_table(record) + "\n", flush=True)
     _DONE.append(record)
-    write_records(RECORDS, _DONE, cfg.out)
+    write_out(_DONE, cfg.out)
     return record
 
 

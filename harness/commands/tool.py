@@ -52,17 +52,9 @@ def override(key: str, value: Any) -> str:
     return f"{key}={literal(value)}"
 
 
-def write_records(name: str, done: list[dict], out: str | None) -> None:
-    """After each job: its record (the last of ``done``, every record this process made) as
-    ``<job dir>/<name>``, a list of one; in a ``-m`` sweep all of them as
-    ``<sweep dir>/<name>``, so ``bcastbench report <sweep dir>`` finds them in one list; and
-    all of them in ``out`` when set. Each written atomically (``harness.files``)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    write_json(job_dir() / name, done[-1:])
-    hydra = HydraConfig.get()
-    if hydra.mode == RunMode.MULTIRUN:
-        write_json(Path(hydra.sweep.dir) / name, done)
+def write_out(done: list[dict], out: str | None) -> None:
+    """Every record this process's jobs made (``done``) as one JSON list in ``out``, when set,
+    atomically (``harness.files``): what ``bcastbench ray-model task=validate`` reads. Each
+    job's own record is its ``result.json`` (``harness.job.execute.run_job``)."""
     if out:
         write_json(out, done)

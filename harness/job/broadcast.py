@@ -1,13 +1,8 @@
-"""What a job runs (``JobSpec``, for both scopes), a broadcast job on one rank, and every job's
-summary. A broadcast job's rank prepares (groups, every shape's batch, the strategies built:
-``Prepared``, its ``harness.job.phases.Job``) and runs the measured phases
-(``harness.job.phases.run_phases``); a dispatch job runs the same phases on its driver
-(``harness.job.dispatch``).
-
-``run_job_on_rank`` runs identically in every world (``harness.worlds.protocol``). ``summarize``
-turns the answers (every rank's, or a dispatch driver's one) into one record's measured
-fields (a call costs its slowest rank), and a varying workload's per-shape figures
-(``per_shape``).
+"""The broadcast job, on one rank: prepare (groups, every shape's batch, the strategies built:
+a ``BroadcastJob``, this scope's ``harness.job.phases.Job``), then run the measured phases
+(``harness.job.phases.run_phases``) into this rank's ``RankResult``. ``run_job_on_rank`` runs
+identically in every world (``harness.worlds.protocol``); the dispatch job beside it
+(``harness.job.dispatch``) runs the same phases on a Ray driver.
 """
 
 from __future__ import annotations
@@ -15,114 +10,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch.distributed as dist
 
 import strategies
-from harness.job.dispatch_modes import FLOORS, Mode, under_test, with_floors
-from harness.job.phases import PHASES, run_phases, start_line, sync, verify_broadcast
-from harness.job.rounds import Scope, p50_us
-from harness.job.verification import digest
+from harness.job.phases import run_phases, start_line, sync
+from harness.job.results import RankResult
+from harness.job.spec import JobSpec, Scope
+from harness.job.verification import batch_problems, bytes_problems, digest, tensor_digest
 from harness.payload import source
-from harness.payload.workload import CallShape, Workload, constant
+from harness.payload.workload import CallShape
 from strategies.core.layout import Layout
 from strategies.floor import Floor, raw_parts
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """Everything a rank needs to run one job (picklable; sent to every rank)."""
-
-    strategy: str
-    layout: Layout
-    payload: str = "rl_rollout"
-    payload_path: str | None = None
-    """payload=file | schema: the recording or schema every replica leader reads."""
-    payload_trust: bool = False
-    """payload=file: arbitrary unpickling allowed (payload.trust=true)."""
-    payload_max_bytes: int | None = None
-    """The most bytes a leader's batches may take (None: the default; ``PayloadConf.max_bytes``
-    says what each payload kind counts)."""
-    batch_size: int = 8
-    seq_len: int | None = 1024
-    """Tokens per row; a recorded payload's own (None when it has no 2-D leaf)."""
-    broadcast_non_tensor: bool | None = None
-    seed: int = 0
-    iters: int = 20
-    warmup: int = 3
-    references: tuple[str, ...] = ("floor", "pickled")
-    options: dict = field(default_factory=dict)
-    fault_rank: int = -1
-    fault_at_iter: int = -1
-    fault_kind: str = "crash"
-    link_bytes_calls: int = 0
-    """Emulated clusters only: untimed calls per strategy whose node-link bytes are counted
-    through the rank context's ``link_counter`` hook (``harness.worlds.emulated``); 0, or a
-    context without the hook, skips the phase."""
-    backend: str = "gloo"
-    """Process-group backend the world runs (recorded)."""
-    device: str = "cpu"
-    """cpu | cuda: where the tensors live (recorded)."""
-    world: str = "forked"
-    """forked | ray: who runs the ranks when the driver launches them (recorded)."""
-    dispatch: str = "none"
-    """Ray worlds: none (the broadcast alone) | leader | all_ranks (``RayConf.dispatch``)."""
-    workload: Workload | None = None
-    """The shapes the calls cycle through (``harness.payload.workload``); None: every call moves
-    ``batch_size`` rows on every replica leader."""
-    steady_iters: int = 0
-    """A varying workload: after the sequence, this many interleaved rounds of each distinct
-    shape alone (after one untimed round of it), for each shape's steady-state p50."""
-    modes: tuple[str, ...] = ()
-    """A dispatch job: the modes it compares, the one under test first (``bcastbench
-    ray-dispatch``); empty: the mode ``dispatch`` and ``strategy`` name (``under_test``). Each
-    family's floor is added (``harness.job.dispatch_modes.with_floors``)."""
-
-    @property
-    def scope(self) -> Scope:
-        """Where the clock runs: on the ranks (broadcast) or on the driver (dispatch)."""
-        return Scope.BROADCAST if self.dispatch == "none" else Scope.DISPATCH
-
-    @property
-    def under_test(self) -> str:
-        """The name the job's record is about: the strategy, or a dispatch job's mode."""
-        if self.scope is Scope.BROADCAST:
-            return self.strategy
-        if self.modes:
-            return Mode.parse(self.modes[0]).name  # as the job's results name it
-        return under_test(self.dispatch, self.strategy)
-
-    @property
-    def baseline(self) -> str:
-        """What ``vs_baseline`` divides by, when the job timed it: the seed's pickled."""
-        return "pickled" if self.scope is Scope.BROADCAST else "leader:pickled"
-
-    def dispatch_modes(self) -> list[Mode]:
-        """A dispatch job's modes, parsed, with each family's floor."""
-        return with_floors(self.modes or (self.under_test,))
-
-    def floors(self, names) -> list[str]:
-        """Which of ``names`` are this job's floors: every raw method (``floor``,
-        ``floor:<method>``) of a broadcast job; a dispatch job's mode's own family floor."""
-        if self.scope is Scope.BROADCAST:
-            return [n for n in names if n.split(":")[0] == "floor"]
-        own = FLOORS[Mode.parse(self.under_test).kind]
-        return [own] if own in names else []
-
-    def period(self) -> tuple[CallShape, ...]:
-        """The shapes call c of the job moves, ``period()[c % len(period())]``."""
-        if self.workload is not None:
-            return self.workload.period
-        return constant(self.batch_size, self.seq_len, self.layout.dp).period
-
-    def distinct_shapes(self) -> list[CallShape]:
-        """The period's shapes, each once, in the order they first appear."""
-        return list(dict.fromkeys(self.period()))
-
-    def shape_of_call(self, call: int) -> CallShape:
-        """What the job's call ``call`` moves (warm-up calls count first)."""
-        period = self.period()
-        return period[call % len(period)]
 
 
 def leader_batch(
@@ -150,7 +48,7 @@ def leader_batch(
 
 
 @dataclass
-class Prepared:
+class BroadcastJob:
     """A rank's job after preparation: its groups, the batch of every shape it moves, the one
     calls move now and the built strategies."""
 
@@ -197,13 +95,28 @@ class Prepared:
         dist.barrier()
 
     def verify(self, name: str) -> list[str]:
-        """One call of ``name``, this rank's result compared with the leader's batch."""
-        if self.groups.is_leader and self.leader_digest is None:
+        """One call of ``name``, this rank's result compared with the leader's batch (a raw
+        method's received bytes with the leader's sent ones), its fingerprint sent over the
+        replica's host group."""
+        groups, strategy = self.groups, self.built[name]
+        if groups.is_leader and self.leader_digest is None:
             self.leader_digest = digest(self.full, True)
         out = self.call(name)
-        return verify_broadcast(
-            name, self.built[name], out, self.leader_digest, self.groups, self.full
-        )
+        if name.split(":")[0] == "floor":
+            sent = self._from_leader(tensor_digest(strategy.sent) if groups.is_leader else None)
+            return bytes_problems(name, groups.rank, sent, tensor_digest(strategy.received))
+        return batch_problems(
+            name, groups.rank, self._from_leader(self.leader_digest), digest(out, True),
+            meta_changed=out.meta_info != self.full.meta_info,
+            non_tensor_sent=bool(self.full.broadcast_non_tensor),
+            receiver=not groups.is_leader,
+        )  # fmt: skip
+
+    def _from_leader(self, value):
+        """``value`` as the replica leader has it, on every rank of the replica."""
+        box = [value]
+        dist.broadcast_object_list(box, src=self.groups.leader, group=self.groups.cpu_replica_group)
+        return box[0]
 
     def use(self, shape: CallShape) -> None:
         """Make ``shape``'s batch the one calls move. A raw-bytes strategy (the floor) moves
@@ -229,9 +142,9 @@ def _batches(spec: JobSpec, groups) -> dict:
     return out
 
 
-def prepare(ctx, spec: JobSpec) -> Prepared | dict:
+def prepare(ctx, spec: JobSpec) -> BroadcastJob | RankResult:
     """Groups, the payload on each replica leader, meta_info on every rank, every strategy
-    built; a refusal (raised on every rank before any collective) returns its record instead."""
+    built; a refusal (raised on every rank before any collective) returns its result instead."""
     ctx.report("building groups")
     groups = ctx.groups_for(spec.layout)
     ctx.report("generating the payload")
@@ -244,13 +157,9 @@ def prepare(ctx, spec: JobSpec) -> Prepared | dict:
         try:
             built[name] = strategies.get(name.split(":")[0], groups, **options[name])
         except strategies.Unsupported as exc:
-            return {
-                "rank": ctx.rank,
-                "unsupported": f"{name}: {exc}",
-                "is_leader": groups.is_leader,
-            }
+            return RankResult(ctx.rank, groups.is_leader, unsupported=f"{name}: {exc}")
         built[name].prepare(full.entry_state(groups.is_leader))
-    return Prepared(groups, full, order, built, batches, first)
+    return BroadcastJob(groups, full, order, built, batches, first)
 
 
 def _order(spec: JobSpec) -> tuple[list[str], dict[str, dict]]:
@@ -266,121 +175,25 @@ def _order(spec: JobSpec) -> tuple[list[str], dict[str, dict]]:
     return list(options), options
 
 
-def run_job_on_rank(ctx, spec: JobSpec) -> dict:
+def run_job_on_rank(ctx, spec: JobSpec) -> RankResult:
     """A broadcast job's rank: prepare, then every measured phase of its scope that applies
     (``harness.job.phases.run_phases``), each but the rounds on the period's first shape."""
     job = prepare(ctx, spec)
-    if isinstance(job, dict):
+    if isinstance(job, RankResult):
         return job
     leader = job.groups.is_leader
-    out = {
-        "rank": ctx.rank,
-        "is_leader": leader,
-        "payload_bytes": _payload_bytes(job.batches[spec.period()[0]]) if leader else None,
-        "shape_bytes": [_payload_bytes(job.batches[s]) for s in spec.distinct_shapes()]
+    result = RankResult(
+        rank=ctx.rank,
+        is_leader=leader,
+        device=str(job.groups.device),
+        payload_bytes=_payload_bytes(job.batches[spec.period()[0]]) if leader else None,
+        shape_bytes=[_payload_bytes(job.batches[s]) for s in spec.distinct_shapes()]
         if leader
         else None,
-        "device": str(job.groups.device),
-    }
-    return {**out, **run_phases(ctx, spec, job)}
+    )
+    return run_phases(ctx, spec, job, result)
 
 
 def _payload_bytes(full) -> int:
     """What the floor sends (``strategies.floor.raw_parts``)."""
     return sum(p.numel() for p in raw_parts(full))
-
-
-def summarize(spec: JobSpec, rank_results: list[dict]) -> dict:
-    """Fold all ranks' results (a dispatch job: its driver's one) into one record's measured
-    fields: every phase checks the job (a wrong byte fails it) and folds each strategy's
-    fields (a call costs its slowest rank)."""
-    refused = [r["unsupported"] for r in rank_results if "unsupported" in r]
-    if refused:
-        return {"unsupported": refused[0]}
-    ran = [phase for phase in PHASES if spec.scope in phase.scopes]
-    for phase in ran:
-        phase.check(spec, rank_results)
-    per_strategy = {}
-    for name in rank_results[0]["times_s"]:
-        per_strategy[name] = {}
-        for phase in ran:  # a phase that did not apply folds nothing
-            per_strategy[name].update(phase.fold(spec, name, rank_results))
-    leaders = [r for r in rank_results if r["is_leader"]]
-    out = {
-        "payload_bytes": leaders[0]["payload_bytes"],
-        "strategies": per_strategy,
-        **best_floor(per_strategy, spec.floors(per_strategy)),
-        "device": rank_results[0]["device"],
-        **({"refused": rank_results[0]["refused"]} if "refused" in rank_results[0] else {}),
-    }
-    if spec.workload is not None and spec.workload.varying:
-        out["shapes"] = per_shape(spec, rank_results)
-        out["payload_bytes"] = _sequence_bytes(spec, out["shapes"])
-    return out
-
-
-def _call_shapes(spec: JobSpec) -> list[int]:
-    """Per timed iteration, the index (in ``distinct_shapes``) of the shape it moved."""
-    index = {shape: k for k, shape in enumerate(spec.distinct_shapes())}
-    return [index[spec.shape_of_call(spec.warmup + it)] for it in range(spec.iters)]
-
-
-def per_shape(spec: JobSpec, rank_results: list[dict]) -> list[dict]:
-    """A varying workload's figures per distinct shape: the timed calls of the sequence that
-    moved it (max over ranks per call, as for the whole job), every strategy's p50 and its
-    floor, and each strategy's steady-state p50 where steady rounds ran."""
-    which = np.array(_call_shapes(spec))
-    leaders = [r for r in rank_results if r["is_leader"]]
-    out = []
-    for k, shape in enumerate(spec.distinct_shapes()):
-        figures = {}
-        for name in rank_results[0]["times_s"]:
-            per_iter = np.array([r["times_s"][name] for r in rank_results]).max(axis=0)
-            mine = {"p50_us": p50_us(per_iter[which == k]) if (which == k).any() else None}
-            if "steady_s" in rank_results[0]:
-                steady = np.array([r["steady_s"][name][k] for r in rank_results]).max(axis=0)
-                mine["steady_p50_us"] = p50_us(steady)
-            figures[name] = mine
-        timed = {n: f for n, f in figures.items() if f["p50_us"] is not None}
-        out.append(
-            {
-                "shape": shape,
-                "calls": int((which == k).sum()),
-                # The largest replica's: with uneven replicas it is the one a call waits for.
-                "payload_bytes": max(r["shape_bytes"][k] for r in leaders),
-                "strategies": figures,
-                **best_floor(timed, spec.floors(timed)),
-            }
-        )
-    return out
-
-
-def _sequence_bytes(spec: JobSpec, shapes: list[dict]) -> int:
-    """Bytes per call over the timed sequence (mean of each call's largest replica)."""
-    bytes_of = [s["payload_bytes"] for s in shapes]
-    calls = _call_shapes(spec)
-    return int(round(sum(bytes_of[k] for k in calls) / len(calls)))
-
-
-NODE_FLOORS = frozenset({"floor:shm"})
-"""Floor methods that move no byte through the collective library (node-local shared memory):
-the network floor (``floor_network_p50_us``) is the fastest of the others."""
-
-
-def best_floor(per_strategy: dict[str, dict], names: list[str]) -> dict:
-    """The honest floor: the fastest of the floors ``names`` timed in the job
-    (``floor_method``: a broadcast job's raw method, one | chunks2 | ... | shm; a dispatch job's
-    floor mode), beside the single broadcast (``floor_single_p50_us``) and the fastest method
-    through the collective library (``floor_network_p50_us``); empty when none was timed."""
-    floors = {n: per_strategy[n]["p50_us"] for n in names}
-    if not floors:
-        return {}
-    method = min(floors, key=floors.get)
-    broadcast = method.split(":")[0] == "floor"
-    network = [p50 for n, p50 in floors.items() if n not in NODE_FLOORS]
-    return {
-        "floor_p50_us": floors[method],
-        "floor_method": (method.partition(":")[2] or "one") if broadcast else method,
-        "floor_single_p50_us": floors.get("floor"),
-        "floor_network_p50_us": min(network) if network else None,
-    }

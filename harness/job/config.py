@@ -14,7 +14,7 @@ from omegaconf import MISSING, OmegaConf
 
 import strategies
 from harness.errors import ConfigError
-from harness.job.dispatch_modes import LEADER, Mode
+from harness.job.dispatch_modes import LEADER, DispatchMode, with_floors
 from harness.job.records import layout_name
 from harness.paths import CONF_DIR
 from harness.payload import payload_schema, recording, source, workload
@@ -508,7 +508,7 @@ def _validate_dispatch(cfg) -> None:
     check_size(cfg.payload.name, [driver], check_max_bytes(cfg.payload), DRIVER, copies=2)
     if cfg.ray.dispatch == LEADER:
         try:
-            Mode.parse(f"{LEADER}:{strategy_of(cfg)}")
+            DispatchMode.parse(f"{LEADER}:{strategy_of(cfg)}")
         except ValueError as exc:
             raise ConfigError(f"ray.dispatch=leader, strategy: {exc}") from None
 
@@ -533,3 +533,55 @@ def _validate_emulate(cfg, layout: Layout) -> None:
             "emulate.enabled needs backend=gloo on cpu: the emulated links carry TCP, "
             f"got {cfg.backend.name}/{cfg.backend.device}"
         )
+
+
+# -- a bcastbench ray-dispatch job (harness.commands.ray_dispatch.RayDispatchConf) -------------
+def dispatch_ray_conf(cfg) -> RayConf:
+    """The runtime ``RayConf`` of a ray-dispatch job: its ``ray`` node as it is (backend,
+    device and timeout included)."""
+    return RayConf(**OmegaConf.to_container(cfg.ray, resolve=True))
+
+
+def dispatch_modes_of(cfg) -> list[DispatchMode]:
+    """A ray-dispatch job's modes, parsed, its first the one under test."""
+    if not cfg.modes:
+        raise ConfigError("modes: name at least one dispatch mode, e.g. modes=[leader:header]")
+    try:
+        return [DispatchMode.parse(str(m)) for m in cfg.modes]
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def validate_dispatch(cfg) -> None:
+    """Every value a ray-dispatch job reads, checked before any job runs: a generated payload
+    the driver can hold for every replica, counts in range, the modes (each family's floor
+    added), the Ray settings, and Ray itself installed."""
+    if cfg.payload.name not in source.PAYLOADS:
+        raise ConfigError(
+            f"payload.name: {cfg.payload.name!r} is not generated; the driver builds the "
+            f"global batch, valid: {sorted(source.PAYLOADS)}"
+        )
+    for key, least in (("payload.batch_size", 1), ("payload.seq_len", 1), ("iters", 1),
+                       ("warmup", 0), ("link_bytes_calls", 0)):  # fmt: skip
+        value = OmegaConf.select(cfg, key)
+        if value < least:
+            raise ConfigError(f"{key} must be >= {least}, got {value}")
+    p, dp = cfg.payload, layout_of(cfg).dp
+    # The driver builds the global batch of every replica: dp × batch_size rows.
+    rows = int(p.batch_size) * dp
+    check_size(p.name, [[(rows, int(p.seq_len))]], check_max_bytes(p), DRIVER, copies=2)
+    try:
+        with_floors([str(m) for m in cfg.modes] if cfg.modes else ())
+        conf = dispatch_ray_conf(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    dispatch_modes_of(cfg)
+    if conf.dispatch != "none":
+        raise ConfigError(
+            f"ray.dispatch={conf.dispatch} is bcastbench run's setting; here modes= says what "
+            "runs (leave ray.dispatch=none)"
+        )
+    try:
+        import_ray()
+    except RayUnavailable as exc:
+        raise ConfigError(str(exc)) from None

@@ -12,15 +12,16 @@ Modes (``scope = "dispatch+broadcast"``; the forked world's jobs are ``"broadcas
   the replica gets the same ObjectRef and deserializes it. No collective.
 - ``all_ranks:raw``, its floor: one put of the flat array per replica, every rank gets it.
 
-Chunking and the put are inside the time. The job is a ``harness.job.broadcast.JobSpec`` of
-scope ``dispatch+broadcast``; its driver runs the same measured phases as a broadcast job's
-ranks (``harness.job.phases.run_phases``: rotated rounds, link bytes, verification) through a
-``DispatchJob``, whose call is one whole dispatch, and ``harness.job.broadcast.summarize`` and
-``harness.job.records.build`` make its record as they make every other. Each rank's result is
-checked bit for bit (``harness.job.verification``) against the chunk the driver cut for its replica.
+Chunking and the put are inside the time. The job is a ``harness.job.spec.JobSpec`` of scope
+``dispatch+broadcast``; its driver runs the same measured phases as a broadcast job's ranks
+(``harness.job.phases.run_phases``: rotated rounds, link bytes, verification) through a
+``DispatchJob``, whose call is one whole dispatch, into the driver's ``RankResult``, which
+``harness.job.execute.run_job`` summarizes and records as it does every other. Each rank's
+result is checked bit for bit (``harness.job.verification``) against the chunk the driver cut
+for its replica.
 
 ``bcastbench ray-dispatch`` (``harness.commands.ray_dispatch``) times several modes side by side;
-``bcastbench run`` with ``ray.dispatch=`` runs one of them as a job (``harness.worlds.launcher``).
+``bcastbench run`` with ``ray.dispatch=`` runs one of them as a job.
 """
 
 from __future__ import annotations
@@ -34,14 +35,14 @@ import numpy as np
 import torch
 
 import strategies
-from harness.job.broadcast import JobSpec, summarize
-from harness.job.dispatch_modes import LEADER, Mode
+from harness.job.dispatch_modes import LEADER, DispatchMode
 from harness.job.phases import run_phases
-from harness.job.rounds import Scope
-from harness.job.verification import compare, digest, tensor_digest
+from harness.job.results import RankResult
+from harness.job.spec import JobSpec, Scope
+from harness.job.verification import batch_problems, bytes_problems, digest, tensor_digest
 from harness.payload import source
 from harness.worlds.emulated import link_counter
-from harness.worlds.forked import WorldError
+from harness.worlds.protocol import WorldError
 from strategies import DataProto
 from strategies.floor import raw_parts
 
@@ -180,7 +181,7 @@ def _setup_on_rank(ctx, spec: JobSpec, entry: DataProto) -> dict:
 
 def _prepare_raw_on_rank(ctx, entry: DataProto) -> None:
     """A new shape: every raw-bytes strategy (the floor) packs and sizes its buffer for it, as
-    a broadcast job's ranks do between rounds (``harness.job.broadcast.Prepared.use``)."""
+    a broadcast job's ranks do between rounds (``harness.job.broadcast.BroadcastJob.use``)."""
     for strategy in ctx.cache["dispatch"].values():
         if getattr(strategy, "raw_bytes", False):
             strategy.prepare(_on_device(entry, strategy.groups.device))
@@ -214,7 +215,7 @@ def _all_ranks_call(ctx, data, verify: bool):
 
 
 # -- on the driver -------------------------------------------------------------------------
-def _call(world, drv: _Driver, mode: Mode, verify: bool, what: str, timeout_s: float):
+def _call(world, drv: _Driver, mode: DispatchMode, verify: bool, what: str, timeout_s: float):
     """One timed dispatch: chunk, put, hand out, wait for every rank's end time; (seconds, every
     rank's answer)."""
     import ray
@@ -239,7 +240,7 @@ def _call(world, drv: _Driver, mode: Mode, verify: bool, what: str, timeout_s: f
     return (max(end for end, _ in out) - t0) / 1e9, out
 
 
-def _setup(world, drv: _Driver) -> tuple[list[Mode], dict[str, str]]:
+def _setup(world, drv: _Driver) -> tuple[list[DispatchMode], dict[str, str]]:
     args = [(drv.spec, entry) for entry in drv.hand_out()]
     out = world.collect(world.submit(_setup_on_rank, args), "setting up dispatch")
     for r, answer in enumerate(out):
@@ -253,23 +254,24 @@ def _setup(world, drv: _Driver) -> tuple[list[Mode], dict[str, str]]:
     return modes, refused
 
 
-def _verify(drv: _Driver, mode: Mode, out: list) -> list[str]:
-    """Every rank's result against its replica's chunk, bit for bit, naming rank and key."""
+def _verify(drv: _Driver, mode: DispatchMode, out: list) -> list[str]:
+    """Every rank's result against its replica's chunk, bit for bit, naming rank and key (the
+    comparison every job makes: ``harness.job.verification``). Unflagged non-tensor data stays
+    with a leader dispatch's leader; every rank of an all_ranks dispatch gets the chunk."""
     problems = []
-    flagged = drv.global_batch.broadcast_non_tensor
+    flagged = bool(drv.global_batch.broadcast_non_tensor)
     for rank, (_, got) in enumerate(out):
         d = drv.replica_of[rank]
         if mode.raw:
-            if got != drv.expected_raw[d]:
-                problems.append(f"{mode.name}: rank {rank}: received bytes differ from chunk {d}")
+            problems += bytes_problems(mode.name, rank, drv.expected_raw[d], got, f"chunk {d}")
             continue
         got_digest, meta = got
-        expected = drv.expected[d]
-        if mode.kind == LEADER and not flagged and not drv.is_leader(rank):
-            expected = dict(expected, non_tensor={})  # unflagged non-tensor data stays put
-        if meta != drv.global_batch.meta_info:
-            problems.append(f"{mode.name}: rank {rank}: meta_info changed")
-        problems += compare(expected, got_digest, rank, mode.name)
+        problems += batch_problems(
+            mode.name, rank, drv.expected[d], got_digest,
+            meta_changed=meta != drv.global_batch.meta_info,
+            non_tensor_sent=flagged or mode.kind != LEADER,
+            receiver=mode.kind == LEADER and not drv.is_leader(rank),
+        )  # fmt: skip
     return problems
 
 
@@ -296,7 +298,7 @@ class DispatchJob:
     world: object
     drivers: dict
     """CallShape -> its ``_Driver``, every one built before anything is timed."""
-    modes: dict[str, Mode]
+    modes: dict[str, DispatchMode]
     ctx: DriverContext
     timeout_s: float
     current: object = None
@@ -338,27 +340,27 @@ class DispatchJob:
         return _verify(self.drv, self.modes[name], self._dispatch(name, True)[1])
 
 
-def run_dispatch(world, spec: JobSpec, timeout_s: float = 120.0) -> dict:
+def run_dispatch(world, spec: JobSpec) -> RankResult:
     """A dispatch job on ``world`` (a started RayWorld): every phase of its scope on the driver,
-    the modes interleaved with the first rotating, each rank verified; its summary
-    (``harness.job.broadcast.summarize``), or ``{"unsupported": why}`` when the mode under test's
-    strategy refused the layout. ``timeout_s`` bounds one dispatch call."""
+    the modes interleaved with the first rotating, each rank verified; the driver's result
+    (``unsupported`` set when the mode under test's strategy refused the layout).
+    ``spec.timeout_s`` bounds one dispatch call."""
+    timeout_s = spec.timeout_s
     spec.layout.check_world(world.world_size)
     shapes = spec.distinct_shapes()
     drivers = {shape: _Driver.build(spec, shape) for shape in shapes}
     modes, refused = _setup(world, drivers[shapes[0]])
-    mine = Mode.parse(spec.under_test)
+    mine = DispatchMode.parse(spec.under_test)
     if mine.strategy in refused:
-        return {"unsupported": f"{spec.under_test}: {refused[mine.strategy]}"}
+        return RankResult(0, True, unsupported=f"{spec.under_test}: {refused[mine.strategy]}")
     ctx = DriverContext(link_counter=link_counter())
     job = DispatchJob(world, drivers, {m.name: m for m in modes}, ctx, timeout_s, shapes[0])
-    result = {
-        "rank": 0,
-        "is_leader": True,
-        "payload_bytes": drivers[shapes[0]].payload_bytes,
-        "shape_bytes": [drivers[s].payload_bytes for s in shapes],
-        "device": spec.device,
-        "refused": refused,
-        **run_phases(ctx, spec, job),
-    }
-    return summarize(spec, [result])
+    result = RankResult(
+        rank=0,
+        is_leader=True,
+        device=spec.device,
+        payload_bytes=drivers[shapes[0]].payload_bytes,
+        shape_bytes=[drivers[s].payload_bytes for s in shapes],
+        refused=refused,
+    )
+    return run_phases(ctx, spec, job, result)

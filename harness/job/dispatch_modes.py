@@ -15,7 +15,7 @@ FLOORS = {LEADER: "leader:floor", ALL_RANKS: "all_ranks:raw"}
 
 
 @dataclass(frozen=True)
-class Mode:
+class DispatchMode:
     """One way to get the chunks to the ranks, parsed from ``leader:<strategy>`` or
     ``all_ranks[:raw]``."""
 
@@ -33,7 +33,7 @@ class Mode:
         return FLOORS[ALL_RANKS] if self.raw else ALL_RANKS
 
     @classmethod
-    def parse(cls, text: str) -> Mode:
+    def parse(cls, text: str) -> DispatchMode:
         kind, _, rest = text.strip().partition(":")
         if kind == LEADER:
             if rest == "floor":
@@ -58,13 +58,13 @@ def under_test(dispatch: str, strategy: str) -> str:
     return f"{LEADER}:{strategy}" if dispatch == LEADER else ALL_RANKS
 
 
-def with_floors(names: tuple[str, ...] | list[str]) -> list[Mode]:
+def with_floors(names: tuple[str, ...] | list[str]) -> list[DispatchMode]:
     """``names`` parsed, in order, then each family's floor where one of its modes is there and
     its floor is not; a name given twice is refused."""
-    modes = [Mode.parse(m) for m in names]
+    modes = [DispatchMode.parse(m) for m in names]
     for kind in (LEADER, ALL_RANKS):
         if any(m.kind == kind for m in modes) and FLOORS[kind] not in [m.name for m in modes]:
-            modes.append(Mode.parse(FLOORS[kind]))
+            modes.append(DispatchMode.parse(FLOORS[kind]))
     names = [m.name for m in modes]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:

@@ -1,21 +1,38 @@
-"""How a job runs on a world: the ``WorldSpec`` its validated config asks for, and
-``run_job``, which runs the job on a world and hands back what it measured."""
+"""The one way a job runs: ``run_job(world, spec) -> Record``. ``bcastbench run`` (and so
+``bench``), ``bcastbench ray-dispatch``, ``calibrate`` and the pytest plugin all call it; it runs
+the job's phases where its scope puts them (a broadcast job on every rank, a dispatch job on
+the Ray driver), summarizes them (``harness.job.summary``), builds the record
+(``harness.job.records``) and, given a directory, writes it there atomically.
+
+``world_spec`` reads the ``WorldSpec`` a job's validated config asks for
+(``harness.worlds.opening.open_world`` opens it).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
+from harness.job import records
 from harness.job.broadcast import run_job_on_rank
 from harness.job.config import ray_conf
 from harness.job.dispatch import run_dispatch
-from harness.job.records import layout_name
+from harness.job.records import Record, layout_name
+from harness.job.spec import JobSpec, Scope
+from harness.job.summary import summarize
+from harness.job.verification import VerificationError
 from harness.worlds.emulated_network import EmulateConf
 from harness.worlds.launcher import EMULATED, RAY, Launch, WorldSpec
-from harness.worlds.protocol import World
+from harness.worlds.opening import open_world
+from harness.worlds.protocol import World, WorldError
+
+JOB_FAILURES = (WorldError, VerificationError)
+"""What a job that ran but did not succeed raises (as opposed to a bad config or a bug)."""
+
+RESULT_FILE = "result.json"
+"""The record's name in a job's directory."""
 
 
 def world_spec(cfg, layout, launch: Launch, out_dir: Path | None = None) -> WorldSpec:
@@ -34,29 +51,42 @@ def world_spec(cfg, layout, launch: Launch, out_dir: Path | None = None) -> Worl
     )  # fmt: skip
 
 
-@dataclass
-class JobOutcome:
-    """What a world hands back on the process that writes the record."""
+def run_job(
+    world: World | WorldSpec,
+    spec: JobSpec,
+    out_dir: Path | None = None,
+    record_failures: tuple[type[BaseException], ...] = (),
+    extra: dict[str, Any] | None = None,
+) -> Record | None:
+    """Run ``spec`` on ``world`` (a running world, or the spec of one: the live one is reused
+    or one is started, ``harness.worlds.opening.open_world``); its record (None on a joined
+    world's ranks other than 0).
 
-    results: list[dict] | None = None
-    """Every rank's result of ``runner.run_job_on_rank``, in rank order."""
-    world_start_s: float = 0.0
-    """Seconds spent starting (or joining) the world for this job; 0 for a reused world."""
-    summary: dict | None = None
-    """A dispatch job's summary instead of results (its driver ran the phases)."""
-    fields: dict = field(default_factory=dict)
-    """What the record takes from the world (``World.record_fields``)."""
+    A refusal is a record (``status: unsupported``). A job that failed (its world did not
+    start, a rank crashed, hung or ended with wrong data) raises, unless its error is one of
+    ``record_failures`` (a sweep's job: ``JOB_FAILURES``): then it is a ``failed`` record. With
+    ``out_dir`` the record is also written there (``result.json``, atomically). ``extra``:
+    fields the record takes as they are (what a wrapping command knows and the job does not)."""
+    try:
+        if isinstance(world, WorldSpec):
+            world = open_world(world)
+        start_s, world.start_s = world.start_s, 0.0  # paid once: later jobs started nothing
+        results = _measure(world, spec)
+        if results is None:
+            return None
+        summary = summarize(spec, results)
+        record = {**records.build(spec, summary, start_s), **world.record_fields(), **(extra or {})}
+    except record_failures as exc:
+        record = {**records.failed(spec, exc), **(extra or {})}
+    record = records.complete(record)
+    if out_dir is not None:
+        records.write_atomic(Path(out_dir) / RESULT_FILE, record)
+    return record
 
 
-def run_job(world: World, spec, timeout_s: float) -> JobOutcome | None:
-    """Run the job ``spec`` (a ``runner.JobSpec``) on ``world``: a broadcast job's phases on
-    every rank, or (``ray.dispatch``) a dispatch job's on the driver. None on a joined world's
-    ranks other than 0."""
-    start_s, world.start_s = world.start_s, 0.0  # paid once; later jobs on it started nothing
-    if spec.dispatch != "none":
-        return JobOutcome(
-            None, start_s, run_dispatch(world, spec, timeout_s), world.record_fields()
-        )
+def _measure(world: World, spec: JobSpec):
+    """Every rank's result of a broadcast job, or the driver's one of a dispatch job."""
+    if spec.scope is Scope.DISPATCH:
+        return [run_dispatch(world, spec)]
     what = f"job {spec.strategy} on {layout_name(spec.layout)}"
-    results = world.run(run_job_on_rank, spec, what=what, timeout_s=timeout_s)
-    return None if results is None else JobOutcome(results, start_s, fields=world.record_fields())
+    return world.run(run_job_on_rank, spec, what=what, timeout_s=spec.timeout_s)

@@ -9,12 +9,13 @@ moves (``use``), one untimed call (``call``), one timed call (``timed``), the fe
 windows (``fence``) and one checked call (``verify``), so a phase written once measures both.
 
 A phase says which scopes it runs in (``scopes``), what it measures there (``measure``: the
-answer is merged into that process's result under the keys it names), how all answers become
-one strategy's summary fields (``fold``; a dispatch job has one answer, the driver's), and which
-of those fields a record carries (``record_fields``, documented in
-``harness.job.records.FIELDS``). ``harness.job.broadcast.summarize`` folds the list;
-``harness.job.records`` copies every phase's ``record_fields``. Adding a measured phase is one
-class here, its entry in ``PHASES`` and its fields' documentation.
+``harness.job.results.RankResult`` fields it fills on that process), how all answers become its
+part of one strategy's figures (``fold`` returns the ``StrategyFigures`` part it names in
+``part``; a dispatch job has one answer, the driver's), and which of those figures a record
+carries (``record_fields``, documented in ``harness.job.records.FIELDS``).
+``harness.job.summary.summarize`` folds the list; ``harness.job.records`` copies every phase's
+``record_fields``. Adding a measured phase is one class here, its entry in ``PHASES``, its
+fields in ``harness.job.results`` and their documentation.
 """
 
 from __future__ import annotations
@@ -30,8 +31,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from harness.job.rounds import TIMING_FIELDS, Scope, interleaved, timing_stats, verdict
-from harness.job.verification import compare, digest, tensor_digest
+from harness.job.results import (
+    ChoiceFigures,
+    CollectiveFigures,
+    LinkFigures,
+    MemoryFigures,
+    RankResult,
+    TimingFigures,
+)
+from harness.job.rounds import TIMING_FIELDS, interleaved, timing_stats
+from harness.job.spec import Scope
+from harness.job.verification import verdict
 from strategies.core.trace import Recorder
 
 
@@ -74,17 +84,21 @@ class Phase:
         """Whether the phase runs in this job on this context (the same on every rank)."""
         return True
 
+    part: str | None = None
+    """The ``StrategyFigures`` field ``fold`` fills (None: the phase folds nothing)."""
+
     def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
-        """What this rank (or a dispatch job's driver) measured: merged into its result
-        (picklable)."""
+        """What this rank (or a dispatch job's driver) measured: ``RankResult`` fields, taken
+        into its result (picklable)."""
         raise NotImplementedError
 
-    def check(self, spec, results: list[dict]) -> None:
+    def check(self, spec, results: list[RankResult]) -> None:
         """Raise if the ranks' answers fail the job (verification); nothing by default."""
 
-    def fold(self, spec, name: str, results: list[dict]) -> dict[str, Any]:
-        """Strategy ``name``'s summary fields from every rank's result (rank order)."""
-        return {}
+    def fold(self, spec, name: str, results: list[RankResult]) -> Any:
+        """Strategy ``name``'s part (``part``) from every rank's result (rank order); None
+        where the phase measured nothing for it."""
+        return None
 
     record_fields: tuple[str, ...] = ()
     """The summary fields of the strategy under test a record carries as they are."""
@@ -137,6 +151,7 @@ class TimedRounds(Phase):
     timed shape by shape beside it. A call costs the slowest rank."""
 
     scopes = BOTH
+    part = "timing"
     record_fields = (*TIMING_FIELDS, "rank_skew_us")
 
     def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
@@ -153,20 +168,20 @@ class TimedRounds(Phase):
 
         return {"times_s": interleaved(job.order, spec.warmup, spec.iters, call, round_start)}
 
-    def fold(self, spec, name: str, results: list[dict]) -> dict[str, Any]:
-        t = np.array([r["times_s"][name] for r in results])  # ranks × iters
+    def fold(self, spec, name: str, results: list[RankResult]) -> TimingFigures:
+        t = np.array([r.times_s[name] for r in results])  # ranks × iters
         per_call = t.max(axis=0)  # the slowest rank of each call
         skew = per_call - t.min(axis=0)
         # A dispatch job's one answer is the driver's clock: it has no ranks to spread over.
         spread = float(np.median(skew)) * 1e6 if spec.scope is Scope.BROADCAST else None
-        return {**timing_stats(per_call), "rank_skew_us": spread}
+        return TimingFigures(**timing_stats(per_call), rank_skew_us=spread)
 
 
 class SteadyRounds(Phase):
     """A varying workload's steady state: each distinct shape alone, one untimed round (the
     call after a change of shape is the sequence's cost, not the steady one) then
     ``steady_iters`` timed rounds; seconds per call by strategy then shape (``steady_s``,
-    folded per shape by ``harness.job.broadcast.per_shape``)."""
+    folded per shape by ``harness.job.summary.per_shape``)."""
 
     scopes = BOTH
 
@@ -197,6 +212,7 @@ class LinkBytes(Phase):
     that strategy's traffic (and a barrier's few hundred bytes) is counted."""
 
     scopes = BOTH
+    part = "link"
     record_fields = ("cross_node_bytes_per_call",)
 
     def applies(self, ctx, spec) -> bool:
@@ -218,17 +234,16 @@ class LinkBytes(Phase):
                 out[name] = (read() - before) / spec.link_bytes_calls
         return {"link_bytes_per_call": out} if out else {}
 
-    def fold(self, spec, name: str, results: list[dict]) -> dict[str, Any]:
-        counted = next(
-            (r["link_bytes_per_call"] for r in results if "link_bytes_per_call" in r), {}
-        )
-        return {"cross_node_bytes_per_call": counted[name]} if name in counted else {}
+    def fold(self, spec, name: str, results: list[RankResult]) -> LinkFigures | None:
+        counted = next((r.link_bytes_per_call for r in results if r.link_bytes_per_call), {})
+        return LinkFigures(counted[name]) if name in counted else None
 
 
 class Collectives(Phase):
     """One recorded, untimed call per strategy: the collectives it made (kind, ranks, root,
     bytes) and its local work (bytes packed, pickled, copied), from ``strategies.core.trace``."""
 
+    part = "collectives"
     record_fields = (
         "collectives_per_call", "collectives_leader", "comm_bytes_leader", "collectives_unavailable"
     )  # fmt: skip
@@ -251,35 +266,35 @@ class Collectives(Phase):
             out["work"][name] = dict(rec.work)
         return out
 
-    def fold(self, spec, name: str, results: list[dict]) -> dict[str, Any]:
-        leader = next(r for r in results if r["is_leader"])
-        receivers = [r["work"][name] for r in results if not r["is_leader"]]
-        return {
+    def fold(self, spec, name: str, results: list[RankResult]) -> CollectiveFigures:
+        leader = next(r for r in results if r.is_leader)
+        receivers = [r.work[name] for r in results if not r.is_leader]
+        return CollectiveFigures(
             **_collective_counts(name, results, leader),
-            "work_leader": leader["work"][name],
-            "work_receiver_max": {
+            work_leader=leader.work[name],
+            work_receiver_max={
                 k: max(w.get(k, 0) for w in receivers)
                 for k in dict.fromkeys(k for w in receivers for k in w)  # first-seen order
             },
-        }
+        )
 
 
-def _collective_counts(name: str, results: list[dict], leader: dict) -> dict:
+def _collective_counts(name: str, results: list[RankResult], leader: RankResult) -> dict:
     """Collectives per call (max over ranks) and the leader's count and bytes; None with the
     reason where a rank's count could not be established."""
-    if any(r["collectives"][name] is None for r in results):
+    if any(r.collectives[name] is None for r in results):
         why = next(
-            (r.get("collectives_unavailable", {}).get(name) for r in results
-             if r["collectives"][name] is None),
+            (r.collectives_unavailable.get(name) for r in results if r.collectives[name] is None),
             None,
-        )  # fmt: skip
+        )
         return dict.fromkeys(
             ("collectives_per_call", "collectives_leader", "comm_bytes_leader")
         ) | {"collectives_unavailable": why or "not recorded"}
     return {
-        "collectives_per_call": max(len(r["collectives"][name]) for r in results),
-        "collectives_leader": len(leader["collectives"][name]),
-        "comm_bytes_leader": sum(c[3] for c in leader["collectives"][name]),
+        "collectives_per_call": max(len(r.collectives[name]) for r in results),
+        "collectives_leader": len(leader.collectives[name]),
+        "comm_bytes_leader": sum(c[3] for c in leader.collectives[name]),
+        "collectives_unavailable": None,
     }
 
 
@@ -288,6 +303,7 @@ class PeakMemory(Phase):
     read of it, after the free heap is handed back, so the growth is this call's; CUDA's peak
     allocation beside it on a GPU."""
 
+    part = "memory"
     record_fields = (
         "peak_rss_bytes", "peak_rss_delta_bytes", "peak_cuda_bytes", "peak_rss_heap_released"
     )  # fmt: skip
@@ -318,16 +334,16 @@ class PeakMemory(Phase):
             )
         return out
 
-    def fold(self, spec, name: str, results: list[dict]) -> dict[str, Any]:
-        deltas = [r["peak_rss_delta_bytes"][name] for r in results]
-        return {
-            "peak_rss_bytes": max(r["peak_rss_bytes"][name] for r in results),
-            "peak_rss_delta_bytes": None if None in deltas else max(deltas),
+    def fold(self, spec, name: str, results: list[RankResult]) -> MemoryFigures:
+        deltas = [r.peak_rss_delta_bytes[name] for r in results]
+        return MemoryFigures(
+            peak_rss_bytes=max(r.peak_rss_bytes[name] for r in results),
+            peak_rss_delta_bytes=None if None in deltas else max(deltas),
             # Says a reader that this growth was measured on fresh pages (records before the
             # free heap was released read 0 whenever a call reused freed pages).
-            "peak_rss_heap_released": None not in deltas,
-            "peak_cuda_bytes": max(r["peak_cuda_bytes"][name] for r in results),
-        }
+            peak_rss_heap_released=None not in deltas,
+            peak_cuda_bytes=max(r.peak_cuda_bytes[name] for r in results),
+        )
 
 
 def rss_peak_reset() -> bool:
@@ -382,12 +398,14 @@ def rss_now() -> int:
 class AutoChoice(Phase):
     """Which strategy a choosing strategy (``auto``) serves its next call with, on each rank."""
 
+    part = "choice"
+
     def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
         return {"choices": {n: s.choice for n, s in job.built.items() if hasattr(s, "choice")}}
 
-    def fold(self, spec, name: str, results: list[dict]) -> dict[str, Any]:
-        chosen = results[0].get("choices", {})
-        return {"choice": chosen[name]} if name in chosen else {}
+    def fold(self, spec, name: str, results: list[RankResult]) -> ChoiceFigures | None:
+        chosen = results[0].choices or {}
+        return ChoiceFigures(chosen[name]) if name in chosen else None
 
 
 # -- correctness ------------------------------------------------------------------------------
@@ -409,30 +427,8 @@ class Verification(Phase):
                 problems[name] += [f"{p} (call {k} of the period)" if k else p for p in found]
         return {"problems": problems}
 
-    def check(self, spec, results: list[dict]) -> None:
-        verdict([p for r in results for found in r["problems"].values() for p in found])
-
-
-def verify_broadcast(name, strategy, out, leader_digest, groups, full) -> list[str]:
-    """Compare this rank's result with the leader's; floor compares its raw buffer."""
-    if name.split(":")[0] == "floor":
-        sent = [tensor_digest(strategy.sent) if groups.is_leader else None]
-        dist.broadcast_object_list(sent, src=groups.leader, group=groups.cpu_replica_group)
-        got = tensor_digest(strategy.received)
-        return [] if got == sent[0] else [f"{name}: rank {groups.rank}: received bytes differ"]
-    expected = [leader_digest]
-    dist.broadcast_object_list(expected, src=groups.leader, group=groups.cpu_replica_group)
-    expected = expected[0]
-    with_nt = bool(full.broadcast_non_tensor)
-    got = digest(out, with_nt)
-    if not with_nt:
-        expected = dict(expected, non_tensor=None)
-        got = dict(got, non_tensor=None)
-        if not groups.is_leader and out.non_tensor_batch:
-            return [f"{name}: rank {groups.rank}: non_tensor_batch arrived although not flagged"]
-    if out.meta_info != full.meta_info:
-        return [f"{name}: rank {groups.rank}: meta_info changed"]
-    return compare(expected, got, groups.rank, name)
+    def check(self, spec, results: list[RankResult]) -> None:
+        verdict([p for r in results for found in r.problems.values() for p in found])
 
 
 PHASES: tuple[Phase, ...] = (
@@ -448,13 +444,12 @@ PHASES: tuple[Phase, ...] = (
 the period's first shape (auto's choice is read last: the one its last call left)."""
 
 
-def run_phases(ctx, spec, job: Job) -> dict[str, Any]:
+def run_phases(ctx, spec, job: Job, result: RankResult) -> RankResult:
     """Every phase of ``PHASES`` that runs in ``job``'s scope and applies, in order, on this
-    rank (a broadcast job) or on the driver (a dispatch job); their answers merged."""
-    out: dict[str, Any] = {}
+    rank (a broadcast job) or on the driver (a dispatch job); ``result`` with their answers."""
     for phase in PHASES:
         if job.scope in phase.scopes and phase.applies(ctx, spec):
             if not isinstance(phase, TimedRounds):
                 job.use(spec.period()[0])
-            out.update(phase.measure(ctx, spec, job))
-    return out
+            result = result.taking(phase.measure(ctx, spec, job))
+    return result

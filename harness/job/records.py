@@ -18,9 +18,17 @@ from typing import Annotated, TypedDict, get_args, get_origin, get_type_hints
 import torch
 
 from harness import files, paths
-from harness.job.dispatch_modes import FLOORS, Mode
+from harness.job.dispatch_modes import FLOORS, DispatchMode
 from harness.job.phases import PHASES
-from harness.job.rounds import Scope
+from harness.job.results import (
+    FloorFigures,
+    JobSummary,
+    Refusal,
+    ShapeFigures,
+    ShapeStrategyFigures,
+    StrategyFigures,
+)
+from harness.job.spec import Scope
 from harness.units import human_bytes
 from strategies.core.layout import DEFAULT_ORDER
 
@@ -365,15 +373,15 @@ def _workload_fields(spec) -> dict:
     }
 
 
-def build(spec, summary: dict, world_start_s: float = 0.0) -> Record:
+def build(spec, summary: JobSummary | Refusal, world_start_s: float = 0.0) -> Record:
     """One flat record for every job kind: what the job was (from its JobSpec), then what was
     measured for the strategy (or dispatch mode) under test with its references beside it, or
     why it was refused."""
-    if "unsupported" in summary:
+    if isinstance(summary, Refusal):
         measured = {
             "status": "unsupported",
             "supported": False,
-            "error": summary["unsupported"],
+            "error": summary.why,
             "correct": None,
         }
     else:
@@ -396,15 +404,24 @@ def failed(spec, error: BaseException) -> Record:
     }
 
 
-def _measured(spec, summary: dict) -> dict:
+def _floor_fields(floor: FloorFigures | None) -> dict:
+    """The job's floor as the record names it (all null when no floor was timed)."""
+    return {
+        "floor_p50_us": floor.p50_us if floor else None,
+        "floor_method": floor.method if floor else None,
+        "floor_single_p50_us": floor.single_p50_us if floor else None,
+        "floor_network_p50_us": floor.network_p50_us if floor else None,
+    }
+
+
+def _measured(spec, summary: JobSummary) -> dict:
     """The strategy under test's measured fields: every phase's own (``record_fields``), then
     what is derived from them beside its floor and pickled, timed in the same rounds."""
-    mine = summary["strategies"][spec.under_test]
-    floor_us = summary.get("floor_p50_us")
-    single_us = summary.get("floor_single_p50_us")
-    network_us = summary.get("floor_network_p50_us")
-    base = summary["strategies"].get(spec.baseline)
-    payload_bytes = summary["payload_bytes"]
+    figures = summary.strategies[spec.under_test]
+    mine = figures.flat()
+    floors = _floor_fields(summary.floor)
+    base = summary.strategies.get(spec.baseline)
+    payload_bytes = summary.payload_bytes
     p50_s = mine["p50_us"] / 1e6
     algbw = payload_bytes / p50_s / 1e9 if p50_s > 0 else 0.0
     return {
@@ -412,35 +429,32 @@ def _measured(spec, summary: dict) -> dict:
         **{k: mine.get(k) for phase in PHASES for k in phase.record_fields},
         "algbw_gbps": algbw,
         "busbw_gbps": algbw,  # broadcast: F = 1, all data must leave the root (nccl-tests)
-        "floor_p50_us": floor_us,
-        "floor_method": summary.get("floor_method"),
-        "floor_single_p50_us": single_us,
-        "floor_network_p50_us": network_us,
-        "baseline_p50_us": base["p50_us"] if base else None,
-        "vs_floor": vs_floor(mine["p50_us"], floor_us),
-        "vs_floor_single": vs_floor(mine["p50_us"], single_us),
-        "vs_floor_network": vs_floor(mine["p50_us"], network_us),
-        "vs_baseline": mine["p50_us"] / base["p50_us"] if base else None,
-        **_work_fields(mine),
-        **({"auto_choice": mine["choice"]} if "choice" in mine else {}),
+        **floors,
+        "baseline_p50_us": base.p50_us if base else None,
+        "vs_floor": vs_floor(mine["p50_us"], floors["floor_p50_us"]),
+        "vs_floor_single": vs_floor(mine["p50_us"], floors["floor_single_p50_us"]),
+        "vs_floor_network": vs_floor(mine["p50_us"], floors["floor_network_p50_us"]),
+        "vs_baseline": mine["p50_us"] / base.p50_us if base else None,
+        **_work_fields(figures),
+        **({"auto_choice": figures.choice.choice} if figures.choice else {}),
         "correct": True,
         "supported": True,
         "references": {
-            name: {k: v for k, v in s.items() if not isinstance(v, dict)}
-            for name, s in summary["strategies"].items()
+            name: {k: v for k, v in s.flat().items() if not isinstance(v, dict)}
+            for name, s in summary.strategies.items()
             if name != spec.under_test
         },
-        **({"shapes": shape_entries(spec, summary["shapes"])} if "shapes" in summary else {}),
+        **({"shapes": shape_entries(spec, summary.shapes)} if summary.shapes else {}),
         **(_modes(spec, summary) if spec.scope is Scope.DISPATCH else {}),
     }
 
 
-def _work_fields(mine: dict) -> dict:
+def _work_fields(figures: StrategyFigures) -> dict:
     """The bytes a call packs, pickles and copies (where the collectives phase ran: on the
     ranks of a broadcast job)."""
-    if "work_leader" not in mine:
+    if figures.collectives is None:
         return {}
-    work, received = mine["work_leader"], mine["work_receiver_max"]
+    work, received = figures.collectives.work_leader, figures.collectives.work_receiver_max
     return {
         "packed_bytes_leader": work.get("packed_bytes", 0),
         "pickled_bytes_leader": work.get("pickled_bytes", 0),
@@ -450,53 +464,65 @@ def _work_fields(mine: dict) -> dict:
     }
 
 
-def _modes(spec, summary: dict) -> dict:
+def _modes(spec, summary: JobSummary) -> dict:
     """A dispatch job's ``modes`` (every mode timed, each beside its own family's floor and
     every floor of the job) and ``unsupported`` (the modes whose strategy refused)."""
-    timed = summary["strategies"]
-    floors = {f: timed[f]["p50_us"] for f in FLOORS.values() if f in timed}
+    timed = summary.strategies
+    floors = {f: timed[f].p50_us for f in FLOORS.values() if f in timed}
     rows = {}
     for name, figures in timed.items():
-        mode = Mode.parse(name)
+        mode = DispatchMode.parse(name)
         own = FLOORS[mode.kind]
         rows[name] = {
             "mode": name, "kind": mode.kind, "strategy": mode.strategy, "raw": mode.raw,
             "floor_mode": own,
-            **{k: v for k, v in figures.items() if not isinstance(v, dict)},
-            "vs_floor": vs_floor(figures["p50_us"], floors.get(own)),
-            "vs_floors": {f: figures["p50_us"] / p50 for f, p50 in floors.items()},
+            **{k: v for k, v in figures.flat().items() if not isinstance(v, dict)},
+            "vs_floor": vs_floor(figures.p50_us, floors.get(own)),
+            "vs_floors": {f: figures.p50_us / p50 for f, p50 in floors.items()},
         }  # fmt: skip
-    return {"modes": rows, "unsupported": summary.get("refused", {})}
+    return {"modes": rows, "unsupported": summary.refused or {}}
 
 
-def shape_entries(spec, shapes: list[dict]) -> list[dict]:
+def shape_entries(spec, shapes: list[ShapeFigures]) -> list[dict]:
     """The record's ``shapes``: per distinct shape, the strategy under test beside that
     shape's floor and pickled, timed in the same rounds (and its steady state, when run)."""
     out = []
     for entry in shapes:
-        shape, figures = entry["shape"], entry["strategies"]
+        shape, figures = entry.shape, entry.strategies
         mine, base = figures[spec.under_test], figures.get(spec.baseline)
-        p50, steady = mine["p50_us"], mine.get("steady_p50_us")
-        base_p50 = base["p50_us"] if base else None
+        p50, steady = mine.p50_us, mine.steady_p50_us
+        base_p50 = base.p50_us if base else None
+        floor_p50 = entry.floor.p50_us if entry.floor else None
         out.append(
             {
                 "batch_size": shape.batch_size,
                 "seq_len": shape.seq_len,
                 "dp_rows": list(shape.rows) if len(set(shape.rows)) > 1 else None,
                 "draw": shape.draw,
-                "calls": entry["calls"],
-                "payload_bytes": entry["payload_bytes"],
+                "calls": entry.calls,
+                "payload_bytes": entry.payload_bytes,
                 "p50_us": p50,
-                "floor_p50_us": entry.get("floor_p50_us"),
-                "floor_method": entry.get("floor_method"),
-                "vs_floor": vs_floor(p50, entry.get("floor_p50_us")),
+                "floor_p50_us": floor_p50,
+                "floor_method": entry.floor.method if entry.floor else None,
+                "vs_floor": vs_floor(p50, floor_p50),
                 "baseline_p50_us": base_p50,
                 "vs_baseline": _ratio(p50, base_p50),
                 "steady_p50_us": steady,
                 "vs_steady": _ratio(p50, steady),
-                "references": {n: f for n, f in figures.items() if n != spec.under_test},
+                "references": {
+                    n: _shape_reference(f) for n, f in figures.items() if n != spec.under_test
+                },
             }
         )
+    return out
+
+
+def _shape_reference(figures: ShapeStrategyFigures) -> dict:
+    """A reference's figures on one shape, as records have always named them (the steady
+    p50 only where steady rounds ran)."""
+    out = {"p50_us": figures.p50_us}
+    if figures.steady_p50_us is not None:
+        out["steady_p50_us"] = figures.steady_p50_us
     return out
 
 

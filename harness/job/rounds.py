@@ -1,34 +1,18 @@
 """The measured part of every job, written once: interleaved rounds with the first strategy
-rotating, the statistics of the calls they time, and the verdict of the verification.
+rotating, and the statistics of the calls they time.
 
 Both job kinds are built on it. A broadcast job (``harness.job.broadcast``) times each call on
 the ranks, from the start line; a dispatch job (``harness.job.dispatch``) times it on the
 driver, from "the driver holds the global batch" until the last rank holds its chunk. That
-difference is the job's *scope* (``Scope``); what each round does, in which order, and how
-its times become a record's p50 is the same. Light (numpy only): the report reads ``Scope``.
+difference is the job's *scope* (``harness.job.spec.Scope``); what each round does, in which
+order, and how its times become a record's p50 is the same.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from enum import Enum
 
 import numpy as np
-
-
-class VerificationError(AssertionError):
-    """A rank ended with data that differs from its leader's; the message names rank and key."""
-
-
-class Scope(str, Enum):
-    """What a job's clock covers (the record's ``scope``)."""
-
-    BROADCAST = "broadcast"
-    """From the start line on the ranks, the leader holding its batch, to every rank holding
-    it (each rank times itself; a call costs the slowest rank's time)."""
-    DISPATCH = "dispatch+broadcast"
-    """From the driver holding the global batch to the last rank holding its chunk (the
-    driver's clock: chunking, Ray's object store and the strategy's broadcast)."""
 
 
 def rotated(order: Sequence[str], it: int) -> list[str]:
@@ -86,11 +70,3 @@ def timing_stats(seconds) -> dict[str, float]:
 def p50_us(seconds) -> float:
     """The median call, in microseconds."""
     return float(np.percentile(np.asarray(seconds, dtype=float), 50)) * 1e6
-
-
-def verdict(problems: Sequence[str], shown: int = 10) -> None:
-    """Raise VerificationError naming the first ``shown`` problems (each names its rank and
-    key); nothing when there are none."""
-    if problems:
-        more = f"; and {len(problems) - shown} more" if len(problems) > shown else ""
-        raise VerificationError("; ".join(problems[:shown]) + more)

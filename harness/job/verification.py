@@ -1,15 +1,25 @@
-"""Bit-for-bit checks of every rank's result against what its replica leader sent."""
+"""Bit-for-bit checks of every rank's result against what its replica leader sent, written once
+for every job kind: fingerprints (``digest``, ``tensor_digest``), the one comparison of a rank's
+batch with the expected one (``batch_problems``, ``bytes_problems``), and the job's verdict
+(``verdict``: ``VerificationError`` naming each rank and key). A broadcast job's ranks compare
+with their leader's fingerprint (``harness.job.broadcast``); a dispatch job's driver compares
+every rank's with the chunk it cut for that replica (``harness.job.dispatch``)."""
 
 from __future__ import annotations
 
 import hashlib
 import pickle
+from collections.abc import Sequence
 
 import torch
 
 from strategies import DataProto
 from strategies.core.contract import is_non_tensor_leaf, leaves
 from strategies.core.parts import as_bytes
+
+
+class VerificationError(AssertionError):
+    """A rank ended with data that differs from its leader's; the message names rank and key."""
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -81,3 +91,41 @@ def compare(expected: dict, got: dict, rank: int, strategy: str) -> list[str]:
         bad = sorted(k for k in set(exp) | set(g) if exp.get(k) != g.get(k))
         problems.append(f"{where}: non_tensor_batch keys {bad} differ from the leader's")
     return problems
+
+
+def bytes_problems(name: str, rank: int, expected: str, got: str, source: str = "") -> list[str]:
+    """A raw method's received bytes (a floor's) against the sent ones, by fingerprint."""
+    if got == expected:
+        return []
+    return [f"{name}: rank {rank}: received bytes differ" + (f" from {source}" if source else "")]
+
+
+def batch_problems(
+    name: str,
+    rank: int,
+    expected: dict,
+    got: dict,
+    *,
+    meta_changed: bool,
+    non_tensor_sent: bool,
+    receiver: bool,
+) -> list[str]:
+    """Every way a rank's batch (fingerprinted with its non-tensor batch: ``digest(dp, True)``)
+    differs from the expected one: non-tensor data that arrived although the batch did not ask
+    for it (on a receiver), a changed ``meta_info``, then key by key (``compare``). Where the
+    non-tensor batch was not sent, it is not compared."""
+    if not non_tensor_sent:
+        if receiver and got["non_tensor"]:
+            return [f"{name}: rank {rank}: non_tensor_batch arrived although not flagged"]
+        expected, got = dict(expected, non_tensor=None), dict(got, non_tensor=None)
+    if meta_changed:
+        return [f"{name}: rank {rank}: meta_info changed"]
+    return compare(expected, got, rank, name)
+
+
+def verdict(problems: Sequence[str], shown: int = 10) -> None:
+    """Raise VerificationError naming the first ``shown`` problems (each names its rank and
+    key); nothing when there are none."""
+    if problems:
+        more = f"; and {len(problems) - shown} more" if len(problems) > shown else ""
+        raise VerificationError("; ".join(problems[:shown]) + more)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from harness.files import write_atomic, write_figure
-from harness.job.rounds import Scope
+from harness.job.spec import Scope
 from harness.report.figures import RAY_FIGURE, dispatch_frame, plot_ray_dispatch, save_figures
 from harness.report.tables import (
     BASELINE,

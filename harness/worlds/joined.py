@@ -27,9 +27,9 @@ from typing import Any
 import torch.distributed as dist
 
 from harness.worlds.emulated import adopt_worker_env, link_counter
-from harness.worlds.forked import RankContext, _device_for, where
 from harness.worlds.launcher import Launch, env_int
 from harness.worlds.protocol import RankFn, WorldError, group_by_node
+from harness.worlds.rank import RankContext, device_for, where
 
 SILENT_EXIT = 124
 """Exit status of a joined rank that stopped responding outside any collective."""
@@ -173,7 +173,7 @@ class JoinedWorld:
             dist.init_process_group(self.backend, timeout=timeout)
         rank, self.world_size = dist.get_rank(), dist.get_world_size()
         local = int(os.environ.get("LOCAL_RANK", 0))
-        device = _device_for(self.backend, self.device, local)
+        device = device_for(self.backend, self.device, local)
         self.ctx = RankContext(
             rank, self.world_size, self.backend, device, link_counter=link_counter()
         )

@@ -28,19 +28,18 @@ world is made from (``harness.job.execute.world_spec`` reads it from a job's con
 
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harness.errors import ConfigError
 from harness.worlds.emulated_network import EmulateConf
-from harness.worlds.protocol import REGISTRY, Reused, World
+from harness.worlds.protocol import REGISTRY
 
 if TYPE_CHECKING:  # an annotation only; the Ray world is imported when one is opened
     from harness.worlds.ray_world import RayConf
@@ -198,79 +197,10 @@ class WorldSpec:
         return key
 
 
-def _forked(spec: WorldSpec) -> World:
-    from harness.worlds.forked import ForkedWorld  # imported when opened: it imports this module
-
-    return ForkedWorld(spec.world_size, spec.backend, spec.device, spec.timeout_s)
-
-
-def _joined(spec: WorldSpec) -> World:
-    from harness.worlds.joined import JoinedWorld  # imported when opened: it imports this module
-
-    atexit.unregister(leave_joined)  # once, however many times a process joins
-    atexit.register(leave_joined)
-    return JoinedWorld(spec.launch, spec.backend, spec.device, spec.timeout_s)
-
-
-def _ray(spec: WorldSpec) -> World:
-    from harness.worlds.ray_world import RayWorld  # imported when opened: it imports this module
-
-    return RayWorld(spec.world_size, replace(spec.ray, dispatch="none"))
-
-
-def _emulated(spec: WorldSpec) -> World:
-    from harness.worlds.emulated import (
-        EmulatedWorld,  # imported when opened: it imports this module
-    )
-
-    return EmulatedWorld(
-        spec.emulate, spec.world_size, spec.log_dir, spec.timeout_s, spec.backend, spec.device
-    )
-
-
-KINDS: dict[str, Callable[[WorldSpec], World]] = {
-    FORKED: _forked, JOINED: _joined, RAY: _ray, EMULATED: _emulated,
-}  # fmt: skip
-"""How each kind of world is made from its spec (imported when chosen: the forked world
-imports megatron-core as it loads, Ray is an optional extra)."""
-ALONE = {JOINED, RAY, EMULATED}
-"""Kinds a process holds one of at most: one default process group, one Ray session, one
-emulated cluster (its signal handlers and namespaces)."""
-
-
-def open_world(spec: WorldSpec) -> World:
-    """The live world for ``spec``, reused across a sweep's jobs, or a new one started. A live
-    world whose collectives time out sooner than this job's ``timeout_s`` allows (a forked
-    world started for a job with a shorter limit) is started again, so the limit means the
-    same for every job of a sweep."""
-    return REGISTRY.get(
-        spec.reuse_key, lambda: KINDS[spec.kind](spec).start(), alone=spec.kind in ALONE,
-        fits=lambda world: getattr(world, "collective_timeout_s", math.inf) >= spec.timeout_s,
-    )  # fmt: skip
-
-
-def reused_world(spec: WorldSpec) -> Reused:
-    """A handle on the registry's world for ``spec`` that outlives a torn-down world: each
-    task goes to the live one, started again when an earlier task tore it down (a test
-    session's worlds)."""
-    return REGISTRY.reused(
-        spec.reuse_key, lambda: KINDS[spec.kind](spec).start(), alone=spec.kind in ALONE,
-        timeout_s=spec.timeout_s,
-    )  # fmt: skip
-
-
 def forked_spec(world_size: int, timeout_s: float = 120.0) -> WorldSpec:
     """A forked gloo world of ``world_size`` ranks on CPU, as a plain ``bcastbench run`` of
     that size gets (tests and the pytest plugin share it with in-process jobs)."""
     return WorldSpec(Launch(FORKED, "local"), world_size, timeout_s=timeout_s)
-
-
-# -- names the rest of the harness and its tests call -----------------------------------------
-def ray_world(world_size: int, conf) -> World:
-    """This process's Ray world of ``world_size`` ranks and ``conf`` (``RayConf``), from the
-    registry as a ``world=ray`` job would open it."""
-    return open_world(WorldSpec(Launch(RAY, "ray"), world_size, conf.backend, conf.device,
-                                conf.timeout_s, ray=conf))  # fmt: skip
 
 
 def close_ray(kill: bool = False) -> None:

@@ -192,6 +192,6 @@ class Reused:
 
 
 REGISTRY = WorldRegistry()
-"""This process's live worlds: the run path (``harness.worlds.launcher.open_world``), the test
+"""This process's live worlds: the run path (``harness.worlds.opening.open_world``), the test
 session's worlds (tests/conftest.py) and the pytest plugin's (``harness.pytest_plugin``)."""
 atexit.register(REGISTRY.close_all)

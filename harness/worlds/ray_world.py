@@ -10,12 +10,15 @@ verification. ``RayWorld.submit``/``collect`` also let a driver hand each rank i
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import secrets
 import shutil
+import signal
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,8 +30,8 @@ import psutil
 from harness import paths
 from harness.worlds import ray_reaper
 from harness.worlds.emulated import LINKS_ENV, link_counter
-from harness.worlds.forked import RankContext, _device_for, rendezvous_store, where
 from harness.worlds.protocol import WorldError, group_by_node
+from harness.worlds.rank import RankContext, device_for, rendezvous_store, where
 from harness.worlds.ray_network import PrivateNetwork
 
 NODE_RESOURCE = "bcb_node"
@@ -44,6 +47,8 @@ DEATH_GRACE_S = 3.0
 
 PROGRESS_POLL_S = 2.0
 """How often the driver asks waiting ranks where they are."""
+WAIT_SLICE_S = 0.2
+"""The longest one wait on Ray lasts before the driver looks for a Ctrl-C (``ctrl_c_as_a_flag``)."""
 LEAVE_S, CLOSE_GRACE_S, KILL_GRACE_S = 10.0, 15.0, 2.0
 """Closing a world: how long ranks get to leave the torch.distributed world, and how long the
 private cluster's processes get to end by themselves (after a clean close) or after SIGTERM
@@ -250,7 +255,7 @@ class RankActor:
         if ifname:
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
         # Ray pins each GPU bundle's actor to one visible device, so any index maps to 0.
-        dev = _device_for(self.backend, self.device, self.rank)
+        dev = device_for(self.backend, self.device, self.rank)
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             self.backend,
@@ -502,14 +507,14 @@ class RayWorld:
 
         bundles = [self._bundle(r) for r in range(self.world_size)]
         self._pg = placement_group(bundles, strategy=self.conf.placement)
-        try:
-            ray.get(self._pg.ready(), timeout=self.conf.start_timeout_s)
-        except ray.exceptions.GetTimeoutError:
+        with ctrl_c_as_a_flag() as check:
+            ready = _wait_for(ray, [self._pg.ready()], self.conf.start_timeout_s, check)
+        if not ready:
             raise WorldError(
                 f"the placement group of {self.world_size} bundles ({bundles[0]} for rank 0, "
                 f"{self.conf.placement}) was not placed within {self.conf.start_timeout_s:.0f} s; "
                 f"the cluster offers {ray.cluster_resources()}"
-            ) from None
+            )
         remote = ray.remote(RankActor)
         self.actors = [
             remote.options(
@@ -622,14 +627,18 @@ class RayWorld:
     def collect(self, refs: list, what: str, timeout_s: float | None = None) -> list[Any]:
         """Every rank's answer in rank order. A rank that fails or dies, or that reports no
         progress for ``timeout_s`` (as in a forked world: the limit is on silence, not on the
-        job's length), tears the world down and raises WorldError naming it and its phase."""
+        job's length), tears the world down and raises WorldError naming it and its phase. A
+        Ctrl-C while it waits raises KeyboardInterrupt within ``WAIT_SLICE_S``."""
+        with ctrl_c_as_a_flag() as check:
+            return self._collect(refs, what, timeout_s or self.conf.timeout_s, check)
+
+    def _collect(self, refs: list, what: str, limit: float, check: Callable[[], None]):
         ray = self._ray
-        limit = timeout_s or self.conf.timeout_s
         rank_of = {ref: r for r, ref in enumerate(refs)}
         pending, results = list(refs), {}
         started = time.monotonic()
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=PROGRESS_POLL_S)
+            ready, pending = _wait_one(ray, pending, PROGRESS_POLL_S, check)
             if not ready:
                 silent = self._silent_ranks(
                     [rank_of[r] for r in pending], limit, time.monotonic() - started
@@ -691,3 +700,64 @@ class RayWorld:
             except Exception:
                 continue
         return rank, exc
+
+
+@contextlib.contextmanager
+def ctrl_c_as_a_flag():
+    """While the driver waits on Ray, a Ctrl-C is a flag, raised as KeyboardInterrupt from the
+    driver's own loop (``check()`` between waits), not from inside Ray.
+
+    Ray's wait runs Python's signal handlers from inside its C++ loop and drops the
+    KeyboardInterrupt Python's default handler raises there: a driver blocked in ``ray.wait``
+    never saw its Ctrl-C and ran the job on (a sweep's Ctrl-C ended only when the SIGINT had
+    also killed the cluster's processes and the driver noticed, which a loaded machine took
+    longer than 30 s to do). Off the main thread, or where SIGINT is not Python's to handle
+    (ignored, or the C default), nothing changes."""
+    if _FLAG:  # a wait inside a wait: the outer one owns the signal
+        yield _FLAG[-1]
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield lambda: None
+        return
+    seen: list[int] = []
+
+    def check() -> None:
+        if seen:
+            signal.signal(signal.SIGINT, previous)
+            previous(signal.SIGINT, None)  # Python's default raises KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    _FLAG.append(check)
+    try:
+        yield check
+        check()
+    finally:
+        _FLAG.pop()
+        signal.signal(signal.SIGINT, previous)
+
+
+_FLAG: list[Callable[[], None]] = []
+"""The check of the wait that owns SIGINT now (at most one: the outermost)."""
+
+
+def _wait_one(ray, pending: list, timeout_s: float, check: Callable[[], None]):
+    """``ray.wait(pending, num_returns=1, timeout=timeout_s)`` in slices of ``WAIT_SLICE_S``,
+    ``check`` (a Ctrl-C) between them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        check()
+        left = deadline - time.monotonic()
+        ready, rest = ray.wait(pending, num_returns=1, timeout=max(0.0, min(WAIT_SLICE_S, left)))
+        if ready or left <= WAIT_SLICE_S:
+            return ready, rest
+
+
+def _wait_for(ray, refs: list, timeout_s: float, check: Callable[[], None]) -> bool:
+    """Whether every one of ``refs`` is ready within ``timeout_s`` (``_wait_one`` slices)."""
+    deadline, pending = time.monotonic() + timeout_s, list(refs)
+    while pending:
+        _, pending = _wait_one(ray, pending, max(0.0, deadline - time.monotonic()), check)
+        if pending and time.monotonic() >= deadline:
+            return False
+    return True

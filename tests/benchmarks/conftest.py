@@ -76,9 +76,10 @@ def mode() -> BenchMode:
 def bench_world(world4):
     """The session's 4-rank world with the benchmark layout's groups already built, so neither
     process start-up nor megatron-core group creation falls inside a benchmark round."""
-    from harness.job.broadcast import JobSpec, run_job_on_rank
+    from harness.job.execute import run_job
+    from harness.job.spec import JobSpec
     from strategies.core.layout import Layout
 
     warm = JobSpec("flat", Layout(pp=2, tp=2), batch_size=1, seq_len=64, iters=1, warmup=0)
-    world4.run(run_job_on_rank, warm, what="warming the benchmark world")
+    run_job(world4, warm)
     return world4

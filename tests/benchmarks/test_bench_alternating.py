@@ -14,8 +14,8 @@ import statistics
 import pytest
 from bounds import ALTERNATING, ALTERNATING_STRATEGIES, VS_STEADY
 
-from harness.job.broadcast import JobSpec, run_job_on_rank, summarize
-from harness.job.records import shape_entries
+from harness.job.execute import run_job
+from harness.job.spec import JobSpec
 from harness.payload.workload import build
 from strategies.core.layout import Layout
 
@@ -49,8 +49,7 @@ def test_alternating_shapes_pay_their_own_size(bench_world, mode, strategy, reco
     spec = alternating_spec(strategy, mode)
     rounds = []
     for _ in range(mode.rounds):
-        summary = summarize(spec, bench_world.run(run_job_on_rank, spec, what=f"{strategy} job"))
-        rounds.append(shape_entries(spec, summary["shapes"]))
+        rounds.append(run_job(bench_world, spec)["shapes"])
     names = [f"b{s['batch_size']} ({s['payload_bytes']:,} B)" for s in rounds[0]]
     median = [statistics.median(r[k]["vs_steady"] for r in rounds) for k in range(len(names))]
     record_property("vs_steady", dict(zip(names, median)))

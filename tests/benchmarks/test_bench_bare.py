@@ -18,7 +18,8 @@ import statistics
 import pytest
 from bare_world import BareWorld
 
-from harness.job.broadcast import JobSpec, run_job_on_rank, summarize
+from harness.job.execute import run_job
+from harness.job.spec import JobSpec
 from strategies.core.layout import Layout
 
 BOUNDS_BARE = {"full": 1.05, "short": 1.5}
@@ -41,9 +42,9 @@ def test_harness_floor_is_as_fast_as_a_bare_world(bench_world, mode, record_prop
     rounds = []
     with BareWorld(4) as bare:
         for _ in range(mode.rounds):
-            summary = summarize(spec, bench_world.run(run_job_on_rank, spec, what="floor job"))
-            harness_us = summary["strategies"]["floor"]["p50_us"]
-            bare_us = bare.p50_us(summary["payload_bytes"], mode.iters, mode.warmup)
+            record = run_job(bench_world, spec)
+            harness_us = record["p50_us"]  # the floor is the strategy under test
+            bare_us = bare.p50_us(record["payload_bytes"], mode.iters, mode.warmup)
             rounds.append({"harness_p50_us": harness_us, "bare_p50_us": bare_us})
     ratios = [r["harness_p50_us"] / r["bare_p50_us"] for r in rounds]
     ratio = statistics.median(ratios)

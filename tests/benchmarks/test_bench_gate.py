@@ -22,7 +22,8 @@ from collections import Counter
 import pytest
 from bounds import AUTO_FIXED, AUTO_OVER_PICK, AUTO_VS_BEST, BOUNDS, MIN_VS_FLOOR, SIZES
 
-from harness.job.broadcast import JobSpec, run_job_on_rank, summarize
+from harness.job.execute import run_job
+from harness.job.spec import JobSpec
 from strategies.core.layout import Layout
 
 LAYOUT = ("tp2pp2", Layout(pp=2, tp=2))
@@ -35,7 +36,7 @@ held against (the floor's raw methods and pickled come with every job)."""
 
 @pytest.fixture(scope="module")
 def side_by_side(bench_world, mode):
-    """``get(size)``: the summaries of ``mode.rounds`` jobs, each timing every strategy of
+    """``get(size)``: the records of ``mode.rounds`` jobs, each timing every strategy of
     ``TIMED`` side by side at that size, with each job's wall time; run on first use.
     ``get(size, again=True)``: a fresh set of rounds (a failed case's second measurement),
     which that size's later cases read too."""
@@ -54,10 +55,9 @@ def side_by_side(bench_world, mode):
                 references=tuple(dict.fromkeys(("floor", "pickled", *TIMED[1:]))),
             )
             rounds = []
-            for i in range(mode.rounds):
+            for _ in range(mode.rounds):
                 t0 = time.perf_counter()
-                results = bench_world.run(run_job_on_rank, spec, what=f"{size} round {i}")
-                rounds.append((summarize(spec, results), time.perf_counter() - t0))
+                rounds.append((run_job(bench_world, spec), time.perf_counter() - t0))
             made[size] = rounds
         return made[size]
 
@@ -92,11 +92,10 @@ def test_bench_gate(benchmark, side_by_side, mode, strategy: str, size: str):
         job = next(jobs, None)
         if job is None:  # a call past the rounds (pytest-benchmark's cprofile pass)
             return None
-        summary, job_wall_s = job
-        mine = summary["strategies"][strategy]
-        clock.now_s += mine["p50_us"] / 1e6
-        rounds.append(round_record(summary, strategy, job_wall_s))
-        return summary
+        record, job_wall_s = job
+        clock.now_s += figures(record, strategy)["p50_us"] / 1e6
+        rounds.append(round_record(record, strategy, job_wall_s))
+        return record
 
     if hasattr(benchmark, "_timer"):
         benchmark._timer = clock  # a private attribute of pytest-benchmark (4.x and 5.x)
@@ -153,20 +152,27 @@ def test_bench_gate(benchmark, side_by_side, mode, strategy: str, size: str):
         )  # fmt: skip
 
 
-def round_record(summary: dict, strategy: str, job_wall_s: float) -> dict:
+def figures(record: dict, name: str) -> dict:
+    """Strategy ``name``'s figures in a job's record: its own fields when it is the strategy
+    under test, else its entry among the references timed beside it."""
+    return record if record["strategy"] == name else record["references"][name]
+
+
+def round_record(record: dict, strategy: str, job_wall_s: float) -> dict:
     """One round's figures: the strategy beside the honest floor (the fastest raw method of the
-    job, ``runner.best_floor``), the single broadcast and pickled, all from the same job."""
-    mine = summary["strategies"][strategy]
-    single_us = summary["strategies"]["floor"]["p50_us"]
-    floor_us = summary.get("floor_p50_us", single_us)
-    network_us = summary.get("floor_network_p50_us") or single_us
-    base_us = summary["strategies"]["pickled"]["p50_us"]
+    job, ``harness.job.summary.best_floor``), the single broadcast and pickled, all from the
+    same job."""
+    mine = figures(record, strategy)
+    single_us = figures(record, "floor")["p50_us"]
+    floor_us = record["floor_p50_us"] or single_us
+    network_us = record["floor_network_p50_us"] or single_us
+    base_us = figures(record, "pickled")["p50_us"]
     return {
-        "payload_bytes": summary["payload_bytes"],
+        "payload_bytes": record["payload_bytes"],
         "p50_us": mine["p50_us"],
         "p90_us": mine["p90_us"],
         "floor_p50_us": floor_us,
-        "floor_method": summary.get("floor_method", "one"),
+        "floor_method": record["floor_method"] or "one",
         "floor_single_p50_us": single_us,
         "baseline_p50_us": base_us,
         "vs_floor": mine["p50_us"] / floor_us,
@@ -174,7 +180,7 @@ def round_record(summary: dict, strategy: str, job_wall_s: float) -> dict:
         "vs_floor_single": mine["p50_us"] / single_us,
         "vs_baseline": mine["p50_us"] / base_us,
         "collectives_per_call": mine["collectives_per_call"],
-        "auto_choice": mine.get("choice"),
+        "auto_choice": mine.get("choice", mine.get("auto_choice")),
         "job_wall_s": job_wall_s,
     }
 
@@ -210,9 +216,13 @@ def test_auto_vs_best_fixed(side_by_side, mode, size: str, record_property):
     is within ``AUTO_VS_BEST`` of the best fixed strategy, and auto within ``AUTO_OVER_PICK``
     of the strategy it served with (what deciding costs per call)."""
     rounds = []
-    for summary, _ in side_by_side(size):
-        s = summary["strategies"]
-        rounds.append({"choice": s["auto"].get("choice"), "p50_us": {n: s[n]["p50_us"] for n in s}})
+    for record, _ in side_by_side(size):
+        names = [record["strategy"], *record["references"]]
+        auto = figures(record, "auto")
+        rounds.append({
+            "choice": auto.get("choice", auto.get("auto_choice")),
+            "p50_us": {n: figures(record, n)["p50_us"] for n in names},
+        })  # fmt: skip
     median = {n: statistics.median(r["p50_us"][n] for r in rounds) for n in rounds[0]["p50_us"]}
     best = min(AUTO_FIXED, key=median.get)
     picked = Counter(r["choice"] for r in rounds).most_common(1)[0][0]

@@ -60,7 +60,7 @@ def test_two_node_dispatch_crosses_once_per_node_with_all_ranks(tmp_path):
         assert emulated.main(argv) == 0
     finally:
         emulated.close_cluster()  # the cluster a sweep would reuse, stopped here, not at exit
-    (record,) = json.loads((tmp_path / "job" / "dispatch.json").read_text())
+    record = json.loads((tmp_path / "job" / "result.json").read_text())
     # The command as one would type it again (hydra.* settings are left out).
     assert record["command"].endswith(shlex.join(argv[:-1])), record["command"]
     assert record["correct"] and record["scope"] == "dispatch+broadcast"

@@ -563,8 +563,8 @@ def test_the_pytest_plugin_refuses_an_unsafe_recording_before_any_rank(tmp_path)
     driver: code in a pickle is refused in one line naming the trust flag."""
     import pickle
 
-    from harness.job.broadcast import JobSpec
-    from harness.pytest_plugin import _check_recorded
+    from harness.job.spec import JobSpec
+    from harness.pytest_plugin.jobs import check_payload
     from strategies.core.layout import Layout
 
     marker = tmp_path / "ran"
@@ -577,19 +577,19 @@ def test_the_pytest_plugin_refuses_an_unsafe_recording_before_any_rank(tmp_path)
     path.write_bytes(pickle.dumps(Evil()))
     spec = JobSpec("header", Layout(tp=2, pp=2), payload="file", payload_path=str(path))
     with pytest.raises(ValueError, match="payload.trust=true") as err:
-        _check_recorded(spec)
+        check_payload(spec)
     assert len(str(err.value).splitlines()) == 1 and not marker.exists()
 
 
 def test_the_pytest_plugin_prices_a_generated_payload_before_any_rank():
     """A batch no machine holds (a typo'd batch_size in a user's CI) is one line before the
     world is asked for, priced as bcastbench run prices it."""
-    from harness.job.broadcast import JobSpec
-    from harness.pytest_plugin import _check_recorded
+    from harness.job.spec import JobSpec
+    from harness.pytest_plugin.jobs import check_payload
     from strategies.core.layout import Layout
 
     spec = JobSpec("header", Layout(tp=2, pp=2), batch_size=10**12, seq_len=512)
     with pytest.raises(ValueError, match=r"of 1000000000000 rows × 512 tokens takes") as err:
-        _check_recorded(spec)
+        check_payload(spec)
     assert len(str(err.value).splitlines()) == 1
-    _check_recorded(JobSpec("header", Layout(tp=2, pp=2), batch_size=2, seq_len=512))
+    check_payload(JobSpec("header", Layout(tp=2, pp=2), batch_size=2, seq_len=512))

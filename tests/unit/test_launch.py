@@ -11,7 +11,7 @@ import pytest
 
 from harness.errors import ConfigError
 from harness.job.records import layout_name
-from harness.worlds import launcher
+from harness.worlds import launcher, opening
 from harness.worlds.launcher import (
     EMULATED,
     FORKED,
@@ -207,10 +207,11 @@ def test_layout_name_describes_the_shape(layout, name):
 def test_record_of_an_overridden_preset_names_its_shape():
     """The record path itself (records.build), for a preset overridden to another shape."""
     from harness.job import records
-    from harness.job.broadcast import JobSpec
+    from harness.job.results import Refusal
+    from harness.job.spec import JobSpec
 
     spec = JobSpec("header", Layout(pp=2, tp=1, order=SEED_ORDER))
-    rec = records.build(spec, {"unsupported": "header: not here"})
+    rec = records.build(spec, Refusal("header: not here"))
     assert (rec["layout"], rec["world_size"], rec["order"]) == (f"pp2@{SEED_ORDER}", 2, SEED_ORDER)
     assert rec["status"] == "unsupported" and rec["supported"] is False
     failed = records.failed(spec, RuntimeError("rank 1 exited\n--- traceback ---"))
@@ -243,12 +244,12 @@ def test_a_sweep_job_with_a_longer_limit_gets_a_world_whose_collectives_wait_for
             self.alive = False
 
     monkeypatch.setattr(launcher, "REGISTRY", WorldRegistry())
-    monkeypatch.setitem(launcher.KINDS, launcher.FORKED, Fake)
-    first = launcher.open_world(launcher.forked_spec(4, timeout_s=60))
-    assert launcher.open_world(launcher.forked_spec(4, timeout_s=30)) is first
-    longer = launcher.open_world(launcher.forked_spec(4, timeout_s=600))
+    monkeypatch.setitem(opening.KINDS, launcher.FORKED, Fake)
+    first = opening.open_world(launcher.forked_spec(4, timeout_s=60))
+    assert opening.open_world(launcher.forked_spec(4, timeout_s=30)) is first
+    longer = opening.open_world(launcher.forked_spec(4, timeout_s=600))
     assert longer is not first and not first.alive and longer.collective_timeout_s == 605
-    assert launcher.open_world(launcher.forked_spec(4, timeout_s=120)) is longer
+    assert opening.open_world(launcher.forked_spec(4, timeout_s=120)) is longer
     assert len(Fake.started) == 2
 
 

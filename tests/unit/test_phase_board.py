@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 
-from harness.worlds.forked import PHASE_BYTES, PhaseBoard
+from harness.worlds.forked_rank import PHASE_BYTES, PhaseBoard
 
 
 def board(n: int = 2) -> PhaseBoard:

@@ -11,7 +11,7 @@ import types
 import pytest
 
 from harness.job import records
-from harness.job.broadcast import JobSpec
+from harness.job.spec import JobSpec
 from harness.report import collect, tables
 from strategies.core.layout import Layout
 

@@ -25,12 +25,12 @@ def nothing_starts(monkeypatch):
     """Every way these tools start a world, a cluster or a job, made to fail the test."""
     from harness.commands import emulated_table as table
     from harness.commands import ray_emulated as emulated
-    from harness.worlds import launcher
+    from harness.worlds import opening
 
     def started(*args, **kwargs):
         raise AssertionError("a world, cluster or job started")
 
-    monkeypatch.setattr(launcher, "ray_world", started)
+    monkeypatch.setattr(opening, "ray_world", started)
     monkeypatch.setattr(emulated, "cluster", started)
     monkeypatch.setattr(table, "run_jobs", started)
 
@@ -147,8 +147,9 @@ def test_a_dispatch_job_whose_mode_is_refused_is_one_record_and_one_line():
     """A dispatch job is a JobSpec of the other scope: the one record builder writes it, and a
     refusal of the mode under test prints as the job's one line, not a table."""
     from harness.commands.ray_dispatch import format_table
-    from harness.job.broadcast import JobSpec
     from harness.job.records import build
+    from harness.job.results import Refusal
+    from harness.job.spec import JobSpec
     from strategies.core.layout import Layout
 
     spec = JobSpec("tensordict_broadcast", Layout(dp=2, tp=2), dispatch="leader", world="ray")
@@ -158,7 +159,7 @@ def test_a_dispatch_job_whose_mode_is_refused_is_one_record_and_one_line():
     assert [m.name for m in spec.dispatch_modes()] == [
         "leader:tensordict_broadcast", "leader:floor"
     ]  # fmt: skip
-    record = build(spec, {"unsupported": "leader:tensordict_broadcast: dp=2 replicas"})
+    record = build(spec, Refusal("leader:tensordict_broadcast: dp=2 replicas"))
     assert record["status"] == "unsupported" and record["mode"] == "leader:tensordict_broadcast"
     line = format_table(record)
     assert "UNSUPPORTED" in line and "dp=2 replicas" in line, line

@@ -9,9 +9,11 @@ import pytest
 from cli_support import cfg_of
 
 from harness.errors import ConfigError
-from harness.job.broadcast import JobSpec, summarize
 from harness.job.config import validate, workload_of
 from harness.job.records import FIELDS, build, complete, type_problems, vs_floor
+from harness.job.results import RankResult
+from harness.job.spec import JobSpec
+from harness.job.summary import summarize
 from harness.payload.workload import CallShape, WorkloadError, drawn_rows
 from harness.payload.workload import build as build_workload
 from harness.report.tables import shapes_table
@@ -94,23 +96,24 @@ def test_workload_error_is_a_value_error():
         build_workload({"batch_size": 1, "cycle": [{}], "draws": -1}, 1, 8, recorded=False)
 
 
-def _rank_result(rank: int, leader: bool, times: dict, steady: dict | None) -> dict:
+def _rank_result(rank: int, leader: bool, times: dict, steady: dict | None) -> RankResult:
     names = list(times)
-    return {
-        "rank": rank,
-        "is_leader": leader,
-        "times_s": times,
-        **({"steady_s": steady} if steady else {}),
-        "collectives": {n: [] for n in names},
-        "work": {n: {} for n in names},
-        "peak_rss_bytes": dict.fromkeys(names, 1),
-        "peak_rss_delta_bytes": dict.fromkeys(names, 0),
-        "peak_cuda_bytes": dict.fromkeys(names, 0),
-        "problems": {n: [] for n in names},
-        "payload_bytes": 1000 if leader else None,
-        "shape_bytes": [1000, 10] if leader else None,
-        "device": "cpu",
-    }
+    return RankResult(
+        rank=rank,
+        is_leader=leader,
+        times_s=times,
+        steady_s=steady,
+        collectives={n: [] for n in names},
+        collectives_unavailable=dict.fromkeys(names),
+        work={n: {} for n in names},
+        peak_rss_bytes=dict.fromkeys(names, 1),
+        peak_rss_delta_bytes=dict.fromkeys(names, 0),
+        peak_cuda_bytes=dict.fromkeys(names, 0),
+        problems={n: [] for n in names},
+        payload_bytes=1000 if leader else None,
+        shape_bytes=[1000, 10] if leader else None,
+        device="cpu",
+    )
 
 
 def test_summary_and_record_list_every_shape_with_its_own_floor_and_steady_state():

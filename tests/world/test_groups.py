@@ -26,7 +26,7 @@ def megatron_groups_job(ctx, layout: Layout, order: str | None):
     jobs look them up (``ctx.groups_for``), so every strategy runs on exactly these."""
     from megatron.core import parallel_state
 
-    from harness.worlds.forked import _recording_new_groups
+    from harness.worlds.rank import _recording_new_groups
 
     ctx.cache = {k: v for k, v in ctx.cache.items() if k[0] != "groups"}
     ctx.release_groups()

@@ -13,9 +13,11 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 import strategies
-from harness.job.broadcast import JobSpec, run_job_on_rank, summarize
+from harness.job.execute import run_job
+from harness.job.spec import JobSpec
 from harness.job.verification import compare, digest
-from harness.worlds.forked import World, WorldError
+from harness.worlds.forked import ForkedWorld as World
+from harness.worlds.protocol import WorldError
 from strategies import NON_TENSOR_FLAG, ContractError, DataProto
 from strategies.core.layout import SEED_ORDER, Layout
 from strategies.core.plan import PayloadSpec, spec_of
@@ -153,10 +155,10 @@ def tensordict_library_job(ctx, ranks: list[int], src: int) -> tuple[str, str] |
 @pytest.mark.parametrize("name", PEERS)
 def test_runner_job_bit_exact(world4, name, layout):
     spec = JobSpec(strategy=name, layout=layout, batch_size=4, seq_len=64, iters=2, warmup=1)
-    record = summarize(spec, world4.run(run_job_on_rank, spec))
+    record = run_job(world4, spec)
     # A floor reference is timed as every raw method the layout allows (floor, floor:<method>).
-    assert {n.split(":")[0] for n in record["strategies"]} == {name, "floor", "pickled"}
-    assert record["strategies"][name]["p50_us"] > 0
+    assert {n.split(":")[0] for n in record["references"]} == {"floor", "pickled"}
+    assert record["strategy"] == name and record["p50_us"] > 0
 
 
 @pytest.mark.parametrize("with_non_tensor", [True, False], ids=["non_tensor", "tensors_only"])
@@ -252,7 +254,7 @@ def test_dp2_seed_order(world8):
     spec = JobSpec(
         strategy="pp_first", layout=DP2_SEED, batch_size=2, seq_len=32, iters=1, warmup=1
     )
-    summarize(spec, world8.run(run_job_on_rank, spec))
+    run_job(world8, spec)
     # tensordict's bug: refused on every rank before any collective, and the world survives.
     with pytest.raises(WorldError, match="TensorDictBroadcastBug.*dp=2 replicas"):
         world8.run(exotic_job, "tensordict_broadcast", DP2_SEED, True)

@@ -22,10 +22,11 @@ if not hasattr(ray, "init"):  # tests/verl_support.py registers a bare stand-in 
         'only a test stand-in for ray is loaded: pip install "ray==2.60.0"', allow_module_level=True
     )
 
-from harness.job.broadcast import JobSpec, run_job_on_rank, summarize  # noqa: E402
-from harness.job.dispatch import Mode, _Driver, _verify, run_dispatch  # noqa: E402
-from harness.job.records import build  # noqa: E402
-from harness.worlds.forked import WorldError  # noqa: E402
+from harness.job.broadcast import run_job_on_rank  # noqa: E402
+from harness.job.dispatch import DispatchMode, _Driver, _verify  # noqa: E402
+from harness.job.execute import run_job  # noqa: E402
+from harness.job.spec import JobSpec  # noqa: E402
+from harness.worlds.protocol import WorldError  # noqa: E402
 from harness.worlds.ray_world import RayConf  # noqa: E402
 from strategies.core.layout import Layout  # noqa: E402
 
@@ -55,9 +56,9 @@ def _ray_worlds():
 def ray_world(_ray_worlds):
     """The registry's live Ray world, as the run path opens it (its jobs reuse this one); a
     test after one that failed or closed the world gets a fresh world, not a dead one."""
-    from harness.worlds import launcher
+    from harness.worlds import opening
 
-    world = launcher.ray_world(4, CONF)
+    world = opening.ray_world(4, CONF)
     if not any(w is world for w in _ray_worlds):
         _ray_worlds.append(world)
     return world
@@ -74,7 +75,7 @@ def test_a_private_cluster_talks_over_loopback_only(ray_world):
 def dispatch_spec(layout: Layout, modes=("leader:header", "all_ranks"), **kw) -> JobSpec:
     """A dispatch job comparing ``modes`` (the first under test), as ``bcastbench ray-dispatch``
     makes one."""
-    first = Mode.parse(modes[0])
+    first = DispatchMode.parse(modes[0])
     return JobSpec(first.strategy or "", layout, dispatch=first.kind, modes=modes, **kw)
 
 
@@ -93,7 +94,7 @@ def test_modes_parse_and_floors_join():
         ("all_ranks:fast", "expected 'leader:<strategy>'"),
     ]:
         with pytest.raises(ValueError, match=says):
-            Mode.parse(bad)
+            DispatchMode.parse(bad)
 
 
 def test_verification_names_rank_and_key():
@@ -101,16 +102,16 @@ def test_verification_names_rank_and_key():
     drv = _Driver.build(dispatch_spec(Layout(dp=2, pp=2, tp=2), **SMALL))
     meta = drv.global_batch.meta_info
     out = [(0, (drv.expected[d], meta)) for d in drv.replica_of]
-    assert _verify(drv, Mode.parse("all_ranks"), out) == []
+    assert _verify(drv, DispatchMode.parse("all_ranks"), out) == []
     wrong = dict(drv.expected[0], keys=dict(drv.expected[0]["keys"]))
     wrong["keys"]["advantages"] = (*wrong["keys"]["advantages"][:2], "0" * 32)
     out[5] = (0, (wrong, meta))  # rank 5: replica 0, stage 1, tp rank 1
-    problems = _verify(drv, Mode.parse("all_ranks"), out)
+    problems = _verify(drv, DispatchMode.parse("all_ranks"), out)
     assert problems and all("rank 5" in p for p in problems)
     assert any("'advantages'" in p for p in problems)
     raw = [(0, h) for h in (drv.expected_raw[d] for d in drv.replica_of)]
     raw[2] = (0, "f" * 32)
-    assert _verify(drv, Mode.parse("all_ranks:raw"), raw) == [
+    assert _verify(drv, DispatchMode.parse("all_ranks:raw"), raw) == [
         "all_ranks:raw: rank 2: received bytes differ from chunk 1"  # rank 2: replica 1
     ]
 
@@ -119,9 +120,8 @@ def test_dispatch_modes_deliver_every_chunk(ray_world):
     """The driver runs the broadcast job's own phases (rounds, verification) through the
     dispatch scope's Job, and the one record builder writes its record."""
     spec = dispatch_spec(TP2PP2, iters=2, warmup=1, **SMALL)
-    summary = run_dispatch(ray_world, spec)  # raises VerificationError on any wrong byte
-    assert summary["floor_method"] == "leader:floor"
-    record = build(spec, summary)
+    record = run_job(ray_world, spec)  # raises VerificationError on any wrong byte
+    assert record["floor_method"] == "leader:floor"
     assert record["scope"] == "dispatch+broadcast" and record["correct"]
     assert record["mode"] == "leader:header" and record["vs_floor"] > 0
     assert set(record["modes"]) == {"leader:header", "all_ranks", "leader:floor", "all_ranks:raw"}
@@ -135,11 +135,11 @@ def test_dispatch_modes_deliver_every_chunk(ray_world):
 
 def test_forked_worlds_rank_job_runs_unchanged(ray_world):
     spec = JobSpec("header", TP2PP2, iters=2, warmup=1, references=("floor",), **SMALL)
-    summary = summarize(spec, ray_world.run(run_job_on_rank, spec))
+    record = run_job(ray_world, spec)
     # A floor reference is timed as every raw method the layout allows (floor, floor:<method>).
-    assert {n.split(":")[0] for n in summary["strategies"]} == {"header", "floor"}
-    assert "floor" in summary["strategies"] and summary["floor_method"]
-    assert summary["strategies"]["header"]["collectives_leader"] >= 1
+    assert {n.split(":")[0] for n in record["references"]} == {"floor"}
+    assert "floor" in record["references"] and record["floor_method"]
+    assert record["strategy"] == "header" and record["collectives_leader"] >= 1
 
 
 def test_bcastbench_run_world_ray_broadcast_and_dispatch(ray_world, tmp_path):
@@ -187,7 +187,7 @@ def test_bcastbench_run_world_ray_broadcast_and_dispatch(ray_world, tmp_path):
 
 def test_ray_dispatch_sweep_shares_one_world(ray_world, tmp_path):
     """``bcastbench ray-dispatch``, a two-job sweep on the module's Ray world (the jobs start
-    nothing): each record verified, written to its job directory, the sweep's list and
+    nothing): each record verified, written to its job directory (``result.json``) and
     ``out``, with the command that reruns that job."""
     import json
     import shlex
@@ -210,10 +210,9 @@ def test_ray_dispatch_sweep_shares_one_world(ray_world, tmp_path):
         "the sweep must reuse the running Ray world"
     )
     records = json.loads(out.read_text())
-    assert json.loads((tmp_path / "dispatch.json").read_text()) == records  # the sweep's list
     assert [r["batch_size"] for r in records] == [2, 4]
-    for rec, path in zip(records, sorted(tmp_path.glob("*/dispatch.json"))):
-        assert json.loads(path.read_text()) == [rec]
+    for rec, path in zip(records, sorted(tmp_path.glob("*/result.json"))):
+        assert json.loads(path.read_text()) == rec
         assert rec["correct"] and rec["world_size"] == 4
         assert set(rec["modes"]) == {"leader:header", "all_ranks", "leader:floor", "all_ranks:raw"}
         # Hydra writes a sweep job's values in its own escaped form (leader\:header): they
@@ -262,7 +261,7 @@ def test_a_hung_rank_is_named_with_its_phase_and_the_next_job_revives_the_ranks(
     the job fails within the limit and a few polls, naming that rank alone and its phase. The
     ranks are torn down (their processes gone) and the next job starts new ones on the same
     cluster, not a new cluster."""
-    from harness.worlds import launcher
+    from harness.worlds import opening
 
     healthy = JobSpec("header", TP2PP2, iters=2, warmup=0, **SMALL)
     t0 = time.monotonic()
@@ -284,7 +283,7 @@ def test_a_hung_rank_is_named_with_its_phase_and_the_next_job_revives_the_ranks(
         p for p in old_ranks if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
     ]
     cluster = ray_world._cluster_dir
-    again = launcher.ray_world(4, CONF)
+    again = opening.ray_world(4, CONF)
     assert again is ray_world and again.alive and again._cluster_dir == cluster
     assert not set(again.rank_pids) & set(old_ranks)
     again.run(run_job_on_rank, healthy)

@@ -19,7 +19,8 @@ from tensordict import TensorDict
 import strategies
 from harness.job.verification import compare, digest
 from harness.payload import source
-from harness.worlds.forked import World, WorldError
+from harness.worlds.forked import ForkedWorld as World
+from harness.worlds.protocol import WorldError
 from strategies.core.layout import SEED_ORDER, Layout
 from strategies.header import HeaderStrategy
 
@@ -347,7 +348,8 @@ def test_direct_refuses_leaves_over_max_bytes_on_every_rank(scratch_world):
 def test_large_messages_go_out_pipelined_and_arrive_whole(world4, name):
     """Above PIPELINE_MIN_BYTES the first message is SEGMENTS async broadcasts (packing
     overlaps sending); the runner verifies every rank bit for bit and counts them."""
-    from harness.job.broadcast import JobSpec, run_job_on_rank, summarize
+    from harness.job.execute import run_job
+    from harness.job.spec import JobSpec
     from strategies.core.wire import PIPELINE_MIN_BYTES, SEGMENTS
 
     spec = JobSpec(
@@ -359,8 +361,8 @@ def test_large_messages_go_out_pipelined_and_arrive_whole(world4, name):
         warmup=1,
         references=("floor",),
     )
-    summary = summarize(spec, world4.run(run_job_on_rank, spec))
-    assert summary["payload_bytes"] > PIPELINE_MIN_BYTES
-    mine = summary["strategies"][name]
+    record = run_job(world4, spec)
+    assert record["payload_bytes"] > PIPELINE_MIN_BYTES
+    mine = record
     hops = 1 if name == "flat" else 2  # tp2pp2: two hops on the ranks that forward
     assert mine["collectives_per_call"] == SEGMENTS * hops

@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 
 from harness.job import execute, records
-from harness.job.broadcast import JobSpec, summarize
-from harness.worlds.forked import ForkedWorld, RankContext
+from harness.job.spec import JobSpec
+from harness.worlds.forked import ForkedWorld
 from harness.worlds.protocol import RankFn, World, WorldError, WorldRegistry
+from harness.worlds.rank import RankContext
 from strategies.core.layout import Layout
 
 
@@ -108,8 +109,7 @@ def test_a_real_job_runs_on_the_toy_world_and_is_recorded(registry):
     world = registry.get(("in-process", 1), _start)
     assert registry.get(("in-process", 1), _start) is world, "a live world is reused"
     assert world.nodes == ((0,),)
-    ran = execute.run_job(world, SPEC, timeout_s=60.0)
-    record = {**records.build(SPEC, summarize(SPEC, ran.results), ran.world_start_s), **ran.fields}
+    record = execute.run_job(world, SPEC)
     assert record["status"] == "ok" and record["correct"] is True, record
     assert record["world_size"] == 1 and record["p50_us"] > 0
     assert record["world"] == "in-process"  # the world's own fields reach the record
@@ -120,12 +120,11 @@ def test_a_failing_rank_is_named_and_the_registry_starts_a_fresh_world(registry)
     world = registry.get(("in-process", 1), _start)
     bad = JobSpec("no_such_strategy", Layout(), batch_size=2, seq_len=32, iters=1, warmup=0)
     with pytest.raises(WorldError, match="rank 0 failed in job no_such_strategy"):
-        execute.run_job(world, bad, timeout_s=60.0)
+        execute.run_job(world, bad)
     assert not world.alive
     again = registry.get(("in-process", 1), _start)
     assert again is not world and again.alive
-    ran = execute.run_job(again, SPEC, timeout_s=60.0)
-    assert summarize(SPEC, ran.results)["strategies"]["header"]["p50_us"] > 0
+    assert execute.run_job(again, SPEC)["p50_us"] > 0
 
 
 def _groups_job(ctx, layout: Layout) -> int:
@@ -138,7 +137,7 @@ def test_a_forked_world_started_after_an_in_process_job_does_not_hang(registry):
     a rank forked afterwards must neither destroy it (its destructor would join the driver's
     threads forever) nor see megatron-core initialised."""
     world = registry.get(("in-process", 1), _start)
-    execute.run_job(world, SPEC, timeout_s=60.0)
+    execute.run_job(world, SPEC)
     world.close()
     forked = ForkedWorld(2, timeout_s=30).start()
     try:

@@ -8,8 +8,9 @@ Fixtures:
   table then shows the strategy's p50 per call (one value per round), not a job's wall time,
   and ``benchmark.extra_info`` carries the ratios.
 - ``bcastbench_job``: the same arguments; one interleaved, verified job (the strategy, every
-  floor method and ``pickled`` in the same rounds), its summary as a dict with ``vs_floor`` and
-  ``vs_baseline``. ``strategy`` is a registered name (built-in or from the
+  floor method and ``pickled`` in the same rounds) run by ``harness.job.execute.run_job`` as
+  every command runs one, its record (``result.json``'s fields: ``p50_us``, ``vs_floor``,
+  ``vs_baseline``, ``references``, ...). ``strategy`` is a registered name (built-in or from the
   ``bcastbench.strategies`` entry point) or a dotted ``package.module.Class``.
 - ``bcastbench_world``: ``bcastbench_world(n)`` returns a running gloo world of ``n`` forked
   ranks, started once per session and size (restarted if a failed job tore it down).
@@ -19,9 +20,9 @@ After the tests, a terminal section lists every test that ran jobs: the strategy
 the floor, ``vs_floor`` and ``vs_baseline`` (medians over its jobs), the figures a gate asserts
 on; assert on the ratios, never on absolute times.
 
-The harness is imported inside the fixtures, not at the top: pytest loads this plugin into every
-session of every project that installs bcastbench, and a session that asks for no fixture here
-should not pay for torch.
+The harness is imported inside the fixtures, not at the top (``harness.pytest_plugin.jobs``):
+pytest loads this plugin into every session of every project that installs bcastbench, and a
+session that asks for no fixture here should not pay for torch.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ from typing import Any
 
 import pytest
 
-from harness.paths import CONF_DIR
+from harness.units import human_bytes
 
 
 @dataclass(frozen=True)
-class Mode:
+class JobLength:
     name: str
     iters: int
     """Timed, interleaved iterations per job (strategy, floor and pickled each)."""
@@ -46,7 +47,7 @@ class Mode:
     """Jobs a gate should take the median over."""
 
 
-MODES = {"short": Mode("short", 8, 1, 3), "full": Mode("full", 30, 3, 7)}
+MODES = {"short": JobLength("short", 8, 1, 3), "full": JobLength("full", 30, 3, 7)}
 
 
 def pytest_addoption(parser) -> None:
@@ -60,122 +61,46 @@ def pytest_addoption(parser) -> None:
 
 
 @pytest.fixture(scope="session")
-def bcastbench_mode(request) -> Mode:
+def bcastbench_mode(request) -> JobLength:
     return MODES[request.config.getoption("--bcastbench-mode")]
+
+
+def _jobs():
+    """The plugin's heavy half (``harness.pytest_plugin.jobs``: torch, the job, the worlds)."""
+    # Lean: pytest loads this module into every session where bcastbench is installed; only a
+    # session that asks for a fixture here pays for torch.
+    from harness.pytest_plugin import jobs
+
+    return jobs
 
 
 @pytest.fixture(scope="session")
 def bcastbench_world():
     """A factory: ``bcastbench_world(n)`` is a running gloo world of n ranks (one per n)."""
-    import torch
-
-    from harness.worlds.launcher import forked_spec, open_world  # lean: module docstring
-    from harness.worlds.protocol import REGISTRY  # lean: module docstring
-
-    # Worlds fork this process: keep it single-threaded, or a fork after an OpenMP region can
-    # deadlock a rank.
-    torch.set_num_threads(1)
-    used: set[tuple] = set()
-
-    def world_of(n: int):
-        spec = forked_spec(n)
-        used.add(spec.reuse_key)
-        return open_world(spec)  # the registry's live world of n, or a fresh one
-
+    worlds = _jobs().Worlds()
     try:
-        yield world_of
+        yield worlds
     finally:
-        for key in used:
-            REGISTRY.close(key)
-
-
-def layout_named(layout: Any):
-    """A ``Layout`` from a conf/layout name (``"tp2pp2"``), a dict of fields, or a Layout."""
-    import yaml
-
-    from strategies.core.layout import Layout  # lean: module docstring
-
-    if isinstance(layout, Layout):
-        return layout
-    if isinstance(layout, dict):
-        return Layout(**layout)
-    path = CONF_DIR / "layout" / f"{layout}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in (CONF_DIR / "layout").glob("*.yaml"))
-        raise ValueError(f"unknown layout {layout!r}; valid names: {known}")
-    return Layout(**yaml.safe_load(path.read_text()))
+        worlds.close()
 
 
 @pytest.fixture
 def bcastbench_job(request, bcastbench_world, bcastbench_mode):
-    """A function running one verified job and returning its summary (see module docstring).
-    Every summary is also kept for the terminal section under this test's name."""
-    import strategies  # lean: module docstring
-    from harness.job.broadcast import (
-        JobSpec,
-        run_job_on_rank,
-        summarize,
-    )  # lean: module docstring
+    """A function running one verified job and returning its record (see module docstring);
+    a strategy that refuses the layout skips the test. Every record is also kept for the
+    terminal section under this test's name."""
 
     def job(strategy: str, layout: Any = "tp2pp2", options: dict | None = None, **spec) -> dict:
-        options = dict(options or {})
-        strategies.check_options(strategy, options)  # one line before any rank runs
-        the_layout = layout_named(layout)
         spec.setdefault("seq_len", 512)
         spec.setdefault("iters", bcastbench_mode.iters)
         spec.setdefault("warmup", bcastbench_mode.warmup)
-        if spec.get("payload_path"):  # as every rank can open it (a schema by its bare name)
-            from harness.payload.source import path_of  # lean: module docstring
-
-            spec["payload_path"] = path_of(spec.get("payload", ""), spec["payload_path"])
-        job_spec = JobSpec(strategy, the_layout, options=options, **spec)
-        _check_recorded(job_spec)
-        world = bcastbench_world(the_layout.world_size)
-        results = world.run(run_job_on_rank, job_spec, what=f"{strategy} job")
-        summary = _flat(strategy, summarize(job_spec, results))
-        summary["layout"] = layout if isinstance(layout, str) else _layout_text(the_layout)
-        summary["payload"] = job_spec.payload
-        record_job(request, summary)
-        return summary
+        record = _jobs().run(bcastbench_world, strategy, layout, options, spec)
+        if record["status"] == "unsupported":
+            pytest.skip(f"{strategy} refuses this layout: {record['error']}")
+        record_job(request, record)
+        return record
 
     return job
-
-
-def _check_recorded(spec) -> None:
-    """A recorded payload (payload="file" | "schema", payload_path=...) is read once here, by
-    the loader every command uses, so a bad or unsafe file fails the test with its one-line
-    reason before any rank starts (as ``bcastbench run`` refuses it before any rank); a
-    generated one is priced against the same limit."""
-    from harness.errors import ConfigError
-    from harness.job.config import check_size, per_leader  # lean: module docstring
-    from harness.payload import (
-        payload_schema,  # lean: module docstring
-        recording,  # lean: module docstring
-        source,  # lean: module docstring
-    )
-
-    if spec.payload not in source.RECORDED:
-        shapes = per_leader(spec.distinct_shapes(), spec.seq_len)
-        try:  # priced from its shapes, as bcastbench run prices it, before any rank allocates
-            check_size(spec.payload, shapes, spec.payload_max_bytes)
-        except (ConfigError, KeyError) as exc:
-            raise ValueError(str(exc).strip("'\"")) from None
-        return
-    if not spec.payload_path:
-        raise ValueError(f'payload="{spec.payload}" needs payload_path=<file>')
-    try:
-        source.make(
-            spec.payload, spec.batch_size, spec.seq_len, spec.seed, None, spec.payload_path,
-            spec.payload_trust, spec.payload_max_bytes,
-        )  # fmt: skip
-    except (recording.PayloadFileError, payload_schema.SchemaError) as exc:
-        raise ValueError(str(exc)) from None
-
-
-def _layout_text(layout) -> str:
-    from harness.job.records import layout_name  # lean: module docstring
-
-    return layout_name(layout)
 
 
 # -- the gate: pytest-benchmark rounds whose time is the strategy's per-call p50 --------------
@@ -317,10 +242,6 @@ SUMMARY_TITLE = "bcastbench: per-call p50 and same-run ratios (what the gates as
 def summary_lines(jobs: dict[str, list[dict]]) -> list[str]:
     """One row per test that ran jobs: medians over its jobs of the strategy's p50 per call,
     the floor's, ``vs_floor`` and ``vs_baseline``; then what the columns mean."""
-    # Here, not at the top: the plugin loads in every pytest session of a user's machine,
-    # and the report's tables bring pandas with them.
-    from harness.report.tables import human_bytes  # lean: module docstring
-
     header = ["test", "strategy", "layout", "payload", "jobs", "p50 ms/call", "floor ms",
               "vs_floor", "vs_network", "vs_baseline", "collectives/call"]  # fmt: skip
     rows = []
@@ -367,28 +288,3 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.write_sep("-", SUMMARY_TITLE)
     for text in summary_lines(jobs):
         terminalreporter.write_line(text)
-
-
-def _flat(strategy: str, summary: dict) -> dict:
-    """The strategy's own figures at the top level, with the references' p50 and ratios."""
-    # Here, not at the top: the plugin loads in every pytest session, and records bring torch.
-    from harness.job.records import vs_floor  # lean: module docstring
-
-    if "unsupported" in summary:
-        pytest.skip(f"{strategy} refuses this layout: {summary['unsupported']}")
-    per = summary["strategies"]
-    mine = dict(per[strategy])
-    # The floor is the fastest raw method timed in the job (runner.best_floor), as records say.
-    floor_us, baseline = summary.get("floor_p50_us"), per.get("pickled")
-    mine["strategy"] = strategy
-    mine["payload_bytes"] = summary["payload_bytes"]
-    if floor_us:
-        mine["floor_p50_us"] = floor_us
-        mine["floor_method"] = summary.get("floor_method")
-        mine["vs_floor"] = vs_floor(mine["p50_us"], floor_us)
-        mine["vs_floor_network"] = vs_floor(mine["p50_us"], summary.get("floor_network_p50_us"))
-    if baseline is not None:
-        mine["baseline_p50_us"] = baseline["p50_us"]
-        mine["vs_baseline"] = mine["p50_us"] / baseline["p50_us"]
-    mine["strategies"] = per
-    return mine

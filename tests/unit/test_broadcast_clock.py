@@ -27,10 +27,10 @@ class _Returns:
         return out
 
 
-def _prepared(built: dict) -> broadcast.Prepared:
+def _prepared(built: dict) -> broadcast.BroadcastJob:
     groups = types.SimpleNamespace(is_leader=False, device=torch.device("cpu"))
     full = strategies.DataProto(None, {}, {})
-    return broadcast.Prepared(groups=groups, full=full, order=list(built), built=built)
+    return broadcast.BroadcastJob(groups=groups, full=full, order=list(built), built=built)
 
 
 def _clock(monkeypatch, log: list[str]) -> None:

@@ -1,0 +1,101 @@
+"""Every ``JobSpec`` is built here, from what each way in hands over: a ``bcastbench run`` job's
+validated config (``from_run_config``), a ``bcastbench ray-dispatch`` job's
+(``from_dispatch_config``), and the pytest plugin's keyword arguments (``from_arguments``).
+A spec is built once per job, on the process that runs it, and sent to every rank."""
+
+from __future__ import annotations
+
+from omegaconf import OmegaConf
+
+from harness.job.config import (
+    dispatch_modes_of,
+    dispatch_ray_conf,
+    layout_of,
+    strategy_of,
+    workload_of,
+)
+from harness.job.spec import JobSpec
+from harness.payload import source
+from harness.worlds.launcher import RAY
+
+
+def _seq_len(cfg) -> int | None:
+    """Tokens per row as the job's batch has them: the config's for a generated payload, the
+    recording's own for a recorded one (validation has read the file, so this cannot fail
+    where the job would not)."""
+    p = cfg.payload
+    if p.name not in source.RECORDED:
+        return int(p.seq_len)
+    path = source.path_of(p.name, p.get("path"))
+    return source.recorded_seq_len(
+        p.name, path, int(p.seed), bool(p.get("trust", False)), p.get("max_bytes")
+    )
+
+
+def from_run_config(cfg, layout) -> JobSpec:
+    """A ``bcastbench run`` job: everything a rank needs, read from the validated config once."""
+    return JobSpec(
+        strategy=strategy_of(cfg),
+        layout=layout,
+        payload=cfg.payload.name,
+        payload_path=source.path_of(cfg.payload.name, cfg.payload.get("path")),
+        payload_trust=bool(cfg.payload.get("trust", False)),
+        payload_max_bytes=cfg.payload.get("max_bytes"),
+        batch_size=int(cfg.payload.batch_size),
+        seq_len=(seq_len := _seq_len(cfg)),
+        broadcast_non_tensor=cfg.payload.broadcast_non_tensor,
+        seed=int(cfg.payload.seed),
+        iters=int(cfg.iters),
+        warmup=int(cfg.warmup),
+        references=tuple(cfg.references),
+        options=OmegaConf.to_container(cfg.strategy.options, resolve=True) or {},
+        fault_rank=int(cfg.fault.rank),
+        fault_at_iter=int(cfg.fault.at_iter),
+        fault_kind=str(cfg.fault.kind),
+        # Counted only where the rank context carries the emulated links' counter.
+        link_bytes_calls=int(cfg.emulate.bytes_calls) if cfg.emulate.enabled else 0,
+        backend=cfg.backend.name,
+        device=cfg.backend.device,
+        world=str(cfg.world),
+        dispatch=str(cfg.ray.dispatch) if cfg.world == RAY else "none",
+        workload=workload_of(cfg, layout, seq_len),
+        steady_iters=int(cfg.steady_iters),
+        timeout_s=float(cfg.timeout_s),
+    )
+
+
+def from_dispatch_config(cfg) -> JobSpec:
+    """A ``bcastbench ray-dispatch`` job (``harness.commands.ray_dispatch.RayDispatchConf``,
+    validated by ``harness.job.config.validate_dispatch``): a dispatch job whose record is about
+    its first mode, with every other mode (and each family's floor) timed beside it."""
+    p, first = cfg.payload, dispatch_modes_of(cfg)[0]
+    conf = dispatch_ray_conf(cfg)
+    return JobSpec(
+        strategy=first.strategy or "",  # all_ranks runs no strategy
+        layout=layout_of(cfg),
+        payload=p.name,
+        batch_size=int(p.batch_size),
+        seq_len=int(p.seq_len),
+        broadcast_non_tensor=p.broadcast_non_tensor,
+        seed=int(p.seed),
+        iters=int(cfg.iters),
+        warmup=int(cfg.warmup),
+        options=OmegaConf.to_container(cfg.options, resolve=True),
+        link_bytes_calls=int(cfg.link_bytes_calls),
+        backend=conf.backend,
+        device=conf.device,
+        world=RAY,
+        dispatch=first.kind,
+        modes=tuple(str(m) for m in cfg.modes),
+        timeout_s=float(conf.timeout_s),
+    )
+
+
+def from_arguments(strategy: str, layout, options: dict, fields: dict) -> JobSpec:
+    """A job the pytest plugin runs (``bcastbench_job(strategy=..., layout=..., **fields)``):
+    ``fields`` are ``JobSpec``'s own names; a recorded payload's path resolved as every rank
+    can open it (a schema by its bare name)."""
+    fields = dict(fields)
+    if fields.get("payload_path"):
+        fields["payload_path"] = source.path_of(fields.get("payload", ""), fields["payload_path"])
+    return JobSpec(strategy, layout, options=options, **fields)

@@ -1,0 +1,121 @@
+"""What a job is: its ``JobSpec``, built once from the validated config and sent to every rank,
+and its ``Scope`` (where its clock runs). Light: the report and the plugin read these without
+starting anything."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from harness.job.dispatch_modes import FLOORS, DispatchMode, under_test, with_floors
+from harness.payload.workload import CallShape, Workload, constant
+from strategies.core.layout import Layout
+
+
+class Scope(str, Enum):
+    """What a job's clock covers (the record's ``scope``)."""
+
+    BROADCAST = "broadcast"
+    """From the start line on the ranks, the leader holding its batch, to every rank holding
+    it (each rank times itself; a call costs the slowest rank's time)."""
+    DISPATCH = "dispatch+broadcast"
+    """From the driver holding the global batch to the last rank holding its chunk (the
+    driver's clock: chunking, Ray's object store and the strategy's broadcast)."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a rank needs to run one job (picklable; sent to every rank)."""
+
+    strategy: str
+    layout: Layout
+    payload: str = "rl_rollout"
+    payload_path: str | None = None
+    """payload=file | schema: the recording or schema every replica leader reads."""
+    payload_trust: bool = False
+    """payload=file: arbitrary unpickling allowed (payload.trust=true)."""
+    payload_max_bytes: int | None = None
+    """The most bytes a leader's batches may take (None: the default; ``PayloadConf.max_bytes``
+    says what each payload kind counts)."""
+    batch_size: int = 8
+    seq_len: int | None = 1024
+    """Tokens per row; a recorded payload's own (None when it has no 2-D leaf)."""
+    broadcast_non_tensor: bool | None = None
+    seed: int = 0
+    iters: int = 20
+    warmup: int = 3
+    references: tuple[str, ...] = ("floor", "pickled")
+    options: dict = field(default_factory=dict)
+    fault_rank: int = -1
+    fault_at_iter: int = -1
+    fault_kind: str = "crash"
+    link_bytes_calls: int = 0
+    """Emulated clusters only: untimed calls per strategy whose node-link bytes are counted
+    through the rank context's ``link_counter`` hook (``harness.worlds.emulated``); 0, or a
+    context without the hook, skips the phase."""
+    backend: str = "gloo"
+    """Process-group backend the world runs (recorded)."""
+    device: str = "cpu"
+    """cpu | cuda: where the tensors live (recorded)."""
+    world: str = "forked"
+    """forked | ray: who runs the ranks when the driver launches them (recorded)."""
+    dispatch: str = "none"
+    """Ray worlds: none (the broadcast alone) | leader | all_ranks (``RayConf.dispatch``)."""
+    workload: Workload | None = None
+    """The shapes the calls cycle through (``harness.payload.workload``); None: every call moves
+    ``batch_size`` rows on every replica leader."""
+    steady_iters: int = 0
+    """A varying workload: after the sequence, this many interleaved rounds of each distinct
+    shape alone (after one untimed round of it), for each shape's steady-state p50."""
+    timeout_s: float = 120.0
+    """No progress on a rank for this long fails the job (every world; ``harness.worlds``)."""
+    modes: tuple[str, ...] = ()
+    """A dispatch job: the modes it compares, the one under test first (``bcastbench
+    ray-dispatch``); empty: the mode ``dispatch`` and ``strategy`` name (``under_test``). Each
+    family's floor is added (``harness.job.dispatch_modes.with_floors``)."""
+
+    @property
+    def scope(self) -> Scope:
+        """Where the clock runs: on the ranks (broadcast) or on the driver (dispatch)."""
+        return Scope.BROADCAST if self.dispatch == "none" else Scope.DISPATCH
+
+    @property
+    def under_test(self) -> str:
+        """The name the job's record is about: the strategy, or a dispatch job's mode."""
+        if self.scope is Scope.BROADCAST:
+            return self.strategy
+        if self.modes:
+            return DispatchMode.parse(self.modes[0]).name  # as the job's results name it
+        return under_test(self.dispatch, self.strategy)
+
+    @property
+    def baseline(self) -> str:
+        """What ``vs_baseline`` divides by, when the job timed it: the seed's pickled."""
+        return "pickled" if self.scope is Scope.BROADCAST else "leader:pickled"
+
+    def dispatch_modes(self) -> list[DispatchMode]:
+        """A dispatch job's modes, parsed, with each family's floor."""
+        return with_floors(self.modes or (self.under_test,))
+
+    def floors(self, names) -> list[str]:
+        """Which of ``names`` are this job's floors: every raw method (``floor``,
+        ``floor:<method>``) of a broadcast job; a dispatch job's mode's own family floor."""
+        if self.scope is Scope.BROADCAST:
+            return [n for n in names if n.split(":")[0] == "floor"]
+        own = FLOORS[DispatchMode.parse(self.under_test).kind]
+        return [own] if own in names else []
+
+    def period(self) -> tuple[CallShape, ...]:
+        """The shapes call c of the job moves, ``period()[c % len(period())]``."""
+        if self.workload is not None:
+            return self.workload.period
+        return constant(self.batch_size, self.seq_len, self.layout.dp).period
+
+    def distinct_shapes(self) -> list[CallShape]:
+        """The period's shapes, each once, in the order they first appear."""
+        return list(dict.fromkeys(self.period()))
+
+    def shape_of_call(self, call: int) -> CallShape:
+        """What the job's call ``call`` moves (warm-up calls count first)."""
+        period = self.period()
+        return period[call % len(period)]

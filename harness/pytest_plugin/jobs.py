@@ -1,0 +1,91 @@
+"""The plugin's heavy half: the worlds and the jobs its fixtures run, through the same
+``harness.job.execute.run_job`` every command uses. Imported by the fixtures only when a test
+asks for one (``harness.pytest_plugin``), so a pytest session that uses none never imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import yaml
+
+import strategies
+from harness.errors import ConfigError
+from harness.job.build import from_arguments
+from harness.job.config import check_size, per_leader
+from harness.job.execute import run_job
+from harness.job.records import Record
+from harness.job.spec import JobSpec
+from harness.paths import CONF_DIR
+from harness.payload import payload_schema, recording, source
+from harness.worlds.launcher import forked_spec
+from harness.worlds.opening import open_world
+from harness.worlds.protocol import REGISTRY
+from strategies.core.layout import Layout
+
+
+class Worlds:
+    """The session's forked gloo worlds, one per size, closed when the session ends."""
+
+    def __init__(self) -> None:
+        # Worlds fork this process: keep it single-threaded, or a fork after an OpenMP region
+        # can deadlock a rank.
+        torch.set_num_threads(1)
+        self.used: set[tuple] = set()
+
+    def __call__(self, n: int):
+        """The registry's live world of ``n`` ranks, or a fresh one."""
+        spec = forked_spec(n)
+        self.used.add(spec.reuse_key)
+        return open_world(spec)
+
+    def close(self) -> None:
+        for key in self.used:
+            REGISTRY.close(key)
+
+
+def layout_named(layout: Any) -> Layout:
+    """A ``Layout`` from a conf/layout name (``"tp2pp2"``), a dict of fields, or a Layout."""
+    if isinstance(layout, Layout):
+        return layout
+    if isinstance(layout, dict):
+        return Layout(**layout)
+    path = CONF_DIR / "layout" / f"{layout}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (CONF_DIR / "layout").glob("*.yaml"))
+        raise ValueError(f"unknown layout {layout!r}; valid names: {known}")
+    return Layout(**yaml.safe_load(path.read_text()))
+
+
+def run(worlds: Worlds, strategy: str, layout: Any, options: dict | None, fields: dict) -> Record:
+    """One verified job of ``strategy`` on ``layout`` (its other ``fields`` as ``JobSpec``
+    names them), on the session's world of its size; its record."""
+    options = dict(options or {})
+    strategies.check_options(strategy, options)  # one line before any rank runs
+    spec = from_arguments(strategy, layout_named(layout), options, fields)
+    check_payload(spec)
+    return run_job(worlds(spec.layout.world_size), spec)
+
+
+def check_payload(spec: JobSpec) -> None:
+    """A recorded payload (payload="file" | "schema", payload_path=...) is read once here, by
+    the loader every command uses, so a bad or unsafe file fails the test with its one-line
+    reason before any rank starts (as ``bcastbench run`` refuses it before any rank); a
+    generated one is priced against the same limit."""
+    if spec.payload not in source.RECORDED:
+        shapes = per_leader(spec.distinct_shapes(), spec.seq_len)
+        try:  # priced from its shapes, as bcastbench run prices it, before any rank allocates
+            check_size(spec.payload, shapes, spec.payload_max_bytes)
+        except (ConfigError, KeyError) as exc:
+            raise ValueError(str(exc).strip("'\"")) from None
+        return
+    if not spec.payload_path:
+        raise ValueError(f'payload="{spec.payload}" needs payload_path=<file>')
+    try:
+        source.make(
+            spec.payload, spec.batch_size, spec.seq_len, spec.seed, None, spec.payload_path,
+            spec.payload_trust, spec.payload_max_bytes,
+        )  # fmt: skip
+    except (recording.PayloadFileError, payload_schema.SchemaError) as exc:
+        raise ValueError(str(exc)) from None
