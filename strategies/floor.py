@@ -27,11 +27,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from strategies.core.contract import DataProto, Strategy, Unsupported, wants_non_tensor
+from strategies.core.contract import DataProto, Unsupported, wants_non_tensor
 from strategies.core.formulas import chunk_bounds
 from strategies.core.parts import as_bytes, encode_non_tensor, message_parts
 from strategies.core.plan import Comm, Handoff, LocalWork, PayloadSpec, Plan
 from strategies.core.shm import DEFAULT_STRIPE_MIN_BYTES, NodeChannel
+from strategies.core.strategy_base import Strategy
 from strategies.pp_first import leader_pp_groups
 
 METHODS = ("one", "chunks", "seed_hops", "pp_first", "shm")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from strategies.core.contract import DataProto, Strategy, deliver, wants_non_tensor
+from strategies.core.contract import DataProto, deliver, wants_non_tensor
 from strategies.core.header_format import (
     DEFAULT_MAX_BYTES,
     PREFIX_BYTES,
@@ -24,6 +24,7 @@ from strategies.core.header_format import (
 )
 from strategies.core.packer import Packer
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.strategy_base import Strategy
 from strategies.core.unpacker import unpack
 
 CHUNK_ALIGN = 64

@@ -49,7 +49,6 @@ import zmq
 from strategies.core.contract import (
     ContractError,
     DataProto,
-    Strategy,
     Unsupported,
     deliver,
     leaves,
@@ -57,6 +56,7 @@ from strategies.core.contract import (
 )
 from strategies.core.plan import LocalWork, PayloadSpec, Plan
 from strategies.core.shm import ShmError, group_timeout_s
+from strategies.core.strategy_base import Strategy
 from strategies.core.trace import WORK
 
 LIVENESS_S = 0.5

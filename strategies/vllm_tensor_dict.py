@@ -46,7 +46,6 @@ from strategies.core.contract import (
     ContractError,
     DataProto,
     ShippedFailure,
-    Strategy,
     _key_name,
     broadcast_objects,
     deliver,
@@ -56,6 +55,7 @@ from strategies.core.contract import (
 )
 from strategies.core.parts import transportable
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.strategy_base import Strategy
 from strategies.core.trace import WORK
 
 BATCH_SIZE_KEY = "__batch_size__"

@@ -46,15 +46,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from strategies.core.contract import (
-    ContractError,
-    ProcessGroups,
-    Unsupported,
-    leader_failed,
-    settled,
-)
+from strategies.core.contract import ContractError, Unsupported, leader_failed, settled
 from strategies.core.groups import Stripe, stripes
 from strategies.core.packer import Packer
+from strategies.core.process_groups import ProcessGroups
 
 SIGNAL = struct.Struct("<4sIIQQ")  # magic, slot, generation, sequence, message bytes
 SIGNAL_MAGIC = b"BCBS"

@@ -330,7 +330,7 @@ KILL_SCRIPT = textwrap.dedent(
     import torch, torch.distributed as dist, torch.multiprocessing as mp
     from tensordict import TensorDict
     import strategies
-    from strategies.core.contract import ProcessGroups
+    from strategies.core.process_groups import ProcessGroups
 
     def main(rank, world, port, out_dir, name):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
