@@ -54,8 +54,8 @@ from strategies.core.contract import (
     leaves,
     wants_non_tensor,
 )
+from strategies.core.node_signals import ShmError, group_timeout_s
 from strategies.core.plan import LocalWork, PayloadSpec, Plan
-from strategies.core.shm import ShmError, group_timeout_s
 from strategies.core.strategy_base import Strategy
 from strategies.core.trace import WORK
 

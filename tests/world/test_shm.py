@@ -21,7 +21,7 @@ import torch
 from tensordict import TensorDict
 
 import strategies
-import strategies.core.shm as shm_core
+import strategies.core.node_channel as shm_core
 from strategies.core.layout import Layout
 
 pytestmark = pytest.mark.world
