@@ -26,11 +26,11 @@ from strategies.core.contract import (
     ContractError,
     DataProto,
     LeaderFailed,
-    ProcessGroups,
-    Strategy,
     Unsupported,
 )
 from strategies.core.groups import GroupMismatch
+from strategies.core.process_groups import ProcessGroups
+from strategies.core.strategy_base import Strategy
 
 __all__ = [
     "NON_TENSOR_FLAG",

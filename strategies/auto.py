@@ -45,13 +45,14 @@ from functools import cache, lru_cache
 
 import strategies
 from strategies.core.cluster import load_cluster
-from strategies.core.contract import DataProto, Strategy, Unsupported, failure_in
+from strategies.core.contract import DataProto, Unsupported, failure_in
 from strategies.core.header_format import align
 from strategies.core.layout import Layout
 from strategies.core.packed import PackedStrategy
 from strategies.core.plan import PayloadSpec, Plan, bytes_per_dtype, plan_of
 from strategies.core.pricing import price
 from strategies.core.recent import remember
+from strategies.core.strategy_base import Strategy
 
 CANDIDATES = ("flat", "direct", "header", "pp_first", "scatter_allgather", "shm")
 """The built-ins auto chooses among, in order of preference when the model cannot tell them

@@ -11,7 +11,7 @@ concurrent chunks overlap), so the floor is a family of raw methods, one per ins
 - ``method: seed_hops`` — TP×CP on stage 0, then PP (the seed's hop order);
 - ``method: pp_first`` — the leader's PP group, then TP×CP on every stage;
 - ``method: shm`` — node-local: one copy into a shared segment, node-local receivers read it
-  in place (``strategies.core.shm``); across nodes the bytes go to one rank per other node
+  in place (``strategies.core.node_channel``); across nodes the bytes go to one rank per other node
   first (point-to-point), which puts them in its node's segment. Host memory only: listed for
   a CPU job.
 
@@ -27,11 +27,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from strategies.core.contract import DataProto, Strategy, Unsupported, wants_non_tensor
+from strategies.core.contract import DataProto, Unsupported, wants_non_tensor
 from strategies.core.formulas import chunk_bounds
+from strategies.core.node_channel import DEFAULT_STRIPE_MIN_BYTES, NodeChannel
 from strategies.core.parts import as_bytes, encode_non_tensor, message_parts
 from strategies.core.plan import Comm, Handoff, LocalWork, PayloadSpec, Plan
-from strategies.core.shm import DEFAULT_STRIPE_MIN_BYTES, NodeChannel
+from strategies.core.strategy_base import Strategy
 from strategies.pp_first import leader_pp_groups
 
 METHODS = ("one", "chunks", "seed_hops", "pp_first", "shm")

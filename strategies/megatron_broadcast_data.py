@@ -47,7 +47,6 @@ from strategies.core.contract import (
     ContractError,
     DataProto,
     ShippedFailure,
-    Strategy,
     _key_name,
     broadcast_objects,
     deliver,
@@ -58,6 +57,7 @@ from strategies.core.contract import (
 from strategies.core.contract import leaves as all_leaves
 from strategies.core.parts import transportable
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.strategy_base import Strategy
 from strategies.core.trace import WORK
 
 MAX_DATA_DIM = 5

@@ -51,7 +51,6 @@ from tensordict import TensorDict
 
 from strategies.core.contract import (
     ShippedFailure,
-    Strategy,
     deliver,
     is_non_tensor_leaf,
     leaves,
@@ -60,6 +59,7 @@ from strategies.core.contract import (
 )
 from strategies.core.parts import transportable
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.strategy_base import Strategy
 from strategies.core.trace import WORK
 from strategies.pickled import send_or_failure
 from strategies.vllm_tensor_dict import leaf_nbytes

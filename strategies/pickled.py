@@ -48,7 +48,6 @@ from tensordict import TensorDict
 from strategies.core.contract import (
     ContractError,
     ShippedFailure,
-    Strategy,
     broadcast_objects,
     deliver,
     leaves,
@@ -57,6 +56,7 @@ from strategies.core.contract import (
 )
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.roll_proto import RollBatchProxy, RollDataProto
+from strategies.core.strategy_base import Strategy
 
 SERIALIZATIONS = ("roll", "dataclass")
 

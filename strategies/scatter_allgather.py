@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from strategies.core.contract import DataProto, Strategy, deliver, wants_non_tensor
+from strategies.core.contract import DataProto, deliver, wants_non_tensor
 from strategies.core.header_format import (
     DEFAULT_MAX_BYTES,
     PREFIX_BYTES,
@@ -24,6 +24,7 @@ from strategies.core.header_format import (
 )
 from strategies.core.packer import Packer
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.strategy_base import Strategy
 from strategies.core.unpacker import unpack
 
 CHUNK_ALIGN = 64
@@ -66,26 +67,11 @@ class ScatterAllgather(Strategy):
         # 1. Header: everyone learns the message size and layout.
         if g.is_leader:
             buf, header = self._pack(batch)
-            total = header.total_bytes
-            c = chunk_bytes(total, n)
-            dist.broadcast(buf[: self.header_bytes], src=g.leader, group=g.replica_group)
-            if header.header_len > self.header_bytes:
-                dist.broadcast(
-                    buf[self.header_bytes : header.header_len], src=g.leader, group=g.replica_group
-                )
+            self._send_header(buf, header)
         else:
-            head = torch.empty(self.header_bytes, dtype=torch.uint8, device=dev)
-            dist.broadcast(head, src=g.leader, group=g.replica_group)
-            prefix = read_prefix(head, self.max_bytes, g.rank)
-            header_len = prefix.header_len
-            if header_len > self.header_bytes:
-                rest = torch.empty(header_len, dtype=torch.uint8, device=dev)
-                rest[: self.header_bytes].copy_(head)
-                dist.broadcast(rest[self.header_bytes :], src=g.leader, group=g.replica_group)
-                head = rest
-            header = read_header(head, self.max_bytes, g.rank, self._headers, prefix)
-            total = header.total_bytes
-            c = chunk_bytes(total, n)
+            header = self._receive_header()
+        total = header.total_bytes
+        c = chunk_bytes(total, n)
         # 2. Scatter on stage 0; 3. each chunk down its PP group; 4. all-gather per stage.
         if n == 1:
             mine = buf[:total] if g.is_leader else torch.empty(total, dtype=torch.uint8, device=dev)
@@ -110,6 +96,31 @@ class ScatterAllgather(Strategy):
             return batch
         td, non_tensor = unpack(full, header)
         return deliver(batch, td, non_tensor)
+
+    def _send_header(self, buf: torch.Tensor, header) -> None:
+        """Leader: the header over the replica, in one broadcast of ``header_bytes`` (a longer
+        header sends the rest in a second one)."""
+        g = self.groups
+        dist.broadcast(buf[: self.header_bytes], src=g.leader, group=g.replica_group)
+        if header.header_len > self.header_bytes:
+            dist.broadcast(
+                buf[self.header_bytes : header.header_len], src=g.leader, group=g.replica_group
+            )
+
+    def _receive_header(self):
+        """A receiver: the leader's header, from the first broadcast alone or (when its prefix
+        says the header is longer) with the second broadcast's rest."""
+        g = self.groups
+        head = torch.empty(self.header_bytes, dtype=torch.uint8, device=g.device)
+        dist.broadcast(head, src=g.leader, group=g.replica_group)
+        prefix = read_prefix(head, self.max_bytes, g.rank)
+        header_len = prefix.header_len
+        if header_len > self.header_bytes:
+            rest = torch.empty(header_len, dtype=torch.uint8, device=g.device)
+            rest[: self.header_bytes].copy_(head)
+            dist.broadcast(rest[self.header_bytes :], src=g.leader, group=g.replica_group)
+            head = rest
+        return read_header(head, self.max_bytes, g.rank, self._headers, prefix)
 
     def _pack(self, batch: DataProto):
         """Leader: everything that can fail, before the first collective; the buffer holds

@@ -3,10 +3,10 @@
 The leader packs the batch once (the ``header`` family's message: binary header + one flat
 buffer) straight into a shared segment, and tells each rank of its node with one socket
 message; those ranks build their batch as views of the segment, with no copy and no
-collective (``strategies.core.shm`` has the ring, the signal and the release protocol). While a
-receiver waits for the signal it maps the slot the message most likely lands in and views the
-last header's layout there; when the header bytes that arrive are the same (a stream of
-same-shaped batches), only the non-tensor blob is left to read. Across
+collective (``strategies.core.node_channel`` has the ring, the signal and the release
+protocol). While a receiver waits for the signal it maps the slot the message most likely
+lands in and views the last header's layout there; when the header bytes that arrive are the
+same (a stream of same-shaped batches), only the non-tensor blob is left to read. Across
 nodes it is hierarchical: the leader sends the message to one rank per other node (its node
 leader, two point-to-point sends: the size, then the bytes straight from the segment), which
 receives it into its own node's segment and signals its node the same way; each node link
@@ -64,15 +64,11 @@ from strategies.core.header_format import (
     host_bytes,
     read_header,
 )
+from strategies.core.node_channel import DEFAULT_STRIPE_MIN_BYTES, NodeChannel
+from strategies.core.node_signals import ShmError, check_size_option
 from strategies.core.packed import PackedStrategy
 from strategies.core.plan import Handoff, LocalWork, PayloadSpec, Plan
-from strategies.core.shm import (
-    DEFAULT_STRIPE_MIN_BYTES,
-    NodeChannel,
-    Premap,
-    ShmError,
-    check_size_option,
-)
+from strategies.core.segment_ring import Premap
 from strategies.core.unpacker import unpack_non_tensor, unpack_tensors
 
 DEFAULT_EARLY_MIN_BYTES = 1 << 20

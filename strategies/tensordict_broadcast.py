@@ -64,7 +64,6 @@ from tensordict import TensorDict
 from strategies.core.contract import (
     DataProto,
     ShippedFailure,
-    Strategy,
     Unsupported,
     broadcast_objects,
     deliver,
@@ -76,6 +75,7 @@ from strategies.core.contract import leaves as all_leaves
 from strategies.core.header_format import KIND_OBJECT
 from strategies.core.parts import message_parts, nbytes_of
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.strategy_base import Strategy
 from strategies.core.trace import WORK
 from strategies.vllm_tensor_dict import leaf_nbytes
 

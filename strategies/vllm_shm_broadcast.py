@@ -49,14 +49,14 @@ import zmq
 from strategies.core.contract import (
     ContractError,
     DataProto,
-    Strategy,
     Unsupported,
     deliver,
     leaves,
     wants_non_tensor,
 )
+from strategies.core.node_signals import ShmError, group_timeout_s
 from strategies.core.plan import LocalWork, PayloadSpec, Plan
-from strategies.core.shm import ShmError, group_timeout_s
+from strategies.core.strategy_base import Strategy
 from strategies.core.trace import WORK
 
 LIVENESS_S = 0.5

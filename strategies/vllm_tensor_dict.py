@@ -46,7 +46,6 @@ from strategies.core.contract import (
     ContractError,
     DataProto,
     ShippedFailure,
-    Strategy,
     _key_name,
     broadcast_objects,
     deliver,
@@ -56,6 +55,7 @@ from strategies.core.contract import (
 )
 from strategies.core.parts import transportable
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.strategy_base import Strategy
 from strategies.core.trace import WORK
 
 BATCH_SIZE_KEY = "__batch_size__"
@@ -86,31 +86,43 @@ def broadcast_tensor_dict(
     Metadata the source cannot pickle travels as ``{ERROR_KEY: why}`` instead (every rank
     returns that), and the source appends its exception to ``failures``."""
     if dist.get_rank() == src:
-        metadata, tensors = [], []
-        for key, value in tensor_dict.items():
-            if isinstance(value, torch.Tensor):
-                metadata.append((key, TensorMeta(value.device.type, value.dtype, value.shape)))
-                tensors.append(value)
-            else:
-                metadata.append((key, value))
-        box = [metadata]
-        unpicklable = broadcast_objects(box, src, cpu_group)
-        if unpicklable is not None:
-            if failures is not None:
-                failures.append(unpicklable)
-            return {ERROR_KEY: box[0].text}
-        handles = []
-        for t in tensors:
-            if t.numel() == 0:
-                continue
-            if not t.is_contiguous():
-                t = t.contiguous()
-                WORK["copied_bytes"] += t.numel() * t.element_size()
-            on = cpu_group if t.is_cpu else group
-            handles.append(dist.broadcast(transportable(t), src=src, group=on, async_op=True))
-        for h in handles:
-            h.wait()
-        return tensor_dict
+        return _send_tensor_dict(tensor_dict, src, group, cpu_group, failures)
+    return _receive_tensor_dict(src, group, cpu_group, device)
+
+
+def _send_tensor_dict(tensor_dict: dict, src: int, group, cpu_group, failures) -> dict:
+    """The source: the metadata list (a tensor as its ``TensorMeta``, any other value as
+    itself) in one object broadcast, then one async broadcast per non-empty tensor."""
+    metadata, tensors = [], []
+    for key, value in tensor_dict.items():
+        if isinstance(value, torch.Tensor):
+            metadata.append((key, TensorMeta(value.device.type, value.dtype, value.shape)))
+            tensors.append(value)
+        else:
+            metadata.append((key, value))
+    box = [metadata]
+    unpicklable = broadcast_objects(box, src, cpu_group)
+    if unpicklable is not None:
+        if failures is not None:
+            failures.append(unpicklable)
+        return {ERROR_KEY: box[0].text}
+    handles = []
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        if not t.is_contiguous():
+            t = t.contiguous()
+            WORK["copied_bytes"] += t.numel() * t.element_size()
+        on = cpu_group if t.is_cpu else group
+        handles.append(dist.broadcast(transportable(t), src=src, group=on, async_op=True))
+    for h in handles:
+        h.wait()
+    return tensor_dict
+
+
+def _receive_tensor_dict(src: int, group, cpu_group, device: torch.device) -> dict:
+    """A receiver: the metadata list, then a tensor allocated per ``TensorMeta`` (on the CPU
+    or ``device``, as the source's was) and filled by its async broadcast."""
     box = [None]
     broadcast_objects(box, src, cpu_group)
     if isinstance(box[0], ShippedFailure):

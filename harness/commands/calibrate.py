@@ -43,9 +43,9 @@ from strategies.core.formulas import (
 )
 from strategies.core.header_format import DEFAULT_MAX_BYTES, read_header
 from strategies.core.layout import Layout
+from strategies.core.node_channel import NodeChannel
+from strategies.core.node_signals import available as shm_available
 from strategies.core.packer import pack
-from strategies.core.shm import NodeChannel
-from strategies.core.shm import available as shm_available
 from strategies.core.unpacker import unpack
 
 MODULE = "harness.commands.calibrate"
@@ -302,7 +302,7 @@ def _pickle_round(rank: int, dp) -> tuple:
 
 
 def _time_signals(ctx, reps):
-    """One node-local signal of ``shm``'s channel (``strategies.core.shm``) per iteration:
+    """One node-local signal of ``shm``'s channel (``strategies.core.node_channel``) per iteration:
     the whole world is one replica on one node, rank 0 writes a one-page message into its
     segment and signals every other rank, which maps it and lets it go. Returns this rank's
     seconds per iteration, from a common barrier to the signal sent (writer) or the message

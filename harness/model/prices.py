@@ -14,9 +14,10 @@ import numpy as np
 
 import strategies
 from strategies.auto import CANDIDATES, pick
+from strategies.core.costs import Prediction
 from strategies.core.formulas import tree_rounds
 from strategies.core.plan import plan_of
-from strategies.core.pricing import Prediction, price
+from strategies.core.pricing import price
 
 PARTS = ("local work", "intra-node α", "intra-node β", "inter-node α", "inter-node β")
 

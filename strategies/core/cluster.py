@@ -298,6 +298,8 @@ def _one_line(exc: Exception) -> str:
 def cluster_from_dict(cfg: Mapping[str, Any] | Any) -> ClusterConf:
     """A ``ClusterConf`` from a plain dict or DictConfig in the YAML's units, type-checked
     against the schema and value-checked; unknown keys are named with the valid ones."""
+    # Imported on first use, not with the module: every strategy module is imported on every
+    # rank (the registry), and only a rank that reads a cluster description needs OmegaConf.
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -330,6 +332,7 @@ def presets() -> list[str]:
 def load_cluster(name_or_path: str | Path) -> ClusterConf:
     """A preset by name (``conf/cluster/<name>.yaml``) or a YAML path, checked against the
     schema; errors name the file, the field and the value."""
+    # On first use, as in cluster_from_dict: a rank that never reads a preset skips OmegaConf.
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -349,6 +352,7 @@ def load_cluster(name_or_path: str | Path) -> ClusterConf:
 def register_configs() -> None:
     """Store ``ClusterConf`` as ``cluster/schema`` in Hydra's ConfigStore (for a root config
     that declares ``cluster: ClusterConf`` or a YAML that lists ``schema`` in its defaults)."""
+    # On first use: only a Hydra app registers configs; a rank running strategies never does.
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(group="cluster", name="schema", node=ClusterConf)

@@ -7,6 +7,7 @@ computed with numpy so they can be checked at 16k ranks in milliseconds.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -192,8 +193,6 @@ def rank_groups(tokens: tuple[str, ...], sizes: dict[str, int], axes: str) -> li
 
 def parse_layout(spec: str, order: str = DEFAULT_ORDER) -> Layout:
     """``"tp2pp2dp2"`` -> Layout(dp=2, pp=2, tp=2). Axes may come in any order."""
-    import re
-
     parts = re.findall(r"(dp|pp|tp|cp)(\d+)", spec.lower())
     if not parts or "".join(a + n for a, n in parts) != spec.lower():
         raise LayoutError(f"cannot parse layout {spec!r}; expected e.g. 'tp2pp2dp2'")

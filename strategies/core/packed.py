@@ -10,7 +10,6 @@ import torch.distributed as dist
 from strategies.core.contract import (
     PROTO_ATTRS,
     DataProto,
-    Strategy,
     check_non_tensor,
     deliver,
     is_lazy,
@@ -27,6 +26,7 @@ from strategies.core.header_format import (
 from strategies.core.packer import Packer
 from strategies.core.parts import message_parts, nbytes_of, structure, transportable
 from strategies.core.recent import remember
+from strategies.core.strategy_base import Strategy
 from strategies.core.unpacker import unpack
 from strategies.core.wire import Wire
 

@@ -7,6 +7,8 @@ collectives a real gloo run records (``strategies.core.trace``).
 
 from __future__ import annotations
 
+import inspect
+import pickle
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -106,8 +108,6 @@ def plan_of(cls, layout, spec, device: str = "cpu", **options) -> Plan:
     """``cls.plan(layout, spec, **options)`` for a batch on ``device``: a plan that can stage
     through host memory (its ``stage`` parameter: ``shm``) is staged off the CPU, as the
     strategy itself does there."""
-    import inspect
-
     if device != "cpu" and "stage" in inspect.signature(cls.plan).parameters:
         options = {**options, "stage": True}
     return cls.plan(layout, spec, **options)
@@ -156,8 +156,6 @@ def bytes_per_dtype(dtypes, sizes) -> tuple[int, ...]:
 def spec_of(dp) -> PayloadSpec:
     """The exact PayloadSpec of a leader's DataProto (header size as ``encode_header`` writes it, with
     its 64-byte leaf padding folded in; pickle size measured)."""
-    import pickle
-
     # A jagged leaf counts as its parts and a non-tensor leaf as its pickle (the packed message).
     leaves = [(key, t) for key, _, _, t in message_parts(dp.batch)]
     sizes = [nbytes_of(t) for _, t in leaves]

@@ -1,9 +1,9 @@
 """Price a communication ``Plan`` on a cluster with the Hockney α–β model, without running it.
 
 ``price`` says how long one call of a plan takes on a ``ClusterConf``, on which link, and
-whether latency (α) or bandwidth (β) dominates; ``host_calls`` and ``price_local`` add the
-work each role does off the network; ``lower_bound_s`` is what no broadcast can beat. Pure: no
-process group, no torch.
+whether latency (α) or bandwidth (β) dominates (its records: ``strategies.core.costs``); the
+work each role does off the network is priced by ``strategies.core.host_work``;
+``lower_bound_s`` is what no broadcast can beat. Pure: no process group, no torch.
 """
 
 from __future__ import annotations
@@ -11,281 +11,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
 
 from strategies.core.cluster import ClusterConf
+from strategies.core.costs import LOCAL_TERMS, CommCost, Prediction, StepCost
 from strategies.core.formulas import COLLECTIVES, ceil_log2, coefficients, tree_rounds
 from strategies.core.groups import node_split, stripes
+from strategies.core.host_work import local_costs
 from strategies.core.layout import Layout
-from strategies.core.plan import Comm, LocalWork, Plan
-
-LinkName = Literal["intra", "inter", "none"]
-
-
-@dataclass(frozen=True)
-class CommCost:
-    """The price of one collective as issued in its step."""
-
-    step: int
-    kind: str
-    what: str
-    group_size: int
-    first_rank: int
-    """Lowest global rank of the group (names the group in a report)."""
-    nbytes: int
-    link: LinkName
-    """'intra', 'inter' (the group spans nodes; a tree broadcast pays inter only in the rounds
-    whose edges cross), or 'none' for a group of one."""
-    nodes: int
-    """Distinct nodes the group touches."""
-    nic_share: float
-    """How many flows share each port at the busiest node the group touches (≥ 1); the β term
-    is multiplied by it."""
-    alpha_s: float
-    """Latency term a·α."""
-    beta_s: float
-    """Bandwidth term b·β·nic_share."""
-    exact: bool
-
-    @property
-    def total_s(self) -> float:
-        return self.alpha_s + self.beta_s
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """One step: concurrent collectives on disjoint groups; the slowest sets the pace."""
-
-    step: int
-    critical: CommCost
-    """The slowest collective of the step."""
-    n_comms: int
-    n_inter: int
-    """How many of the step's collectives cross nodes."""
-    max_nic_share: float
-
-    @property
-    def total_s(self) -> float:
-        return self.critical.total_s
-
-
-@dataclass(frozen=True)
-class LocalCost:
-    """Work one role does off the network, priced from ``LocalWork`` and the host throughputs."""
-
-    role: Literal["leader", "forwarder", "receiver"]
-    pickle_s: float
-    unpickle_s: float
-    memcpy_s: float
-    """``packed_bytes`` + ``copied_bytes`` at ``ClusterConf.pack_copy_bytes_per_s``."""
-    d2h_s: float
-    h2d_s: float
-    calls_s: float = 0.0
-    """Fixed per-call host overhead (pickle/unpickle/pack/unpack calls, see ``host_calls``)."""
-    signal_s: float = 0.0
-    """Shared-memory signals on the critical path (``handoff_signals`` × ``signal_s``; leader)."""
-
-    @property
-    def total_s(self) -> float:
-        return (
-            self.pickle_s
-            + self.unpickle_s
-            + self.memcpy_s
-            + self.d2h_s
-            + self.h2d_s
-            + self.calls_s
-            + self.signal_s
-        )
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """What ``price`` says about one plan on one cluster."""
-
-    strategy: str
-    cluster: str
-    layout: str
-    total_s: float
-    """Critical path: leader work + Σ steps (slowest comm each) + forwarder + receiver work."""
-    comm_s: float
-    local_s: float
-    alpha_s: float
-    """Latency share of comm_s (sum over steps of the critical comm's α term)."""
-    beta_s: float
-    """Bandwidth share of comm_s, NIC sharing included."""
-    inter_s: float
-    """Part of comm_s spent in steps whose critical comm crosses nodes."""
-    steps: tuple[StepCost, ...]
-    local: tuple[LocalCost, ...]
-    exact: bool
-    """False when any comm's size was an estimate."""
-    oversubscription: float = 1.0
-    """CPU time-slicing factor already applied to every term (``ClusterConf.oversubscription``)."""
-
-    def dominant(self) -> str:
-        """One phrase for a report: which link and which term dominate the total."""
-        if self.total_s <= 0:
-            return "nothing to do"
-        parts = {"local work": self.local_s}
-        for link in ("intra", "inter"):
-            steps = [s for s in self.steps if s.critical.link == link]
-            parts[f"{link}-node α"] = sum(s.critical.alpha_s for s in steps)
-            parts[f"{link}-node β"] = sum(s.critical.beta_s for s in steps)
-        name, value = max(parts.items(), key=lambda kv: kv[1])
-        return f"{name} ({100 * value / self.total_s:.0f}% of {self.total_s * 1e3:.3g} ms)"
-
-    def rows(self) -> list[dict[str, Any]]:
-        """One row per step and per local role, for a pandas DataFrame."""
-        out: list[dict[str, Any]] = []
-        for s in self.steps:
-            c = s.critical
-            out.append(
-                dict(
-                    strategy=self.strategy,
-                    cluster=self.cluster,
-                    part=f"step {s.step}",
-                    kind=c.kind,
-                    what=c.what,
-                    link=c.link,
-                    group_size=c.group_size,
-                    nodes=c.nodes,
-                    nbytes=c.nbytes,
-                    n_comms=s.n_comms,
-                    n_inter=s.n_inter,
-                    nic_share=c.nic_share,
-                    alpha_s=c.alpha_s,
-                    beta_s=c.beta_s,
-                    total_s=c.total_s,
-                    exact=c.exact,
-                )
-            )
-        for w in self.local:
-            out.append(
-                dict(
-                    strategy=self.strategy,
-                    cluster=self.cluster,
-                    part=f"local {w.role}",
-                    kind="local",
-                    what="pickle/unpickle/copy/d2h/h2d/calls/signals",
-                    link="host",
-                    alpha_s=0.0,
-                    beta_s=w.total_s,
-                    total_s=w.total_s,
-                    exact=True,
-                )
-            )
-        return out
-
-    def summary(self) -> str:
-        over = self.oversubscription
-        lines = [
-            f"{self.strategy} on {self.cluster} ({self.layout}): {self.total_s * 1e3:.4g} ms"
-            f"{'' if self.exact else ' (estimated sizes)'}; dominated by {self.dominant()}"
-            + (f"; ×{over:.3g} CPU oversubscription included" if over != 1 else "")
-        ]
-        for s in self.steps:
-            c = s.critical
-            lines.append(
-                f"  step {s.step}: {c.kind} {c.what} {c.nbytes} B over {c.group_size} ranks "
-                f"on {c.link} ({c.nodes} nodes, {s.n_comms} groups, share {c.nic_share:g}): "
-                f"α {c.alpha_s * 1e3:.4g} ms + β {c.beta_s * 1e3:.4g} ms"
-            )
-        for w in self.local:
-            if w.total_s:
-                lines.append(f"  local {w.role}: {w.total_s * 1e3:.4g} ms")
-        return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class HostCalls:
-    """How many fixed-cost host calls one role makes per ``get_data_input``."""
-
-    pickles: int = 0
-    unpickles: int = 0
-    packs: int = 0
-    unpacks: int = 0
-
-    def seconds(self, cluster: ClusterConf) -> float:
-        return (
-            self.pickles * cluster.pickle_call_s
-            + self.unpickles * cluster.unpickle_call_s
-            + self.packs * cluster.pack_call_s
-            + self.unpacks * cluster.unpack_call_s
-        )
-
-
-def has_forwarder(plan: Plan) -> bool:
-    """True when some rank receives in one step and sends on in a later one (the root of a
-    later broadcast/scatter, or a member of a later all_gather). Without one, a plan's
-    ``forwarder`` work belongs to no rank and is not charged."""
-    received: set[int] = set()
-    by_step: dict[int, list[Comm]] = {}
-    for c in plan.comms:
-        by_step.setdefault(c.step, []).append(c)
-    for step in sorted(by_step):
-        comms = by_step[step]
-        if received:
-            for c in comms:
-                if c.kind == "all_gather" and len(c.ranks) > 1:
-                    if not received.isdisjoint(c.ranks):
-                        return True
-                elif c.root in received:
-                    return True
-        for c in comms:
-            if len(c.ranks) > 1:
-                received.update(r for r in c.ranks if r != c.root)
-    return False
-
-
-def host_calls(plan: Plan) -> dict[str, HostCalls]:
-    """Fixed-cost host calls per role, inferred from what the plan says (plans carry bytes,
-    not call counts):
-
-    - an object hop is a step holding a comm with ``what == "pickle"`` (``broadcast_object_list``
-      and its kin: the source pickles, every receiver unpickles). The leader pickles once per
-      object hop, a receiver unpickles once, a forwarder unpickles and pickles once each.
-    - a role with ``pickled_bytes`` > 0 but no object hop and no packing pickles (leader) or
-      unpickles (receiver) once, both for a forwarder (one object sent once per call).
-    - a leader with ``packed_bytes`` > 0 packs once, and then every receiver (of a comm or of a
-      shared-memory hand-off) decodes the header and unpacks once (pickled non-tensor data inside the message is part of those calls).
-      A forwarder passes the buffer on before it unpacks, so its unpack is off the path.
-    """
-    object_hops = len({c.step for c in plan.comms if c.what == "pickle"})
-    packs = plan.leader.packed_bytes > 0
-    moves = any(len(c.ranks) > 1 for c in plan.comms) or any(len(h.ranks) > 1 for h in plan.shared)
-    if object_hops:
-        leader = HostCalls(pickles=object_hops, packs=int(packs))
-        receiver = HostCalls(unpickles=1, unpacks=int(packs and moves))
-        forwarder = HostCalls(pickles=1, unpickles=1) if object_hops >= 2 else HostCalls()
-    else:
-        lone = not packs  # pickled bytes inside a pack are part of the pack/unpack calls
-        leader = HostCalls(pickles=int(lone and plan.leader.pickled_bytes > 0), packs=int(packs))
-        receiver = HostCalls(
-            unpickles=int(lone and plan.receiver.pickled_bytes > 0),
-            unpacks=int(packs and moves),
-        )
-        n = int(lone and plan.forwarder.pickled_bytes > 0)
-        forwarder = HostCalls(pickles=n, unpickles=n)
-    return {"leader": leader, "forwarder": forwarder, "receiver": receiver}
-
-
-def price_local(
-    work: LocalWork, cluster: ClusterConf, role: str, calls: HostCalls | None = None
-) -> LocalCost:
-    """Seconds of host work for one role. A forwarder unpickles what it got and pickles it again
-    to send it on, so its pickled bytes pay both directions. ``packed_bytes`` and
-    ``copied_bytes`` move at ``ClusterConf.pack_copy_bytes_per_s`` (on-device where the ranks hold
-    their batch on a device); ``calls`` adds the fixed per-call host costs."""
-    pickled = work.pickled_bytes
-    return LocalCost(
-        role=role,  # type: ignore[arg-type]
-        pickle_s=pickled / cluster.pickle_bytes_per_s if role != "receiver" else 0.0,
-        unpickle_s=pickled / cluster.unpickle_bytes_per_s if role != "leader" else 0.0,
-        memcpy_s=(work.packed_bytes + work.copied_bytes) / cluster.pack_copy_bytes_per_s,
-        d2h_s=work.d2h_bytes / cluster.d2h_bytes_per_s,
-        h2d_s=work.h2d_bytes / cluster.h2d_bytes_per_s,
-        calls_s=calls.seconds(cluster) if calls is not None else 0.0,
-    )
+from strategies.core.plan import Comm, Plan
 
 
 # -- one step ---------------------------------------------------------------------------------
@@ -446,25 +179,6 @@ def _steps_of(plan: Plan, layout: Layout | None, check: bool) -> dict[int, list[
     return by_step
 
 
-def _local_costs(plan: Plan, cluster: ClusterConf) -> tuple[LocalCost, ...]:
-    """Leader, forwarder and receiver work; the forwarder's only when some rank forwards. The
-    leader's carries the shared-memory signals (``handoff_signals``)."""
-    calls = host_calls(plan)
-    forwarder = plan.forwarder if has_forwarder(plan) else LocalWork()
-    if forwarder is not plan.forwarder:
-        calls["forwarder"] = HostCalls()
-    costs = [
-        price_local(work, cluster, role, calls[role])
-        for role, work in (
-            ("leader", plan.leader),
-            ("forwarder", forwarder),
-            ("receiver", plan.receiver),
-        )
-    ]
-    costs[0] = replace(costs[0], signal_s=handoff_signals(plan, cluster) * cluster.signal_s)
-    return tuple(costs)
-
-
 def handoff_comms(plan: Plan, cluster: ClusterConf, step: int) -> list[Comm]:
     """The crossings of the plan's hand-offs, from ``step`` on: the root's message to the
     first rank of each other node, or its stripes from the ranks of the root's node to the
@@ -488,26 +202,6 @@ def handoff_comms(plan: Plan, cluster: ClusterConf, step: int) -> list[Comm]:
     return comms
 
 
-def handoff_signals(plan: Plan, cluster: ClusterConf) -> int:
-    """Signals on the critical path of the plan's hand-offs: the most ranks any writer signals
-    (a node's writer tells its node's other ranks one after another; the replica leader
-    signals its own node while its sends to the other nodes are in flight, so the path is the
-    crossings, then the busiest other node's signals). A striped crossing adds the leader's
-    signals up to its last stripe sender (which sends once signalled) and one report from
-    the other node's stripe receivers (each a message of the same cost)."""
-    most = 0
-    for h in plan.shared:
-        nodes = node_split(h.ranks, cluster.node_of)
-        most = max(most, max(len(node) - 1 for node in nodes))
-        for node, crossing in zip(nodes[1:], stripes(nodes, h.nbytes, h.stripe_min_bytes)):
-            if len(crossing) > 1:
-                most = max(most, (len(crossing) - 1) + 1 + (len(node) - 1))
-    return most
-
-
-_LOCAL_PARTS = ("pickle_s", "unpickle_s", "memcpy_s", "d2h_s", "h2d_s", "calls_s", "signal_s")
-
-
 def _oversubscribed(steps, local, factor: float):
     """Every α, β and local term × ``factor`` (CPU time-slicing)."""
     if factor == 1.0:
@@ -517,7 +211,7 @@ def _oversubscribed(steps, local, factor: float):
                                     beta_s=s.critical.beta_s * factor))
         for s in steps
     )  # fmt: skip
-    local = tuple(replace(w, **{k: getattr(w, k) * factor for k in _LOCAL_PARTS}) for w in local)
+    local = tuple(replace(w, **{k: getattr(w, k) * factor for k in LOCAL_TERMS}) for w in local)
     return steps, local
 
 
@@ -550,7 +244,7 @@ def price(
         named = [r for c in plan.comms for r in c.ranks] + [r for h in plan.shared for r in h.ranks]
         world = 1 + max(named, default=0)
     over = cluster.oversubscription(world)
-    steps, local = _oversubscribed(steps, _local_costs(plan, cluster), over)
+    steps, local = _oversubscribed(steps, local_costs(plan, cluster), over)
     comm_s = sum(s.total_s for s in steps)
     local_s = sum(w.total_s for w in local)
     return Prediction(

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from tiers import marking
 
-from strategies.core.shm import DEFAULT_SLOTS
+from strategies.core.node_channel import DEFAULT_SLOTS
 
 pytest_collection_modifyitems = marking(__file__, "benchmark")
 

@@ -25,9 +25,10 @@ from strategies.core.cluster import (
 )
 from strategies.core.formulas import ceil_log2, coefficients, tree_rounds
 from strategies.core.groups import stripes
+from strategies.core.host_work import HostCalls, has_forwarder, host_calls
 from strategies.core.layout import Layout
 from strategies.core.plan import Comm, Handoff, LocalWork, Plan
-from strategies.core.pricing import HostCalls, has_forwarder, host_calls, lower_bound_s, price
+from strategies.core.pricing import lower_bound_s, price
 
 MIB = 2**20
 INTRA = LinkConf(alpha_us=10, bandwidth_gbytes_per_s=100)  # α 1e-5 s, β 1e-11 s/B

@@ -21,7 +21,7 @@ import torch
 from tensordict import TensorDict
 
 import strategies
-import strategies.core.shm as shm_core
+import strategies.core.node_channel as shm_core
 from strategies.core.layout import Layout
 
 pytestmark = pytest.mark.world
@@ -330,7 +330,7 @@ KILL_SCRIPT = textwrap.dedent(
     import torch, torch.distributed as dist, torch.multiprocessing as mp
     from tensordict import TensorDict
     import strategies
-    from strategies.core.contract import ProcessGroups
+    from strategies.core.process_groups import ProcessGroups
 
     def main(rank, world, port, out_dir, name):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -1,0 +1,236 @@
+"""Moving one message to the ranks of a node through shared memory: the node channel a node
+leader and its node-local readers share, its set-up, and its closing.
+
+The channel is a ring of segments the node leader writes and its node-local ranks map
+(``strategies.core.segment_ring``), a Unix socket per reader for the signal and the releases
+(``strategies.core.node_signals``), and (across nodes) point-to-point sends from the replica
+leader to each node leader (``strategies.core.node_crossing``). The writer's and a reader's
+halves are ``strategies.core.ring_writer`` and ``strategies.core.ring_reader``.
+
+A segment's fd is handed to each reader once per segment over its socket (``SCM_RIGHTS``). The
+sockets live in the abstract namespace (no file), so nothing is left behind by any ending,
+kill -9 included.
+
+A reader waits for a signal as long as a gloo collective on the same replica would (that
+group's timeout); a leader that dies closes its sockets, and its readers learn at once.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import select
+import socket
+import struct
+import time
+import weakref
+
+import torch.distributed as dist
+
+from strategies.core.contract import Unsupported, settled
+from strategies.core.node_crossing import NodeCrossing
+from strategies.core.node_signals import (
+    HELLO,
+    READ,
+    RELEASE,
+    ShmError,
+    available,
+    check_size_option,
+    close_quietly,
+    group_timeout_s,
+)
+from strategies.core.process_groups import ProcessGroups
+from strategies.core.ring_reader import RingReader
+from strategies.core.ring_writer import RingWriter
+
+DEFAULT_STRIPE_MIN_BYTES = 1 << 20
+"""Messages from this size on cross nodes in stripes (``groups.stripes``); below it the extra
+signal and report cost more than a second link saves."""
+DEFAULT_SLOTS = 3
+"""Segments in the ring: a batch held while the next one arrives still leaves a free slot."""
+CLOSE_WAIT_S = 5.0
+"""How long a closing writer waits for its readers to take the last signal."""
+CONNECT_TIMEOUT_S = 60.0
+"""How long the node leader waits for its readers to connect while the channel is set up."""
+
+
+class NodeChannel(RingWriter, RingReader, NodeCrossing):
+    """A node leader and its node-local readers (one per strategy instance and replica).
+
+    ``connect`` (collective over the replica's gloo group) runs on the first call; after it a
+    call is ``writer_slot`` + ``publish`` on the node leader and ``receive`` on a reader.
+
+    Across nodes a message of at least ``stripe_min_bytes`` crosses in stripes
+    (``groups.stripes``): the i-th rank of the leader's node sends one slice to the i-th rank
+    of each other node, which writes it straight into its node leader's segment (the node
+    leader hands it the segment with a stripe request, and publishes once every stripe is
+    in), so each rank's own link carries its share. None: every message crosses whole."""
+
+    def __init__(
+        self,
+        groups: ProcessGroups,
+        slots: int = DEFAULT_SLOTS,
+        stripe_min_bytes: int | None = DEFAULT_STRIPE_MIN_BYTES,
+    ) -> None:
+        why = available()
+        if why:
+            raise Unsupported(f"shm: {why}")
+        if slots < 1:
+            raise ValueError(f"shm: slots must be >= 1, got {slots}")
+        check_size_option("stripe_min_bytes", stripe_min_bytes)
+        self.groups = groups
+        self.nodes = groups.replica_nodes
+        self.stripe_min_bytes = stripe_min_bytes
+        self.local = groups.node_local_ranks
+        self.node_leader = self.local[0]
+        self.is_node_leader = groups.rank == self.node_leader
+        self.readers = tuple(r for r in self.local if r != self.node_leader)
+        self.timeout_s = group_timeout_s(groups.cpu_replica_group)
+        self.connected = False
+        self.closed = False
+        self._init_writer(slots)
+        self._init_reader()
+        self._init_crossing()
+        weakref.finalize(
+            self, _close_all, self.socks, self.fds, self.slots, self.read_upto, self.published
+        )
+
+    # -- set-up ----------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Every node leader listens on a fresh abstract address; the replica learns them in
+        one all-gather; each reader connects to its node leader and proves it is of this job
+        with the token that travelled in the gather."""
+        g = self.groups
+        if self.closed:  # a set-up that failed is not tried again: the others are not in it
+            raise settled(ShmError(
+                f"rank {g.rank}: shm: the channel's set-up failed on an earlier call; build the "
+                "strategy again"
+            ))  # fmt: skip
+        listener = None
+        mine = None
+        if self.is_node_leader and self.readers:
+            token = secrets.token_bytes(16)
+            address = b"\0bcastbench-shm-" + secrets.token_hex(12).encode()
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            listener.bind(address)
+            listener.listen(len(self.readers))
+            mine = (address, token)
+        offers: list = [None] * len(g.replica_ranks)
+        dist.all_gather_object(
+            offers, (g.rank, mine, self.stripe_min_bytes), group=g.cpu_replica_group
+        )
+        by_rank = {rank: offer for rank, offer, _ in offers}
+        try:
+            self._agree_on_stripes({rank: threshold for rank, _, threshold in offers})
+            if listener is not None:
+                self._accept(listener, mine[1])
+            elif not self.is_node_leader:
+                self._dial(*by_rank[self.node_leader])
+        except ShmError as exc:
+            # Readers that did connect learn of it from their closed socket, not a timeout.
+            self.close()
+            raise settled(exc) from None
+        finally:
+            if listener is not None:
+                listener.close()
+        self.connected = True
+
+    def _agree_on_stripes(self, thresholds: dict[int, int | None]) -> None:
+        """Across nodes every rank of the replica must compute the same stripes, so the same
+        ``stripe_min_bytes``: with another, a stripe receiver would wait for a slice nobody
+        sends. The set-up gather carried every rank's, so every rank refuses alike, here (on
+        one node nothing is striped and the option does nothing)."""
+        if len(self.nodes) > 1 and len(set(thresholds.values())) > 1:
+            values = ", ".join(f"rank {r}: {v}" for r, v in sorted(thresholds.items()))
+            raise ShmError(
+                f"rank {self.groups.rank}: shm: stripe_min_bytes differs across the replica "
+                f"({values}); build the strategy with the same options on every rank"
+            )
+
+    def _accept(self, listener: socket.socket, token: bytes) -> None:
+        listener.settimeout(CONNECT_TIMEOUT_S)
+        while len(self.socks) < len(self.readers):
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                missing = sorted(set(self.readers) - set(self.socks))
+                raise ShmError(
+                    f"rank {self.groups.rank}: shm: node-local ranks {missing} did not connect "
+                    f"within {CONNECT_TIMEOUT_S:.0f} s"
+                ) from None
+            conn.settimeout(CONNECT_TIMEOUT_S)
+            try:
+                hello = conn.recv(HELLO.size)
+                got, rank = HELLO.unpack(hello) if len(hello) == HELLO.size else (b"", -1)
+            except (OSError, struct.error):
+                got, rank = b"", -1
+            uid = struct.unpack("3i", conn.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]  # fmt: skip
+            if got != token or rank not in self.readers or rank in self.socks or uid != os.getuid():
+                conn.close()  # not one of ours: its connection is refused, ours still awaited
+                continue
+            conn.setblocking(True)
+            self.socks[rank] = conn
+
+    def _dial(self, address: bytes, token: bytes) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(address)
+        except OSError as exc:
+            sock.close()
+            raise ShmError(
+                f"rank {self.groups.rank}: shm: cannot reach node leader rank {self.node_leader}"
+                f" over its Unix socket ({exc}); the two ranks were taken to share a host and a "
+                "network namespace"
+            ) from None
+        sock.sendall(HELLO.pack(token, self.groups.rank))
+        sock.settimeout(self.timeout_s)
+        self.sock = sock
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.sock is not None:
+                self.sock.close()
+            _close_all(self.socks, self.fds, self.slots, self.read_upto, self.published)
+
+
+def _take_reports(sock: socket.socket, rank: int, read_upto: dict) -> None:
+    """A closing writer's drain: only the read reports matter now."""
+    try:
+        while raw := sock.recv(RELEASE.size, socket.MSG_DONTWAIT):
+            if len(raw) == RELEASE.size:
+                kind, _, _, sequence = RELEASE.unpack(raw)
+                if kind == READ:
+                    read_upto[rank] = max(read_upto.get(rank, 0), sequence)
+        read_upto[rank] = 1 << 62  # closed by the reader: nothing left to wait for
+    except (BlockingIOError, InterruptedError):
+        pass
+    except OSError:
+        read_upto[rank] = 1 << 62
+
+
+def _close_all(socks: dict, fds: dict, slots: list, read_upto: dict, published: list) -> None:
+    # A reader that has not taken the last signal yet would lose it to the reset a close with
+    # unread data sends (a release can arrive after any drain): wait, briefly, until every
+    # reader has reported it read the last signal.
+    deadline = time.monotonic() + CLOSE_WAIT_S
+    while socks and time.monotonic() < deadline:
+        behind = [s for r, s in socks.items() if read_upto.get(r, 0) < published[0]]
+        if not behind:
+            break
+        ready, _, _ = select.select(behind, [], [], max(deadline - time.monotonic(), 0))
+        for rank, sock in socks.items():
+            if sock in ready:
+                _take_reports(sock, rank, read_upto)
+    for sock in socks.values():
+        close_quietly(sock)
+    socks.clear()
+    for _, fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
+    for slot in slots:
+        slot.retire()

@@ -1,0 +1,173 @@
+"""A reader's side of the node channel: it waits for its node leader's signal, maps the
+message's segment copy-on-write and reports the signal taken and, later, the message released.
+
+A part of ``NodeChannel`` (``strategies.core.node_channel``), which sets the state every part
+reads (``groups``, ``node_leader``, ``timeout_s``); this part keeps its own (``_init_reader``).
+While it waits, a reader maps the slot the next message most likely lands in (``premap``).
+A message signalled early (its header and non-tensor blob in, its leaves not yet) is read
+while the writer copies; ``wait_complete`` waits for the rest, or raises the writer's error.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+from strategies.core.contract import leader_failed, settled
+from strategies.core.node_signals import (
+    ABORT_MAGIC,
+    ABORT_TEXT_BYTES,
+    DONE_MAGIC,
+    EARLY_MAGIC,
+    READ,
+    RELEASE,
+    RELEASED,
+    SIGNAL,
+    SIGNAL_MAGIC,
+    STRIPE_MAGIC,
+    ShmError,
+    send_report,
+)
+from strategies.core.segment_ring import Premap, map_private, release_claimed
+
+
+class RingReader:
+    """A reader's half of a ``NodeChannel``: ``premap`` before it waits, ``receive`` per
+    message, and ``wait_complete`` for a message signalled early."""
+
+    def _init_reader(self) -> None:
+        self.sock: socket.socket | None = None  # the socket to the node leader
+        self.fds: dict[int, tuple[int, int]] = {}  # slot -> (generation, fd)
+        self.last_index: int | None = None  # the slot of the last message it took
+        self.pending: int | None = None  # a message signalled early, not complete yet
+
+    def premap(self) -> Premap | None:
+        """A reader, before it waits: a copy-on-write mapping of the slot the next message
+        most likely arrives in (the one after the last, as the writer takes them in turn),
+        made while the writer still packs; None until this reader holds that slot's segment.
+        ``receive`` uses it when the signal names that very segment; otherwise it is dropped
+        unused and releases nothing."""
+        if self.last_index is None:
+            return None
+        index = (self.last_index + 1) % len(self.slots)
+        held = self.fds.get(index)
+        if held is None:
+            return None
+        generation, fd = held
+        claim: list[int] = []
+        view = map_private(
+            fd, None, self.groups.rank, release_claimed, self.sock, claim, index, generation
+        )
+        return Premap(index, generation, view, claim)
+
+    def receive(self, premap: Premap | None = None) -> torch.Tensor:
+        """Wait for the next message; returns it as a copy-on-write view of its segment (the
+        release goes out when the last tensor viewing it dies): ``premap``'s view when the
+        message is in its segment, else a new mapping. On the replica leader's node a
+        stripe sender sends its stripes before it returns; on another node a stripe receiver
+        writes its stripe first, when its node leader asks."""
+        while True:
+            magic, index, generation, sequence, nbytes = self._next_message()
+            if magic in (SIGNAL_MAGIC, EARLY_MAGIC):
+                break
+            self._write_stripe(index, generation, sequence, nbytes)
+        self.pending = sequence if magic == EARLY_MAGIC else None
+        try:  # waits for room: the leader may be waiting for exactly this report
+            self.sock.send(RELEASE.pack(READ, index, generation, sequence))
+        except OSError:  # the leader is gone: this message is whole all the same
+            pass
+        self.last_index = index
+        if (
+            premap is not None
+            and (premap.index, premap.generation) == (index, generation)
+            and 0 < nbytes <= premap.view.numel()
+        ):
+            premap.claim.append(sequence)
+            view = premap.view[:nbytes]
+        else:
+            view = map_private(
+                self._fd(index, generation), nbytes, self.groups.rank, send_report, self.sock,
+                RELEASED, index, generation, sequence,
+            )  # fmt: skip
+        if self.groups.rank in self.nodes[0]:
+            for handle in self._send_stripes(view, nbytes):
+                handle.wait()
+        return view
+
+    def wait_complete(self) -> None:
+        """A reader of a message signalled early (``pending``): wait until all of it is in the
+        segment; the writer's failure meanwhile is raised here, as the leader's."""
+        sequence, self.pending = self.pending, None
+        if sequence is None:
+            return
+        magic, _, _, got, _ = self._next_message(DONE_MAGIC, ABORT_MAGIC)
+        if magic == ABORT_MAGIC:
+            try:
+                text = self.sock.recv(ABORT_TEXT_BYTES).decode(errors="replace")
+            except OSError:
+                text = ""
+            raise settled(leader_failed(self.groups, text or "it failed while writing"))
+        if got != sequence:
+            self.close()
+            raise ShmError(
+                f"rank {self.groups.rank}: shm: the completion of message {got} arrived while "
+                f"message {sequence} was awaited; the channel is closed"
+            )
+
+    def _next_message(self, *accept: bytes) -> tuple[bytes, int, int, int, int]:
+        """A reader: the next message from the node leader, one of ``accept`` (by default a
+        signal, early or not, or a stripe request); a segment's fd that comes with it is kept
+        for its slot."""
+        accept = accept or (SIGNAL_MAGIC, EARLY_MAGIC, STRIPE_MAGIC)
+        rank = self.groups.rank
+        if self.sock is None or self.sock.fileno() == -1:
+            raise ShmError(
+                f"rank {rank}: shm: node leader rank {self.node_leader}: the channel closed on "
+                "an earlier call; build the strategy again"
+            )
+        try:
+            msg, fds, _, _ = socket.recv_fds(self.sock, SIGNAL.size, 1)
+        except TimeoutError:
+            raise ShmError(
+                f"rank {rank}: shm: no message from node leader rank {self.node_leader} within "
+                f"{self.timeout_s:.0f} s (the replica's gloo timeout)"
+            ) from None
+        except OSError as exc:
+            self.sock.close()
+            raise ShmError(
+                f"rank {rank}: shm: node leader rank {self.node_leader}: {exc}"
+            ) from None
+        if not msg:
+            self.sock.close()
+            raise ShmError(
+                f"rank {rank}: shm: node leader rank {self.node_leader} closed its socket (it "
+                "ended or died)"
+            )
+        if len(msg) != SIGNAL.size or msg[:4] not in accept:
+            for fd in fds:
+                os.close(fd)
+            self.sock.close()  # out of step with the writer: nothing after it can be trusted
+            raise ShmError(
+                f"rank {rank}: shm: a malformed signal of {len(msg)} bytes (magic "
+                f"{msg[:4]!r}; expected one of {b', '.join(accept).decode()}); the channel is closed"
+            )
+        magic, index, generation, sequence, nbytes = SIGNAL.unpack(msg)
+        if fds:
+            old = self.fds.pop(index, None)
+            if old is not None:
+                os.close(old[1])
+            for extra in fds[1:]:
+                os.close(extra)
+            self.fds[index] = (generation, fds[0])
+        return magic, index, generation, sequence, nbytes
+
+    def _fd(self, index: int, generation: int) -> int:
+        held = self.fds.get(index)
+        if held is None or held[0] != generation:
+            raise ShmError(
+                f"rank {self.groups.rank}: shm: slot {index} generation {generation} arrived "
+                "without its segment"
+            )
+        return held[1]

@@ -1,0 +1,189 @@
+"""The Strategy base class: one way to run ``get_data_input``, whose own ``get_data_input``
+holds the contract for every strategy (a leader's failure reaches every rank, no rank waits).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from strategies.core.completion import Replay, distinct_groups, marks, posted_since
+from strategies.core.contract import (
+    DataProto,
+    failure_batch,
+    failure_in,
+    failure_text,
+    is_settled,
+    leader_failed,
+    resolve_lazy_views,
+    settled,
+    validate,
+    wants_non_tensor,
+)
+from strategies.core.process_groups import ProcessGroups
+
+
+class Strategy:
+    """One way to run ``get_data_input``. Subclasses set ``name`` and implement ``transfer``.
+
+    A strategy is built once per layout with its groups and options, then called on every
+    rank of the world with the entry state; it returns the exit state (see README).
+
+    ``get_data_input`` is this class's and no subclass replaces it: it holds the contract for
+    every strategy, a user's included. On the leader it refuses, before any collective, every
+    leaf kind no strategy can carry (``contract.validate``) and whatever the strategy's
+    ``check`` refuses; a failure there, or in the strategy's own leader work before its first
+    collective (encoding, pickling), travels as a failure batch through the strategy's own
+    ``transfer``, and every receiver raises ``LeaderFailed`` naming the leader's rank and
+    error. A failure after the leader's first collective went out is finished by replaying
+    its send path with the collectives already posted answered locally
+    (``strategies.core.completion``): every collective the receivers wait for goes out with
+    the batch's bytes, then the leader raises. Either way no rank waits, and the next call on
+    the same instance starts from a state every rank agrees on.
+
+    What ``transfer`` must keep to for that: it posts collectives only on ``self.groups``'
+    groups (those are the ones counted), and its leader does nothing that can fail after its
+    first collective (a replay repeats a failure of its own code and cannot finish it).
+
+    A subclass written against the older interface (its own ``get_data_input``) has that
+    method taken as its ``transfer``, so it gets the same protocol.
+    """
+
+    name: ClassVar[str] = ""
+    selectable: ClassVar[bool] = True
+    """False for the floor, which is a measured limit rather than a way to ship data."""
+    claims: ClassVar[str] = ""
+    """Collectives per call, in words (checked by the tests that count them)."""
+    raw_bytes: ClassVar[bool] = False
+    """True for a strategy that moves bytes ``prepare`` packed rather than the batch it is
+    handed (the floor): ``get_data_input`` runs its ``transfer`` as it is."""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("get_data_input")
+        if own is None or own is Strategy.get_data_input:
+            return
+        if "transfer" in cls.__dict__:
+            raise TypeError(
+                f"{cls.__qualname__} defines both get_data_input and transfer; define transfer "
+                "only (Strategy.get_data_input runs it and holds the contract)"
+            )
+        cls.transfer = own  # the older interface: its body is the hook
+        cls.get_data_input = Strategy.get_data_input
+
+    def __init__(self, groups: ProcessGroups, **options: Any) -> None:
+        self.groups = groups
+        if options:
+            raise TypeError(
+                f"strategy {self.name!r} takes no options {sorted(options)}; "
+                "see its module docstring for the options it has"
+            )
+
+    def prepare(self, batch: DataProto) -> None:
+        """Untimed set-up before a run of calls (the floor packs its buffer here)."""
+
+    def check(self, batch) -> None:
+        """Leader, before any collective: raise for anything this strategy cannot carry that
+        the contract allows (a dtype, a jagged leaf, a shape). The batch has passed
+        ``contract.validate`` already; what this raises reaches every rank."""
+
+    def transfer(self, batch) -> DataProto:
+        """The collectives of one call, on every rank of the replica: the leader sends what it
+        holds (or a failure batch, which it sends like any other); a receiver returns the
+        object it was handed with what arrived set on it. Leader-side work that can fail
+        belongs before the first collective."""
+        raise NotImplementedError(f"strategy {self.name!r} implements no transfer")
+
+    def get_data_input(self, batch: DataProto) -> DataProto:
+        """ROLL's call, on every rank of the world (see the class docstring)."""
+        g = self.groups
+        if self.raw_bytes:
+            return self.transfer(batch)
+        if g.replica_ranks == (g.rank,):
+            return batch  # a replica of one: nothing to send
+        if not g.is_leader:
+            out = self.transfer(batch)
+            text = failure_in(out)
+            if text is not None:
+                raise settled(leader_failed(g, text))
+            return out
+        try:
+            sending = self.leader_view(batch)
+        except Exception as exc:  # noqa: BLE001 -- any type: it travels to the receivers
+            self._ship(batch, exc)
+            raise
+        watched = self._watched_groups()
+        before = marks(watched)
+        try:
+            self.transfer(sending)
+        except Exception as exc:  # noqa: BLE001 -- see below: finished, then raised
+            if is_settled(exc):
+                raise
+            posted = posted_since(watched, before)
+            if posted == {}:  # nothing went out: the failure can still take the batch's place
+                self._ship(batch, exc)
+            elif posted is not None:
+                self._finish(sending, posted, exc)
+            settled(exc)
+            raise
+        return batch
+
+    def leader_view(self, batch):
+        """Leader, before any collective: validate ``batch`` (every leaf kind), run ``check``
+        and return what ``transfer`` sends (``batch``, or a copy with lazy views resolved). A
+        strategy overrides it only to do the same work faster (``PackedStrategy`` caches it
+        per batch structure)."""
+        lazy: list = []
+        validate(batch, self.groups.rank, self.groups.device, lazy=lazy)
+        self.check(batch)
+        return resolve_lazy_views(batch, lazy)
+
+    def _ship(self, batch, exc: Exception) -> None:
+        """Leader: send a failure batch for ``exc`` through ``transfer`` and mark ``exc``
+        settled (the caller raises it)."""
+        g = self.groups
+        sent = failure_batch(failure_text(exc), wants_non_tensor(batch), g.device)
+        try:
+            self.transfer(sent)
+        except Exception as ship_exc:  # noqa: BLE001 -- reported with the leader's own error
+            exc.add_note(
+                f"rank {g.rank}: shipping this failure to the replica failed too, so its "
+                f"receivers may still wait: {failure_text(ship_exc)}"
+            )
+        settled(exc)
+
+    def _finish(self, sending, posted: dict[int, int], exc: Exception) -> None:
+        """Leader: post every collective of this call that had not gone out when ``exc``
+        was raised, with the batch's bytes (``completion.Replay``)."""
+        try:
+            with Replay(posted):
+                self.transfer(sending)
+        except Exception as replay_exc:  # noqa: BLE001 -- reported with the leader's own error
+            exc.add_note(
+                f"rank {self.groups.rank}: finishing the collectives announced before this "
+                f"failure failed too, so receivers may still wait: {failure_text(replay_exc)}"
+            )
+
+    def _watched_groups(self) -> tuple:
+        watched = self.__dict__.get("_watched")
+        if watched is None:
+            g = self.groups
+            watched = distinct_groups(
+                (
+                    g.tp_cp_group,
+                    g.pp_group,
+                    g.replica_group,
+                    g.cpu_tp_cp_group,
+                    g.cpu_pp_group,
+                    g.cpu_replica_group,
+                )
+            )
+            self.__dict__["_watched"] = watched
+        return watched
+
+    @classmethod
+    def plan(cls, layout, spec):
+        """The collectives and local work of one call, for every replica (strategies.core.plan)."""
+        raise NotImplementedError(f"strategy {cls.name!r} states no plan")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.groups.rank})"
