@@ -253,10 +253,16 @@ def _copy_named_paths(argv: tuple[str, ...], scratch: Path) -> None:
 
 def _in_process(argv: list[str], capsys) -> tuple[int, str]:
     """``bcastbench argv`` in this process: its exit status and what it printed."""
+    from harness.run import records
+
+    # What a command says made the records it writes; later tests' jobs say their own.
+    saved = list(records.COMMAND)
     try:
         status = cli.main(argv)
     except SystemExit as exc:
         status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    finally:
+        records.COMMAND[:] = saved
     out = capsys.readouterr()
     return status, out.out + out.err
 
