@@ -2,7 +2,7 @@
 
 ``flat`` copies every byte into its send buffer before the first one moves. On a host where
 the transport itself is CPU work (gloo over TCP, 2 cores) that copy is most of what separates
-it from the floor at large payloads (README, "Reference results"). ``direct`` puts only the header, the small leaves and the non-tensor blob
+it from the floor at large payloads (docs/results.md). ``direct`` puts only the header, the small leaves and the non-tensor blob
 into the speculative message, then broadcasts every contiguous leaf of at least
 ``direct_min_bytes`` from the leader's own tensor into a tensor each receiver allocates from
 the header: no pack copy for those bytes, one more collective per large leaf, all issued async

@@ -32,6 +32,7 @@ from harness.job.sweep_lock import claim, release
 from harness.job.sweep_plan import check_sweep, sweep_dir
 from harness.megatron_import import quiet_megatron
 from harness.report.progress import STATE
+from harness.job.config import validate
 from harness.worlds import launcher
 
 FAILED_EXIT, INTERRUPTED_EXIT = 1, 130
@@ -89,6 +90,8 @@ def run(argv: list[str]) -> int:
             launcher.prompt_slurm_failures()
         except ConfigError as exc:
             return _exit_status(exc)
+    if "--check" in argv:
+        return _check_only([a for a in argv if a != "--check"])
     records.COMMAND[:] = ["bcastbench", *argv]  # what the records say made them
     sys.argv = ["bcastbench", *_scratch_for_other_ranks(argv)]
     os.environ["HYDRA_FULL_ERROR"] = "1"
@@ -119,6 +122,24 @@ def run(argv: list[str]) -> int:
         _hand_back_logging(*found)
         if root is not None:
             release(root)
+
+
+def _check_only(argv: list[str]) -> int:
+    """``run --check``: compose and validate every job the command line makes (a ``-m`` sweep
+    in full, as before a real sweep), print how many, start none; a bad config exits 2 with its
+    usual one line. A single run composes as Hydra's run mode does (``a=1,2`` needs ``-m``)."""
+    overrides = [a for a in argv if not a.startswith("-")]
+    try:
+        if {"-m", "--multirun"} & set(argv):
+            jobs = check_sweep(overrides)
+        else:
+            with hydra.initialize_config_dir(str(paths.CONF_DIR), version_base="1.3"):
+                validate(hydra.compose("config", overrides))
+            jobs = 1
+    except (ConfigError, HydraException, OmegaConfBaseException) as exc:
+        return _exit_status(exc)
+    print(f"bcastbench: {jobs} job{'s' if jobs != 1 else ''} checked; none started")
+    return 0
 
 
 def _hand_back_logging(level: int, handlers: list[logging.Handler]) -> None:

@@ -26,7 +26,7 @@ class Strategy:
     """One way to run ``get_data_input``. Subclasses set ``name`` and implement ``transfer``.
 
     A strategy is built once per layout with its groups and options, then called on every
-    rank of the world with the entry state; it returns the exit state (see README).
+    rank of the world with the entry state; it returns the exit state (docs/writing-a-strategy.md).
 
     ``get_data_input`` is this class's and no subclass replaces it: it holds the contract for
     every strategy, a user's included. On the leader it refuses, before any collective, every

@@ -5,7 +5,7 @@ p50 (the fastest raw method through the collective library: what a strategy on g
 reach; ``vs_floor``'s floor also has node-local shared memory, which no such strategy can use)
 and ``vs_baseline`` = p50 / pickled p50, timed interleaved inside one job; the gate takes the median over the
 rounds (jobs) of a benchmark. Bounds sit well outside what 2 shared cores under a load
-average of 8-49 produced (README, "Benchmarks and the gate"): they catch a strategy that got
+average of 8-49 produced (docs/testing.md, "The benchmark gate"): they catch a strategy that got
 structurally slower (a collective per key, pickling the tensors, a round trip more at small
 sizes), not a few percent. ``collectives_per_call`` is counted, not timed: exact, never noisy.
 """

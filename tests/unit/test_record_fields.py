@@ -1,4 +1,4 @@
-"""One record shape: ``records.FIELDS`` is the list the README documents, and ``complete``
+"""One record shape: ``records.FIELDS`` is the list docs/records.md documents, and ``complete``
 gives any record every field, in that order, without dropping one it does not list."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from harness.job.records import FIELDS, Record, complete, type_problems
 from harness.paths import REPO
 
 
-def test_readme_lists_exactly_the_record_fields():
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("### Record fields (`result.json`)", 1)[1].split("\n- ", 1)[0]
+def test_docs_list_exactly_the_record_fields():
+    page = (REPO / "docs" / "records.md").read_text()
+    section = page.split("## Record fields (`result.json`)", 1)[1].split("\n- ", 1)[0]
     (listed,) = re.findall(r"`([a-z_0-9,\s]+)`", section.replace("\n", " "))
     assert [name.strip() for name in listed.split(",")] == list(FIELDS)
 
