@@ -2,6 +2,6 @@
 name, so ``bcastbench --help`` imports none of them), each a module with ``main(argv)``.
 
 Below them, in the order imports may go (pyproject's ``[tool.importlinter]``): the report, the
-job and its worlds (``harness.run``, ``harness.ray``, ``harness.emulate``), the cost model's
+job (``harness.job``), its worlds (``harness.worlds``) and batches (``harness.payload``), the cost model's
 pricing (``harness.model``), the utilities, and the strategies.
 """

@@ -27,12 +27,11 @@ from harness import paths
 from harness.errors import ConfigError, usage_error
 from harness.job import app, records
 from harness.job.app import JOB_FAILURES
-from harness.job.config import BenchConf, register
+from harness.job.config import BenchConf, register, validate
 from harness.job.sweep_lock import claim, release
 from harness.job.sweep_plan import check_sweep, sweep_dir
 from harness.megatron_import import quiet_megatron
 from harness.report.progress import STATE
-from harness.job.config import validate
 from harness.worlds import launcher
 
 FAILED_EXIT, INTERRUPTED_EXIT = 1, 130

@@ -253,7 +253,7 @@ def _copy_named_paths(argv: tuple[str, ...], scratch: Path) -> None:
 
 def _in_process(argv: list[str], capsys) -> tuple[int, str]:
     """``bcastbench argv`` in this process: its exit status and what it printed."""
-    from harness.run import records
+    from harness.job import records
 
     # What a command says made the records it writes; later tests' jobs say their own.
     saved = list(records.COMMAND)

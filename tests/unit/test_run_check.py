@@ -11,13 +11,14 @@ from harness.commands import cli
 @pytest.fixture
 def here(tmp_path, monkeypatch):
     """An empty working directory, and every way a job could start made to fail the test."""
-    from harness.run import app, launch
+    from harness.job import app
+    from harness.worlds import opening
 
     def started(*args, **kwargs):
         raise AssertionError("a job or world started")
 
     monkeypatch.setattr(app, "run", started)
-    monkeypatch.setattr(launch, "open_world", started)
+    monkeypatch.setattr(opening, "open_world", started)
     monkeypatch.chdir(tmp_path)
     return tmp_path
 

@@ -1,4 +1,4 @@
-"""A local Ray world (harness.ray): ranks as actors in a placement group run the forked world's
+"""A local Ray world (harness.worlds.ray_world): ranks as actors in a placement group run the forked world's
 rank-side job unchanged, both dispatch modes deliver every replica's chunk bit for bit, a
 crashing rank fails the job by name, and closing leaves no process Ray started behind.
 
