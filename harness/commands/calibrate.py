@@ -2,7 +2,8 @@
 
 A Hydra app (``conf/calibrate.yaml``: ``world=4 reps=21 short=false dry_run=false max_load=null
 out=conf/cluster/local.yaml``). Times broadcast, scatter and all_gather on a real gloo world
-(groups of 2 and of the whole world), host pickle/unpickle/memcpy rates, the fixed per-call host
+(groups of 2 and of the whole world) as one verified job of probes (``harness.job.probes``, run
+by ``harness.job.execute.run_job`` as every job is: interleaved rounds, every rank checked), host pickle/unpickle/memcpy rates, the fixed per-call host
 costs (pickle.dumps/loads, pack/unpack (strategies.core.packer, unpacker) on tiny ``rl_rollout`` batches, see
 ``per_call_costs``), the node-local signal of ``shm``'s channel (``signal_cost``), fits α, β per collective in the model's own form
 (``formulas.coefficients``) and writes the cluster file atomically, with the world size and core
@@ -19,7 +20,6 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import random
 import statistics
 import sys
 import time
@@ -30,6 +30,9 @@ import numpy as np
 
 from harness.commands.hydra_app import run_app
 from harness.files import write_atomic
+from harness.job.build import for_calibration
+from harness.job.execute import run_job
+from harness.job.probes import ProbeShape, probe_name
 from harness.machine import other_cores, other_cores_now, snapshot
 from harness.payload import source
 from harness.worlds.forked import ForkedWorld
@@ -94,64 +97,6 @@ class Fit:
 # --------------------------------------------------------------------------------------------
 # What runs on each rank
 # --------------------------------------------------------------------------------------------
-def _time_collectives(ctx, group_sizes, sizes, reps):
-    import torch
-    import torch.distributed as dist
-
-    ctx.report("calibrate: building groups")
-    groups = {}
-    for p in group_sizes:  # new_group is collective: every rank calls it in the same order
-        groups[p] = None if p == ctx.world_size else dist.new_group(list(range(p)))
-    buffers = {}
-    for p in group_sizes:
-        for size in sizes:
-            chunk = max(1, size // p)
-            buffers[("broadcast", p, size)] = (torch.zeros(size, dtype=torch.uint8),)
-            buffers[("scatter", p, size)] = (
-                torch.zeros(chunk, dtype=torch.uint8),
-                [torch.full((chunk,), i, dtype=torch.uint8) for i in range(p)],
-            )
-            buffers[("all_gather", p, size)] = (
-                torch.zeros(chunk, dtype=torch.uint8),
-                [torch.zeros(chunk, dtype=torch.uint8) for _ in range(p)],
-            )
-
-    def call(kind, p, size):
-        group = groups[p]
-        bufs = buffers[(kind, p, size)]
-        if kind == "broadcast":
-            dist.broadcast(bufs[0], src=0, group=group)
-        elif kind == "scatter":
-            dist.scatter(bufs[0], bufs[1] if ctx.rank == 0 else None, src=0, group=group)
-        else:
-            dist.all_gather(bufs[1], bufs[0], group=group)
-
-    times = {key: [] for key in buffers}
-    keys = list(buffers)
-    # Iteration-outer loop interleaves shapes, so slow drift of a shared machine hits all alike;
-    # the order is shuffled each iteration (same seed on every rank) because the first call
-    # after a group switch or a long idle wait runs slow; iteration 0 is the warm-up. Each call
-    # starts as the harness's timed calls do (phases.start_line): a world barrier, then one
-    # over the group it times.
-    for it in range(reps + 1):
-        ctx.report(f"calibrate: iteration {it}")
-        random.Random(it).shuffle(keys)
-        for key in keys:
-            kind, p, size = key
-            dist.barrier()
-            if ctx.rank >= p:
-                continue
-            if groups[p] is not None:
-                dist.barrier(group=groups[p])
-            t0 = time.perf_counter()
-            call(kind, p, size)
-            dt = time.perf_counter() - t0
-            if it:
-                times[key].append(dt)
-    dist.barrier()
-    return times
-
-
 def _time_host(ctx, nbytes, reps):
     """pickle.dumps / loads and memcpy rates (and device copies where CUDA is available),
     measured on rank 0 while the others wait."""
@@ -362,14 +307,21 @@ def per_call_costs(per_rank: list[dict], rates: dict[str, float]) -> dict[str, f
 # --------------------------------------------------------------------------------------------
 # Fitting
 # --------------------------------------------------------------------------------------------
-def samples_from(per_rank: list[dict], world_size: int) -> list[Sample]:
+def probe_names(group_sizes, sizes) -> list[str]:
+    """Every collective the calibration times: each kind, group size and byte count."""
+    return [probe_name(k, p, size) for p in group_sizes for size in sizes for k in ALGORITHMS]
+
+
+def samples_from(record: dict, world_size: int) -> list[Sample]:
+    """The calibration job's probes as samples: each one's p50 over calls, a call ending when
+    the last rank holds the data (the record's figures: max over ranks, median over calls)."""
+    p50_us = {record["strategy"]: record["p50_us"]}
+    p50_us.update((name, ref["p50_us"]) for name, ref in record["references"].items())
     out = []
-    for key in per_rank[0]:
-        kind, p, size = key
-        # Done when the last rank holds the data: max over the group's ranks, per iteration.
-        per_iter = [max(ts) for ts in zip(*(per_rank[r][key] for r in range(p)))]
-        nbytes = size // p if kind == "scatter" else size
-        out.append(Sample(kind, p, size, nbytes, statistics.median(per_iter)))
+    for name, us in p50_us.items():
+        shape = ProbeShape.parse(name, world_size)
+        nbytes = shape.chunk_bytes if shape.kind == "scatter" else shape.payload_bytes
+        out.append(Sample(shape.kind, shape.group_size, shape.payload_bytes, nbytes, us / 1e6))
     return out
 
 
@@ -481,15 +433,17 @@ def _refuse_when_busy(max_load: float | None) -> None:
 
 
 def _measure(world, group_sizes, sizes, reps: int, host_bytes: int):
-    """Per-rank collective times and the host figures (rates and per-call costs)."""
-    per_rank = world.run(_time_collectives, group_sizes, tuple(sizes), reps, what="calibrate")
+    """The collectives' job record (every probe verified on every rank) and the host figures
+    (rates and per-call costs)."""
+    spec = for_calibration(world.world_size, probe_names(group_sizes, sizes), reps)
+    record = run_job(world, spec)
     host = world.run(_time_host, host_bytes, max(3, reps // 2), what="host rates")[0]
     calls = world.run(_time_per_call, max(10, reps), what="per-call host costs")
     host.update(per_call_costs(calls, host))
     if shm_available() is None:  # a machine without memfd prices shm's signals free
         signals = world.run(_time_signals, max(10, reps), what="shared-memory signals")
         host.update(signal_cost(signals))
-    return per_rank, host
+    return record, host
 
 
 def _file_header(world_size: int, group_sizes, n_sizes: int, reps: int, report: str) -> str:
@@ -526,11 +480,11 @@ def calibrate(
     own = world is None
     world = world or ForkedWorld(world_size).start()
     try:
-        per_rank, host = _measure(world, group_sizes, sizes, reps, host_bytes)
+        record, host = _measure(world, group_sizes, sizes, reps, host_bytes)
     finally:
         if own:
             world.close()
-    samples = samples_from(per_rank, world_size)
+    samples = samples_from(record, world_size)
     fits = best_fits(samples)
     cluster = build_local_cluster(fits, host, world_size, os.cpu_count() or 1)
     report = format_report(fits, samples, host, world_size, time.perf_counter() - t0)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import strategies
 from harness.job.phases import run_phases, start_line, sync
+from harness.job.probes import build_probe, is_probe
 from harness.job.results import RankResult
 from harness.job.spec import JobSpec, Scope
 from harness.job.verification import batch_problems, bytes_problems, digest, tensor_digest
@@ -102,6 +103,9 @@ class BroadcastJob:
         if groups.is_leader and self.leader_digest is None:
             self.leader_digest = digest(self.full, True)
         out = self.call(name)
+        if hasattr(strategy, "expected_received"):  # a probe knows what each rank must hold
+            expected = tensor_digest(strategy.expected_received())
+            return bytes_problems(name, groups.rank, expected, tensor_digest(strategy.received))
         if name.split(":")[0] == "floor":
             sent = self._from_leader(tensor_digest(strategy.sent) if groups.is_leader else None)
             return bytes_problems(name, groups.rank, sent, tensor_digest(strategy.received))
@@ -155,11 +159,19 @@ def prepare(ctx, spec: JobSpec) -> BroadcastJob | RankResult:
     built = {}
     for name in order:
         try:
-            built[name] = strategies.get(name.split(":")[0], groups, **options[name])
+            built[name] = _build(ctx, groups, name, options[name])
         except strategies.Unsupported as exc:
             return RankResult(ctx.rank, groups.is_leader, unsupported=f"{name}: {exc}")
         built[name].prepare(full.entry_state(groups.is_leader))
     return BroadcastJob(groups, full, order, built, batches, first)
+
+
+def _build(ctx, groups, name: str, options: dict):
+    """Strategy ``name`` on this rank: a registered strategy (``floor:<method>`` is the floor
+    with that method's options), or a calibration probe (``harness.job.probes``)."""
+    if is_probe(name):
+        return build_probe(name, ctx)
+    return strategies.get(name.split(":")[0], groups, **options)
 
 
 def _order(spec: JobSpec) -> tuple[list[str], dict[str, dict]]:

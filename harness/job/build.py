@@ -17,6 +17,7 @@ from harness.job.config import (
 from harness.job.spec import JobSpec
 from harness.payload import source
 from harness.worlds.launcher import RAY
+from strategies.core.layout import Layout
 
 
 def _seq_len(cfg) -> int | None:
@@ -99,3 +100,19 @@ def from_arguments(strategy: str, layout, options: dict, fields: dict) -> JobSpe
     if fields.get("payload_path"):
         fields["payload_path"] = source.path_of(fields.get("payload", ""), fields["payload_path"])
     return JobSpec(strategy, layout, options=options, **fields)
+
+
+def for_calibration(world_size: int, names: list[str], reps: int) -> JobSpec:
+    """``bcastbench calibrate``'s collectives: every probe of ``names``
+    (``harness.job.probes``) timed in the same interleaved rounds on one replica of the whole
+    world, one untimed round first; the batch every job builds is the smallest there is (no
+    probe moves it)."""
+    return JobSpec(
+        strategy=names[0],
+        layout=Layout(tp=world_size),
+        batch_size=1,
+        seq_len=2,
+        iters=reps,
+        warmup=1,
+        references=tuple(names[1:]),
+    )
