@@ -34,7 +34,7 @@ from harness.job.build import for_calibration
 from harness.job.execute import run_job
 from harness.job.probes import ProbeShape, probe_name
 from harness.machine import other_cores, other_cores_now, snapshot
-from harness.payload import source
+from harness.payload import generated
 from harness.worlds.forked import ForkedWorld
 from strategies.core.cluster import CONF_DIR, GB, US, ClusterConf, LinkConf, load_cluster
 from strategies.core.formulas import (
@@ -180,7 +180,7 @@ def _time_per_call(ctx, reps):
     import torch.distributed as dist
 
     name, sizes, seq_len = PER_CALL_PAYLOAD
-    batches = [source.make(name, b, seq_len, 0) for b in sizes]
+    batches = [generated.make(name, b, seq_len, 0) for b in sizes]
     out: dict[str, list] = {"pack": [], "unpack": [], "pickle": [], "unpickle": []}
     bufs: dict[int, object] = {}
     caches: dict[int, dict] = {i: {} for i in range(len(batches))}  # steady state: hits

@@ -36,7 +36,7 @@ from harness.files import write_atomic, write_json
 from harness.job.config import PayloadConf
 from harness.machine import other_cores, snapshot
 from harness.model.prices import predicted_cross_bytes
-from harness.payload import source
+from harness.payload import generated
 from harness.worlds.emulated_network import unavailable_reason
 from strategies.core.cluster import load_cluster
 from strategies.core.layout import Layout
@@ -100,7 +100,7 @@ def predictions(batch_size: int, seq_len: int, seed: int = 0,
                 payload: str = "rl_rollout") -> dict[str, dict[str, dict]]:  # fmt: skip
     """{links: {strategy: {total_s, link_bound, cross_bytes}}} from each strategy's plan."""
     layout = Layout(tp=2, pp=2)
-    spec = spec_of(source.make(payload, batch_size, seq_len, seed, None))
+    spec = spec_of(generated.make(payload, batch_size, seq_len, seed, None))
     out: dict[str, dict[str, dict]] = {}
     for links, preset in LINKS.items():
         cluster = load_cluster(preset)
@@ -286,9 +286,9 @@ def register() -> None:
 
 def check(cfg) -> None:
     """The values a table reads, checked before any job runs (``command.run_app``)."""
-    if cfg.payload.name not in source.PAYLOADS:
+    if cfg.payload.name not in generated.PAYLOADS:
         raise ConfigError(
-            f"payload.name: {cfg.payload.name!r} is not generated; valid: {sorted(source.PAYLOADS)}"
+            f"payload.name: {cfg.payload.name!r} is not generated; valid: {sorted(generated.PAYLOADS)}"
         )
     p = cfg.payload
     for key, value, least in (("iters", cfg.iters, 1), ("warmup", cfg.warmup, 0),

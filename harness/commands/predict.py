@@ -29,7 +29,7 @@ from harness.errors import ConfigError
 from harness.files import write_json
 from harness.job.config import LayoutConf, PayloadConf
 from harness.model.prices import auto_pick, explain, predict_all, report, to_json
-from harness.payload import source
+from harness.payload import generated
 from strategies.core.cluster import ClusterConf
 from strategies.core.header_format import Entry, align, encode_header
 from strategies.core.layout import Layout
@@ -84,7 +84,7 @@ def scaled_spec(
     broadcast_non_tensor: bool | None = None,
     base_batch: int = SCALE_BASE_BATCH,
 ):
-    """The PayloadSpec of ``source.make(name, batch_size, seq_len, seed)``, built fast.
+    """The PayloadSpec of ``generated.make(name, batch_size, seq_len, seed)``, built fast.
 
     Up to ``base_batch`` it is ``spec_of`` the real batch (exact). Beyond, the batch is built at
     B=1 and B=b0=base_batch: every tensor leaf has leading dim B, so leaf, tensor and dtype
@@ -96,11 +96,11 @@ def scaled_spec(
     if batch_size < 1:
         raise ValueError(f"payload.batch_size must be positive, got {batch_size}")
     b0 = min(batch_size, base_batch)
-    big = source.make(name, b0, seq_len, seed, broadcast_non_tensor)
+    big = generated.make(name, b0, seq_len, seed, broadcast_non_tensor)
     spec0 = spec_of(big)
     if batch_size == b0:
         return spec0
-    one = spec_of(source.make(name, 1, seq_len, seed, broadcast_non_tensor))
+    one = spec_of(generated.make(name, 1, seq_len, seed, broadcast_non_tensor))
 
     def affine(at_1: int, at_b0: int) -> int:
         return round(at_1 + (at_b0 - at_1) * (batch_size - 1) / (b0 - 1))
@@ -159,9 +159,9 @@ def check(cfg) -> None:
     """Every value a prediction job reads, checked before any job runs (``command.run_app``)."""
     layout_of(cfg)
     cluster_of(cfg)
-    if cfg.payload.name not in source.PAYLOADS:
+    if cfg.payload.name not in generated.PAYLOADS:
         raise ConfigError(
-            f"payload.name: unknown payload {cfg.payload.name!r}; valid: {sorted(source.PAYLOADS)}"
+            f"payload.name: unknown payload {cfg.payload.name!r}; valid: {sorted(generated.PAYLOADS)}"
         )
     for key in ("batch_size", "seq_len"):
         if cfg.payload[key] < 1:

@@ -27,7 +27,7 @@ from harness.commands.tool import job_command, job_dir
 from harness.errors import ConfigError
 from harness.files import write_atomic, write_json
 from harness.job.dispatch import chunk, flat_bytes
-from harness.payload import source
+from harness.payload import generated
 from harness.worlds import opening
 from harness.worlds.ray_world import RayConf, RayUnavailable, import_ray
 
@@ -116,7 +116,7 @@ def measure(world, reps: int) -> dict[str, list]:
     """Every timing the fit needs: {term: [(bytes or actors, seconds), ...]}."""
     out: dict[str, list] = {k: [] for k in ("put", "put_raw", "get", "get_raw", "call")}
     for rows in SIZES:
-        batch = source.make("rl_rollout", rows, SEQ_LEN, 0, None)
+        batch = generated.make("rl_rollout", rows, SEQ_LEN, 0, None)
         piece = chunk(batch, 1)[0]
         flat = flat_bytes(piece)
         n = int(flat.nbytes)

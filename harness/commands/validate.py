@@ -39,7 +39,7 @@ import pandas as pd
 import strategies
 from harness.errors import USAGE_EXIT, program
 from harness.files import write_atomic, write_csv, write_figure
-from harness.payload import source
+from harness.payload import generated
 from harness.report import collect
 from harness.report.collect import records_dir_problem
 from strategies.core.cluster import ClusterError, load_cluster, preset_path
@@ -86,7 +86,7 @@ def price_records(df: pd.DataFrame, cluster_name: str) -> pd.DataFrame:
             continue
         key = (r["payload"], int(r["batch_size"]), int(r["seq_len"]))
         if key not in specs:  # exact spec: the sweep's batches are small enough to build
-            specs[key] = spec_of(source.make(key[0], key[1], key[2], 0))
+            specs[key] = spec_of(generated.make(key[0], key[1], key[2], 0))
         spec = specs[key]
         layout = Layout(
             dp=int(r["dp"]), pp=int(r["pp"]), tp=int(r["tp"]), cp=int(r["cp"]), order=r["order"]

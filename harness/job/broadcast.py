@@ -18,7 +18,6 @@ from harness.job.probes import build_probe, is_probe
 from harness.job.results import RankResult
 from harness.job.spec import JobSpec, Scope
 from harness.job.verification import batch_problems, bytes_problems, digest, tensor_digest
-from harness.payload import source
 from harness.payload.workload import CallShape
 from strategies.core.layout import Layout
 from strategies.floor import Floor, raw_parts
@@ -33,15 +32,11 @@ def leader_batch(
         return None
     shape = shape or spec.period()[0]
     replica = layout.coords(groups.rank)["dp"]
-    dp = source.make(
-        spec.payload,
+    dp = spec.payload_source().batch(
         shape.rows[replica],
         shape.seq_len if shape.seq_len is not None else spec.seq_len,
         spec.seed + replica + layout.dp * shape.draw,  # draw 0: seed + replica, as ever
         spec.broadcast_non_tensor,
-        spec.payload_path,
-        spec.payload_trust,
-        spec.payload_max_bytes,
     )
     if groups.device.type != "cpu":
         dp.batch = dp.batch.to(groups.device)

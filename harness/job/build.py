@@ -11,6 +11,7 @@ from harness.job.config import (
     dispatch_modes_of,
     dispatch_ray_conf,
     layout_of,
+    payload_of,
     strategy_of,
     workload_of,
 )
@@ -20,30 +21,30 @@ from harness.worlds.launcher import RAY
 from strategies.core.layout import Layout
 
 
-def _seq_len(cfg) -> int | None:
-    """Tokens per row as the job's batch has them: the config's for a generated payload, the
-    recording's own for a recorded one (validation has read the file, so this cannot fail
-    where the job would not)."""
+def _payload_of(cfg, layout) -> tuple[source.PayloadSource, int | None]:
+    """The job's payload source and its tokens per row: the config's for a generated payload;
+    a recorded one as validation read it (the same read: ``harness.job.config.payload_of``
+    keeps it) with the recording's own."""
     p = cfg.payload
     if p.name not in source.RECORDED:
-        return int(p.seq_len)
-    path = source.path_of(p.name, p.get("path"))
-    return source.recorded_seq_len(
-        p.name, path, int(p.seed), bool(p.get("trust", False)), p.get("max_bytes")
-    )
+        return source.open_payload(p.name), int(p.seq_len)
+    rows = max(s.batch_size for s in workload_of(cfg, layout, None).period)
+    payload = payload_of(p, rows)
+    return payload, payload.seq_len(int(p.seed))
 
 
 def from_run_config(cfg, layout) -> JobSpec:
     """A ``bcastbench run`` job: everything a rank needs, read from the validated config once."""
+    payload, seq_len = _payload_of(cfg, layout)
     return JobSpec(
         strategy=strategy_of(cfg),
         layout=layout,
         payload=cfg.payload.name,
-        payload_path=source.path_of(cfg.payload.name, cfg.payload.get("path")),
+        payload_path=payload.path,
         payload_trust=bool(cfg.payload.get("trust", False)),
         payload_max_bytes=cfg.payload.get("max_bytes"),
         batch_size=int(cfg.payload.batch_size),
-        seq_len=(seq_len := _seq_len(cfg)),
+        seq_len=seq_len,
         broadcast_non_tensor=cfg.payload.broadcast_non_tensor,
         seed=int(cfg.payload.seed),
         iters=int(cfg.iters),
@@ -62,6 +63,7 @@ def from_run_config(cfg, layout) -> JobSpec:
         workload=workload_of(cfg, layout, seq_len),
         steady_iters=int(cfg.steady_iters),
         timeout_s=float(cfg.timeout_s),
+        source=payload,
     )
 
 

@@ -17,7 +17,7 @@ from harness.errors import ConfigError
 from harness.job.dispatch_modes import LEADER, DispatchMode, with_floors
 from harness.job.records import layout_name
 from harness.paths import CONF_DIR
-from harness.payload import payload_schema, recording, source, workload
+from harness.payload import generated, payload_schema, recording, source, workload
 from harness.units import human_bytes
 from harness.worlds.emulated_network import EmulateConf
 from harness.worlds.ray_world import RayConf, RayUnavailable, import_ray
@@ -84,7 +84,7 @@ RayNode = _schema_of(
 @dataclass
 class PayloadConf:
     name: str = "rl_rollout"
-    """Batch generator: rl_rollout | pretrain | multimodal (harness/payload/source.py)."""
+    """Batch generator: rl_rollout | pretrain | multimodal (harness/payload/generated.py)."""
     batch_size: int = 8
     """B, the leading dimension of every tensor."""
     seq_len: int = 1024
@@ -101,7 +101,7 @@ class PayloadConf:
     max_bytes: int | None = None
     """The most bytes a replica leader's batches may take: a generated payload's every
     distinct shape together (a leader builds them all before the first call; priced by
-    ``harness.payload.source.payload_bytes``), a recording's or a schema's batch from the file's
+    ``harness.payload.generated.payload_bytes``), a recording's or a schema's batch from the file's
     sizes and shapes; ``bcastbench ray-dispatch``: the driver's global batch. Checked before
     anything is allocated. null: a quarter of this machine's physical memory
     (``harness.payload.recording.default_max_bytes``)."""
@@ -295,10 +295,10 @@ def _validate_names(cfg) -> None:
             raise ConfigError(
                 f"references: unknown reference strategy {ref!r}; valid names: {known}"
             )
-    if cfg.payload.name not in (*source.PAYLOADS, *source.RECORDED):
+    if cfg.payload.name not in (*generated.PAYLOADS, *source.RECORDED):
         raise ConfigError(
             f"payload.name: unknown payload {cfg.payload.name!r}; "
-            f"valid names: {sorted(source.PAYLOADS) + list(source.RECORDED)}"
+            f"valid names: {sorted(generated.PAYLOADS) + list(source.RECORDED)}"
         )
 
 
@@ -357,19 +357,22 @@ def _validate_recorded(payload, batch_size: int) -> None:
     starts."""
     if not payload.get("path"):
         raise ConfigError(f"payload.path: payload={payload.name} needs payload.path=<file>")
-    max_bytes = check_max_bytes(payload)
     problem = None
     try:
-        if payload.name == "schema":
-            payload_schema.check(payload.path, batch_size, max_bytes)
-        else:
-            recording.load(
-                payload.path, bool(payload.trust), max_bytes=max_bytes, batch_size=batch_size,
-            )  # fmt: skip
-    except (recording.PayloadFileError, payload_schema.SchemaError) as exc:
+        payload_of(payload, batch_size)
+    except source.PayloadError as exc:
         problem = str(exc)  # raised below, outside the except: one line, no context
     if problem is not None:
         raise ConfigError(problem)
+
+
+def payload_of(payload, rows: int) -> source.PayloadSource:
+    """The job's ``PayloadSource`` from its ``payload`` node, a recorded one read and checked
+    once (``harness.payload.source.open_payload``) for ``rows`` rows per leader."""
+    return source.open_payload(
+        payload.name, payload.get("path"), bool(payload.get("trust", False)),
+        check_max_bytes(payload), rows,
+    )  # fmt: skip
 
 
 def check_max_bytes(payload) -> int | None:
@@ -417,7 +420,7 @@ def check_size(
     limit = recording.default_max_bytes() if max_bytes is None else int(max_bytes)
     where = "set" if max_bytes is not None else "a quarter of this machine's memory"
     for d, shapes in enumerate(per_leader):
-        sizes = [source.payload_bytes(name, rows, seq_len) for rows, seq_len in shapes]
+        sizes = [generated.payload_bytes(name, rows, seq_len) for rows, seq_len in shapes]
         need = sum(sizes) * copies
         if need <= limit:
             continue
@@ -492,10 +495,10 @@ def _validate_ray(cfg, joined: bool) -> None:
 
 
 def _validate_dispatch(cfg) -> None:
-    if cfg.payload.name not in source.PAYLOADS:
+    if cfg.payload.name not in generated.PAYLOADS:
         raise ConfigError(
             f"ray.dispatch={cfg.ray.dispatch}: the driver generates the global batch, so the "
-            f"payload must be one of {sorted(source.PAYLOADS)}, got {cfg.payload.name!r}"
+            f"payload must be one of {sorted(generated.PAYLOADS)}, got {cfg.payload.name!r}"
         )
     if cfg.fault.rank >= 0:
         raise ConfigError("fault injection runs on broadcast jobs only: set ray.dispatch=none")
@@ -556,10 +559,10 @@ def validate_dispatch(cfg) -> None:
     """Every value a ray-dispatch job reads, checked before any job runs: a generated payload
     the driver can hold for every replica, counts in range, the modes (each family's floor
     added), the Ray settings, and Ray itself installed."""
-    if cfg.payload.name not in source.PAYLOADS:
+    if cfg.payload.name not in generated.PAYLOADS:
         raise ConfigError(
             f"payload.name: {cfg.payload.name!r} is not generated; the driver builds the "
-            f"global batch, valid: {sorted(source.PAYLOADS)}"
+            f"global batch, valid: {sorted(generated.PAYLOADS)}"
         )
     for key, least in (("payload.batch_size", 1), ("payload.seq_len", 1), ("iters", 1),
                        ("warmup", 0), ("link_bytes_calls", 0)):  # fmt: skip

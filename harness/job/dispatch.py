@@ -40,7 +40,7 @@ from harness.job.phases import run_phases
 from harness.job.results import RankResult
 from harness.job.spec import JobSpec, Scope
 from harness.job.verification import batch_problems, bytes_problems, digest, tensor_digest
-from harness.payload import source
+from harness.payload import generated
 from harness.worlds.emulated import link_counter
 from harness.worlds.protocol import WorldError
 from strategies import DataProto
@@ -101,7 +101,7 @@ class _Driver:
         one seeded global batch of every replica's rows together, each draw its own data."""
         lay = spec.layout
         shape = shape or spec.period()[0]
-        batch = source.make(
+        batch = generated.make(
             spec.payload,
             sum(shape.rows),
             shape.seq_len if shape.seq_len is not None else spec.seq_len,

@@ -1,6 +1,5 @@
-"""What a job is: its ``JobSpec``, built once from the validated config and sent to every rank,
-and its ``Scope`` (where its clock runs). Light: the report and the plugin read these without
-starting anything."""
+"""What a job is: its ``JobSpec``, built once from the validated config (``harness.job.build``)
+and sent to every rank, and its ``Scope`` (where its clock runs)."""
 
 from __future__ import annotations
 
@@ -8,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from harness.job.dispatch_modes import FLOORS, DispatchMode, under_test, with_floors
+from harness.payload.source import PayloadSource, open_payload
 from harness.payload.workload import CallShape, Workload, constant
 from strategies.core.layout import Layout
 
@@ -69,6 +69,10 @@ class JobSpec:
     shape alone (after one untimed round of it), for each shape's steady-state p50."""
     timeout_s: float = 120.0
     """No progress on a rank for this long fails the job (every world; ``harness.worlds``)."""
+    source: PayloadSource | None = field(default=None, compare=False, repr=False)
+    """The payload as the driver opened it (a recording's batch, a schema's checked form, read
+    once: ``harness.payload.source``); None: opened where it is first needed
+    (``payload_source``)."""
     modes: tuple[str, ...] = ()
     """A dispatch job: the modes it compares, the one under test first (``bcastbench
     ray-dispatch``); empty: the mode ``dispatch`` and ``strategy`` name (``under_test``). Each
@@ -104,6 +108,16 @@ class JobSpec:
             return [n for n in names if n.split(":")[0] == "floor"]
         own = FLOORS[DispatchMode.parse(self.under_test).kind]
         return [own] if own in names else []
+
+    def payload_source(self) -> PayloadSource:
+        """Where this job's batches come from: the spec's own ``source``, or the payload its
+        fields name opened here (for the most rows one leader holds in one call)."""
+        if self.source is not None:
+            return self.source
+        rows = max(s.batch_size for s in self.period())
+        return open_payload(
+            self.payload, self.payload_path, self.payload_trust, self.payload_max_bytes, rows
+        )
 
     def period(self) -> tuple[CallShape, ...]:
         """The shapes call c of the job moves, ``period()[c % len(period())]``."""

@@ -528,9 +528,10 @@ def make(
     return dp
 
 
-def check(path: str, batch_size: int, max_bytes: int | None = None) -> None:
+def check(path: str, batch_size: int | None, max_bytes: int | None = None) -> dict:
     """What the job's validation runs: the schema checked whole, then one row replayed, so a
-    schema that passes here replays on every leader. SchemaError, one line, if not."""
+    schema that passes here replays on every leader; the checked schema. SchemaError, one
+    line, if not."""
     schema = read(path, batch_size, max_bytes)
     try:
         replay(schema, 1, 0)
@@ -539,6 +540,7 @@ def check(path: str, batch_size: int, max_bytes: int | None = None) -> None:
         raise SchemaError(
             f"payload.path: {resolve(path)} cannot be replayed ({type(exc).__name__}: {first})"
         ) from None
+    return schema
 
 
 def _overwrites(out: str, source: str) -> bool:

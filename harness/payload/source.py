@@ -1,154 +1,66 @@
-"""Realistic batches, generated on each replica leader: what RL and pretraining frameworks
-actually hand to ``get_data_input``. Each is sized by batch_size (B) and seq_len (S).
+"""The one way a job gets its batches: a ``PayloadSource`` names where they come from (a
+generator, a recorded file, a schema) and, for a file, holds what was read from it, checked
+once (``open_payload``). The driver opens it when the config is validated; the job's spec
+carries it to every rank, so no rank opens the user's file again and a file changed after the
+check is never read.
 """
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Callable
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-import numpy as np
-import torch
-from tensordict import TensorDict
-
-from harness.payload import payload_schema, recording
+from harness.payload import generated, payload_schema, recording
 from strategies import NON_TENSOR_FLAG, DataProto
-
-VOCAB = 151_936  # Qwen2's vocabulary, as in ROLL's and verl's examples
-PATCH_DIM = 1176  # Qwen2-VL: 3 channels × 2 frames × 14 × 14
-
-
-def _meta(batch_size: int, broadcast_non_tensor: bool) -> dict:
-    return {
-        "global_step": 100,
-        "micro_batch_size": max(1, batch_size // 4),
-        "temperature": 1.0,
-        "sampling": {"top_p": 0.99, "top_k": -1, "stop": ["</s>", None]},
-        NON_TENSOR_FLAG: broadcast_non_tensor,
-    }
-
-
-def _texts(gen: np.random.Generator, batch_size: int) -> dict[str, np.ndarray]:
-    words = np.array(["solve", "the", "integral", "of", "x", "prove", "that", "为什么", "π", "∑"])
-    prompts = np.empty(batch_size, dtype=object)
-    uids = np.empty(batch_size, dtype=object)
-    for i in range(batch_size):
-        prompts[i] = " ".join(gen.choice(words, size=int(gen.integers(4, 24))))
-        uids[i] = str(uuid.UUID(int=int(gen.integers(0, 2**63)), version=4))
-    return {"prompt_text": prompts, "uid": uids}
-
-
-def rl_rollout(
-    batch_size: int, seq_len: int, seed: int, broadcast_non_tensor: bool = True
-) -> DataProto:
-    """A PPO/GRPO batch as ROLL and verl carry it (prompt = first half, response = second)."""
-    g = torch.Generator().manual_seed(seed)
-    b, s = batch_size, seq_len
-    r = s // 2
-    input_ids = torch.randint(0, VOCAB, (b, s), generator=g)
-    attention_mask = torch.ones(b, s, dtype=torch.int64)
-    pad = torch.randint(0, max(1, s // 8), (b,), generator=g)
-    attention_mask[torch.arange(s) < pad[:, None]] = 0  # left padding
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
-    response_mask = attention_mask[:, -r:].clone()
-
-    def logp():
-        return -torch.rand(b, r, generator=g) * 5
-
-    td = TensorDict(
-        {
-            "prompts": input_ids[:, : s - r].clone(),
-            "responses": input_ids[:, -r:].clone(),
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
-            "response_mask": response_mask,
-            "old_log_probs": logp(),
-            "ref_log_probs": logp(),
-            "advantages": torch.randn(b, r, generator=g),
-            "returns": torch.randn(b, r, generator=g),
-            "token_level_rewards": torch.randn(b, r, generator=g) * response_mask,
-        },
-        batch_size=[b],
-    )
-    gen = np.random.default_rng(seed)
-    return DataProto(td, _texts(gen, b), _meta(b, broadcast_non_tensor))
-
-
-def pretrain(
-    batch_size: int, seq_len: int, seed: int, broadcast_non_tensor: bool = False
-) -> DataProto:
-    """Megatron's GPT batch: tokens, labels, loss_mask, position_ids."""
-    g = torch.Generator().manual_seed(seed)
-    b, s = batch_size, seq_len
-    tokens = torch.randint(0, VOCAB, (b, s + 1), generator=g)
-    td = TensorDict(
-        {
-            "tokens": tokens[:, :-1].contiguous(),
-            "labels": tokens[:, 1:].contiguous(),
-            "loss_mask": (torch.rand(b, s, generator=g) > 0.05).float(),
-            "position_ids": torch.arange(s).expand(b, s).contiguous(),
-        },
-        batch_size=[b],
-    )
-    return DataProto(td, {}, _meta(b, broadcast_non_tensor))
-
-
-def multimodal(
-    batch_size: int, seq_len: int, seed: int, broadcast_non_tensor: bool = True
-) -> DataProto:
-    """An RL rollout of a vision-language model: adds bf16 pixel patches and image grid sizes."""
-    dp = rl_rollout(batch_size, seq_len, seed, broadcast_non_tensor)
-    g = torch.Generator().manual_seed(seed + 1)
-    patches = max(4, seq_len // 4)
-    dp.batch["pixel_values"] = torch.randn(batch_size, patches, PATCH_DIM, generator=g).bfloat16()
-    side = max(1, int(patches**0.5))
-    dp.batch["image_grid_thw"] = torch.tensor([[1, side, patches // side]] * batch_size)
-    return dp
-
-
-PAYLOADS: dict[str, Callable[..., DataProto]] = {
-    "rl_rollout": rl_rollout,
-    "pretrain": pretrain,
-    "multimodal": multimodal,
-}
-
-
-TEXT_BYTES_PER_ROW = 320
-"""At most what one row of the generated text columns takes (a prompt of up to 23 short
-words, a 36-character uid): the non-tensor part of ``payload_bytes``."""
-
-
-def payload_bytes(name: str, batch_size: int, seq_len: int) -> int:
-    """What a generated payload of ``batch_size`` rows × ``seq_len`` tokens takes, from its
-    shapes alone (nothing allocated): the bound a job is checked against before any rank
-    generates it. Tensors exactly; the text columns at ``TEXT_BYTES_PER_ROW``."""
-    b, s = int(batch_size), int(seq_len)
-    r = s // 2
-    # rl_rollout, per row: five int64 leaves of s, s - r or r tokens (prompts + responses = s)
-    # plus response_mask, and five float32 leaves of r.
-    rollout = b * (8 * (4 * s) + 8 * r + 4 * 5 * r) + b * TEXT_BYTES_PER_ROW
-    if name == "rl_rollout":
-        return rollout
-    if name == "pretrain":
-        return b * s * (8 + 8 + 4 + 8)  # tokens, labels (int64), loss_mask (f32), positions
-    if name == "multimodal":
-        patches = max(4, s // 4)
-        return rollout + b * patches * PATCH_DIM * 2 + b * 3 * 8  # bf16 patches, int64 grid
-    raise KeyError(f"unknown generated payload {name!r}; valid names: {sorted(PAYLOADS)}")
-
 
 RECORDED = ("file", "schema")
 """Payloads read from ``payload.path`` instead of generated: a recorded batch
-(``harness.payload.recording``) or a schema replayed with seeded data (``harness.payload.payload_schema``)."""
+(``harness.payload.recording``) or a schema replayed with seeded data
+(``harness.payload.payload_schema``)."""
+
+PayloadError = (recording.PayloadFileError, payload_schema.SchemaError)
+"""What opening a recorded payload raises for a bad, unsafe or oversized file (one line)."""
 
 
-def recorded_seq_len(
-    name: str, path: str, seed: int, trust: bool = False, max_bytes: int | None = None
-) -> int | None:
-    """The tokens per row of a recorded payload as its batch has them (``payload.seq_len`` does
-    not apply to one): a recording's widest 2-D leaf, a schema's from one replayed row."""
-    return recording.seq_len_of(make(name, 1, 1, seed, None, path, trust, max_bytes))
+@dataclass(frozen=True)
+class PayloadSource:
+    """Where a job's batches come from; ``batch`` makes any of them."""
+
+    name: str
+    """A generated payload (rl_rollout | pretrain | multimodal) or file | schema."""
+    path: str | None = None
+    """The recording or schema (absolute, as every rank can name it)."""
+    trust: bool = False
+    """payload=file: arbitrary unpickling allowed."""
+    max_bytes: int | None = None
+    """The most bytes a batch may take (None: the loader's default)."""
+    loaded: Any = field(default=None, compare=False, repr=False)
+    """A recording's batch or a schema's checked form, as read once; None when generated."""
+
+    def batch(
+        self, rows: int, seq_len: int | None, seed: int, broadcast_non_tensor: bool | None = None
+    ) -> DataProto:
+        """``rows`` rows of this payload (a generated one of ``seq_len`` tokens), seeded; the
+        non-tensor flag set when given."""
+        if self.name == "file":
+            dp = recording.resample(self.loaded, rows)
+            dp = DataProto(dp.batch, dict(dp.non_tensor_batch), dict(dp.meta_info))
+        elif self.name == "schema":
+            dp = payload_schema.replay(self.loaded, rows, seed)
+        else:
+            return generated.make(self.name, rows, seq_len, seed, broadcast_non_tensor)
+        if broadcast_non_tensor is not None:
+            dp.meta_info[NON_TENSOR_FLAG] = broadcast_non_tensor
+        return dp
+
+    def seq_len(self, seed: int = 0) -> int | None:
+        """A recorded payload's tokens per row as its batch has them (the widest 2-D leaf of
+        one row); None for a generated one (its seq_len is the config's)."""
+        if self.name not in RECORDED:
+            return None
+        return recording.seq_len_of(self.batch(1, None, seed))
 
 
 def path_of(name: str, path: str | None) -> str | None:
@@ -156,32 +68,59 @@ def path_of(name: str, path: str | None) -> str | None:
     not always the user's; a schema's bare name resolved in conf/schemas/)."""
     if name not in RECORDED or not path:
         return None
-    from pathlib import Path
-
     resolved = payload_schema.resolve(path) if name == "schema" else Path(path).expanduser()
     return str(resolved.resolve())
 
 
-def make(
+def open_payload(
     name: str,
-    batch_size: int,
-    seq_len: int,
-    seed: int,
-    broadcast_non_tensor: bool | None = None,
     path: str | None = None,
     trust: bool = False,
     max_bytes: int | None = None,
-):
-    """The batch a replica leader holds: generated, or read from ``path`` (payload=file,
-    payload=schema) within ``max_bytes`` (None: the loader's default limit)."""
-    if name == "file":
-        return recording.make(path, batch_size, trust, broadcast_non_tensor, max_bytes)
+    rows: int | None = None,
+) -> PayloadSource:
+    """The payload ``name``: a generated one as it is; a recorded one read and checked whole
+    (safe to load, or trusted; within ``max_bytes`` at ``rows`` rows, the most one leader holds)
+    once per content, so validation, the spec and every later job of a sweep share one read.
+    Raises ``PayloadError`` (one line) for a bad file, KeyError for an unknown name."""
+    if name not in RECORDED:
+        if name not in generated.PAYLOADS:
+            valid = sorted(generated.PAYLOADS) + list(RECORDED)
+            raise KeyError(f"unknown payload {name!r}; valid names: {valid}")
+        return PayloadSource(name)
+    resolved = path_of(name, path)
+    if resolved is None:
+        raise recording.PayloadFileError(f"payload.path: payload={name} needs payload.path=<file>")
+    key = (name, resolved, _content_key(resolved), bool(trust), max_bytes, rows)
+    if key not in _OPENED:
+        _OPENED.clear()  # one payload held at a time: a sweep moves from file to file
+        _OPENED[key] = PayloadSource(name, resolved, bool(trust), max_bytes,
+                                     _read(name, resolved, trust, max_bytes, rows))  # fmt: skip
+    return _OPENED[key]
+
+
+def _read(name: str, path: str, trust: bool, max_bytes: int | None, rows: int | None):
     if name == "schema":
-        return payload_schema.make(path, batch_size, seed, broadcast_non_tensor, max_bytes)
+        return payload_schema.check(path, rows, max_bytes)
+    return recording.load(path, bool(trust), max_bytes=max_bytes, batch_size=rows)
+
+
+def _content_key(path: str) -> tuple:
+    """What changes when the file (or a recording directory's entries) changes: a file
+    rewritten in place after it was read is read again, never taken from the cache."""
     try:
-        fn = PAYLOADS[name]
-    except KeyError:
-        valid = sorted(PAYLOADS) + list(RECORDED)
-        raise KeyError(f"unknown payload {name!r}; valid names: {valid}") from None
-    kwargs = {} if broadcast_non_tensor is None else {"broadcast_non_tensor": broadcast_non_tensor}
-    return fn(batch_size, seq_len, seed, **kwargs)
+        st = os.stat(path)
+    except OSError:
+        return ()
+    key: tuple = (st.st_ino, st.st_size, st.st_mtime_ns)
+    if os.path.isdir(path):
+        for root, dirs, names in os.walk(path):
+            dirs.sort()
+            for name in sorted(names):
+                est = os.lstat(os.path.join(root, name))
+                key += (os.path.relpath(os.path.join(root, name), path), est.st_size, est.st_mtime_ns)
+    return key
+
+
+_OPENED: dict[tuple, PayloadSource] = {}
+"""The recorded payload this process last opened, by what it was opened as."""

@@ -5,6 +5,7 @@ asks for one (``harness.pytest_plugin``), so a pytest session that uses none nev
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from harness.job.execute import run_job
 from harness.job.records import Record
 from harness.job.spec import JobSpec
 from harness.paths import CONF_DIR
-from harness.payload import payload_schema, recording, source
+from harness.payload import source
 from harness.worlds.launcher import forked_spec
 from harness.worlds.opening import open_world
 from harness.worlds.protocol import REGISTRY
@@ -63,29 +64,26 @@ def run(worlds: Worlds, strategy: str, layout: Any, options: dict | None, fields
     names them), on the session's world of its size; its record."""
     options = dict(options or {})
     strategies.check_options(strategy, options)  # one line before any rank runs
-    spec = from_arguments(strategy, layout_named(layout), options, fields)
-    check_payload(spec)
+    spec = check_payload(from_arguments(strategy, layout_named(layout), options, fields))
     return run_job(worlds(spec.layout.world_size), spec)
 
 
-def check_payload(spec: JobSpec) -> None:
-    """A recorded payload (payload="file" | "schema", payload_path=...) is read once here, by
-    the loader every command uses, so a bad or unsafe file fails the test with its one-line
-    reason before any rank starts (as ``bcastbench run`` refuses it before any rank); a
-    generated one is priced against the same limit."""
+def check_payload(spec: JobSpec) -> JobSpec:
+    """``spec`` with its payload opened here, by the loader every command uses: a recorded
+    one (payload="file" | "schema", payload_path=...) read and checked once, so a bad or unsafe
+    file fails the test with its one-line reason before any rank starts (as ``bcastbench
+    run`` refuses it before any rank) and no rank reads it again; a generated one priced
+    against the same limit."""
     if spec.payload not in source.RECORDED:
         shapes = per_leader(spec.distinct_shapes(), spec.seq_len)
         try:  # priced from its shapes, as bcastbench run prices it, before any rank allocates
             check_size(spec.payload, shapes, spec.payload_max_bytes)
         except (ConfigError, KeyError) as exc:
             raise ValueError(str(exc).strip("'\"")) from None
-        return
+        return spec
     if not spec.payload_path:
         raise ValueError(f'payload="{spec.payload}" needs payload_path=<file>')
     try:
-        source.make(
-            spec.payload, spec.batch_size, spec.seq_len, spec.seed, None, spec.payload_path,
-            spec.payload_trust, spec.payload_max_bytes,
-        )  # fmt: skip
-    except (recording.PayloadFileError, payload_schema.SchemaError) as exc:
+        return replace(spec, source=spec.payload_source())
+    except source.PayloadError as exc:
         raise ValueError(str(exc)) from None

@@ -10,7 +10,7 @@ import numpy as np
 
 from harness.megatron_import import quiet_megatron
 from harness.model.dispatch_prices import RayCostConf, price_mode
-from harness.payload import source
+from harness.payload import generated
 from strategies.core.cluster import ClusterConf, load_cluster
 from strategies.core.layout import Layout
 from strategies.core.plan import spec_of
@@ -37,7 +37,7 @@ def compare(records: list[dict], ray: RayCostConf) -> list[dict]:
         if rec.get("workload"):
             continue
         layout = Layout(**{k: rec[k] for k in ("dp", "pp", "tp", "cp", "order")})
-        spec = spec_of(source.make(rec["payload"], rec["batch_size"], rec["seq_len"], 0, None))
+        spec = spec_of(generated.make(rec["payload"], rec["batch_size"], rec["seq_len"], 0, None))
         cluster = _record_cluster(rec)
         for mode, row in rec["modes"].items():
             cost = price_mode(mode, layout, spec, cluster, ray, ray.calibrated_cores or None)

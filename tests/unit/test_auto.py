@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from harness.payload import source
+from harness.payload import generated
 from strategies.auto import CANDIDATES, TIE, choose, pick, spec_of_header
 from strategies.core.layout import Layout
 from strategies.core.packer import pack
@@ -21,7 +21,7 @@ TP2PP2 = Layout(tp=2, pp=2)
 @pytest.mark.parametrize("payload", ["rl_rollout", "multimodal"])
 @pytest.mark.parametrize("flag", [False, True])
 def test_spec_of_header_is_spec_of_the_batch(payload, flag):
-    dp = source.make(payload, 3, 64, seed=1, broadcast_non_tensor=flag)
+    dp = generated.make(payload, 3, 64, seed=1, broadcast_non_tensor=flag)
     _, header = pack(dp.batch, dp.non_tensor_batch if flag else None)
     exact = spec_of(dp)
     from_header = spec_of_header(header)
@@ -42,7 +42,7 @@ def test_auto_picks_what_the_emulated_table_measured_fastest():
     in each node) wins on both link layouts; of the collective strategies alone pp_first wins
     with one link per node, scatter_allgather (half the message on each rank's own link) with
     one link per GPU."""
-    spec = spec_of(source.make("rl_rollout", 720, 512, seed=0))
+    spec = spec_of(generated.make("rl_rollout", 720, 512, seed=0))
     assert choose(TP2PP2, spec, "emulated") == "shm"
     assert choose(TP2PP2, spec, "emulated_rails") == "shm"
     network = tuple(c for c in CANDIDATES if c != "shm")
@@ -57,7 +57,7 @@ def test_auto_on_one_host_hands_the_batch_over_in_shared_memory():
     hop at every size."""
     network = tuple(c for c in CANDIDATES if c != "shm")
     for batch_size in (3, 128, 768):
-        spec = spec_of(source.make("rl_rollout", batch_size, 512, seed=0))
+        spec = spec_of(generated.make("rl_rollout", batch_size, 512, seed=0))
         assert choose(TP2PP2, spec) in (("shm",) if batch_size > 3 else ("shm", "flat", "direct"))
         assert choose(TP2PP2, spec, candidates=network) in ("direct", "flat")
 
@@ -67,7 +67,7 @@ def test_a_batch_on_a_device_prices_shms_staging_copies():
     the leader and one H2D per receiver, and over NVLink (h200_ib) a collective wins."""
     import strategies
 
-    spec = spec_of(source.make("rl_rollout", 356, 512, seed=0))
+    spec = spec_of(generated.make("rl_rollout", 356, 512, seed=0))
     plan = strategies.get_class("shm").plan(Layout(tp=8), spec, stage=True)
     assert plan.leader.d2h_bytes == plan.receiver.h2d_bytes == spec.message_bytes
     assert choose(Layout(tp=8), spec, "h200_ib", device="cuda") != "shm"
@@ -102,12 +102,12 @@ def test_a_shape_is_the_same_class_whoever_packed_it_and_whatever_its_strings():
     from strategies.auto import shape_key
     from strategies.core.packer import Packer
 
-    a = source.make("rl_rollout", 3, 64, seed=1, broadcast_non_tensor=True)
-    b = source.make("rl_rollout", 3, 64, seed=2, broadcast_non_tensor=True)
+    a = generated.make("rl_rollout", 3, 64, seed=1, broadcast_non_tensor=True)
+    b = generated.make("rl_rollout", 3, 64, seed=2, broadcast_non_tensor=True)
     _, ha = pack(a.batch, a.non_tensor_batch)
     _, hb = pack(b.batch, b.non_tensor_batch)
     _, hd, _ = Packer().pack(a.batch, a.non_tensor_batch, direct=frozenset({0}))
     assert hd.entries != ha.entries  # the offsets moved
     assert shape_key(ha) == shape_key(hb) == shape_key(hd)
-    c = source.make("rl_rollout", 4, 64, seed=1, broadcast_non_tensor=True)
+    c = generated.make("rl_rollout", 4, 64, seed=1, broadcast_non_tensor=True)
     assert shape_key(pack(c.batch, c.non_tensor_batch)[1]) != shape_key(ha)

@@ -10,7 +10,7 @@ from cli_support import REPO, cfg_of
 
 from harness.errors import ConfigError
 from harness.job.config import validate
-from harness.payload import source
+from harness.payload import generated
 
 
 @pytest.mark.parametrize(
@@ -224,10 +224,10 @@ def test_a_generated_payload_is_priced_exactly_before_it_is_made(name, rows, seq
     """The bound config.validate checks is the generator's own size: tensors to the byte, the
     text columns never above their per-row allowance."""
 
-    batch = source.make(name, rows, seq_len, seed=5)
+    batch = generated.make(name, rows, seq_len, seed=5)
     tensors = sum(v.numel() * v.element_size() for v in batch.batch.values())
     text = sum(len(str(x).encode()) for col in batch.non_tensor_batch.values() for x in col)
-    priced = source.payload_bytes(name, rows, seq_len)
-    allowance = rows * source.TEXT_BYTES_PER_ROW if batch.non_tensor_batch else 0
+    priced = generated.payload_bytes(name, rows, seq_len)
+    allowance = rows * generated.TEXT_BYTES_PER_ROW if batch.non_tensor_batch else 0
     assert priced == tensors + allowance
     assert text <= allowance

@@ -480,7 +480,7 @@ def test_every_reader_refuses_the_same_pickle(tmp_path):
     node = OmegaConf.merge(OmegaConf.structured(PayloadConf), {"name": "file", "path": str(rec)})
     with pytest.raises(ConfigError, match="needs io.open"):
         _validate_recorded(node, node.batch_size)
-    one_line_error(lambda: source.make("file", 4, 16, 0, None, str(rec), False))
+    one_line_error(lambda: source.open_payload("file", str(rec), False, None, 4))
     text, _ = one_line_error(lambda: recording.load(rec, flags=recording.SCHEMA_FLAGS))
     assert "--trust" in text and not marker.exists()
     trusted = {"path": str(tagged_memmap(tmp_path / "t")), "trust": True}

@@ -243,7 +243,7 @@ def test_a_sweep_job_with_a_longer_limit_gets_a_world_whose_collectives_wait_for
         def close(self, kill=False):
             self.alive = False
 
-    monkeypatch.setattr(launcher, "REGISTRY", WorldRegistry())
+    monkeypatch.setattr(opening, "REGISTRY", WorldRegistry())
     monkeypatch.setitem(opening.KINDS, launcher.FORKED, Fake)
     first = opening.open_world(launcher.forked_spec(4, timeout_s=60))
     assert opening.open_world(launcher.forked_spec(4, timeout_s=30)) is first

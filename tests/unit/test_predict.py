@@ -15,7 +15,7 @@ import pytest
 
 from harness.commands.predict import CONF, EXAMPLE, run, scaled_spec
 from harness.model.prices import predict_all, price_strategy, replicas_independent
-from harness.payload import source
+from harness.payload import generated
 from strategies import Unsupported, get_class, has_plan, names
 from strategies.core.cluster import load_cluster
 from strategies.core.layout import Layout
@@ -76,7 +76,7 @@ def test_multirun_writes_one_prediction_per_job(tmp_path):
 @pytest.mark.parametrize("name", ["rl_rollout", "pretrain", "multimodal"])
 def test_scaled_spec_matches_the_real_batch(name):
     b, s = 200, 128
-    fast, real = scaled_spec(name, b, s), spec_of(source.make(name, b, s, 0))
+    fast, real = scaled_spec(name, b, s), spec_of(generated.make(name, b, s, 0))
     for field in ("tensor_bytes", "n_tensors", "header_bytes", "dtype_bytes", "leaf_bytes"):
         assert getattr(fast, field) == getattr(real, field), field
     assert fast.broadcast_non_tensor == real.broadcast_non_tensor
@@ -87,7 +87,7 @@ def test_scaled_spec_matches_the_real_batch(name):
 
 
 def test_scaled_spec_small_batch_is_exact():
-    assert scaled_spec("rl_rollout", 8, 64) == spec_of(source.make("rl_rollout", 8, 64, 0))
+    assert scaled_spec("rl_rollout", 8, 64) == spec_of(generated.make("rl_rollout", 8, 64, 0))
 
 
 # -- one-replica pricing is exact --------------------------------------------------------------
@@ -144,7 +144,7 @@ def test_validate_prices_the_floor_method_that_won():
     from harness.commands.validate import floor_plan
 
     layout = Layout(tp=2, pp=2)
-    spec = spec_of(source.make("rl_rollout", 128, 512, seed=0))
+    spec = spec_of(generated.make("rl_rollout", 128, 512, seed=0))
     assert len(floor_plan(layout, spec, "one").comms) == 1
     assert len(floor_plan(layout, spec, "chunks4").comms) == 4
     shm = floor_plan(layout, spec, "shm")

@@ -16,7 +16,7 @@ from verl_support import verl_dataproto, verl_worker_payload
 import strategies
 from harness.job.verification import digest
 from harness.paths import CONF_DIR
-from harness.payload import payload_schema, recording, source
+from harness.payload import generated, payload_schema, recording
 from strategies import DataProto
 from strategies.core.contract import leaves
 
@@ -47,7 +47,7 @@ def test_verl_worker_payload_keeps_jagged_and_non_tensor_leaves(tmp_path):
 
 @pytest.mark.parametrize("how", ["torch_save", "memmap", "ours"])
 def test_tensordict_and_our_dataproto_formats(tmp_path, how):
-    dp = source.make("rl_rollout", 4, 32, seed=2)
+    dp = generated.make("rl_rollout", 4, 32, seed=2)
     path = tmp_path / "rec"
     if how == "torch_save":
         torch.save(dp.batch, path)
@@ -75,7 +75,7 @@ def test_resample_repeats_or_trims_rows_in_order(rows):
 
 
 def test_make_sets_the_non_tensor_flag_when_asked(tmp_path):
-    recording.save(source.make("pretrain", 2, 16, seed=0), tmp_path / "b.pt")
+    recording.save(generated.make("pretrain", 2, 16, seed=0), tmp_path / "b.pt")
     dp = recording.make(str(tmp_path / "b.pt"), 5, broadcast_non_tensor=True)
     assert dp.batch.batch_size[0] == 5 and dp.broadcast_non_tensor
 
@@ -145,7 +145,7 @@ def shape_of(dp: DataProto) -> list:
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: source.make("multimodal", 4, 64, seed=1),
+        lambda: generated.make("multimodal", 4, 64, seed=1),
         lambda: verl_dataproto(4, 0, True),
         lambda: verl_worker_payload(4, 0),
     ],

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import strategies
-from harness.payload import source
+from harness.payload import generated
 from strategies import DataProto
 from strategies.core.layout import SEED_ORDER, Layout
 from strategies.core.parts import nbytes_of
@@ -36,7 +36,7 @@ def leaf_bytes(dp: DataProto) -> tuple[int, ...]:
 
 def make_batch(payload: str, flag: bool) -> DataProto:
     # The same data on every replica, so one PayloadSpec describes every leader's batch.
-    return source.make(payload, 2, 64, seed=3, broadcast_non_tensor=flag)
+    return generated.make(payload, 2, 64, seed=3, broadcast_non_tensor=flag)
 
 
 # -- the job: record two calls on every rank -----------------------------------------------------

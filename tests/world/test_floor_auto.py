@@ -10,7 +10,7 @@ import torch
 
 import strategies
 from harness.job.verification import digest
-from harness.payload import source
+from harness.payload import generated
 from strategies.auto import choose, layout_of_groups
 from strategies.core.layout import SEED_ORDER, Layout
 from strategies.core.plan import spec_of
@@ -27,7 +27,7 @@ DP2_SEED = Layout(dp=2, pp=2, tp=2, order=SEED_ORDER)
 
 def _floor_job(ctx, layout: Layout, batch_size: int) -> dict:
     groups = ctx.groups_for(layout)
-    full = source.make("rl_rollout", batch_size, 256, seed=groups.leader)
+    full = generated.make("rl_rollout", batch_size, 256, seed=groups.leader)
     entry = full.entry_state(groups.is_leader)
     out = {}
     for label, options in Floor.variants(layout).items():
@@ -83,7 +83,7 @@ def _auto_job(ctx, layout: Layout, sizes: list[int], flag: bool) -> dict:
     derived = layout_of_groups(groups)
     choices, digests, comms = [], [], []
     for batch_size in sizes:
-        full = source.make("rl_rollout", batch_size, 256, seed=7, broadcast_non_tensor=flag)
+        full = generated.make("rl_rollout", batch_size, 256, seed=7, broadcast_non_tensor=flag)
         with Recorder() as rec:
             out = auto.get_data_input(full.entry_state(groups.is_leader))
         digests.append(digest(out, flag))
@@ -94,7 +94,7 @@ def _auto_job(ctx, layout: Layout, sizes: list[int], flag: bool) -> dict:
         "choices": choices,
         "digests": digests,
         "comms": comms,
-        "specs": [spec_of(source.make("rl_rollout", b, 256, 7, flag)) for b in sizes],
+        "specs": [spec_of(generated.make("rl_rollout", b, 256, 7, flag)) for b in sizes],
         "groups_match": [
             derived.group_of("tp-cp", ctx.rank) == list(groups.tp_cp_ranks),
             derived.group_of("pp", ctx.rank) == list(groups.pp_ranks),

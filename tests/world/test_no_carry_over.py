@@ -9,7 +9,7 @@ import pytest
 from batchgen import batch_problems
 
 import strategies
-from harness.payload import source
+from harness.payload import generated
 from strategies.auto import CANDIDATES
 from strategies.core.layout import Layout
 from strategies.core.plan import spec_of
@@ -33,8 +33,8 @@ def alternating_job(ctx, name: str) -> dict:
     strategy = strategies.get(name, groups, **OPTIONS.get(name, {}))
     problems, first_bytes = [], []
     for call, b in enumerate(SIZES):
-        expected = source.make("rl_rollout", b, SEQ_LEN, seed=call)
-        sent = source.make("rl_rollout", b, SEQ_LEN, seed=call) if groups.is_leader else expected
+        expected = generated.make("rl_rollout", b, SEQ_LEN, seed=call)
+        sent = generated.make("rl_rollout", b, SEQ_LEN, seed=call) if groups.is_leader else expected
         with Recorder() as rec:
             out = strategy.get_data_input(sent.entry_state(groups.is_leader))
         where = f"{name}: rank {ctx.rank} call {call} (B={b})"
@@ -47,7 +47,7 @@ def alternating_job(ctx, name: str) -> dict:
 def test_a_small_call_after_a_large_one_posts_a_small_first_message(world4, name):
     results = world4.run(alternating_job, name)
     assert [p for r in results for p in r["problems"]] == []
-    small_bytes = spec_of(source.make("rl_rollout", SMALL_B, SEQ_LEN, seed=0)).message_bytes
+    small_bytes = spec_of(generated.make("rl_rollout", SMALL_B, SEQ_LEN, seed=0)).message_bytes
     for r in results:
         for call, b in enumerate(SIZES):
             if call and b == SMALL_B:  # each follows a large call
@@ -60,7 +60,7 @@ def auto_served(ctx, cluster: str, sizes: list[int]) -> dict:
     auto = strategies.get("auto", groups, cluster=cluster, **OPTIONS["auto"])
     problems, served = [], []
     for call, b in enumerate(sizes):
-        expected = source.make("rl_rollout", b, SEQ_LEN, seed=call)
+        expected = generated.make("rl_rollout", b, SEQ_LEN, seed=call)
         out = auto.get_data_input(expected.entry_state(groups.is_leader))
         problems += batch_problems(expected, out, groups.is_leader, f"auto call {call} (B={b})")
         served.append(auto.served)
@@ -76,7 +76,7 @@ def test_auto_serves_each_call_of_a_repeating_pattern_with_that_shapes_choice(wo
 
     sizes = [2, 128] * 4
     wire = tuple(OPTIONS["auto"]["candidates"])  # shm's stripes win both shapes on rails
-    own = {b: choose(LAYOUT, spec_of(source.make("rl_rollout", b, SEQ_LEN, 0)), "emulated_rails",
+    own = {b: choose(LAYOUT, spec_of(generated.make("rl_rollout", b, SEQ_LEN, 0)), "emulated_rails",
                      wire) for b in set(sizes)}  # fmt: skip
     assert own[2] != own[128], own  # the preset must tell them apart for this to test anything
     results = world4.run(auto_served, "emulated_rails", sizes)

@@ -15,7 +15,7 @@ from batchgen import batch_problems
 from tensordict import TensorDict
 
 import strategies
-from harness.payload import source
+from harness.payload import generated
 from strategies.core.layout import Layout
 from strategies.core.parts import nbytes_of
 from strategies.core.plan import spec_of
@@ -67,8 +67,8 @@ def exact_job(ctx, name, layout, flag, options, kind="ours", calls=2):
     problems, traces, types = [], [], set()
     for call in range(calls):
         seed = 5 + 1000 * layout.coords(ctx.rank)["dp"] + 17 * call
-        expected = source.make("multimodal", 2, 64, seed=seed, broadcast_non_tensor=flag)
-        held = source.make("multimodal", 2, 64, seed=seed, broadcast_non_tensor=flag)
+        expected = generated.make("multimodal", 2, 64, seed=seed, broadcast_non_tensor=flag)
+        held = generated.make("multimodal", 2, 64, seed=seed, broadcast_non_tensor=flag)
         entry = as_kind(held if groups.is_leader else expected, kind, groups.is_leader)
         with Recorder() as rec:
             out = strategy.get_data_input(entry)
@@ -143,7 +143,7 @@ def test_exact_on_every_rank_with_the_collectives_planned(request, layout, name,
 
 
 def test_the_roll_pickle_is_the_whole_dataproto_when_flagged_and_the_proxy_otherwise():
-    dp = source.make("rl_rollout", 4, 64, seed=2, broadcast_non_tensor=True)
+    dp = generated.make("rl_rollout", 4, 64, seed=2, broadcast_non_tensor=True)
     whole = hop_pickle_bytes(dp)
     dp.meta_info["_broadcast_non_tensor_batch"] = False
     proxy = hop_pickle_bytes(dp)
@@ -191,7 +191,7 @@ def bad_entry(case: str, good):
 def failing_job(ctx, name, layout, case):
     groups = ctx.groups_for(layout)
     strategy = strategies.get(name, groups)
-    good = source.make("rl_rollout", 2, 32, seed=1, broadcast_non_tensor=True)
+    good = generated.make("rl_rollout", 2, 32, seed=1, broadcast_non_tensor=True)
     entry = bad_entry(case, good) if groups.is_leader else good.entry_state(False)
     t0 = time.monotonic()
     try:

@@ -18,7 +18,7 @@ from tensordict import TensorDict
 
 import strategies
 from harness.job.verification import compare, digest
-from harness.payload import source
+from harness.payload import generated
 from harness.worlds.forked import ForkedWorld as World
 from harness.worlds.protocol import WorldError
 from strategies.core.layout import SEED_ORDER, Layout
@@ -179,8 +179,8 @@ def payload_job(ctx, name: str, layout: Layout, options) -> list[str]:
     for call, (payload, b, s) in enumerate(
         [("rl_rollout", 2, 64), ("multimodal", 2, 64), ("multimodal", 4, 128), ("pretrain", 1, 32)]
     ):
-        expected = source.make(payload, b, s, seed=call)
-        entry = source.make(payload, b, s, seed=call) if groups.is_leader else expected
+        expected = generated.make(payload, b, s, seed=call)
+        entry = generated.make(payload, b, s, seed=call) if groups.is_leader else expected
         out = strategy.get_data_input(entry.entry_state(groups.is_leader))
         problems += batch_problems(expected, out, groups.is_leader, f"{name}: rank {ctx.rank}")
     return problems
@@ -200,8 +200,8 @@ class FlipsOneByte(HeaderStrategy):
 
 def broken_job(ctx, layout: Layout) -> list[str]:
     groups = ctx.groups_for(layout)
-    expected = source.make("rl_rollout", 2, 32, seed=5)
-    entry = source.make("rl_rollout", 2, 32, seed=5) if groups.is_leader else expected
+    expected = generated.make("rl_rollout", 2, 32, seed=5)
+    entry = generated.make("rl_rollout", 2, 32, seed=5) if groups.is_leader else expected
     out = FlipsOneByte(groups).get_data_input(entry.entry_state(groups.is_leader))
     return compare(digest(expected, False), digest(out, False), ctx.rank, "flips_one_byte")
 
