@@ -8,12 +8,12 @@ far are and exits 130.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import shutil
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 import hydra
@@ -41,15 +41,16 @@ PASSTHROUGH = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "-
 """Hydra's own options that show things instead of running jobs."""
 
 
-def _scratch_for_other_ranks(argv: list[str]) -> list[str]:
+def _nothing_written_by_other_ranks(argv: list[str]) -> list[str]:
     """Under torchrun every rank runs this command; only global rank 0 owns the output
-    directory, so the others get a scratch one (removed at exit) and no log file."""
+    directory. The others write nothing anywhere: no saved config, no log file, and as their
+    run directory the temporary directory itself, which exists (a directory made for them was
+    left behind whenever torchrun killed the rank before its exit handlers ran)."""
     here = launcher.current()
     if here.kind != launcher.JOINED or here.via != "torchrun" or here.writes_records:
         return argv
-    scratch = tempfile.mkdtemp(prefix=f"bcastbench-rank{here.rank}-")
-    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
-    return [*argv, f"hydra.run.dir={scratch}", "hydra.output_subdir=null", "hydra/job_logging=none"]
+    nowhere = _quoted(tempfile.gettempdir())
+    return [*argv, f"hydra.run.dir={nowhere}", "hydra.output_subdir=null", "hydra/job_logging=none"]
 
 
 HYDRA_MODES = {
@@ -92,7 +93,7 @@ def run(argv: list[str]) -> int:
     if "--check" in argv:
         return _check_only([a for a in argv if a != "--check"])
     records.COMMAND[:] = ["bcastbench", *argv]  # what the records say made them
-    sys.argv = ["bcastbench", *_scratch_for_other_ranks(argv)]
+    sys.argv = ["bcastbench", *_nothing_written_by_other_ranks(argv)]
     os.environ["HYDRA_FULL_ERROR"] = "1"
     root = None
     sweeping = {"-m", "--multirun"} & set(argv) and not PASSTHROUGH & set(argv)
@@ -195,6 +196,26 @@ def task(cfg):
         _remove_unused_run_dir()
         # Leaves through Hydra's job runner as SystemExit, which it does not report.
         raise SystemExit(_exit_status(exc)) from None
+    except Exception:
+        if launcher.current().kind == launcher.JOINED:
+            _end_joined_rank()
+        raise
+
+
+def _end_joined_rank() -> None:
+    """A rank of a launcher's world whose job raised ends its process non-zero, at once.
+
+    Hydra's sweep runner turns a job's exception into its return value, so under a multirun
+    (a submitit job on Slurm) the task ended 0: Slurm's kill-on-bad-exit never fired and the
+    other ranks waited in their collectives until the job's time limit. A non-zero exit
+    lets the launcher end the step; the other ranks' collectives with this one fail at once
+    (their peer is gone), and a rank that waits anyway names itself after ``timeout_s``."""
+    here = launcher.current()
+    print(f"bcastbench: rank {here.rank} of a {here.via} world: the job failed; this rank "
+          f"exits so the launcher ends the others\n{traceback.format_exc()}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    logging.shutdown()
+    os._exit(FAILED_EXIT)
 
 
 HYDRA_LEFTOVERS = {".hydra", "bcastbench.log"}
@@ -248,7 +269,20 @@ def _exit_status(exc: BaseException) -> int:
     if isinstance(exc, JOB_FAILURES):
         print(f"bcastbench: {type(exc).__name__}: {exc}", file=sys.stderr)
         return FAILED_EXIT
+    if _is_launched_job_failure(exc):
+        head = " ".join(str(exc).split("Error stream produced:")[0].split())
+        print(f"bcastbench: a job's tasks failed ({head}); each task's log is beside its "
+              "result file", file=sys.stderr)  # fmt: skip
+        return FAILED_EXIT
     raise exc
+
+
+def _is_launched_job_failure(exc: BaseException) -> bool:
+    """submitit's word that a job's tasks ended without a result (a rank exited non-zero):
+    a failed job, said in one line, not a bug's stack. Matched by name: submitit is the
+    optional ``slurm`` extra."""
+    kind = type(exc)
+    return kind.__name__ == "UncompletedJobError" and kind.__module__.startswith("submitit")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from harness.errors import ConfigError
 from harness.job.dispatch_modes import LEADER, DispatchMode, with_floors
 from harness.job.records import layout_name
 from harness.paths import CONF_DIR
-from harness.payload import generated, payload_schema, recording, source, workload
+from harness.payload import generated, recording, source, workload
 from harness.units import human_bytes
 from harness.worlds.emulated_network import EmulateConf
 from harness.worlds.ray_world import RayConf, RayUnavailable, import_ray
@@ -54,8 +54,8 @@ def _schema_of(runtime: type, name: str, doc: str) -> type:
         if f.init
     ]
     schema = make_dataclass(name, spec)
-    payload_schema.__doc__ = doc
-    payload_schema.__module__ = __name__
+    schema.__doc__ = doc
+    schema.__module__ = __name__
     return schema
 
 
@@ -130,6 +130,10 @@ class BackendConf:
     """Where tensors live: cpu, or cuda (one GPU per rank for nccl; shared for gloo)."""
 
 
+FAULT_KINDS = ("crash", "hang", "raise")
+"""What ``fault.rank`` does at ``fault.at_iter``."""
+
+
 @dataclass
 class FaultConf:
     rank: int = -1
@@ -137,7 +141,8 @@ class FaultConf:
     at_iter: int = 0
     """Timed iteration at which it does."""
     kind: str = "crash"
-    """crash (the process exits) | hang (it stops answering)."""
+    """crash (the process exits) | hang (it stops answering) | raise (it raises, as a bug
+    would)."""
 
 
 @dataclass
@@ -244,8 +249,10 @@ def validate(cfg, world_size: int | None = None) -> Layout:
         )
     if cfg.timeout_s <= 0:
         raise ConfigError(f"timeout_s must be positive, got {cfg.timeout_s}")
-    if cfg.fault.kind not in ("crash", "hang"):
-        raise ConfigError(f"fault.kind must be crash or hang, got {cfg.fault.kind!r}")
+    if cfg.fault.kind not in FAULT_KINDS:
+        raise ConfigError(
+            f"fault.kind must be one of {', '.join(FAULT_KINDS)}, got {cfg.fault.kind!r}"
+        )
     if cfg.fault.rank >= layout.world_size:
         raise ConfigError(
             f"fault.rank={cfg.fault.rank} is outside the world of {layout.world_size}"

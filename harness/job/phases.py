@@ -137,6 +137,8 @@ def _fault(spec, job: Job, rank: int, it: int) -> None:
     if job.scope is Scope.BROADCAST and rank == spec.fault_rank and it == spec.fault_at_iter:
         if spec.fault_kind == "crash":
             os._exit(17)
+        if spec.fault_kind == "raise":
+            raise RuntimeError(f"fault.kind=raise: rank {rank} at timed iteration {it}")
         while True:  # hang: never return, never answer
             time.sleep(3600)
 

@@ -28,7 +28,7 @@ from harness.payload import generated
         (["payload.batch_size=0"], "payload.batch_size must be positive"),
         (["layout.pp=0"], "layout.pp must be a positive integer"),
         (["references=[floor,nope]"], "unknown reference strategy 'nope'"),
-        (["fault.kind=explode"], "fault.kind must be crash or hang"),
+        (["fault.kind=explode"], "fault.kind must be one of crash, hang, raise"),
         (["layout.order=tp-pp-xx"], "unknown axes ['xx']"),
         # A size claim no machine can hold is priced from the shapes, never allocated.
         (["payload.batch_size=1000000000000"], "takes 47424000000000000 bytes (42 PiB)"),
