@@ -29,7 +29,7 @@ from harness.files import write_atomic, write_json
 from harness.job.dispatch import chunk, flat_bytes
 from harness.payload import generated
 from harness.worlds import opening
-from harness.worlds.ray_world import RayConf, RayUnavailable, import_ray
+from harness.worlds.ray_cluster import RayConf, RayUnavailable, import_ray
 
 SIZES = (4, 48, 192, 704)
 """rl_rollout rows per chunk at seq_len 512: from tens of KiB to the 16 MiB the tables use."""

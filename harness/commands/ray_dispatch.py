@@ -84,7 +84,7 @@ class RayDispatchConf:
     options: dict[str, Any] = field(default_factory=dict)
     """Options of every leader mode's strategy (``strategies.get(name, groups, **options)``)."""
     ray: RayNode = field(default_factory=RayNode)
-    """The Ray world (``harness.worlds.ray_world.RayConf``'s fields: address, num_cpus, placement,
+    """The Ray world (``harness.worlds.ray_cluster.RayConf``'s fields: address, num_cpus, placement,
     ...); ``ray.timeout_s`` also bounds one dispatch call. ``ray.dispatch`` is
     ``bcastbench run``'s and must stay ``none`` here: ``modes`` says what runs."""
     out: str | None = None

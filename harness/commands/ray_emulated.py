@@ -52,7 +52,7 @@ from harness.job.execute import RESULT_FILE
 from harness.worlds.emulated import LINKS_ENV
 from harness.worlds.emulated_network import EmulateConf, Emulation, unavailable_reason
 from harness.worlds.protocol import WorldError
-from harness.worlds.ray_world import NODE_RESOURCE, cluster_auth, private_cluster_dir
+from harness.worlds.ray_cluster import NODE_RESOURCE, cluster_auth, private_cluster_dir
 
 MODULE = "harness.commands.ray_emulated"
 """Where ``bcastbench ray-emulated`` lives (its printed name: ``harness.errors.program``)."""

@@ -20,7 +20,7 @@ from harness.paths import CONF_DIR
 from harness.payload import generated, recording, source, workload
 from harness.units import human_bytes
 from harness.worlds.emulated_network import EmulateConf
-from harness.worlds.ray_world import RayConf, RayUnavailable, import_ray
+from harness.worlds.ray_cluster import RayConf, RayUnavailable, import_ray
 from strategies.core.layout import Layout, LayoutError
 
 
@@ -76,7 +76,7 @@ LayoutConf = _schema_of(
 RayNode = _schema_of(
     RayConf,
     "RayNode",
-    """The ``ray`` node: ``harness.worlds.ray_world.RayConf``'s own fields (where the Ray cluster is,
+    """The ``ray`` node: ``harness.worlds.ray_cluster.RayConf``'s own fields (where the Ray cluster is,
     how ranks are placed, ``dispatch``; each documented there), read when ``world=ray``.""",
 )
 

@@ -5,21 +5,21 @@ from the driver once, then many jobs on them, each handed the rank context every
 Starting a gloo world of 8 costs seconds of imports and rendezvous, so sweeps and tests reuse
 one world per (world size, backend, device) through ``harness.worlds.protocol.REGISTRY``. Ranks are
 forked from the driver after the heavy imports, report their progress, and are killed as a
-group when anything fails: no rank outlives its driver.
+group when anything fails: no rank outlives its driver. What runs in a rank is
+``harness.worlds.forked_rank``; gathering the ranks' answers and naming a failed or hung rank,
+``harness.worlds.forked_answers``.
 """
 
 from __future__ import annotations
 
 import atexit
 import gc
-import os
 import shutil
 import socket
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -35,7 +35,8 @@ torch.set_num_threads(1)
 # (megatron-core comes with the rank context).
 from tensordict import TensorDict  # noqa: E402, F401
 
-from harness.worlds.forked_rank import STACK_SIGNAL, PhaseBoard, _worker  # noqa: E402
+from harness.worlds.forked_answers import Collector  # noqa: E402
+from harness.worlds.forked_rank import PhaseBoard, _worker  # noqa: E402
 from harness.worlds.protocol import WorldError  # noqa: E402
 from harness.worlds.rank import (  # noqa: E402
     forget_megatron_groups,
@@ -68,8 +69,8 @@ class ForkedWorld:
         self.timeout_s = timeout_s
         self._ctx = None
         self._conns: list[Connection] = []
-        self._last: dict[int, tuple[int, str]] = {}
-        self._board: PhaseBoard | None = None
+        self._status: list[Connection] = []
+        self._answers: Collector | None = None
         self._stacks: str | None = None
         self._job = 0
         self.start_s = 0.0
@@ -86,6 +87,15 @@ class ForkedWorld:
             )
         t0 = time.perf_counter()
         self._job = 0  # the ranks' "ready" answers carry job 0
+        self._answers = self._fork()
+        self._answers.collect(self._job, "starting the world", self.timeout_s)
+        self.start_s = time.perf_counter() - t0
+        _LIVE.add(self)
+        return self
+
+    def _fork(self) -> Collector:
+        """The ranks forked, each with its task and status pipes, the phase board and a file
+        for its stack dumps; the collector of their answers."""
         mp = tmp.get_context("fork")
         pairs = [mp.Pipe(duplex=True) for _ in range(self.world_size)]
         status = [mp.Pipe(duplex=True) for _ in range(self.world_size)]
@@ -93,7 +103,7 @@ class ForkedWorld:
         self._status = [a for a, _ in status]
         children = [b for _, b in pairs]
         status_children = [b for _, b in status]
-        self._board = PhaseBoard(mp, self.world_size)
+        board = PhaseBoard(mp, self.world_size)
         # A process group the driver dropped but megatron-core or a reference cycle still
         # holds (an in-process job's, a test's) is destroyed here, where its threads exist, not
         # in a rank that inherits it: there its destructor waits for the driver's threads.
@@ -107,7 +117,7 @@ class ForkedWorld:
                 _worker,
                 args=(
                     self.world_size, port, self.backend, self.device, self.collective_timeout_s,
-                    children, status_children, self._board, self._stacks,
+                    children, status_children, board, self._stacks,
                 ),
                 nprocs=self.world_size,
                 join=False,
@@ -118,10 +128,10 @@ class ForkedWorld:
             raise
         for c in children + status_children:
             c.close()
-        self._collect("starting the world", self.timeout_s)
-        self.start_s = time.perf_counter() - t0
-        _LIVE.add(self)
-        return self
+        return Collector(
+            self._conns, self._status, self._ctx.processes, board, self._stacks,
+            teardown=lambda: self.close(kill=True),
+        )  # fmt: skip
 
     @property
     def collective_timeout_s(self) -> float:
@@ -168,7 +178,7 @@ class ForkedWorld:
         for c in self._conns + self._status:
             c.close()
         self._drop_stacks()
-        self._ctx = None
+        self._ctx = self._answers = None
         _LIVE.discard(self)
 
     def __enter__(self) -> ForkedWorld:
@@ -192,189 +202,17 @@ class ForkedWorld:
         try:
             for c in self._conns:
                 c.send((self._job, fn, args))
-            return self._collect(
-                what or getattr(fn, "__name__", "task"), timeout_s or self.timeout_s
+            return self._answers.collect(
+                self._job, what or getattr(fn, "__name__", "task"), timeout_s or self.timeout_s
             )
         except WorldError:
-            raise  # _collect tore the world down, unless every rank refused before any collective
+            raise  # torn down by the collector, unless every rank refused before any collective
         except BaseException:
             # Anything else that cut the wait short (an unpicklable result, Ctrl-C, a test
             # framework's interrupt) may leave answers in flight and ranks in a collective: a
             # world left like that is out of step, so it goes.
             self.close(kill=True)
             raise
-
-    def _where(self, ranks: list[int]) -> dict[int, str]:
-        """Ask each rank's status thread where its main thread is (2 s at most)."""
-        out = {}
-        for r in ranks:
-            try:
-                self._status[r].send("?")
-                # Generous: on an overloaded machine a status thread can wait seconds for the GIL.
-                out[r] = self._status[r].recv() if self._status[r].poll(10.0) else None
-            except (OSError, EOFError):
-                out[r] = "no answer (process gone)"
-            if out[r] is None:
-                out[r] = "no answer from its status thread (its main thread holds the GIL)"
-        return out
-
-    def _stacks_of(self, ranks: list[int]) -> str:
-        """Every thread's Python stack of each of ``ranks``, as its faulthandler writes them on
-        ``STACK_SIGNAL``: where a rank is whose status thread cannot get the GIL. Every rank is
-        signalled first, then all dumps are read against one deadline (3 s)."""
-        paths = {}
-        for rank in ranks:
-            try:
-                os.kill(self._ctx.processes[rank].pid, STACK_SIGNAL)
-                paths[rank] = os.path.join(self._stacks or "", f"rank{rank}.txt")
-            except (OSError, AttributeError):
-                continue
-        texts = dict.fromkeys(paths, "")
-        settled: set[int] = set()
-        deadline = time.monotonic() + 3.0
-        while paths and len(settled) < len(paths) and time.monotonic() < deadline:
-            time.sleep(0.2)
-            for rank, path in paths.items():  # a dump is whole once it stops growing
-                try:
-                    with open(path, errors="replace") as f:
-                        now = f.read()
-                except OSError:
-                    continue
-                if now and now == texts[rank]:
-                    settled.add(rank)
-                texts[rank] = now
-        return "".join(
-            f"\n--- stacks of rank {rank} (faulthandler) ---\n{text.strip()}"
-            for rank, text in texts.items()
-            if text.strip()
-        )
-
-    def _collect(self, what: str, timeout_s: float) -> list[Any]:
-        """Every rank's answer to the current job, in rank order; any rank's error, death or
-        silence tears the world down (see ``run``) and raises WorldError."""
-        answers = _Answers(self.world_size)
-        self._last = {r: (0, what) for r in range(self.world_size)}
-        conn_rank = {c: r for r, c in enumerate(self._conns)}
-        sentinels = {p.sentinel: r for r, p in enumerate(self._ctx.processes)}
-        while not answers.complete:
-            pending = [c for c, r in conn_rank.items() if not answers.has(r)]
-            for obj in wait(pending + list(sentinels), timeout=1.0):
-                if obj in sentinels:
-                    self._check_exit(sentinels[obj], answers, what)
-                else:
-                    self._receive(conn_rank[obj], obj, answers, what)
-            self._read_board(answers)
-            silent_s = time.monotonic() - answers.last_progress
-            if answers.errors and not answers.complete:
-                # One rank failed; the others may now block in a collective forever.
-                if silent_s > min(5.0, timeout_s):
-                    break
-            elif silent_s > timeout_s:
-                self._raise_hung(answers, what, timeout_s)
-        if answers.errors:
-            self._raise_failed(answers, what)
-        return [answers.results[r] for r in range(self.world_size)]
-
-    def _read_board(self, answers: _Answers) -> None:
-        """Take the phases ranks posted on the board for this job: a new one is progress."""
-        if self._board is None:
-            return
-        for rank in range(self.world_size):
-            job, step, phase = self._board.read(rank)
-            if job == self._job and step > self._last[rank][0]:
-                self._last[rank] = (step, phase)
-                answers.last_progress = time.monotonic()
-
-    def _receive(self, rank: int, conn: Connection, answers: _Answers, what: str) -> bool:
-        """Take one message from ``rank``; False when its pipe is closed."""
-        try:
-            job, kind, step, payload = conn.recv()
-        except (EOFError, OSError):
-            return False
-        if job not in (self._job, -1):
-            # Cannot happen while worlds that fail are torn down; if it does, the ranks
-            # are out of step and nothing they say can be trusted.
-            self.close(kill=True)
-            raise WorldError(
-                f"rank {rank} answered job {job} while job {self._job} ({what}) runs: "
-                "the world is out of step"
-            )
-        answers.last_progress = time.monotonic()
-        if kind == "phase":
-            self._last[rank] = (step, payload)
-        elif kind in ("error", "refused"):
-            answers.errors[rank] = payload
-            if kind == "refused":
-                answers.refused.add(rank)
-        else:
-            answers.results[rank] = payload
-        return True
-
-    def _check_exit(self, rank: int, answers: _Answers, what: str) -> None:
-        """A rank's process ended: drain what it said before dying; without an answer, fail."""
-        conn = self._conns[rank]
-        while not answers.has(rank) and conn.poll():
-            if not self._receive(rank, conn, answers, what):
-                break
-        if answers.has(rank):
-            return
-        self._read_board(answers)  # its last phase
-        self._ctx.processes[rank].join(2)  # reap it, so exitcode is known
-        code = self._ctx.processes[rank].exitcode
-        phase = self._last[rank][1]
-        self.close(kill=True)
-        raise WorldError(
-            f"rank {rank} exited with code {code} while {phase!r} ({what}); the world was torn down"
-        )
-
-    def _raise_hung(self, answers: _Answers, what: str, timeout_s: float) -> None:
-        self._read_board(answers)
-        stuck = [r for r in range(self.world_size) if r not in answers.results]
-        places = self._where(stuck)
-        # The culprit is a rank NOT waiting in a collective (the others wait for it);
-        # failing that, the one that reported the least progress.
-        outside = [r for r in stuck if not places[r].startswith("in collective")]
-        culprit = outside[0] if outside else min(stuck, key=lambda r: self._last[r][0])
-        detail = "; ".join(f"rank {r}: {self._last[r][1]!r}, {places[r]}" for r in stuck)
-        stacks = self._stacks_of([r for r in stuck if places[r].startswith("no answer from")])
-        self.close(kill=True)
-        raise WorldError(
-            f"rank {culprit} stopped responding for {timeout_s:.0f} s while "
-            f"{self._last[culprit][1]!r} ({what}), {places[culprit]}; "
-            f"all unfinished ranks: {detail}; the world was torn down{stacks}"
-        )
-
-    def _raise_failed(self, answers: _Answers, what: str) -> None:
-        rank = min(answers.errors)
-        # Tear down even if every rank answered: a root's broadcast can complete while a
-        # failed receiver never took part, leaving the ranks' collective sequences out of
-        # step, and the next job would hang or read the wrong bytes. A fresh world is cheap.
-        if answers.refused != set(range(self.world_size)):
-            self.close(kill=True)
-        error = answers.errors[rank]
-        first_line = error.strip().splitlines()[0]
-        raise WorldError(
-            f"rank {rank} failed in {what}: {first_line}\n--- traceback of rank {rank} ---\n{error}"
-        )
-
-
-@dataclass
-class _Answers:
-    """What the ranks have said about the current job."""
-
-    world_size: int
-    results: dict[int, Any] = field(default_factory=dict)
-    errors: dict[int, str] = field(default_factory=dict)
-    refused: set[int] = field(default_factory=set)
-    """Ranks whose error is a refusal raised before any collective (the world stays)."""
-    last_progress: float = field(default_factory=time.monotonic)
-
-    def has(self, rank: int) -> bool:
-        return rank in self.results or rank in self.errors
-
-    @property
-    def complete(self) -> bool:
-        return len(self.results) + len(self.errors) >= self.world_size
 
 
 _LIVE: set[ForkedWorld] = set()

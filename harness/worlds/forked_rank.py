@@ -110,6 +110,25 @@ def _worker(
     board: PhaseBoard | None = None,
     stacks: str | None = None,
 ) -> None:
+    """A forked rank's life: leave the driver's state behind, join the gloo world, serve the
+    driver's tasks until it says stop, then leave the world."""
+    conn = _settle(local_rank, conns, status_conns, stacks)
+    ctx = _join_world(local_rank, world_size, port, backend, device, timeout_s, conn, board)
+    if ctx is None:
+        return
+    _serve(ctx, conn)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def _settle(
+    local_rank: int, conns: list[Connection], status_conns: list[Connection], stacks: str | None
+) -> Connection:
+    """A forked rank's first acts, before it joins the world: bound to its driver's life, clear
+    of the driver's state, deaf to Ctrl-C, its stacks written on ``STACK_SIGNAL``, only its own
+    pipes kept and its status thread answering. Returns its task pipe."""
     _die_with_parent()
     _leave_the_drivers_state()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver owns Ctrl-C and kills us
@@ -121,6 +140,15 @@ def _worker(
             c.close()
     _answer_status(status_conns[local_rank], threading.get_ident())
     torch.set_num_threads(1)  # N ranks share the cores; more threads only oversubscribe
+    return conn
+
+
+def _join_world(
+    local_rank: int, world_size: int, port: int, backend: str, device: str, timeout_s: float,
+    conn: Connection, board: PhaseBoard | None,
+) -> RankContext | None:  # fmt: skip
+    """Join the gloo world on loopback and tell the driver this rank is ready; the rank's
+    context, or None once the error is sent to the driver."""
     os.environ.update(
         RANK=str(local_rank),
         LOCAL_RANK=str(local_rank),
@@ -146,12 +174,8 @@ def _worker(
         ctx.send("ready", None)
     except Exception:
         conn.send((0, "error", 0, traceback.format_exc()))
-        return
-    _serve(ctx, conn)
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
+        return None
+    return ctx
 
 
 def _serve(ctx: RankContext, conn: Connection) -> None:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from harness.worlds.emulated import adopt_worker_env, link_counter
 from harness.worlds.launcher import Launch, env_int
 from harness.worlds.protocol import RankFn, WorldError, group_by_node
-from harness.worlds.rank import RankContext, device_for, where
+from harness.worlds.rank import RankContext, device_for, in_collective, where
 
 SILENT_EXIT = 124
 """Exit status of a joined rank that stopped responding outside any collective."""
@@ -146,7 +146,7 @@ class _Watchdog:
                 flush=True,
             )
             self.said = True
-            if not at.startswith("in collective"):
+            if not in_collective(at):
                 os._exit(SILENT_EXIT)  # the main thread is stuck; the launcher ends the rest
 
 

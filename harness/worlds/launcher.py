@@ -42,7 +42,7 @@ from harness.worlds.emulated_network import EmulateConf
 from harness.worlds.protocol import REGISTRY
 
 if TYPE_CHECKING:  # an annotation only; the Ray world is imported when one is opened
-    from harness.worlds.ray_world import RayConf
+    from harness.worlds.ray_cluster import RayConf
 
 FORKED, JOINED, EMULATED, RAY = "forked", "joined", "emulated", "ray"
 

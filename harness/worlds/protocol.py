@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 log = logging.getLogger(__name__)
 
 RankFn = Callable[..., Any]
-"""A task run on every rank: ``fn(ctx, *args)`` with ctx a ``harness.worlds.forked.RankContext``;
+"""A task run on every rank: ``fn(ctx, *args)`` with ctx a ``harness.worlds.rank.RankContext``;
 it and its arguments must pickle (forked, Ray and emulated worlds send them to the ranks)."""
 
 

@@ -198,8 +198,18 @@ def where(frame) -> str:
         return "idle"
     at = f"{os.path.basename(ours.f_code.co_filename)}:{ours.f_lineno} {ours.f_code.co_name}"
     if inner_dist is not None:
-        return f"in collective torch.distributed.{inner_dist.f_code.co_name} (from {at})"
+        return f"{IN_COLLECTIVE} torch.distributed.{inner_dist.f_code.co_name} (from {at})"
     return f"outside any collective, at {stack[0].f_code.co_name} (from {at})"
+
+
+IN_COLLECTIVE = "in collective"
+"""How ``where`` begins for a thread blocked inside a torch.distributed call."""
+
+
+def in_collective(place: str) -> bool:
+    """Whether ``place`` (a ``where``) is inside a collective: a rank there waits for its
+    peers, so a hung world's culprit is a rank that is not."""
+    return place.startswith(IN_COLLECTIVE)
 
 
 def rendezvous_store(

@@ -23,7 +23,7 @@ from harness.worlds.launcher import (
     forked_spec,
 )
 from harness.worlds.protocol import WorldRegistry, group_by_node
-from harness.worlds.ray_world import RayConf
+from harness.worlds.ray_cluster import RayConf
 from strategies.core.layout import SEED_ORDER, Layout
 
 

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from harness.worlds.ray_world import WAIT_SLICE_S, _wait_one, ctrl_c_as_a_flag
+from harness.worlds.ray_answers import WAIT_SLICE_S, _wait_one, ctrl_c_as_a_flag
 
 
 class SwallowingRay:

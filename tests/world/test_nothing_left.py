@@ -85,7 +85,8 @@ def _ray_or_skip():
 DRIVER = """
 import json, os, sys, time
 sys.path.insert(0, {repo!r})
-from harness.worlds.ray_world import RayConf, RayWorld
+from harness.worlds.ray_cluster import RayConf
+from harness.worlds.ray_world import RayWorld
 world = RayWorld(2, RayConf(num_cpus=2, object_store_mb=128)).start()
 pids = world.rank_pids
 print(json.dumps({{"dir": str(world._cluster_dir), "started": sorted(world.started_pids),

@@ -27,7 +27,7 @@ from harness.job.dispatch import DispatchMode, _Driver, _verify  # noqa: E402
 from harness.job.execute import run_job  # noqa: E402
 from harness.job.spec import JobSpec  # noqa: E402
 from harness.worlds.protocol import WorldError  # noqa: E402
-from harness.worlds.ray_world import RayConf  # noqa: E402
+from harness.worlds.ray_cluster import RayConf  # noqa: E402
 from strategies.core.layout import Layout  # noqa: E402
 
 TP2PP2 = Layout(pp=2, tp=2)
