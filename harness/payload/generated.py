@@ -149,6 +149,8 @@ def make(
     try:
         fn = PAYLOADS[name]
     except KeyError:
-        raise KeyError(f"unknown generated payload {name!r}; valid names: {sorted(PAYLOADS)}") from None
+        raise KeyError(
+            f"unknown generated payload {name!r}; valid names: {sorted(PAYLOADS)}"
+        ) from None
     kwargs = {} if broadcast_non_tensor is None else {"broadcast_non_tensor": broadcast_non_tensor}
     return fn(batch_size, seq_len, seed, **kwargs)

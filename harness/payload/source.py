@@ -118,7 +118,11 @@ def _content_key(path: str) -> tuple:
             dirs.sort()
             for name in sorted(names):
                 est = os.lstat(os.path.join(root, name))
-                key += (os.path.relpath(os.path.join(root, name), path), est.st_size, est.st_mtime_ns)
+                key += (
+                    os.path.relpath(os.path.join(root, name), path),
+                    est.st_size,
+                    est.st_mtime_ns,
+                )
     return key
 
 
