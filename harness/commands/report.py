@@ -16,8 +16,10 @@ from pathlib import Path
 
 from harness.errors import USAGE_EXIT
 from harness.report.collect import records_dir_problem, unfinished_writes
+from harness.report.dispatch_records import load_dispatch_records
 from harness.report.figures import FIGURES
-from harness.report.markdown import load_dispatch_records, write_ray_report, write_report
+from harness.report.markdown import write_report
+from harness.report.ray_report import write_ray_report
 from harness.report.tables import load
 
 PROG = "bcastbench report"

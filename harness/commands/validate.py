@@ -156,23 +156,6 @@ def rankings(v: pd.DataFrame) -> pd.DataFrame:
         model_gap = g.predicted_us[mw] / g.predicted_us[pw] - 1
         # Tie: the model puts the two closer together than the measurement can resolve.
         tie = pw != mw and model_gap <= noise
-        if pw == mw:
-            why = ""
-        elif tie:
-            why = (
-                f"tie: model puts {mw} only {model_gap:.1%} behind {pw}, inside the p90 spread "
-                f"{noise:.0%}; measured gap {gap:.0%}"
-            )
-        elif gap <= noise:
-            why = f"measured gap {gap:.0%} ≤ p90 spread {noise:.0%}, but model gap {model_gap:.0%}"
-        else:
-            ea, eb = g.err[pw], g.err[mw]
-            worse = pw if abs(ea) >= abs(eb) else mw
-            why = (
-                f"measured gap {gap:.0%} > p90 spread {noise:.0%}: model {ea:+.0%} on {pw} "
-                f"vs {eb:+.0%} on {mw}; the larger miss is {worse}, whose predicted time is "
-                f"{g.predicted_dominant[worse]}"
-            )
         rows.append(
             dict(
                 zip(POINT, key),
@@ -186,10 +169,34 @@ def rankings(v: pd.DataFrame) -> pd.DataFrame:
                 measured_gap=gap,
                 model_gap=model_gap,
                 noise=noise,
-                why=why,
+                why=_why_they_differ(g, pw, mw, gap, model_gap, noise),
             )
         )
     return pd.DataFrame(rows)
+
+
+def _why_they_differ(
+    g: pd.DataFrame, pw: str, mw: str, gap: float, model_gap: float, noise: float
+) -> str:
+    """Why the predicted fastest ``pw`` is not the measured fastest ``mw`` at one point (``g``,
+    indexed by strategy): a tie the model cannot rank, a measured gap inside the noise, or the
+    strategy the model misses more and what dominates its predicted time; "" when they agree."""
+    if pw == mw:
+        return ""
+    if model_gap <= noise:
+        return (
+            f"tie: model puts {mw} only {model_gap:.1%} behind {pw}, inside the p90 spread "
+            f"{noise:.0%}; measured gap {gap:.0%}"
+        )
+    if gap <= noise:
+        return f"measured gap {gap:.0%} ≤ p90 spread {noise:.0%}, but model gap {model_gap:.0%}"
+    ea, eb = g.err[pw], g.err[mw]
+    worse = pw if abs(ea) >= abs(eb) else mw
+    return (
+        f"measured gap {gap:.0%} > p90 spread {noise:.0%}: model {ea:+.0%} on {pw} "
+        f"vs {eb:+.0%} on {mw}; the larger miss is {worse}, whose predicted time is "
+        f"{g.predicted_dominant[worse]}"
+    )
 
 
 def metrics(v: pd.DataFrame, r: pd.DataFrame) -> dict:

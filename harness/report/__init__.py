@@ -1,6 +1,7 @@
 """From records to readers: one table of every job (``collect``), the report's tables, figures
-and text (``tables``, ``figures``, ``markdown``), and measured Ray dispatch beside the model
-(``ray_model``); ``bcastbench report`` (``harness.commands.report``) writes them.
+and text (``tables``, ``figures``, ``markdown`` with ``cost_section`` and ``md_format``), and
+measured Ray dispatch beside the model (``dispatch_records``, ``dispatch_model``,
+``ray_report``); ``bcastbench report`` (``harness.commands.report``) writes them.
 
 ``from harness import report; report.plot_latency(df)`` (the notebook's spelling) works for every
 public name of those modules, imported on first use so that a caller of ``collect`` alone does
@@ -24,20 +25,23 @@ _HOMES = {
         "save_figures",
     ),
     "markdown": (
-        "COST_COLUMNS", "caveat", "commands_markdown", "cost_markdown",
-        "recommendation_markdown", "results_markdown", "write_report",
+        "caveat", "commands_markdown", "recommendation_markdown", "results_markdown",
+        "write_report",
     ),
+    "cost_section": ("COST_COLUMNS", "cost_markdown"),
 }  # fmt: skip
 _WHERE = {name: module for module, names in _HOMES.items() for name in names}
+_MODULES = ("collect", "md_format", "dispatch_records", "dispatch_model", "ray_report")
+"""Modules reached as attributes only (``report.collect``), their names not lifted up."""
 
 
 def __getattr__(name: str):
     if name in _WHERE:
         return getattr(importlib.import_module(f"harness.report.{_WHERE[name]}"), name)
-    if name in _HOMES or name in ("collect", "ray_model"):
+    if name in _HOMES or name in _MODULES:
         return importlib.import_module(f"harness.report.{name}")
     raise AttributeError(f"module 'harness.report' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted([*_WHERE, *_HOMES, "collect", "ray_model"])
+    return sorted([*_WHERE, *_HOMES, *_MODULES])

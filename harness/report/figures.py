@@ -163,15 +163,32 @@ def _legend(fig: Figure, axes_pairs) -> None:
 
 
 # -- figures --------------------------------------------------------------------------------
+def _layout_panels(df: pd.DataFrame, title: str, ylabel: str, draw) -> Figure:
+    """One panel per layout against payload bytes (log-log), one legend for all: ``draw(ax,
+    tab, fl, names, styles)`` draws a layout's lines from its supported rows ``tab`` and its
+    floors ``fl`` (sorted by payload); the axes, title and legend are the same for every plot."""
+    table, floors = strategy_table(df), floor_table(df)
+    names = strategies_of(df)
+    styles = _styles(names)
+    fig, pairs = _panels(df, title)
+    for layout, ax in pairs:
+        tab = table[(table["layout"] == layout) & table["supported"]]
+        fl = floors[floors["layout"] == layout].sort_values("payload_bytes")
+        draw(ax, tab, fl, names, styles)
+        _bytes_axis(ax, table.loc[table["layout"] == layout, "payload_bytes"].dropna())
+        _log_y(ax, ylabel)
+        refused = _refused(table[table["layout"] == layout])
+        ax.set_title(_panel_title(df, floors, layout, ax, refused), fontsize=TITLE_FONT_PT)
+    _legend(fig, pairs)
+    return fig
+
+
 def plot_latency(df: pd.DataFrame) -> Figure:
     """(a) p50 latency with a p50..p90 band vs payload, log-log, one panel per layout; the
     floor is its own black line (median of the floors measured by every job at that size)."""
-    table, floors = strategy_table(df), floor_table(df)
-    styles = _styles(strategies_of(df))
-    fig, pairs = _panels(df, "Latency per call (p50, band up to p90) vs payload size")
-    for layout, ax in pairs:
-        tab = table[(table["layout"] == layout) & table["supported"]]
-        for name in strategies_of(df):
+
+    def draw(ax, tab, fl, names, styles) -> None:
+        for name in names:
             rows = tab[tab["strategy"] == name].sort_values("payload_bytes")
             if rows.empty:
                 continue
@@ -181,13 +198,14 @@ def plot_latency(df: pd.DataFrame) -> Figure:
                 ax.fill_between(x, p50, p90, color=styles[name]["color"], alpha=0.12, lw=0)
             else:  # a band needs two sizes: one size gets its p50..p90 as a bar
                 ax.vlines(x, p50, p90, color=styles[name]["color"], alpha=0.35, lw=5)
-        _floor_line(ax, floors, layout, "floor_p50_us", scale=1e-3)
-        _bytes_axis(ax, table.loc[table["layout"] == layout, "payload_bytes"].dropna())
-        _log_y(ax, "latency per call (ms, log scale): line p50, band p50 to p90")
-        refused = _refused(table[table["layout"] == layout])
-        ax.set_title(_panel_title(df, floors, layout, ax, refused), fontsize=TITLE_FONT_PT)
-    _legend(fig, pairs)
-    return fig
+        _floor_line(ax, fl, "floor_p50_us", scale=1e-3)
+
+    return _layout_panels(
+        df,
+        "Latency per call (p50, band up to p90) vs payload size",
+        "latency per call (ms, log scale): line p50, band p50 to p90",
+        draw,
+    )
 
 
 def plot_speedup(df: pd.DataFrame) -> Figure:
@@ -269,10 +287,10 @@ def _annotate_cells(ax, grid: np.ndarray, refused: np.ndarray, span: float) -> N
             ax.text(j, i, text, ha="center", va="center", fontsize=8.5, color=colour)
 
 
-def _floor_line(ax, floors: pd.DataFrame, layout: str, column: str, scale: float = 1.0) -> None:
-    """The honest floor as its own dashed line (``column`` × ``scale`` against payload bytes)
-    and, where another raw method beat it, the single broadcast as a thin dotted one."""
-    fl = floors[floors["layout"] == layout].sort_values("payload_bytes")
+def _floor_line(ax, fl: pd.DataFrame, column: str, scale: float = 1.0) -> None:
+    """The honest floor of one layout (``fl``, sorted by payload) as its own dashed line
+    (``column`` × ``scale`` against payload bytes) and, where another raw method beat it, the
+    single broadcast as a thin dotted one."""
     if fl.empty:
         return
     label = "floor: fastest raw method (median over every job's floor at that size)"
@@ -313,42 +331,37 @@ def _strategy_lines(ax, tab: pd.DataFrame, names, styles, column: str) -> None:
 def plot_overhead(df: pd.DataFrame) -> Figure:
     """(c) vs_floor = p50 / floor p50 (same job) per strategy and payload, one panel per layout;
     where another raw method beat one broadcast, the single broadcast is a dotted line."""
-    table, floors = strategy_table(df), floor_table(df)
-    styles = _styles(strategies_of(df))
-    fig, pairs = _panels(df, "Overhead over the floor: p50 / floor p50, both timed in the same job")
-    for layout, ax in pairs:
-        tab = table[(table["layout"] == layout) & table["supported"]]
-        _strategy_lines(ax, tab, strategies_of(df), styles, "vs_floor")
+
+    def draw(ax, tab, fl, names, styles) -> None:
+        _strategy_lines(ax, tab, names, styles, "vs_floor")
         ax.axhline(1.0, color="k", ls="--", lw=2, label="floor = 1× (fastest raw method)")
-        fl = floors[floors["layout"] == layout].sort_values("payload_bytes")
         if (fl["floor_method"] != SINGLE).any():
             ratio = fl["floor_single_p50_us"] / fl["floor_p50_us"]
             label = "one raw broadcast (single-broadcast floor / floor)"
             ax.plot(fl["payload_bytes"], ratio, color="0.4", ls=":", lw=1.4, label=label,
                     **_alone(fl, SINGLE_MARK))  # fmt: skip
-        _bytes_axis(ax, table.loc[table["layout"] == layout, "payload_bytes"].dropna())
-        _log_y(ax, "vs_floor: p50 / floor p50 (×, log scale; lower is better)")
-        refused = _refused(table[table["layout"] == layout])
-        ax.set_title(_panel_title(df, floors, layout, ax, refused), fontsize=TITLE_FONT_PT)
-    _legend(fig, pairs)
-    return fig
+
+    return _layout_panels(
+        df,
+        "Overhead over the floor: p50 / floor p50, both timed in the same job",
+        "vs_floor: p50 / floor p50 (×, log scale; lower is better)",
+        draw,
+    )
 
 
 def plot_algbw(df: pd.DataFrame) -> Figure:
     """(d) algbw = payload bytes / p50 (nccl-tests convention, GB/s = 1e9 B/s) vs payload."""
-    table, floors = strategy_table(df), floor_table(df)
-    styles = _styles(strategies_of(df))
-    fig, pairs = _panels(df, "Algorithm bandwidth: payload bytes / p50 (nccl-tests algbw)")
-    for layout, ax in pairs:
-        tab = table[(table["layout"] == layout) & table["supported"]]
-        _strategy_lines(ax, tab, strategies_of(df), styles, "algbw_gbps")
-        _floor_line(ax, floors, layout, "floor_algbw_gbps")
-        _bytes_axis(ax, table.loc[table["layout"] == layout, "payload_bytes"].dropna())
-        _log_y(ax, "algbw (GB/s = 1e9 bytes/s, log scale; higher is better)")
-        refused = _refused(table[table["layout"] == layout])
-        ax.set_title(_panel_title(df, floors, layout, ax, refused), fontsize=TITLE_FONT_PT)
-    _legend(fig, pairs)
-    return fig
+
+    def draw(ax, tab, fl, names, styles) -> None:
+        _strategy_lines(ax, tab, names, styles, "algbw_gbps")
+        _floor_line(ax, fl, "floor_algbw_gbps")
+
+    return _layout_panels(
+        df,
+        "Algorithm bandwidth: payload bytes / p50 (nccl-tests algbw)",
+        "algbw (GB/s = 1e9 bytes/s, log scale; higher is better)",
+        draw,
+    )
 
 
 PLOTS = {

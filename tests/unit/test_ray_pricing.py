@@ -127,7 +127,7 @@ def test_compare_prices_every_measured_mode():
 def test_ray_report_names_the_winner_and_draws_the_figure(tmp_path):
     import json
 
-    from harness.report.markdown import write_ray_report
+    from harness.report.ray_report import write_ray_report
 
     recs = [
         _record({"leader:header": 40, "leader:pp_first": 31, "all_ranks": 30,

@@ -169,7 +169,7 @@ def test_the_dispatch_report_skips_refused_jobs_and_keeps_varying_ones_apart(tmp
     """A ray-dispatch list may hold a job whose first mode was refused (no modes: nothing to
     draw); a sweep's result.json jobs merge by setting, a varying workload never with a
     constant one of the same largest shape."""
-    from harness.report.markdown import load_dispatch_records
+    from harness.report.dispatch_records import load_dispatch_records
 
     row = {"p50_us": 10.0}
     refused = {"scope": "dispatch+broadcast", "status": "unsupported", "modes": None}

@@ -179,7 +179,7 @@ def test_bcastbench_run_world_ray_broadcast_and_dispatch(ray_world, tmp_path):
     }
     every = by_scope[("dispatch+broadcast", "all_ranks")]
     assert every["mode"] == "all_ranks" and set(every["modes"]) == {"all_ranks", "all_ranks:raw"}
-    from harness.report.markdown import load_dispatch_records
+    from harness.report.dispatch_records import load_dispatch_records
 
     (merged,) = load_dispatch_records(tmp_path)  # one setting: the report's single record
     assert set(merged["modes"]) == {"leader:header", "leader:floor", "all_ranks", "all_ranks:raw"}
