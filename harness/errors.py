@@ -14,6 +14,10 @@ class ConfigError(ValueError):
     """A configuration that cannot run; raised before any rank starts."""
 
 
+class VerificationError(AssertionError):
+    """A rank ended with data that differs from its leader's; the message names rank and key."""
+
+
 USAGE_EXIT = 2
 """Exit status for a bad command line or config value (argparse's)."""
 

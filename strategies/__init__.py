@@ -15,172 +15,50 @@ signature before any world starts.
 from __future__ import annotations
 
 import importlib
-import inspect
-import pkgutil
-import warnings
-from functools import cache
 from importlib.metadata import entry_points
-
-from strategies.core.contract import (
-    NON_TENSOR_FLAG,
-    ContractError,
-    DataProto,
-    LeaderFailed,
-    Unsupported,
-)
-from strategies.core.groups import GroupMismatch
-from strategies.core.process_groups import ProcessGroups
-from strategies.core.strategy_base import Strategy
-
-__all__ = [
-    "NON_TENSOR_FLAG",
-    "ContractError",
-    "DataProto",
-    "GroupMismatch",
-    "LeaderFailed",
-    "ProcessGroups",
-    "Strategy",
-    "Unsupported",
-    "check_options",
-    "get",
-    "get_class",
-    "has_plan",
-    "names",
-    "resolve_target",
-]
 
 ENTRY_POINT_GROUP = "bcastbench.strategies"
 """Where installed packages declare their strategies (``[project.entry-points."..."]``)."""
 
+_EXPORTS = {
+    "NON_TENSOR_FLAG": "strategies.core.contract",
+    "ContractError": "strategies.core.contract",
+    "DataProto": "strategies.core.contract",
+    "LeaderFailed": "strategies.core.contract",
+    "Unsupported": "strategies.core.contract",
+    "GroupMismatch": "strategies.core.groups",
+    "ProcessGroups": "strategies.core.process_groups",
+    "Strategy": "strategies.core.strategy_base",
+    "accepted_options": "strategies.registry",
+    "check_options": "strategies.registry",
+    "get": "strategies.registry",
+    "get_class": "strategies.registry",
+    "has_plan": "strategies.registry",
+    "is_target": "strategies.registry",
+    "names": "strategies.registry",
+    "resolve_target": "strategies.registry",
+}
+"""Every public name and the module that defines it, imported on first use (PEP 562): the
+pure parts of the package (``strategies.core.layout``, the rank maths) import without torch,
+so a config can be checked before anything heavy loads."""
 
-@cache
-def _registry() -> dict[str, type[Strategy]]:
-    found: dict[str, type[Strategy]] = {}
-    for info in pkgutil.iter_modules(__path__):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        cls = getattr(module, "STRATEGY", None)
-        if cls is not None:
-            found[cls.name] = cls
-    for name, cls in _installed().items():
-        if name in found:
-            warnings.warn(
-                f"entry point {name!r} ({ENTRY_POINT_GROUP}) is ignored: a built-in strategy "
-                "has that name",
-                stacklevel=2,
-            )
-            continue
-        found[name] = cls
-    return dict(sorted(found.items()))
-
-
-def _installed() -> dict[str, type[Strategy]]:
-    """Strategies installed distributions declare; a broken one is skipped with a warning
-    naming it, so one bad package cannot hide every strategy."""
-    found: dict[str, type[Strategy]] = {}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            cls = _strategy_class(ep.load(), ep.value)
-        except Exception as exc:  # noqa: BLE001 - any import failure of foreign code
-            warnings.warn(
-                f"entry point {ep.name!r} = {ep.value!r} ({ENTRY_POINT_GROUP}) is skipped: "
-                f"{type(exc).__name__}: {exc}",
-                stacklevel=3,
-            )
-            continue
-        found[cls.name or ep.name] = cls
-    return found
+__all__ = sorted([*_EXPORTS, "ENTRY_POINT_GROUP", "installed_names"])
 
 
-def _strategy_class(obj, where: str) -> type[Strategy]:
-    """``obj`` as a Strategy subclass: the class itself, or a module's ``STRATEGY``."""
-    cls = getattr(obj, "STRATEGY", obj) if inspect.ismodule(obj) else obj
-    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
-        raise TypeError(f"{where} is not a strategies.Strategy subclass (got {cls!r})")
-    return cls
+def installed_names() -> list[str]:
+    """The names installed distributions declare in ``ENTRY_POINT_GROUP``, read from their
+    metadata without importing them (a config lists them as ``strategy=`` choices before any
+    strategy is loaded)."""
+    return sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
 
 
-def is_target(name: str) -> bool:
-    """A dotted import path (``pkg.mod.Class`` or ``pkg.mod:Class``) rather than a name."""
-    return "." in name or ":" in name
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'strategies' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
 
 
-@cache
-def resolve_target(target: str) -> type[Strategy]:
-    """The Strategy class at ``target`` (``pkg.mod.Class`` or ``pkg.mod:Class``). Raises
-    KeyError with one line saying what could not be imported or what it is instead."""
-    module_name, sep, attr = target.partition(":")
-    if not sep:
-        module_name, _, attr = target.rpartition(".")
-    try:
-        obj = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise KeyError(
-            f"strategy target {target!r} cannot be imported ({type(exc).__name__}: {exc}); "
-            "expected an importable 'package.module.Class'"
-        ) from None
-    try:
-        return _strategy_class(obj, target)
-    except TypeError as exc:
-        raise KeyError(str(exc)) from None
-
-
-def names(include_floor: bool = False) -> list[str]:
-    """Strategies a user can choose (``floor`` is the measured limit, not a choice)."""
-    return [n for n, c in _registry().items() if c.selectable or include_floor]
-
-
-def get_class(name: str) -> type[Strategy]:
-    """The class of a registered name, or of a dotted import path (see ``resolve_target``)."""
-    if name not in _registry() and is_target(name):
-        return resolve_target(name)
-    try:
-        return _registry()[name]
-    except KeyError:
-        raise KeyError(
-            f"unknown strategy {name!r}; valid names: {names(include_floor=True)}"
-        ) from None
-
-
-def has_plan(name: str) -> bool:
-    """Whether ``name``'s class states its plan (``plan()`` is optional: without one a
-    strategy is measured but not predicted)."""
-    return getattr(get_class(name).plan, "__func__", None) is not Strategy.plan.__func__
-
-
-def accepted_options(cls: type[Strategy]) -> list[str] | None:
-    """The keyword options ``cls(groups, **options)`` accepts, read from the signatures along
-    its MRO: an ``__init__`` with ``**options`` is taken to hand them to the next one, down to
-    ``Strategy.__init__``, which accepts none. None when the chain ends in an ``__init__`` that
-    takes ``**kwargs`` of its own (anything may be accepted)."""
-    accepted: list[str] = []
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        if init is Strategy.__init__:
-            return accepted
-        params = list(inspect.signature(init).parameters.values())[2:]  # self, groups
-        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        accepted += [p.name for p in params if p.kind in named and p.name not in accepted]
-        if not any(p.kind is p.VAR_KEYWORD for p in params):
-            return accepted
-    return None
-
-
-def check_options(name: str, options: dict) -> None:
-    """Raise TypeError (one line: the option, the strategy, the accepted ones) if ``name``'s
-    class does not accept every key of ``options``."""
-    accepted = accepted_options(get_class(name))
-    if accepted is None:
-        return
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        raise TypeError(
-            f"strategy {name!r} has no option {unknown[0]!r}; accepted options: "
-            f"{sorted(accepted) or 'none'}"
-        )
-
-
-def get(name: str, groups: ProcessGroups, **options) -> Strategy:
-    """Build strategy ``name`` on these groups (options as in its module docstring)."""
-    return get_class(name)(groups, **options)
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from harness.job.config import register
+from harness.job.config_schema import register
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = str(REPO / "conf")
@@ -48,3 +48,16 @@ def check_uneven_cycle_shapes(rec: dict) -> None:
         assert shape["dp_rows"] == [3, 1] and shape["calls"] == 2
         assert shape["vs_floor"] > 0 and shape["steady_p50_us"] > 0
     assert shapes[0]["payload_bytes"] > shapes[1]["payload_bytes"] > 0  # 64 tokens, then 32
+
+
+def at_a_terminal(*args: str) -> list[str]:
+    """``python -m harness ARGS`` as a terminal's foreground job starts it: with Ctrl-C's
+    signal at its default, whatever this test session inherited. A suite started in the
+    background (``make test &``, nohup, a CI runner's job) has SIGINT ignored, every child
+    inherits that, and a command that ignores SIGINT cannot be interrupted: a Ctrl-C test run
+    there tested nothing but the inheritance. exec keeps the default it is handed."""
+    reset = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+        "os.execv(sys.executable, [sys.executable, '-m', 'harness', *sys.argv[1:]])"
+    )
+    return [sys.executable, "-c", reset, *args]

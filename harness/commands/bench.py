@@ -19,7 +19,7 @@ from harness import paths
 from harness.commands import report
 from harness.commands.run import run
 from harness.errors import USAGE_EXIT
-from harness.report.progress import STATE
+from harness.report.sweep_state import STATE
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ from harness.commands.hydra_app import run_app
 from harness.commands.tool import job_command, job_dir
 from harness.errors import ConfigError
 from harness.files import write_atomic, write_json
-from harness.job.config import PayloadConf
+from harness.job.config_schema import PayloadConf
 from harness.machine import other_cores, snapshot
 from harness.model.prices import predicted_cross_bytes
 from harness.payload import generated

@@ -38,7 +38,7 @@ from harness.commands.predict import check as check_prediction
 from harness.commands.predict import scaled_spec
 from harness.errors import ConfigError, program
 from harness.files import write_atomic, write_csv, write_figure
-from harness.job.config import LayoutConf, PayloadConf
+from harness.job.config_schema import LayoutConf, PayloadConf
 from harness.model.prices import predict_all
 from strategies.core.cluster import ClusterConf, load_cluster
 from strategies.core.layout import Layout

@@ -27,7 +27,7 @@ from harness import paths
 from harness.commands.hydra_app import run_app
 from harness.errors import ConfigError
 from harness.files import write_json
-from harness.job.config import LayoutConf, PayloadConf
+from harness.job.config_schema import LayoutConf, PayloadConf
 from harness.model.prices import auto_pick, explain, predict_all, report, to_json
 from harness.payload import generated
 from strategies.core.cluster import ClusterConf

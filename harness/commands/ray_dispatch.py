@@ -22,15 +22,10 @@ from omegaconf import OmegaConf
 
 from harness.commands.hydra_app import run_app
 from harness.commands.tool import job_command, job_dir, write_out
-from harness.job import records
+from harness.job import config_schema, records
 from harness.job.build import from_dispatch_config
-from harness.job.config import (
-    LayoutConf,
-    PayloadConf,
-    RayNode,
-    dispatch_ray_conf,
-    validate_dispatch,
-)
+from harness.job.config import dispatch_ray_conf, validate_dispatch
+from harness.job.config_schema import LayoutConf, PayloadConf, RayNode
 from harness.job.dispatch_modes import ALL_RANKS, FLOORS
 from harness.job.execute import run_job
 from harness.worlds import opening
@@ -105,7 +100,7 @@ def task(cfg) -> dict:
     write the record in the job's directory, print the table."""
     spec = from_dispatch_config(cfg)
     world = opening.ray_world(spec.layout.world_size, dispatch_ray_conf(cfg))
-    records.COMMAND[:] = [job_command(MODULE)]  # this job's own line, a sweep's values in it
+    config_schema.COMMAND[:] = [job_command(MODULE)]  # this job's own line, a sweep's values in it
     extra = OmegaConf.to_container(cfg.record, resolve=True)
     record = run_job(world, spec, job_dir(), extra=extra)
     if record["world_start_s"]:

@@ -24,17 +24,28 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from harness import paths
-from harness.errors import ConfigError, usage_error
-from harness.job import app, records
-from harness.job.app import JOB_FAILURES
-from harness.job.config import BenchConf, register, validate
+from harness.errors import ConfigError, VerificationError, usage_error
+from harness.job import config_schema
+from harness.job.config_schema import BenchConf, register
 from harness.job.sweep_lock import claim, release
 from harness.job.sweep_plan import check_sweep, sweep_dir
 from harness.megatron_import import quiet_megatron
-from harness.report.progress import STATE
+from harness.report.sweep_state import STATE
 from harness.worlds import launcher
+from harness.worlds.protocol import WorldError
 
 FAILED_EXIT, INTERRUPTED_EXIT = 1, 130
+JOB_FAILURES = (WorldError, VerificationError)
+"""What a job that ran but did not succeed raises (``harness.job.execute.JOB_FAILURES``)."""
+
+
+def _job():
+    """The job's app (``harness.job.app``), imported once the config composed: it brings torch,
+    megatron-core and tensordict, which a mistyped key or a ``--help`` must not wait for (every
+    import above is light)."""
+    from harness.job import app
+
+    return app
 
 
 PASSTHROUGH = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve"}
@@ -92,7 +103,7 @@ def run(argv: list[str]) -> int:
             return _exit_status(exc)
     if "--check" in argv:
         return _check_only([a for a in argv if a != "--check"])
-    records.COMMAND[:] = ["bcastbench", *argv]  # what the records say made them
+    config_schema.COMMAND[:] = ["bcastbench", *argv]  # what the records say made them
     sys.argv = ["bcastbench", *_nothing_written_by_other_ranks(argv)]
     os.environ["HYDRA_FULL_ERROR"] = "1"
     root = None
@@ -100,7 +111,7 @@ def run(argv: list[str]) -> int:
     if sweeping:
         overrides = [a for a in argv if not a.startswith("-")]
         try:
-            STATE.total = check_sweep(overrides)
+            STATE.total = check_sweep(overrides, lambda: _job().validate)
             # Claimed before Hydra starts (it ignores what its callbacks raise), and handed
             # back resolved so Hydra writes exactly where the claim is; under torchrun only
             # the rank that writes records owns it.
@@ -131,10 +142,11 @@ def _check_only(argv: list[str]) -> int:
     overrides = [a for a in argv if not a.startswith("-")]
     try:
         if {"-m", "--multirun"} & set(argv):
-            jobs = check_sweep(overrides)
+            jobs = check_sweep(overrides, lambda: _job().validate)
         else:
             with hydra.initialize_config_dir(str(paths.CONF_DIR), version_base="1.3"):
-                validate(hydra.compose("config", overrides))
+                config = hydra.compose("config", overrides)
+            _job().validate(config)
             jobs = 1
     except (ConfigError, HydraException, OmegaConfBaseException) as exc:
         return _exit_status(exc)
@@ -191,7 +203,7 @@ def _quoted(value: str) -> str:
 def task(cfg):
     """The Hydra task (module level, so a submitit launcher pickles it by reference)."""
     try:
-        return app.run(cfg)
+        return _job().run(cfg)
     except ConfigError as exc:
         _remove_unused_run_dir()
         # Leaves through Hydra's job runner as SystemExit, which it does not report.

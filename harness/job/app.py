@@ -23,11 +23,11 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
+from harness.errors import VerificationError
 from harness.job.build import from_run_config
 from harness.job.config import validate
 from harness.job.execute import JOB_FAILURES, run_job, world_spec
 from harness.job.records import job_line
-from harness.job.verification import VerificationError
 from harness.worlds import launcher as launchers
 
 log = logging.getLogger("bcastbench")

@@ -15,14 +15,15 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from harness.errors import VerificationError
 from harness.job import records
 from harness.job.broadcast import run_job_on_rank
 from harness.job.config import ray_conf
+from harness.job.config_schema import layout_name
 from harness.job.dispatch import run_dispatch
-from harness.job.records import Record, layout_name
+from harness.job.records import Record
 from harness.job.spec import JobSpec, Scope
 from harness.job.summary import summarize
-from harness.job.verification import VerificationError
 from harness.worlds.emulated_network import EmulateConf
 from harness.worlds.launcher import EMULATED, RAY, Launch, WorldSpec
 from harness.worlds.opening import open_world

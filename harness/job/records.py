@@ -18,6 +18,7 @@ from typing import Annotated, TypedDict, get_args, get_origin, get_type_hints
 import torch
 
 from harness import files, paths
+from harness.job.config_schema import COMMAND, layout_name
 from harness.job.dispatch_modes import FLOORS, DispatchMode
 from harness.job.phases import PHASES
 from harness.job.results import (
@@ -30,7 +31,6 @@ from harness.job.results import (
 )
 from harness.job.spec import Scope
 from harness.units import human_bytes
-from strategies.core.layout import DEFAULT_ORDER
 
 REPO = paths.REPO
 
@@ -286,12 +286,6 @@ def git_rev() -> str:
         return "unknown"
 
 
-COMMAND: list[str] = []
-"""The command line as its user typed it, when the command that parsed it changed ``sys.argv``
-for Hydra (``harness.commands.run`` appends the sweep directory it claimed); empty: the
-process's own ``sys.argv``."""
-
-
 def environment() -> dict:
     return {
         "torch_version": torch.__version__,
@@ -306,20 +300,8 @@ def environment() -> dict:
     }
 
 
-def layout_name(layout) -> str:
-    """The shape's own name: the axes larger than 1 in the presets' spelling (``tp2pp2dp2``,
-    ``pp2``, ``tp2cp2``), then ``@order`` when the order is not megatron-core's default, so two
-    runs share a name exactly when they share a shape (``layout=tp2pp2 layout.tp=1`` is
-    ``pp2``; the seed's DP-slowest world is ``tp2pp2dp2@tp-cp-ep-pp-dp``)."""
-    name = "".join(
-        f"{axis}{getattr(layout, axis)}" for axis in NAME_AXES if getattr(layout, axis) > 1
-    )
-    order = "-".join(layout.tokens)
-    return (name or "tp1") + ("" if order == DEFAULT_ORDER else f"@{order}")
 
 
-NAME_AXES = ("tp", "pp", "cp", "dp")
-"""The order axes appear in a shape's name (the presets' order: tp2pp2, pp2cp2, tp2pp2dp2)."""
 
 
 def _payload_label(spec) -> str:

@@ -3,13 +3,15 @@
 Hydra composes a job's config only when the job starts, so a sweep whose 40th combination is
 invalid would run 39 jobs first. ``check_sweep`` expands the sweep the way Hydra's basic
 sweeper will (its ``params`` from ``conf/sweep/*`` and the command line's ``a=1,2`` lists,
-``glob(...)`` over config groups included), composes every combination and runs
-``harness.job.config.validate`` on each; the first bad one raises ``ConfigError`` naming the
-job, its overrides and what is wrong.
+``glob(...)`` over config groups included), composes every combination, then checks each with
+the validator it is handed (``harness.job.config.validate``); the first bad one raises
+``ConfigError`` naming the job, its overrides and what is wrong. Composing first and importing
+nothing heavy itself, it refuses a mistyped key before the job's modules (torch) load.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from harness import paths
 from harness.errors import ConfigError, one_line
-from harness.job.config import register, validate
+from harness.job.config_schema import register
 
 
 def describe(exc: BaseException) -> str:
@@ -70,13 +72,23 @@ def sweep_dir(overrides: list[str], config_name: str = "config") -> Path:
             raise ConfigError(f"hydra.sweep.dir: {describe(exc)}") from None
 
 
-def check_sweep(overrides: list[str], config_name: str = "config") -> int:
-    """Compose and validate every job ``-m overrides`` makes; returns how many there are."""
+def check_sweep(
+    overrides: list[str], validate: Callable[[], Callable], config_name: str = "config"
+) -> int:
+    """Compose every job ``-m overrides`` makes, then check each with the validator
+    ``validate()`` returns (asked for only once every job composed); how many jobs there are."""
     with _expanded(overrides, config_name) as (loader, master, jobs):
+        configs = []
         for index, job in enumerate(jobs):
             where = f"job {index + 1} of {len(jobs)} ({' '.join(job)})"
             try:
-                validate(loader.load_sweep_config(master, job))
+                configs.append((where, loader.load_sweep_config(master, job)))
+            except (HydraException, OmegaConfBaseException) as exc:
+                raise ConfigError(f"{where}: {describe(exc)}; no job was started") from None
+        check = validate()
+        for where, cfg in configs:
+            try:
+                check(cfg)
             except (ConfigError, HydraException, OmegaConfBaseException) as exc:
                 raise ConfigError(f"{where}: {describe(exc)}; no job was started") from None
     return len(jobs)

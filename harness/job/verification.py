@@ -13,13 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
+from harness.errors import VerificationError
 from strategies import DataProto
 from strategies.core.contract import is_non_tensor_leaf, leaves
 from strategies.core.parts import as_bytes
-
-
-class VerificationError(AssertionError):
-    """A rank ended with data that differs from its leader's; the message names rank and key."""
 
 
 def tensor_digest(t: torch.Tensor) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -20,21 +19,7 @@ from hydra.experimental.callback import Callback
 from harness import files
 from harness.job.records import job_line
 from harness.report.collect import load, summary_table
-
-
-@dataclass
-class SweepState:
-    """The current command's jobs, shared by the sweeper, this callback and the CLI."""
-
-    total: int = 0
-    """Jobs in the sweep (set once every job's config has been validated); 0 if unknown."""
-    done: int = 0
-    failed: int = 0
-    records: Path | None = None
-    """The run or sweep directory the records go to."""
-
-
-STATE = SweepState()
+from harness.report.sweep_state import STATE
 
 
 def write_table(root: Path) -> Path | None:

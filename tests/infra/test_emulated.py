@@ -31,7 +31,8 @@ def test_emulate_options_are_validated():
     from hydra import compose, initialize_config_dir
 
     from harness.errors import ConfigError
-    from harness.job.config import register, validate
+    from harness.job.config import validate
+    from harness.job.config_schema import register
 
     register()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

@@ -165,7 +165,7 @@ def test_the_real_step_sweep_is_a_varying_workload_on_uneven_replicas():
     assert {j[1] for j in sweep_jobs(["sweep=real_step"])} == {
         f"strategy={n}" for n in strategies.names()
     }
-    assert check_sweep(["sweep=real_step"]) == len(strategies.names())
+    assert check_sweep(["sweep=real_step"], lambda: validate) == len(strategies.names())
     step = cfg_of("sweep=real_step", "layout=tp2pp2dp2")
     assert step.payload.dp_split == "drawn" and step.payload.draws >= 1
     assert len({entry["seq_len"] for entry in step.payload.cycle}) > 1
@@ -194,7 +194,7 @@ def test_cli_exits_2_with_one_line_and_no_traceback(tmp_path, capsys, monkeypatc
 def test_run_folders_are_named_by_the_shape_that_runs():
     from omegaconf import OmegaConf
 
-    from harness.job.config import shape_name
+    from harness.job.config_schema import shape_name
 
     assert shape_name(cfg_of("layout=tp2pp2", "layout.tp=8", "layout.pp=8").layout) == "tp8pp8"
     assert shape_name(OmegaConf.create({"tp": 0})) == "invalid-layout"
@@ -231,3 +231,23 @@ def test_a_generated_payload_is_priced_exactly_before_it_is_made(name, rows, seq
     allowance = rows * generated.TEXT_BYTES_PER_ROW if batch.non_tensor_batch else 0
     assert priced == tensors + allowance
     assert text <= allowance
+
+
+def test_a_mistyped_key_is_refused_before_torch_is_imported():
+    """``bcastbench run`` composes the config from light modules and imports the job (torch,
+    megatron-core, tensordict) only once it composed: a typo answers at once. Shown with
+    ``python -X importtime``, which lists every module the command imported."""
+    import subprocess
+    import sys
+
+    for argv in (["typo=1"], ["-m", "typo=1,2"]):
+        res = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "harness", "run", *argv],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert res.returncode == 2, res.stderr[-2000:]
+        lines = res.stderr.splitlines()
+        assert any("Key 'typo' not in 'BenchConf'" in line for line in lines), res.stderr[-2000:]
+        imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import")}
+        heavy = imported & {"torch", "tensordict", "megatron", "megatron.core", "pandas"}
+        assert not heavy, (argv, sorted(heavy))

@@ -253,16 +253,16 @@ def _copy_named_paths(argv: tuple[str, ...], scratch: Path) -> None:
 
 def _in_process(argv: list[str], capsys) -> tuple[int, str]:
     """``bcastbench argv`` in this process: its exit status and what it printed."""
-    from harness.job import records
+    from harness.job import config_schema
 
     # What a command says made the records it writes; later tests' jobs say their own.
-    saved = list(records.COMMAND)
+    saved = list(config_schema.COMMAND)
     try:
         status = cli.main(argv)
     except SystemExit as exc:
         status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     finally:
-        records.COMMAND[:] = saved
+        config_schema.COMMAND[:] = saved
     out = capsys.readouterr()
     return status, out.out + out.err
 

@@ -405,7 +405,8 @@ def test_hostile_input_is_one_line_exit_2_and_harmless(case, places, capsys):
     """The job's validation of the payload, and the CLI's printer for what it raises."""
     from harness.commands import run as cli
     from harness.errors import ConfigError
-    from harness.job.config import PayloadConf, _validate_recorded
+    from harness.job.config import _validate_recorded
+    from harness.job.config_schema import PayloadConf
 
     payload, build, extra, _ = CASES[case]
     path = build(*places[:3])
@@ -472,7 +473,8 @@ def test_every_reader_refuses_the_same_pickle(tmp_path):
     """The job's validation, a replica leader's payload (what the pytest plugin's jobs build)
     and bcastbench schema's reader all go through recording.load: none runs the pickle."""
     from harness.errors import ConfigError
-    from harness.job.config import PayloadConf, _validate_recorded
+    from harness.job.config import _validate_recorded
+    from harness.job.config_schema import PayloadConf
     from harness.payload import source
 
     marker = tmp_path / "marker"

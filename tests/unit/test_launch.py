@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from harness.errors import ConfigError
-from harness.job.records import layout_name
+from harness.job.config_schema import layout_name
 from harness.worlds import launcher, opening
 from harness.worlds.launcher import (
     EMULATED,

@@ -80,10 +80,11 @@ def test_a_sweep_whose_jobs_ran_elsewhere_is_counted_from_its_records(
     from omegaconf import OmegaConf
 
     from harness.report import progress
+    from harness.report.sweep_state import SweepState
 
     _record(tmp_path, "0_header", strategy="header")
     _record(tmp_path, "1_flat", strategy="flat", status="failed")
-    monkeypatch.setattr(progress, "STATE", progress.SweepState(total=2))
+    monkeypatch.setattr(progress, "STATE", SweepState(total=2))
     progress.Progress().on_multirun_end(
         OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
     )
@@ -107,7 +108,7 @@ def _compose(overrides):
     from hydra import compose, initialize_config_dir
 
     from harness import paths
-    from harness.job.config import register
+    from harness.job.config_schema import register
 
     register()
     with initialize_config_dir(config_dir=str(paths.CONF_DIR), version_base="1.3"):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_support import REPO, check_uneven_cycle_shapes, harness
+from cli_support import REPO, at_a_terminal, check_uneven_cycle_shapes, harness
 
 from harness.job.records import FIELDS
 from harness.report.collect import load
@@ -131,9 +131,9 @@ def test_torchrun_joins_the_world(tmp_path):
 def test_ctrl_c_leaves_no_rank_and_no_half_record(tmp_path):
     sweep = tmp_path / "sweep"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "harness", "-m", "strategy=header,flat,pickled",
+        at_a_terminal("-m", "strategy=header,flat,pickled",
          "iters=150", "warmup=0", "payload.batch_size=2", "payload.seq_len=64",
-         f"hydra.sweep.dir={sweep}"],
+         f"hydra.sweep.dir={sweep}"),
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip

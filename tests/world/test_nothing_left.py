@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from cli_support import at_a_terminal
 
 from harness.paths import REPO
 
@@ -157,9 +158,9 @@ def test_ctrl_c_ends_a_ray_sweep_within_5_s(tmp_path):
     _ray_or_skip()
     sweep = tmp_path / "sweep"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "harness", "-m", "world=ray", "strategy=header,flat",
+        at_a_terminal("-m", "world=ray", "strategy=header,flat",
          "iters=2000", "warmup=0", "payload.batch_size=2", "payload.seq_len=64",
-         "ray.object_store_mb=128", f"hydra.sweep.dir={sweep}"],
+         "ray.object_store_mb=128", f"hydra.sweep.dir={sweep}"),
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
