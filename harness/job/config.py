@@ -17,7 +17,7 @@ from harness.errors import ConfigError
 from harness.job.dispatch_modes import LEADER, DispatchMode, with_floors
 from harness.job.records import layout_name
 from harness.paths import CONF_DIR
-from harness.payload import generated, recording, source, workload
+from harness.payload import generated, source, user_files, workload
 from harness.units import human_bytes
 from harness.worlds.emulated_network import EmulateConf
 from harness.worlds.ray_cluster import RayConf, RayUnavailable, import_ray
@@ -104,7 +104,7 @@ class PayloadConf:
     ``harness.payload.generated.payload_bytes``), a recording's or a schema's batch from the file's
     sizes and shapes; ``bcastbench ray-dispatch``: the driver's global batch. Checked before
     anything is allocated. null: a quarter of this machine's physical memory
-    (``harness.payload.recording.default_max_bytes``)."""
+    (``harness.payload.user_files.default_max_bytes``)."""
     cycle: Any = None
     """Overrides of batch_size and seq_len (seq_len not for a recorded payload) cycled call
     by call, e.g. ``[{batch_size: 768}, {batch_size: 3}]``; the floor and pickled are timed on
@@ -424,7 +424,7 @@ def check_size(
     before the first call; ``copies`` of each) fit ``max_bytes`` together (None: a quarter of
     this machine's memory), priced from the shapes alone: 10**12 rows are refused in one line
     instead of failing to allocate petabytes on every rank."""
-    limit = recording.default_max_bytes() if max_bytes is None else int(max_bytes)
+    limit = user_files.default_max_bytes() if max_bytes is None else int(max_bytes)
     where = "set" if max_bytes is not None else "a quarter of this machine's memory"
     for d, shapes in enumerate(per_leader):
         sizes = [generated.payload_bytes(name, rows, seq_len) for rows, seq_len in shapes]

@@ -26,7 +26,8 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from harness.files import write_atomic
 from harness.paths import CONF_DIR
-from harness.payload.recording import (
+from harness.payload.recording import load
+from harness.payload.user_files import (
     DTYPES,
     MAX_DEPTH,
     MAX_DIMS,
@@ -34,7 +35,6 @@ from harness.payload.recording import (
     SCHEMA_FLAGS,
     PayloadFileError,
     default_max_bytes,
-    load,
     open_regular,
 )
 from strategies import DataProto
@@ -374,9 +374,9 @@ def _check_keys(keys: list[tuple[str, ...]]) -> None:
 
 
 def validate(schema: dict, batch_size: int | None = None, max_bytes: int | None = None) -> int:
-    """Every field of a schema checked (kinds, dtypes from ``recording.DTYPES``, dims, keys,
+    """Every field of a schema checked (kinds, dtypes from ``user_files.DTYPES``, dims, keys,
     length percentiles); with ``batch_size``, the batch it replays to checked against
-    ``max_bytes`` (default ``recording.default_max_bytes()``). Returns the bytes per row."""
+    ``max_bytes`` (default ``user_files.default_max_bytes()``). Returns the bytes per row."""
     unknown = set(schema) - set(_TOP_FIELDS)
     if unknown:
         raise SchemaError(f"unknown fields {sorted(map(str, unknown))}; valid: {list(_TOP_FIELDS)}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.payload import generated, payload_schema, recording
+from harness.payload import generated, payload_schema, recording, user_files
 from strategies import NON_TENSOR_FLAG, DataProto
 
 RECORDED = ("file", "schema")
@@ -20,7 +20,7 @@ RECORDED = ("file", "schema")
 (``harness.payload.recording``) or a schema replayed with seeded data
 (``harness.payload.payload_schema``)."""
 
-PayloadError = (recording.PayloadFileError, payload_schema.SchemaError)
+PayloadError = (user_files.PayloadFileError, payload_schema.SchemaError)
 """What opening a recorded payload raises for a bad, unsafe or oversized file (one line)."""
 
 
@@ -90,7 +90,7 @@ def open_payload(
         return PayloadSource(name)
     resolved = path_of(name, path)
     if resolved is None:
-        raise recording.PayloadFileError(f"payload.path: payload={name} needs payload.path=<file>")
+        raise user_files.PayloadFileError(f"payload.path: payload={name} needs payload.path=<file>")
     key = (name, resolved, _content_key(resolved), bool(trust), max_bytes, rows)
     if key not in _OPENED:
         _OPENED.clear()  # one payload held at a time: a sweep moves from file to file

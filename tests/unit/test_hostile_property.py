@@ -33,11 +33,11 @@ from hypothesis import strategies as st
 from verl_support import verl_dataproto
 
 from harness.paths import CONF_DIR
-from harness.payload import payload_schema, recording
+from harness.payload import payload_schema, recording, user_files
 
 LIMIT = 1 << 20
 """The byte limit every example runs under: a missing check would show as a batch above it."""
-ERRORS = (recording.PayloadFileError, payload_schema.SchemaError)
+ERRORS = (user_files.PayloadFileError, payload_schema.SchemaError)
 
 EXAMPLES = settings(
     max_examples=100,
@@ -390,7 +390,7 @@ def test_mutated_schema_through_bcastbench_run(scratch, capsys, monkeypatch, dat
     here = scratch()
     doc = json.loads(json.dumps(SEEDS[0]))
     doc["leaves"][0]["dtype"] = data.draw(
-        st.text(max_size=6).filter(lambda t: t not in recording.DTYPES)
+        st.text(max_size=6).filter(lambda t: t not in user_files.DTYPES)
     )
     path = here / "s.yaml"
     path.write_text(yaml.safe_dump(doc))

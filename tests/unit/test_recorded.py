@@ -16,7 +16,7 @@ from verl_support import verl_dataproto, verl_worker_payload
 import strategies
 from harness.job.verification import digest
 from harness.paths import CONF_DIR
-from harness.payload import generated, payload_schema, recording
+from harness.payload import generated, payload_schema, recording, user_files
 from strategies import DataProto
 from strategies.core.contract import leaves
 
@@ -95,7 +95,7 @@ def test_unsafe_file_is_refused_without_running_it(tmp_path, writer):
     marker = tmp_path / "ran"
     with open(tmp_path / "evil", "wb") as f:
         writer({"batch": _RunsCode(marker)}, f)
-    with pytest.raises(recording.PayloadFileError) as err:
+    with pytest.raises(user_files.PayloadFileError) as err:
         recording.load(tmp_path / "evil")
     message = str(err.value)
     assert "\n" not in message
@@ -107,7 +107,7 @@ def test_trust_lifts_the_allow_list(tmp_path):
     td = TensorDict({"x": torch.arange(6).reshape(3, 2)}, batch_size=[3])
     with open(tmp_path / "plain.pkl", "wb") as f:
         pickle.dump({"batch": td, "meta_info": {"k": 1}}, f)  # TensorDict's own pickle
-    with pytest.raises(recording.PayloadFileError, match="tensordict"):
+    with pytest.raises(user_files.PayloadFileError, match="tensordict"):
         recording.load(tmp_path / "plain.pkl")
     got = recording.load(tmp_path / "plain.pkl", trust=True)
     assert torch.equal(got.batch["x"], td["x"]) and got.meta_info == {"k": 1}
@@ -125,7 +125,7 @@ def test_bad_files_say_what_is_wrong_in_one_line(tmp_path):
         tmp_path: "not a TensorDict.memmap directory",
     }
     for path, expected in cases.items():
-        with pytest.raises(recording.PayloadFileError) as err:
+        with pytest.raises(user_files.PayloadFileError) as err:
             recording.load(path)
         assert expected in str(err.value) and "\n" not in str(err.value)
 
