@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.payload import generated, payload_schema, recording, user_files
+from harness.payload import generated, payload_schema, recording, schema_replay, user_files
 from strategies import NON_TENSOR_FLAG, DataProto
 
 RECORDED = ("file", "schema")
 """Payloads read from ``payload.path`` instead of generated: a recorded batch
 (``harness.payload.recording``) or a schema replayed with seeded data
-(``harness.payload.payload_schema``)."""
+(``harness.payload.schema_replay``)."""
 
 PayloadError = (user_files.PayloadFileError, payload_schema.SchemaError)
 """What opening a recorded payload raises for a bad, unsafe or oversized file (one line)."""
@@ -48,7 +48,7 @@ class PayloadSource:
             dp = recording.resample(self.loaded, rows)
             dp = DataProto(dp.batch, dict(dp.non_tensor_batch), dict(dp.meta_info))
         elif self.name == "schema":
-            dp = payload_schema.replay(self.loaded, rows, seed)
+            dp = schema_replay.replay(self.loaded, rows, seed)
         else:
             return generated.make(self.name, rows, seq_len, seed, broadcast_non_tensor)
         if broadcast_non_tensor is not None:
@@ -101,7 +101,7 @@ def open_payload(
 
 def _read(name: str, path: str, trust: bool, max_bytes: int | None, rows: int | None):
     if name == "schema":
-        return payload_schema.check(path, rows, max_bytes)
+        return schema_replay.check(path, rows, max_bytes)
     return recording.load(path, bool(trust), max_bytes=max_bytes, batch_size=rows)
 
 

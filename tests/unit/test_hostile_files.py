@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 from tensordict import TensorDict
 
 from harness.paths import CONF_DIR
-from harness.payload import payload_schema, recording, user_files
+from harness.payload import payload_schema, recording, schema_replay, user_files
 from strategies import DataProto
 
 
@@ -534,7 +534,7 @@ def test_recorded_batch_reports_its_real_seq_len(tmp_path):
     ragged = torch.nested.nested_tensor([torch.ones(n) for n in (2, 7, 3)], layout=torch.jagged)
     jagged = DataProto(TensorDict({"ids": ragged}, batch_size=[3]), {}, {})
     assert recording.seq_len_of(jagged) == 7
-    replayed = payload_schema.make(str(CONF_DIR / "schemas" / "rl_rollout.yaml"), 2, seed=0)
+    replayed = schema_replay.make(str(CONF_DIR / "schemas" / "rl_rollout.yaml"), 2, seed=0)
     assert recording.seq_len_of(replayed) == 1024
 
 

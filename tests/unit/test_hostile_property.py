@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from verl_support import verl_dataproto
 
 from harness.paths import CONF_DIR
-from harness.payload import payload_schema, recording, user_files
+from harness.payload import payload_schema, recording, schema_replay, user_files
 
 LIMIT = 1 << 20
 """The byte limit every example runs under: a missing check would show as a batch above it."""
@@ -80,8 +80,8 @@ def load_file(path: Path, batch_size: int = 8):
 
 
 def make_schema(path: Path, batch_size: int = 8):
-    payload_schema.check(str(path), batch_size, LIMIT)
-    return payload_schema.make(str(path), batch_size, 0, max_bytes=LIMIT)
+    schema_replay.check(str(path), batch_size, LIMIT)
+    return schema_replay.make(str(path), batch_size, 0, max_bytes=LIMIT)
 
 
 @pytest.fixture(scope="module")
