@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from harness.payload import payload_schema, recording
+from harness.payload import payload_schema, recording, user_files
 from strategies import DataProto
 
 QUICK_S = 5.0
@@ -140,7 +140,7 @@ def one_line_error(call) -> tuple[str, float]:
     start = time.monotonic()
     try:
         call()
-    except (recording.PayloadFileError, payload_schema.SchemaError) as exc:
+    except (user_files.PayloadFileError, payload_schema.SchemaError) as exc:
         took = time.monotonic() - start
         text = str(exc)
         assert "\n" not in text and "Traceback" not in text, text

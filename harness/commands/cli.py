@@ -39,7 +39,7 @@ SUBCOMMANDS = {
     "calibrate": ("harness.commands.calibrate", "fit the cost model to this cluster"),
     "extrapolate": ("harness.commands.extrapolate", "predicted latency from 8 to 16k GPUs"),
     "schema": (
-        "harness.payload.payload_schema",
+        "harness.payload.schema_command",
         "FILE -o schema.yaml: a recorded batch's shape, no data",
     ),
     "report": ("harness.commands.report", "DIR: report.md and figures of a run or sweep"),

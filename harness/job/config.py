@@ -11,7 +11,7 @@ import strategies
 from harness.errors import ConfigError
 from harness.job.config_schema import FAULT_KINDS
 from harness.job.dispatch_modes import LEADER, DispatchMode, with_floors
-from harness.payload import generated, recording, source, workload
+from harness.payload import generated, source, user_files, workload
 from harness.units import human_bytes
 from harness.worlds.emulated_network import EmulateConf
 from harness.worlds.ray_cluster import RayConf, RayUnavailable, import_ray
@@ -225,7 +225,7 @@ def check_size(
     before the first call; ``copies`` of each) fit ``max_bytes`` together (None: a quarter of
     this machine's memory), priced from the shapes alone: 10**12 rows are refused in one line
     instead of failing to allocate petabytes on every rank."""
-    limit = recording.default_max_bytes() if max_bytes is None else int(max_bytes)
+    limit = user_files.default_max_bytes() if max_bytes is None else int(max_bytes)
     where = "set" if max_bytes is not None else "a quarter of this machine's memory"
     for d, shapes in enumerate(per_leader):
         sizes = [generated.payload_bytes(name, rows, seq_len) for rows, seq_len in shapes]

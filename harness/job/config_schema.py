@@ -119,7 +119,7 @@ class PayloadConf:
     ``harness.payload.generated.payload_bytes``), a recording's or a schema's batch from the file's
     sizes and shapes; ``bcastbench ray-dispatch``: the driver's global batch. Checked before
     anything is allocated. null: a quarter of this machine's physical memory
-    (``harness.payload.recording.default_max_bytes``)."""
+    (``harness.payload.user_files.default_max_bytes``)."""
     cycle: Any = None
     """Overrides of batch_size and seq_len (seq_len not for a recorded payload) cycled call
     by call, e.g. ``[{batch_size: 768}, {batch_size: 3}]``; the floor and pickled are timed on

@@ -300,10 +300,6 @@ def environment() -> dict:
     }
 
 
-
-
-
-
 def _payload_label(spec) -> str:
     """The payload's name; a recorded one (file, schema) adds its file's stem, so two
     recordings in one sweep stay apart in tables and reports (``schema:rl_rollout``)."""

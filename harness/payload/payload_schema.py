@@ -1,44 +1,46 @@
-"""The shape of a batch without its data, and seeded batches of that shape (``payload=schema``).
+"""A schema file: the shape of a batch without its data, read through a bounded safe YAML loader
+and checked whole (every field, then the bytes it would take) before anything is built.
 
-``bcastbench schema FILE -o schema.yaml`` reads a recorded batch (``harness.payload.recording``) and
-writes its keys, dtypes and shapes; for a jagged leaf the distribution of its row lengths; for
-non-tensor data the kind of its items (and the distribution of string lengths); meta_info's
-keys with their types (numbers, booleans and None keep their values: they are settings, not
-data). ``replay`` regenerates a batch of any row count from it, drawing jagged and string
-lengths from the recorded distributions, so a team can share the shape of its batch, not its
-data.
+``bcastbench schema FILE -o schema.yaml`` (``harness.payload.schema_command``) reads a recorded
+batch and writes its keys, dtypes and shapes; for a jagged leaf the distribution of its row
+lengths; for non-tensor data the kind of its items (and the distribution of string lengths);
+meta_info's keys with their types (numbers, booleans and None keep their values: they are
+settings, not data) (``harness.payload.schema_extract``). ``payload=schema`` regenerates a
+batch of any row count from it, drawing jagged and string lengths from the recorded
+distributions (``harness.payload.schema_replay``), so a team can share the shape of its batch,
+not its data.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import os
 import stat
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import yaml
-from tensordict import NonTensorData, NonTensorStack, TensorDict
+from yaml.composer import Composer
+from yaml.constructor import SafeConstructor
+from yaml.parser import Parser as PyParser
+from yaml.reader import Reader
+from yaml.resolver import Resolver
+from yaml.scanner import Scanner
 
 from harness.files import write_atomic
 from harness.paths import CONF_DIR
-from harness.payload.recording import (
+from harness.payload.user_files import (
     DTYPES,
     MAX_DEPTH,
     MAX_DIMS,
     MAX_LEAVES,
-    SCHEMA_FLAGS,
-    PayloadFileError,
     default_max_bytes,
-    load,
+    is_dims,
+    one_line,
     open_regular,
 )
-from strategies import DataProto
-from strategies.core.contract import leaves
 
 FORMAT = "bcastbench.schema/1"
 QUANTILES = np.linspace(0, 100, 11)
@@ -48,65 +50,6 @@ SCALARS = (bool, int, float, type(None))
 
 class SchemaError(ValueError):
     """A schema file that cannot be replayed; raised before any rank starts."""
-
-
-def _lengths(values) -> dict:
-    arr = np.asarray(list(values), dtype=np.float64)
-    if arr.size == 0:
-        arr = np.zeros(1)
-    return {"percentiles": [round(float(x), 3) for x in np.percentile(arr, QUANTILES)]}
-
-
-def _item_kind(items) -> dict:
-    kinds = sorted({type(x).__name__ for x in items})
-    out: dict = {"items": kinds[0] if len(kinds) == 1 else "mixed"}
-    if all(isinstance(x, str) for x in items):
-        out["lengths"] = _lengths(len(x) for x in items)
-    return out
-
-
-def _tensor_entry(key: tuple[str, ...], value) -> dict:
-    if isinstance(value, NonTensorStack):
-        return {"key": list(key), "kind": "non_tensor_stack", **_item_kind(value.tolist())}
-    if isinstance(value, NonTensorData):
-        data = value.data
-        entry = {"key": list(key), "kind": "non_tensor_data", "items": type(data).__name__}
-        return entry | ({"value": data} if isinstance(data, SCALARS) else {})
-    dtype = str(value.dtype).removeprefix("torch.")
-    if value.is_nested:
-        rows = value.unbind(0)
-        return {
-            "key": list(key),
-            "kind": "jagged",
-            "dtype": dtype,
-            "trailing_shape": list(rows[0].shape[1:]) if rows else [],
-            "lengths": _lengths(r.shape[0] for r in rows),
-        }
-    return {"key": list(key), "kind": "tensor", "dtype": dtype, "shape": list(value.shape[1:])}
-
-
-def extract(dp: DataProto) -> dict:
-    """The schema of ``dp`` (a plain dict, ready for YAML); shapes exclude the batch dim."""
-    non_tensor = {
-        k: {"dtype": str(np.asarray(v).dtype), **_item_kind(list(v))}
-        for k, v in dp.non_tensor_batch.items()
-    }
-    meta = {
-        k: (
-            {"type": type(v).__name__, "value": v}
-            if isinstance(v, SCALARS)
-            else {"type": type(v).__name__}
-        )
-        for k, v in dp.meta_info.items()
-    }
-    return {
-        "format": FORMAT,
-        "batch_size": int(dp.batch.batch_size[0]),
-        "batch_dims": [int(d) for d in dp.batch.batch_size[1:]],
-        "leaves": [_tensor_entry(key, value) for key, value in leaves(dp.batch)],
-        "non_tensor_batch": non_tensor,
-        "meta_info": meta,
-    }
 
 
 class _NoAliases(yaml.SafeDumper):
@@ -154,20 +97,12 @@ def _bounded_loader():
     """PyYAML's safe loader (libyaml's parser where installed) composing nodes no deeper than
     MAX_YAML_DEPTH and refusing aliases, so a hostile file fails in its first bytes instead of
     recursing for seconds, and no alias can multiply what the checks walk."""
-    from yaml.composer import Composer
-    from yaml.constructor import SafeConstructor
-    from yaml.resolver import Resolver
-
-    try:
+    try:  # libyaml's parser is optional: PyYAML builds without it
         from yaml._yaml import CParser as Parser
 
         mixins: tuple = ()
     except ImportError:  # pure-Python PyYAML
-        from yaml.parser import Parser
-        from yaml.reader import Reader
-        from yaml.scanner import Scanner
-
-        mixins = (Reader, Scanner)
+        Parser, mixins = PyParser, (Reader, Scanner)
 
     class Loader(Composer, *mixins, Parser, SafeConstructor, Resolver):
         def __init__(self, stream) -> None:
@@ -239,7 +174,7 @@ def read(path: str | Path, batch_size: int | None = None, max_bytes: int | None 
     try:
         schema = yaml.load(text, Loader=_bounded_loader())  # noqa: S506 - a safe loader
     except Exception as exc:  # noqa: BLE001 - whatever the parser raises, the file is no schema
-        first = " ".join(str(exc).split())[:160]
+        first = one_line(exc)[:160]
         raise SchemaError(f"payload.path: {path} is not a schema YAML: {first}") from None
     if not isinstance(schema, dict) or schema.get("format") != FORMAT:
         raise SchemaError(
@@ -255,8 +190,7 @@ def read(path: str | Path, batch_size: int | None = None, max_bytes: int | None 
 
 # -- validation: every field, then the bytes it would take -----------------------------------------
 def _dims(value, where: str) -> list[int]:
-    ok = isinstance(value, list) and len(value) <= MAX_DIMS
-    if ok and all(type(d) is int and 0 <= d < 1 << 48 for d in value):
+    if is_dims(value):
         return value
     raise SchemaError(
         f"{where} must be a list of at most {MAX_DIMS} non-negative integers, got {str(value)[:60]}"
@@ -374,9 +308,9 @@ def _check_keys(keys: list[tuple[str, ...]]) -> None:
 
 
 def validate(schema: dict, batch_size: int | None = None, max_bytes: int | None = None) -> int:
-    """Every field of a schema checked (kinds, dtypes from ``recording.DTYPES``, dims, keys,
+    """Every field of a schema checked (kinds, dtypes from ``user_files.DTYPES``, dims, keys,
     length percentiles); with ``batch_size``, the batch it replays to checked against
-    ``max_bytes`` (default ``recording.default_max_bytes()``). Returns the bytes per row."""
+    ``max_bytes`` (default ``user_files.default_max_bytes()``). Returns the bytes per row."""
     unknown = set(schema) - set(_TOP_FIELDS)
     if unknown:
         raise SchemaError(f"unknown fields {sorted(map(str, unknown))}; valid: {list(_TOP_FIELDS)}")
@@ -436,152 +370,3 @@ def _check_total(per_row: int, rows, batch_size: int, max_bytes: int | None) -> 
         f"payload.batch_size={batch_size:,} rows × {per_row:,} bytes per row = {total:,} bytes "
         f"> payload.max_bytes={limit:,} (largest: {what}, {row:,} bytes per row: {why})"
     )
-
-
-# -- replay ---------------------------------------------------------------------------------------
-def _draw_lengths(lengths: dict, n: int, gen: np.random.Generator) -> np.ndarray:
-    """n lengths from the recorded percentiles (inverse CDF, linear between them)."""
-    values = np.interp(gen.random(n) * 100, QUANTILES, lengths["percentiles"])
-    return np.rint(values).astype(np.int64)
-
-
-def _random(shape: list[int], dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    if dtype.is_complex:
-        return torch.randn(shape, dtype=dtype, generator=g)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=g).to(dtype)
-    return torch.randint(0, 100, shape, generator=g).to(dtype)
-
-
-_LETTERS = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz ", dtype=np.uint8)
-
-
-def _text(n: int, lengths: dict, gen: np.random.Generator) -> list[str]:
-    # Bytes, not one str per letter: a string costs its length, not 50 times it.
-    draws = _draw_lengths(lengths, n, gen)
-    return [gen.choice(_LETTERS, size=int(k)).tobytes().decode("ascii") for k in draws]
-
-
-def _items(entry: dict, n: int, gen: np.random.Generator) -> list:
-    if "lengths" in entry:
-        return _text(n, entry["lengths"], gen)
-    if entry.get("items") == "int":
-        return [int(x) for x in gen.integers(0, 1000, n)]
-    if entry.get("items") == "float":
-        return [float(x) for x in gen.random(n)]
-    return [None] * n
-
-
-def _leaf(entry: dict, b: int, g: torch.Generator, gen: np.random.Generator):
-    kind = entry["kind"]
-    if kind == "non_tensor_stack":
-        return NonTensorStack.from_list(_items(entry, b, gen))
-    if kind == "non_tensor_data":
-        value = entry.get("value", _items(entry, 1, gen)[0])
-        return NonTensorData(value, batch_size=[b])
-    dtype = DTYPES[entry["dtype"]]
-    if kind == "jagged":
-        rows = [
-            _random([int(k), *entry["trailing_shape"]], dtype, g)
-            for k in _draw_lengths(entry["lengths"], b, gen)
-        ]
-        return torch.nested.nested_tensor(rows, layout=torch.jagged)
-    return _random([b, *entry["shape"]], dtype, g)
-
-
-def replay(schema: dict, batch_size: int, seed: int) -> DataProto:
-    """A seeded batch of ``batch_size`` rows with exactly the schema's keys, dtypes and shapes."""
-    g = torch.Generator().manual_seed(seed)
-    gen = np.random.default_rng(seed)
-    td = TensorDict({}, batch_size=[batch_size, *schema.get("batch_dims", [])])
-    for entry in schema.get("leaves", []):
-        td.set(tuple(entry["key"]), _leaf(entry, batch_size, g, gen))
-    non_tensor = {}
-    for key, entry in schema.get("non_tensor_batch", {}).items():
-        arr = np.empty(batch_size, dtype=entry.get("dtype", "object"))
-        arr[:] = _items(entry, batch_size, gen)
-        non_tensor[key] = arr
-    meta = {}
-    for key, entry in schema.get("meta_info", {}).items():
-        meta[key] = entry["value"] if "value" in entry else _empty(entry["type"])
-    return DataProto(td, non_tensor, meta)
-
-
-def _empty(type_name: str):
-    return {"str": "", "list": [], "dict": {}, "tuple": ()}.get(type_name)
-
-
-def make(
-    path: str,
-    batch_size: int,
-    seed: int,
-    broadcast_non_tensor: bool | None = None,
-    max_bytes: int | None = None,
-):
-    """The payload of ``payload=schema``: the schema checked whole against ``batch_size`` rows
-    and ``max_bytes`` before one tensor is built, then replayed."""
-    dp = replay(read(path, batch_size, max_bytes), batch_size, seed)
-    if broadcast_non_tensor is not None:
-        dp.meta_info["_broadcast_non_tensor_batch"] = broadcast_non_tensor
-    return dp
-
-
-def check(path: str, batch_size: int | None, max_bytes: int | None = None) -> dict:
-    """What the job's validation runs: the schema checked whole, then one row replayed, so a
-    schema that passes here replays on every leader; the checked schema. SchemaError, one
-    line, if not."""
-    schema = read(path, batch_size, max_bytes)
-    try:
-        replay(schema, 1, 0)
-    except Exception as exc:  # noqa: BLE001 - a value the checks let through, said once
-        first = " ".join(str(exc).split())[:160]
-        raise SchemaError(
-            f"payload.path: {resolve(path)} cannot be replayed ({type(exc).__name__}: {first})"
-        ) from None
-    return schema
-
-
-def _overwrites(out: str, source: str) -> bool:
-    """Whether writing ``out`` would replace the recording or a file inside its directory."""
-    out_real, source_real = os.path.realpath(out), os.path.realpath(source)
-    return out_real == source_real or out_real.startswith(source_real.rstrip(os.sep) + os.sep)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``bcastbench schema FILE -o schema.yaml [--trust] [--max-bytes N]``: reads the file
-    through ``recording.load`` (so it runs no code without ``--trust``); errors are one line and
-    exit 2."""
-    parser = argparse.ArgumentParser(
-        prog="bcastbench schema", description="Write a recorded batch's schema (no data)."
-    )
-    parser.add_argument("file", help="a recorded batch (see payload=file)")
-    parser.add_argument("-o", "--out", default="schema.yaml", help="where the YAML goes")
-    parser.add_argument("--trust", action="store_true", help="allow arbitrary unpickling")
-    parser.add_argument(
-        "--max-bytes",
-        type=int,
-        default=None,
-        help="refuse a recording larger than this (default: a quarter of physical memory)",
-    )
-    args = parser.parse_args(argv)
-    try:
-        if _overwrites(args.out, args.file):
-            raise PayloadFileError(f"-o {args.out} would overwrite the recording {args.file}")
-        dp = load(args.file, trust=args.trust, max_bytes=args.max_bytes, flags=SCHEMA_FLAGS)
-        schema = extract(dp)
-    except PayloadFileError as exc:
-        print(f"bcastbench schema: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        out = write(schema, args.out)
-    except OSError as exc:
-        print(f"bcastbench schema: error: cannot write {args.out}: {exc}", file=sys.stderr)
-        return 1
-    print(
-        f"wrote {out}: {len(schema['leaves'])} leaves, "
-        f"{len(schema['non_tensor_batch'])} non-tensor keys, {len(schema['meta_info'])} "
-        f"meta_info keys (batch of {schema['batch_size']} rows; no data)"
-    )
-    return 0

@@ -12,15 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.payload import generated, payload_schema, recording
+from harness.payload import generated, payload_schema, recording, schema_replay, user_files
 from strategies import NON_TENSOR_FLAG, DataProto
 
 RECORDED = ("file", "schema")
 """Payloads read from ``payload.path`` instead of generated: a recorded batch
 (``harness.payload.recording``) or a schema replayed with seeded data
-(``harness.payload.payload_schema``)."""
+(``harness.payload.schema_replay``)."""
 
-PayloadError = (recording.PayloadFileError, payload_schema.SchemaError)
+PayloadError = (user_files.PayloadFileError, payload_schema.SchemaError)
 """What opening a recorded payload raises for a bad, unsafe or oversized file (one line)."""
 
 
@@ -48,7 +48,7 @@ class PayloadSource:
             dp = recording.resample(self.loaded, rows)
             dp = DataProto(dp.batch, dict(dp.non_tensor_batch), dict(dp.meta_info))
         elif self.name == "schema":
-            dp = payload_schema.replay(self.loaded, rows, seed)
+            dp = schema_replay.replay(self.loaded, rows, seed)
         else:
             return generated.make(self.name, rows, seq_len, seed, broadcast_non_tensor)
         if broadcast_non_tensor is not None:
@@ -90,7 +90,7 @@ def open_payload(
         return PayloadSource(name)
     resolved = path_of(name, path)
     if resolved is None:
-        raise recording.PayloadFileError(f"payload.path: payload={name} needs payload.path=<file>")
+        raise user_files.PayloadFileError(f"payload.path: payload={name} needs payload.path=<file>")
     key = (name, resolved, _content_key(resolved), bool(trust), max_bytes, rows)
     if key not in _OPENED:
         _OPENED.clear()  # one payload held at a time: a sweep moves from file to file
@@ -101,7 +101,7 @@ def open_payload(
 
 def _read(name: str, path: str, trust: bool, max_bytes: int | None, rows: int | None):
     if name == "schema":
-        return payload_schema.check(path, rows, max_bytes)
+        return schema_replay.check(path, rows, max_bytes)
     return recording.load(path, bool(trust), max_bytes=max_bytes, batch_size=rows)
 
 

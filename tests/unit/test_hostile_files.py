@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 from tensordict import TensorDict
 
 from harness.paths import CONF_DIR
-from harness.payload import payload_schema, recording
+from harness.payload import payload_schema, recording, schema_replay, user_files
 from strategies import DataProto
 
 
@@ -483,7 +483,7 @@ def test_every_reader_refuses_the_same_pickle(tmp_path):
     with pytest.raises(ConfigError, match="needs io.open"):
         _validate_recorded(node, node.batch_size)
     one_line_error(lambda: source.open_payload("file", str(rec), False, None, 4))
-    text, _ = one_line_error(lambda: recording.load(rec, flags=recording.SCHEMA_FLAGS))
+    text, _ = one_line_error(lambda: recording.load(rec, flags=user_files.SCHEMA_FLAGS))
     assert "--trust" in text and not marker.exists()
     trusted = {"path": str(tagged_memmap(tmp_path / "t")), "trust": True}
     trusted_node = OmegaConf.merge(node, trusted)
@@ -536,19 +536,19 @@ def test_recorded_batch_reports_its_real_seq_len(tmp_path):
     ragged = torch.nested.nested_tensor([torch.ones(n) for n in (2, 7, 3)], layout=torch.jagged)
     jagged = DataProto(TensorDict({"ids": ragged}, batch_size=[3]), {}, {})
     assert recording.seq_len_of(jagged) == 7
-    replayed = payload_schema.make(str(CONF_DIR / "schemas" / "rl_rollout.yaml"), 2, seed=0)
+    replayed = schema_replay.make(str(CONF_DIR / "schemas" / "rl_rollout.yaml"), 2, seed=0)
     assert recording.seq_len_of(replayed) == 1024
 
 
 def test_default_limit_is_a_quarter_of_this_machines_memory():
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    assert recording.default_max_bytes() == physical // 4
+    assert user_files.default_max_bytes() == physical // 4
 
 
 def test_schema_bytes_per_row_are_its_shapes_arithmetic():
     doc = yaml.safe_load((CONF_DIR / "schemas" / "rl_rollout.yaml").read_text())
     tensors = sum(
-        math.prod(e["shape"]) * recording.DTYPES[e["dtype"]].itemsize for e in doc["leaves"]
+        math.prod(e["shape"]) * user_files.DTYPES[e["dtype"]].itemsize for e in doc["leaves"]
     )
     strings = sum(  # a pointer, the str's own bytes and its longest text
         8 + 8 + math.ceil(e["lengths"]["percentiles"][-1]) for e in doc["non_tensor_batch"].values()

@@ -33,11 +33,11 @@ from hypothesis import strategies as st
 from verl_support import verl_dataproto
 
 from harness.paths import CONF_DIR
-from harness.payload import payload_schema, recording
+from harness.payload import payload_schema, recording, schema_replay, user_files
 
 LIMIT = 1 << 20
 """The byte limit every example runs under: a missing check would show as a batch above it."""
-ERRORS = (recording.PayloadFileError, payload_schema.SchemaError)
+ERRORS = (user_files.PayloadFileError, payload_schema.SchemaError)
 
 EXAMPLES = settings(
     max_examples=100,
@@ -80,8 +80,8 @@ def load_file(path: Path, batch_size: int = 8):
 
 
 def make_schema(path: Path, batch_size: int = 8):
-    payload_schema.check(str(path), batch_size, LIMIT)
-    return payload_schema.make(str(path), batch_size, 0, max_bytes=LIMIT)
+    schema_replay.check(str(path), batch_size, LIMIT)
+    return schema_replay.make(str(path), batch_size, 0, max_bytes=LIMIT)
 
 
 @pytest.fixture(scope="module")
@@ -390,7 +390,7 @@ def test_mutated_schema_through_bcastbench_run(scratch, capsys, monkeypatch, dat
     here = scratch()
     doc = json.loads(json.dumps(SEEDS[0]))
     doc["leaves"][0]["dtype"] = data.draw(
-        st.text(max_size=6).filter(lambda t: t not in recording.DTYPES)
+        st.text(max_size=6).filter(lambda t: t not in user_files.DTYPES)
     )
     path = here / "s.yaml"
     path.write_text(yaml.safe_dump(doc))

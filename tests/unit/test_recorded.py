@@ -16,7 +16,14 @@ from verl_support import verl_dataproto, verl_worker_payload
 import strategies
 from harness.job.verification import digest
 from harness.paths import CONF_DIR
-from harness.payload import generated, payload_schema, recording
+from harness.payload import (
+    generated,
+    payload_schema,
+    recording,
+    schema_extract,
+    schema_replay,
+    user_files,
+)
 from strategies import DataProto
 from strategies.core.contract import leaves
 
@@ -95,7 +102,7 @@ def test_unsafe_file_is_refused_without_running_it(tmp_path, writer):
     marker = tmp_path / "ran"
     with open(tmp_path / "evil", "wb") as f:
         writer({"batch": _RunsCode(marker)}, f)
-    with pytest.raises(recording.PayloadFileError) as err:
+    with pytest.raises(user_files.PayloadFileError) as err:
         recording.load(tmp_path / "evil")
     message = str(err.value)
     assert "\n" not in message
@@ -107,7 +114,7 @@ def test_trust_lifts_the_allow_list(tmp_path):
     td = TensorDict({"x": torch.arange(6).reshape(3, 2)}, batch_size=[3])
     with open(tmp_path / "plain.pkl", "wb") as f:
         pickle.dump({"batch": td, "meta_info": {"k": 1}}, f)  # TensorDict's own pickle
-    with pytest.raises(recording.PayloadFileError, match="tensordict"):
+    with pytest.raises(user_files.PayloadFileError, match="tensordict"):
         recording.load(tmp_path / "plain.pkl")
     got = recording.load(tmp_path / "plain.pkl", trust=True)
     assert torch.equal(got.batch["x"], td["x"]) and got.meta_info == {"k": 1}
@@ -125,7 +132,7 @@ def test_bad_files_say_what_is_wrong_in_one_line(tmp_path):
         tmp_path: "not a TensorDict.memmap directory",
     }
     for path, expected in cases.items():
-        with pytest.raises(recording.PayloadFileError) as err:
+        with pytest.raises(user_files.PayloadFileError) as err:
             recording.load(path)
         assert expected in str(err.value) and "\n" not in str(err.value)
 
@@ -154,9 +161,9 @@ def shape_of(dp: DataProto) -> list:
 def test_schema_round_trip_keeps_keys_dtypes_shapes(tmp_path, make):
     original = make()
     dp = DataProto(original.batch, dict(original.non_tensor_batch), dict(original.meta_info))
-    payload_schema.write(payload_schema.extract(dp), tmp_path / "s.yaml")
+    payload_schema.write(schema_extract.extract(dp), tmp_path / "s.yaml")
     text = (tmp_path / "s.yaml").read_text()
-    replayed = payload_schema.make(str(tmp_path / "s.yaml"), 7, seed=3)
+    replayed = schema_replay.make(str(tmp_path / "s.yaml"), 7, seed=3)
     assert replayed.batch.batch_size[0] == 7
     assert shape_of(replayed) == shape_of(dp)
     assert {k: v.dtype for k, v in replayed.non_tensor_batch.items()} == {
@@ -165,23 +172,23 @@ def test_schema_round_trip_keeps_keys_dtypes_shapes(tmp_path, make):
     assert set(replayed.meta_info) == set(dp.meta_info)
     for key, values in dp.non_tensor_batch.items():  # no data in the schema
         assert all(str(v) not in text for v in values if len(str(v)) > 6), key
-    again = payload_schema.make(str(tmp_path / "s.yaml"), 7, seed=3)
+    again = schema_replay.make(str(tmp_path / "s.yaml"), 7, seed=3)
     assert digest(again, True) == digest(replayed, True)
 
 
 def test_jagged_lengths_come_from_the_recorded_distribution():
     dp = verl_worker_payload(8, 0)
-    entry = next(e for e in payload_schema.extract(dp)["leaves"] if e["key"] == ["input_ids"])
+    entry = next(e for e in schema_extract.extract(dp)["leaves"] if e["key"] == ["input_ids"])
     low, high = entry["lengths"]["percentiles"][0], entry["lengths"]["percentiles"][-1]
     lengths = np.diff(
-        payload_schema.replay(payload_schema.extract(dp), 64, 1).batch["input_ids"].offsets()
+        schema_replay.replay(schema_extract.extract(dp), 64, 1).batch["input_ids"].offsets()
     )
     assert low <= lengths.min() and lengths.max() <= high
 
 
 @pytest.mark.parametrize("name", ["rl_rollout", "multimodal"])
 def test_committed_schemas_replay(name):
-    dp = payload_schema.make(str(CONF_DIR / "schemas" / f"{name}.yaml"), 3, seed=0)
+    dp = schema_replay.make(str(CONF_DIR / "schemas" / f"{name}.yaml"), 3, seed=0)
     assert dp.batch.batch_size[0] == 3 and dp.non_tensor_batch
 
 
