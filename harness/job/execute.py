@@ -21,7 +21,7 @@ from harness.job.broadcast import run_job_on_rank
 from harness.job.config import ray_conf
 from harness.job.config_schema import layout_name
 from harness.job.dispatch import run_dispatch
-from harness.job.records import Record
+from harness.job.record_fields import Record
 from harness.job.spec import JobSpec, Scope
 from harness.job.summary import summarize
 from harness.worlds.emulated_network import EmulateConf

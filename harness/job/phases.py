@@ -12,7 +12,7 @@ A phase says which scopes it runs in (``scopes``), what it measures there (``mea
 ``harness.job.results.RankResult`` fields it fills on that process), how all answers become its
 part of one strategy's figures (``fold`` returns the ``StrategyFigures`` part it names in
 ``part``; a dispatch job has one answer, the driver's), and which of those figures a record
-carries (``record_fields``, documented in ``harness.job.records.FIELDS``).
+carries (``record_fields``, documented in ``harness.job.record_fields.FIELDS``).
 ``harness.job.summary.summarize`` folds the list; ``harness.job.records`` copies every phase's
 ``record_fields``. Adding a measured phase is one class here, its entry in ``PHASES``, its
 fields in ``harness.job.results`` and their documentation.

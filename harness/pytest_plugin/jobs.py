@@ -16,7 +16,7 @@ from harness.errors import ConfigError
 from harness.job.build import from_arguments
 from harness.job.config import check_size, per_leader
 from harness.job.execute import run_job
-from harness.job.records import Record
+from harness.job.record_fields import Record
 from harness.job.spec import JobSpec
 from harness.paths import CONF_DIR
 from harness.payload import source

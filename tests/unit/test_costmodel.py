@@ -631,7 +631,7 @@ def test_hydra_composes_and_instantiates_presets():
 
 
 def test_per_call_costs_subtract_the_bytes():
-    from harness.commands.calibrate import per_call_costs
+    from harness.model.calibration_fit import per_call_costs
 
     rates = dict(pickle_bytes_per_s=1e9, unpickle_bytes_per_s=2e9, memcpy_bytes_per_s=4e9)
     # (seconds, bytes, non-tensor bytes): 1 ms fixed on top of what the rates charge.

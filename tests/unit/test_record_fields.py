@@ -7,7 +7,7 @@ import json
 import re
 
 from harness.job import phases
-from harness.job.records import FIELDS, Record, complete, type_problems
+from harness.job.record_fields import FIELDS, Record, complete, type_problems
 from harness.paths import REPO
 
 

@@ -66,7 +66,7 @@ def test_collect_recovers_a_record_its_killed_writer_left(tmp_path, capsys):
     """A writer killed between flush and rename leaves a whole hidden temporary and no
     record: collect renames it into place (readable by the team) and says so; a broken one is
     reported and left alone."""
-    from harness.job.records import complete
+    from harness.job.record_fields import complete
     from harness.report.collect import main as collect
 
     whole = tmp_path / "0_header_tp2pp2_b8"

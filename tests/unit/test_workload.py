@@ -10,7 +10,8 @@ from cli_support import cfg_of
 
 from harness.errors import ConfigError
 from harness.job.config import validate, workload_of
-from harness.job.records import FIELDS, build, complete, type_problems, vs_floor
+from harness.job.record_fields import FIELDS, complete, type_problems
+from harness.job.records import build, vs_floor
 from harness.job.results import RankResult
 from harness.job.spec import JobSpec
 from harness.job.summary import summarize

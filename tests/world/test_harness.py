@@ -19,7 +19,7 @@ import pytest
 import torch
 from cli_support import REPO, at_a_terminal, check_uneven_cycle_shapes, harness
 
-from harness.job.records import FIELDS
+from harness.job.record_fields import FIELDS
 from harness.report.collect import load
 
 FAST = ["iters=2", "warmup=1", "payload.batch_size=2", "payload.seq_len=64"]

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.job import execute, records
+from harness.job import execute
+from harness.job.record_fields import type_problems
 from harness.job.spec import JobSpec
 from harness.worlds.forked import ForkedWorld
 from harness.worlds.protocol import RankFn, World, WorldError, WorldRegistry
@@ -113,7 +114,7 @@ def test_a_real_job_runs_on_the_toy_world_and_is_recorded(registry):
     assert record["status"] == "ok" and record["correct"] is True, record
     assert record["world_size"] == 1 and record["p50_us"] > 0
     assert record["world"] == "in-process"  # the world's own fields reach the record
-    assert records.type_problems(record) == []
+    assert type_problems(record) == []
 
 
 def test_a_failing_rank_is_named_and_the_registry_starts_a_fresh_world(registry):
