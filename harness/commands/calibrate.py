@@ -401,16 +401,9 @@ def task(cfg) -> None:
     )
 
 
-def register() -> None:
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="calibrate_schema", node=CalibrateConf)
-
-
 def main(argv: list[str] | None = None) -> int:
     """``python -m harness.commands.calibrate [world=4] [reps=21] [short=true] [dry_run=true] ...``"""
-    register()
-    return run_app(MODULE, "calibrate", task, check, argv)
+    return run_app(MODULE, "calibrate", task, check, argv, schema=CalibrateConf)
 
 
 if __name__ == "__main__":

@@ -277,13 +277,6 @@ class EmulatedTableConf:
     """Where the two jobs and report.md go; null: the Hydra job's directory."""
 
 
-def register() -> None:
-    """The schema in Hydra's ConfigStore (``conf/emulated_table.yaml`` names it)."""
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="emulated_table_schema", node=EmulatedTableConf)
-
-
 def check(cfg) -> None:
     """The values a table reads, checked before any job runs (``command.run_app``)."""
     if cfg.payload.name not in generated.PAYLOADS:
@@ -333,8 +326,7 @@ def task(cfg) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``bcastbench emulated-table [overrides]``; a bad value exits 2 with one line."""
-    register()
-    return run_app(MODULE, "emulated_table", task, check, argv)
+    return run_app(MODULE, "emulated_table", task, check, argv, schema=EmulatedTableConf)
 
 
 if __name__ == "__main__":

@@ -393,16 +393,9 @@ def task(cfg) -> None:
     )
 
 
-def register() -> None:
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="extrapolate_schema", node=ExtrapolateConf)
-
-
 def main(argv: list[str] | None = None) -> int:
-
-    register()
-    return run_app(MODULE, "extrapolate", task, check, argv)
+    """``bcastbench extrapolate [overrides]``; a bad value exits 2 with one line."""
+    return run_app(MODULE, "extrapolate", task, check, argv, schema=ExtrapolateConf)
 
 
 if __name__ == "__main__":

@@ -55,17 +55,29 @@ def check_all(config_name: str, argv: list[str], check: Callable[[Any], None]) -
     return len(jobs)
 
 
+def store_schema(config_name: str, schema: type) -> None:
+    """``schema`` in Hydra's ConfigStore as ``<config_name>_schema``, the name
+    ``conf/<config_name>.yaml`` lists first in its defaults."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=f"{config_name}_schema", node=schema)
+
+
 def run_app(
     module: str,
     config_name: str,
     task: Callable[[Any], Any],
     check: Callable[[Any], None],
     argv: list[str] | None,
+    schema: type | None = None,
 ) -> int:
     """``<module> [overrides...]`` as a Hydra app: check every job, then run ``task`` on each;
-    messages name the program as it was called (``harness.errors.program``)."""
+    messages name the program as it was called (``harness.errors.program``). ``schema``: the
+    structured config ``conf/<config_name>.yaml`` names as ``<config_name>_schema``."""
     import hydra
 
+    if schema is not None:
+        store_schema(config_name, schema)
     prog = program(module)
     argv = list(sys.argv[1:] if argv is None else argv)
     passthrough = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve"}

@@ -20,8 +20,6 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
-
 import strategies
 from harness import paths
 from harness.commands.hydra_app import run_app
@@ -67,10 +65,6 @@ class PredictConf:
     """Strategies to price; empty = every selectable one (``strategies.names()``)."""
     quiet: bool = False
     """Print only the winner line (sweeps)."""
-
-
-def register() -> None:
-    ConfigStore.instance().store(name="predict_schema", node=PredictConf)
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,12 +232,9 @@ def task(cfg) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m harness.commands.predict [overrides]``; a bad value exits 2 with one line."""
-    register()
     # Multirun jobs share one process: nothing to tear down between them.
-    return run_app(MODULE, "predict", task, check, argv)
+    return run_app(MODULE, "predict", task, check, argv, schema=PredictConf)
 
-
-register()
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -199,17 +199,9 @@ def task(cfg) -> dict[str, float]:
     return conf
 
 
-def register() -> None:
-    """The schema in Hydra's ConfigStore (``conf/ray_calibrate.yaml`` names it)."""
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="ray_calibrate_schema", node=RayCalibrateConf)
-
-
 def main(argv: list[str] | None = None) -> int:
     """``bcastbench ray-calibrate [overrides]``; a bad value exits 2 with one line."""
-    register()
-    return run_app(MODULE, "ray_calibrate", task, check, argv)
+    return run_app(MODULE, "ray_calibrate", task, check, argv, schema=RayCalibrateConf)
 
 
 if __name__ == "__main__":

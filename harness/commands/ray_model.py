@@ -16,7 +16,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from harness.commands.hydra_app import run_app
@@ -96,11 +95,6 @@ class RayModelConf:
     """Ray's put, get and call costs; ``conf/ray/`` (written by ``bcastbench ray-calibrate``)."""
 
 
-def register() -> None:
-    """The schema in Hydra's ConfigStore (``conf/ray_model.yaml`` names it)."""
-    ConfigStore.instance().store(name="ray_model_schema", node=RayModelConf)
-
-
 def _records(paths_: list[str]) -> list[dict]:
     """Every dispatch record of the files in ``paths_`` (each a JSON list), read-only."""
     out = []
@@ -152,8 +146,7 @@ def task(cfg) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """``bcastbench ray-model [overrides]``; a bad value exits 2 with one line."""
-    register()
-    return run_app(MODULE, "ray_model", task, check, argv)
+    return run_app(MODULE, "ray_model", task, check, argv, schema=RayModelConf)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from harness.worlds.emulated import adopt_worker_env, link_counter
 from harness.worlds.launcher import Launch, env_int
-from harness.worlds.protocol import RankFn, WorldError, group_by_node
+from harness.worlds.protocol import NodesFoundAtStart, RankFn, WorldError, group_by_node
 from harness.worlds.rank import RankContext, device_for, in_collective, where
 
 SILENT_EXIT = 124
@@ -150,7 +150,7 @@ class _Watchdog:
                 os._exit(SILENT_EXIT)  # the main thread is stuck; the launcher ends the rest
 
 
-class JoinedWorld:
+class JoinedWorld(NodesFoundAtStart):
     """This process as one rank of a launched world; ``run`` is collective over every rank."""
 
     def __init__(
@@ -161,7 +161,6 @@ class JoinedWorld:
         self.backend, self.device, self.timeout_s = backend, device, timeout_s
         self.ctx: RankContext | None = None
         self.start_s = 0.0
-        self._nodes: tuple[tuple[int, ...], ...] = ()
 
     def start(self) -> JoinedWorld:
         t0 = time.perf_counter()
@@ -214,13 +213,6 @@ class JoinedWorld:
     @property
     def alive(self) -> bool:
         return self.ctx is not None and dist.is_initialized()
-
-    @property
-    def nodes(self) -> tuple[tuple[int, ...], ...]:
-        return self._nodes
-
-    def record_fields(self) -> dict[str, Any]:
-        return {}
 
     def close(self, kill: bool = False) -> None:
         """Destroy this rank's process groups (collective, like making them). Left to the

@@ -72,6 +72,22 @@ class World(Protocol):
         ...
 
 
+class NodesFoundAtStart:
+    """What a world whose ranks find their hosts when they start shares (joined, Ray): the
+    ranks of each node (``_nodes``, set by ``start`` from ``group_by_node``), and no fields of
+    its own for a job's record."""
+
+    _nodes: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def nodes(self) -> tuple[tuple[int, ...], ...]:
+        """The ranks that share a host, one tuple per node (empty before ``start``)."""
+        return self._nodes
+
+    def record_fields(self) -> dict[str, Any]:
+        return {}
+
+
 def group_by_node(node_of_rank: Sequence[Hashable]) -> tuple[tuple[int, ...], ...]:
     """The ranks of each node, nodes in the order their first rank appears:
     ``group_by_node(["a", "a", "b", "b"]) == ((0, 1), (2, 3))``."""

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.worlds.protocol import WorldError, group_by_node
+from harness.worlds.protocol import NodesFoundAtStart, WorldError, group_by_node
 from harness.worlds.ray_actor import RankActor, actor_env
 from harness.worlds.ray_answers import collect_answers, placed
 from harness.worlds.ray_cluster import (
@@ -35,7 +35,7 @@ private cluster's processes get to end by themselves (after a clean close) or af
 (an interrupted or failed job) before SIGKILL."""
 
 
-class RayWorld:
+class RayWorld(NodesFoundAtStart):
     """``world_size`` ranks as Ray actors in one placement group, serving tasks until closed."""
 
     def __init__(self, world_size: int, conf: RayConf | None = None) -> None:
@@ -50,7 +50,6 @@ class RayWorld:
         self.world_size = world_size
         self.actors: list = []
         self.rank_pids: list[int] = []
-        self._nodes: tuple[tuple[int, ...], ...] = ()
         self.start_s = 0.0
         self._ray = None
         self._pg = None
@@ -217,14 +216,6 @@ class RayWorld:
     @property
     def alive(self) -> bool:
         return bool(self.actors) and self._connected
-
-    @property
-    def nodes(self) -> tuple[tuple[int, ...], ...]:
-        """The ranks on each Ray node (by the node id of each rank's actor)."""
-        return self._nodes
-
-    def record_fields(self) -> dict[str, Any]:
-        return {}
 
     def close(self, kill: bool = False) -> None:
         """Leave the world, kill the actors, remove the placement group, and (for a private

@@ -270,11 +270,13 @@ def _in_process(argv: list[str], capsys) -> tuple[int, str]:
 def _checked_app(sub: str, rest: list[str], monkeypatch, capsys) -> tuple[int, str]:
     """A config-shaped subcommand with its own check of every job (the one it makes before its
     first job) and no job after it."""
-    from harness.commands.hydra_app import check_all
+    from harness.commands.hydra_app import check_all, store_schema
 
     module = importlib.import_module(cli.SUBCOMMANDS[sub][0])
 
-    def check_only(_module, config_name, _task, check, argv):
+    def check_only(_module, config_name, _task, check, argv, schema=None):
+        if schema is not None:
+            store_schema(config_name, schema)
         print(f"{check_all(config_name, list(argv), check)} jobs checked; none started")
         return 0
 

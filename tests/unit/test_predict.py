@@ -30,6 +30,11 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from harness.commands.hydra_app import store_schema
+    from harness.commands.predict import PredictConf
+
+    store_schema("predict", PredictConf)
+
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         return hydra_compose(config_name="predict", overrides=overrides)
 
