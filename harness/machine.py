@@ -51,3 +51,39 @@ def other_cores_now(sample_s: float = 1.0) -> float | None:
     start = snapshot()
     time.sleep(sample_s)
     return other_cores(start)
+
+
+@dataclass(frozen=True)
+class HostBeforeJob:
+    """What the host offered a job, read as it starts: the cores this process may use and the
+    load average of the minute before."""
+
+    cores: int
+    load_avg_1m: float | None
+
+    def fields(self, nodes: tuple[tuple[int, ...], ...]) -> dict:
+        """The record's host fields for a world whose nodes hold ``nodes`` (rank tuples):
+        oversubscribed when one node holds more ranks than there are cores."""
+        ranks = max((len(n) for n in nodes), default=0) or None
+        return {
+            "host_cores": self.cores,
+            "ranks_on_node": ranks,
+            "oversubscribed": None if ranks is None else ranks > self.cores,
+            "load_avg_1m": self.load_avg_1m,
+        }
+
+
+def host_before_job() -> HostBeforeJob:
+    """The cores this process may run on (``os.sched_getaffinity``, a container's or a
+    taskset's share, not the machine's count) and the 1-minute load average (None where the
+    platform has none). A VM's load average can mislead; the record keeps it beside the cores
+    so a reader can judge."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        load = round(os.getloadavg()[0], 2)
+    except OSError:
+        load = None
+    return HostBeforeJob(cores, load)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 import strategies
-from harness.job.phases import run_phases, start_line, sync
+from harness.job.phases import Timing, run_phases, start_line, sync
 from harness.job.probes import build_probe, is_probe
 from harness.job.results import RankResult
 from harness.job.spec import JobSpec, Scope
@@ -60,6 +60,9 @@ class BroadcastJob:
     current: CallShape | None = None
     leader_digest: dict | None = None
     """The leader's digest of the current shape's batch, once verification asked for it."""
+    delay_s: float = 0.0
+    """Seconds this rank adds to each timed call of the strategy under test (fault.kind=delay
+    on this rank)."""
     scope = Scope.BROADCAST
 
     def call(self, name: str):
@@ -69,22 +72,28 @@ class BroadcastJob:
         sync(self.groups.device)
         return out
 
-    def timed(self, name: str) -> float:
+    def timed(self, name: str) -> Timing:
         """One call of ``name`` timed on this rank from ``start_line`` until the rank holds
-        the batch, in seconds. What the call returned is let go after the clock stopped (a
-        caller keeps its batch for the step; freeing it is not the call's cost), the floor's
-        received bytes alike."""
+        the batch: its seconds, and the CPU seconds this process spent inside them (every
+        thread's: gloo moves the bytes on threads of its own, not the caller's). What the call
+        returned is let go after the clock stopped (a caller keeps its batch for the step;
+        freeing it is not the call's cost), the floor's received bytes alike. The fault rank
+        of a ``fault.kind=delay`` job spends its delay inside the call of the strategy under
+        test."""
         strategy = self.built[name]
         entry = self.full.entry_state(self.groups.is_leader)
+        delay_s = self.delay_s if name == self.order[0] else 0.0
         start_line(self.groups)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         out = strategy.get_data_input(entry)
         sync(self.groups.device)
-        elapsed = time.perf_counter() - t0
+        if delay_s:
+            time.sleep(delay_s)
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         del out, entry
         if getattr(strategy, "raw_bytes", False):
             strategy.let_go()
-        return elapsed
+        return Timing(elapsed, cpu)
 
     def fence(self) -> None:
         """A barrier over the world."""
@@ -158,7 +167,13 @@ def prepare(ctx, spec: JobSpec) -> BroadcastJob | RankResult:
         except strategies.Unsupported as exc:
             return RankResult(ctx.rank, groups.is_leader, unsupported=f"{name}: {exc}")
         built[name].prepare(full.entry_state(groups.is_leader))
-    return BroadcastJob(groups, full, order, built, batches, first)
+    delay_s = spec.fault_delay_us / 1e6 if _delays(spec, ctx.rank) else 0.0
+    return BroadcastJob(groups, full, order, built, batches, first, delay_s=delay_s)
+
+
+def _delays(spec: JobSpec, rank: int) -> bool:
+    """Whether this rank is a ``fault.kind=delay`` job's fault rank."""
+    return spec.fault_kind == "delay" and rank == spec.fault_rank
 
 
 def _build(ctx, groups, name: str, options: dict):

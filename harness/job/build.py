@@ -54,6 +54,8 @@ def from_run_config(cfg, layout) -> JobSpec:
         fault_rank=int(cfg.fault.rank),
         fault_at_iter=int(cfg.fault.at_iter),
         fault_kind=str(cfg.fault.kind),
+        fault_delay_us=int(cfg.fault.delay_us),
+        repeats=int(cfg.repeats),
         # Counted only where the rank context carries the emulated links' counter.
         link_bytes_calls=int(cfg.emulate.bytes_calls) if cfg.emulate.enabled else 0,
         backend=cfg.backend.name,

@@ -50,13 +50,20 @@ def validate(cfg, world_size: int | None = None) -> Layout:
         )
     if cfg.timeout_s <= 0:
         raise ConfigError(f"timeout_s must be positive, got {cfg.timeout_s}")
+    if cfg.repeats < 1:
+        raise ConfigError(f"repeats must be >= 1 (blocks of iters timed rounds), got {cfg.repeats}")
+    if cfg.fault.kind == "delay" and cfg.fault.delay_us < 1:
+        raise ConfigError(
+            f"fault.delay_us must be >= 1 with fault.kind=delay, got {cfg.fault.delay_us}"
+        )
     if cfg.fault.kind not in FAULT_KINDS:
         raise ConfigError(
             f"fault.kind must be one of {', '.join(FAULT_KINDS)}, got {cfg.fault.kind!r}"
         )
-    if cfg.fault.rank >= layout.world_size:
+    if cfg.fault.rank >= layout.world_size or cfg.fault.rank < -1:
         raise ConfigError(
-            f"fault.rank={cfg.fault.rank} is outside the world of {layout.world_size}"
+            f"fault.rank={cfg.fault.rank} is not a rank of the world of {layout.world_size}; "
+            f"valid: -1 (no fault) or 0..{layout.world_size - 1}"
         )
     return layout
 

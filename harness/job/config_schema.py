@@ -145,7 +145,7 @@ class BackendConf:
     """Where tensors live: cpu, or cuda (one GPU per rank for nccl; shared for gloo)."""
 
 
-FAULT_KINDS = ("crash", "hang", "raise")
+FAULT_KINDS = ("crash", "hang", "raise", "delay")
 """What ``fault.rank`` does at ``fault.at_iter``."""
 
 
@@ -157,7 +157,10 @@ class FaultConf:
     """Timed iteration at which it does."""
     kind: str = "crash"
     """crash (the process exits) | hang (it stops answering) | raise (it raises, as a bug
-    would)."""
+    would) | delay (it spends ``delay_us`` more in every call of the strategy under test, from
+    the first: a known regression, to prove a gate catches one)."""
+    delay_us: int = 0
+    """fault.kind=delay: microseconds added to each of that rank's calls."""
 
 
 @dataclass
@@ -172,6 +175,9 @@ class BenchConf:
     """Transport and device."""
     iters: int = 20
     """Timed rounds; each round calls the strategy and every reference once, interleaved."""
+    repeats: int = 1
+    """Blocks of ``iters`` timed rounds, one after another in the job: each figure's interval
+    covers the spread between the blocks as well as the rounds inside them."""
     warmup: int = 3
     """Untimed rounds first (allocations, the wire's first-call size, caches)."""
     steady_iters: int = 0

@@ -36,7 +36,7 @@ import torch
 
 import strategies
 from harness.job.dispatch_modes import LEADER, DispatchMode
-from harness.job.phases import run_phases
+from harness.job.phases import Timing, run_phases
 from harness.job.results import RankResult
 from harness.job.spec import JobSpec, Scope
 from harness.job.verification import batch_problems, bytes_problems, digest, tensor_digest
@@ -330,8 +330,9 @@ class DispatchJob:
     def call(self, name: str):
         return self._dispatch(name, False)[1]
 
-    def timed(self, name: str) -> float:
-        return self._dispatch(name, False)[0]
+    def timed(self, name: str) -> Timing:
+        """One dispatch on the driver's clock (the ranks' CPU is not the driver's to read)."""
+        return Timing(self._dispatch(name, False)[0])
 
     def fence(self) -> None:
         """Nothing: a dispatch returns when every rank has its chunk."""

@@ -22,8 +22,10 @@ from harness.job.config import ray_conf
 from harness.job.config_schema import layout_name
 from harness.job.dispatch import run_dispatch
 from harness.job.record_fields import Record
+from harness.job.samples import write_samples
 from harness.job.spec import JobSpec, Scope
 from harness.job.summary import summarize
+from harness.machine import host_before_job
 from harness.worlds.emulated_network import EmulateConf
 from harness.worlds.launcher import EMULATED, RAY, Launch, WorldSpec
 from harness.worlds.opening import open_world
@@ -68,6 +70,7 @@ def run_job(
     ``record_failures`` (a sweep's job: ``JOB_FAILURES``): then it is a ``failed`` record. With
     ``out_dir`` the record is also written there (``result.json``, atomically). ``extra``:
     fields the record takes as they are (what a wrapping command knows and the job does not)."""
+    host = host_before_job()
     try:
         if isinstance(world, WorldSpec):
             world = open_world(world)
@@ -76,13 +79,27 @@ def run_job(
         if results is None:
             return None
         summary = summarize(spec, results)
-        record = {**records.build(spec, summary, start_s), **world.record_fields(), **(extra or {})}
+        fields = world.record_fields()
+        # An emulated cluster's nodes are namespaces of this one host: every rank shares its cores.
+        here = (tuple(range(world.world_size)),) if "emulate_nodes" in fields else world.nodes
+        record = {
+            **records.build(spec, summary, start_s), **fields, **host.fields(here),
+            **_samples(out_dir, spec, results), **(extra or {}),
+        }  # fmt: skip
     except record_failures as exc:
         record = {**records.failed(spec, exc), **(extra or {})}
     record = records.complete(record)
     if out_dir is not None:
         records.write_atomic(Path(out_dir) / RESULT_FILE, record)
     return record
+
+
+def _samples(out_dir: Path | None, spec: JobSpec, results) -> dict:
+    """Every timed call beside the record (``harness.job.samples``), when there is a place."""
+    if out_dir is None or results[0].unsupported:
+        return {}
+    path = write_samples(Path(out_dir), results, spec.block_of_round())
+    return {"samples_file": path.name}
 
 
 def _measure(world: World, spec: JobSpec):

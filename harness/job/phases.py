@@ -25,7 +25,7 @@ import gc
 import os
 import resource
 import time
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -41,8 +41,16 @@ from harness.job.results import (
 )
 from harness.job.rounds import TIMING_FIELDS, interleaved, timing_stats
 from harness.job.spec import Scope
+from harness.job.stats import p50_interval
 from harness.job.verification import verdict
 from strategies.core.trace import Recorder
+
+
+class Timing(NamedTuple):
+    """One timed call: wall seconds, and the CPU seconds of this process inside them."""
+
+    wall_s: float
+    cpu_s: float | None = None
 
 
 class Job(Protocol):
@@ -58,8 +66,9 @@ class Job(Protocol):
     def call(self, name: str) -> Any:
         """One untimed call of ``name``, finished (device work included) when it returns."""
 
-    def timed(self, name: str) -> float:
-        """One call of ``name`` in seconds, the clock where the scope puts it."""
+    def timed(self, name: str) -> Timing:
+        """One call of ``name``: its seconds, the clock where the scope puts it, and the CPU
+        seconds this process spent in it (None where the clock is a driver's)."""
 
     def fence(self) -> None:
         """Separate what came before from what comes next (a barrier over the world where the
@@ -133,7 +142,10 @@ def _untimed_call(ctx, job: Job, name: str, what: str) -> None:
 
 
 def _fault(spec, job: Job, rank: int, it: int) -> None:
-    """The configured fault (``fault.*``), on its rank of a broadcast job (never a driver)."""
+    """The configured fault (``fault.*``), on its rank of a broadcast job (never a driver); a
+    delay is the job's own business (``BroadcastJob.timed``: inside the clock, every call)."""
+    if spec.fault_kind == "delay":
+        return
     if job.scope is Scope.BROADCAST and rank == spec.fault_rank and it == spec.fault_at_iter:
         if spec.fault_kind == "crash":
             os._exit(17)
@@ -148,35 +160,64 @@ class TimedRounds(Phase):
     """Warm-up rounds, then timed rounds that interleave every strategy, who goes first
     rotating (``harness.job.rounds.interleaved``); each call is timed where the scope says
     (``Job.timed``: on each rank from ``start_line``, or on the driver from its global batch),
-    in seconds per call (``times_s``). Round c moves the workload's call c (warm-up rounds
-    count first), the same shape for every strategy of the round, so the floor and pickled are
-    timed shape by shape beside it. A call costs the slowest rank."""
+    in seconds per call (``times_s``), with the CPU seconds each process spent inside the call
+    (``cpu_s``). Round c moves the workload's call c (warm-up rounds count first), the same
+    shape for every strategy of the round, so the floor and pickled are timed shape by shape
+    beside it; ``repeats`` blocks of ``iters`` rounds follow one another. A call costs the
+    slowest rank; its CPU is the replica's, every rank's together."""
 
     scopes = BOTH
     part = "timing"
-    record_fields = (*TIMING_FIELDS, "rank_skew_us")
+    record_fields = (*TIMING_FIELDS, "rank_skew_us", "p50_lo_us", "p50_hi_us",
+                     "cpu_us_per_call", "cpu_us_leader")  # fmt: skip
 
     def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
+        cpu: dict[str, list[float | None]] = {name: [] for name in job.order}
+
         def call(name: str, it: int, timed: bool) -> float | None:
             if not timed:
                 return _untimed_call(ctx, job, name, f"warm-up {it + spec.warmup}")
             ctx.report(f"timed iteration {it} of {name}")
             if name == spec.strategy:
                 _fault(spec, job, ctx.rank, it)
-            return job.timed(name)
+            wall_s, cpu_s = job.timed(name)
+            cpu[name].append(cpu_s)
+            return wall_s
 
         def round_start(c: int, timed: bool) -> None:
             job.use(spec.shape_of_call(c))
 
-        return {"times_s": interleaved(job.order, spec.warmup, spec.iters, call, round_start)}
+        times = interleaved(job.order, spec.warmup, spec.timed_rounds, call, round_start)
+        return {"times_s": times, "cpu_s": cpu}
 
     def fold(self, spec, name: str, results: list[RankResult]) -> TimingFigures:
-        t = np.array([r.times_s[name] for r in results])  # ranks × iters
+        t = np.array([r.times_s[name] for r in results])  # ranks × rounds
         per_call = t.max(axis=0)  # the slowest rank of each call
         skew = per_call - t.min(axis=0)
         # A dispatch job's one answer is the driver's clock: it has no ranks to spread over.
         spread = float(np.median(skew)) * 1e6 if spec.scope is Scope.BROADCAST else None
-        return TimingFigures(**timing_stats(per_call), rank_skew_us=spread)
+        interval = p50_interval(per_call, spec.block_of_round())
+        return TimingFigures(
+            **timing_stats(per_call),
+            rank_skew_us=spread,
+            p50_lo_us=interval[0] * 1e6 if interval else None,
+            p50_hi_us=interval[1] * 1e6 if interval else None,
+            **_cpu_figures(name, results),
+        )
+
+
+def _cpu_figures(name: str, results: list[RankResult]) -> dict[str, float | None]:
+    """CPU per call: the replica's (every rank's CPU seconds in the call, summed, median over
+    calls) and the leader's alone; None where no rank measured it (a driver's clock)."""
+    cpu = [r.cpu_s.get(name) if r.cpu_s else None for r in results]
+    if any(c is None or None in c for c in cpu):
+        return {"cpu_us_per_call": None, "cpu_us_leader": None}
+    leader = next(i for i, r in enumerate(results) if r.is_leader)
+    per_call = np.array(cpu, dtype=float)  # ranks × rounds
+    return {
+        "cpu_us_per_call": float(np.median(per_call.sum(axis=0))) * 1e6,
+        "cpu_us_leader": float(np.median(per_call[leader])) * 1e6,
+    }
 
 
 class SteadyRounds(Phase):
@@ -199,7 +240,7 @@ class SteadyRounds(Phase):
                 if not timed:
                     return _untimed_call(ctx, job, name, f"steady warm-up of shape {k}")
                 ctx.report(f"steady iteration {it} of shape {k} of {name}")
-                return job.timed(name)
+                return job.timed(name).wall_s
 
             for name, seconds in interleaved(job.order, 1, spec.steady_iters, call).items():
                 out[name].append(seconds)

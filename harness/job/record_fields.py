@@ -61,7 +61,8 @@ class Record(TypedDict, total=False):
         "the replicas' row counts when they differ: a list (one per replica) or drawn; "
         "null when even",
     ]
-    iters: Annotated[int, "timed rounds"]
+    iters: Annotated[int, "timed rounds per block"]
+    repeats: Annotated[int | None, "blocks of iters timed rounds, one after another"]
     warmup: Annotated[int, "untimed rounds before them"]
     # the outcome
     status: Annotated[str, "ok | unsupported | failed"]
@@ -80,6 +81,12 @@ class Record(TypedDict, total=False):
         "dispatch job: its largest replica chunk's)",
     ]
     p50_us: Annotated[float | None, "median per-call latency (max over ranks), microseconds"]
+    p50_lo_us: Annotated[
+        float | None,
+        "the p50's 95 % interval, low end (order statistics, widened to every block's median; "
+        "null below 6 calls), microseconds",
+    ]
+    p50_hi_us: Annotated[float | None, "its high end, microseconds"]
     p90_us: Annotated[float | None, "90th percentile, microseconds"]
     p99_us: Annotated[float | None, "99th percentile, microseconds"]
     min_us: Annotated[float | None, "fastest call, microseconds"]
@@ -118,6 +125,23 @@ class Record(TypedDict, total=False):
     vs_baseline: Annotated[
         float | None, "p50 / baseline_p50_us (lower is better; 1/vs_baseline is the speedup)"
     ]
+    vs_floor_lo: Annotated[
+        float | None,
+        "vs_floor's 95 % interval, low end: the median of the per-round ratios to the floor's "
+        "call of the same round, order statistics, widened to every block's (null below 6 "
+        "rounds)",
+    ]
+    vs_floor_hi: Annotated[float | None, "its high end"]
+    vs_floor_network_lo: Annotated[float | None, "vs_floor_network's interval, low end"]
+    vs_floor_network_hi: Annotated[float | None, "its high end"]
+    vs_baseline_lo: Annotated[float | None, "vs_baseline's interval, low end"]
+    vs_baseline_hi: Annotated[float | None, "its high end"]
+    cpu_us_per_call: Annotated[
+        float | None,
+        "CPU microseconds one call costs the replica: every rank's process CPU inside the "
+        "timed call, summed (median over calls; null for a dispatch job, timed on the driver)",
+    ]
+    cpu_us_leader: Annotated[float | None, "the replica leader's alone, microseconds"]
     auto_choice: Annotated[
         str | None, "the strategy auto served the job with; null for any other strategy"
     ]
@@ -184,6 +208,19 @@ class Record(TypedDict, total=False):
     tensordict_version: Annotated[str, "tensordict"]
     hostname: Annotated[str, "the machine that wrote the record"]
     cpu_count: Annotated[int | None, "its CPUs"]
+    host_cores: Annotated[int | None, "the CPUs this job's process could run on (affinity)"]
+    ranks_on_node: Annotated[int | None, "the most ranks of the world on one node"]
+    oversubscribed: Annotated[
+        bool | None,
+        "more ranks on a node than cores: the scheduler, not the strategy, decides much of "
+        "the spread (compare ratios inside one job only)",
+    ]
+    load_avg_1m: Annotated[float | None, "the host's load average over the minute before the job"]
+    samples_file: Annotated[
+        str | None,
+        "every timed call's seconds, per rank and the max over ranks, beside result.json "
+        "(harness.job.samples; null when none was written)",
+    ]
     git_rev: Annotated[str, "the checkout's commit (-dirty with uncommitted changes)"]
     timestamp: Annotated[str, "when the record was written, UTC"]
     command: Annotated[str, "the command line that made it"]

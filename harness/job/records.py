@@ -29,6 +29,7 @@ from harness.job.results import (
     StrategyFigures,
 )
 from harness.job.spec import Scope
+from harness.job.stats import ratio_interval
 from harness.units import human_bytes
 
 REPO = paths.REPO
@@ -116,6 +117,7 @@ def _job_fields(spec) -> dict:
         "seq_len": spec.seq_len,
         **_workload_fields(spec),
         "iters": spec.iters,
+        "repeats": spec.repeats,
         "warmup": spec.warmup,
     }
 
@@ -198,18 +200,51 @@ def _measured(spec, summary: JobSummary) -> dict:
         "vs_floor_single": vs_floor(mine["p50_us"], floors["floor_single_p50_us"]),
         "vs_floor_network": vs_floor(mine["p50_us"], floors["floor_network_p50_us"]),
         "vs_baseline": mine["p50_us"] / base.p50_us if base else None,
+        **_ratio_intervals(spec, summary),
         **_work_fields(figures),
         **({"auto_choice": figures.choice.choice} if figures.choice else {}),
         "correct": True,
         "supported": True,
         "references": {
-            name: {k: v for k, v in s.flat().items() if not isinstance(v, dict)}
-            for name, s in summary.strategies.items()
+            name: _reference(summary, name, spec.under_test)
+            for name in summary.strategies
             if name != spec.under_test
         },
         **({"shapes": shape_entries(spec, summary.shapes)} if summary.shapes else {}),
         **(_modes(spec, summary) if spec.scope is Scope.DISPATCH else {}),
     }
+
+
+def _interval(summary: JobSummary, a: str, b: str | None, field: str) -> dict:
+    """``<field>_lo`` / ``_hi``: the interval of a's time over b's, paired round by round
+    (``harness.job.stats.ratio_interval``); null where b was not timed or rounds are too few."""
+    calls = summary.calls_s
+    interval = None
+    if b is not None and a in calls and b in calls:
+        interval = ratio_interval(calls[a], calls[b], summary.blocks)
+    return {f"{field}_lo": interval[0] if interval else None,
+            f"{field}_hi": interval[1] if interval else None}  # fmt: skip
+
+
+def _ratio_intervals(spec, summary: JobSummary) -> dict:
+    """The same-job ratios' intervals of the strategy under test: to the floor (the method
+    that was fastest), to the network floor, and to the baseline."""
+    floor = summary.floor
+    mine = spec.under_test
+    return {
+        **_interval(summary, mine, floor.name if floor else None, "vs_floor"),
+        **_interval(summary, mine, floor.network_name if floor else None, "vs_floor_network"),
+        **_interval(summary, mine, spec.baseline, "vs_baseline"),
+    }
+
+
+def _reference(summary: JobSummary, name: str, mine: str) -> dict:
+    """A strategy timed beside the one under test: its own figures, and its time over the
+    strategy under test's (``vs_strategy``) with that ratio's interval."""
+    figures = summary.strategies[name]
+    out = {k: v for k, v in figures.flat().items() if not isinstance(v, dict)}
+    out["vs_strategy"] = _ratio(figures.p50_us, summary.strategies[mine].p50_us)
+    return {**out, **_interval(summary, name, mine, "vs_strategy")}
 
 
 def _work_fields(figures: StrategyFigures) -> dict:
@@ -295,6 +330,17 @@ def write_atomic(path: Path, record: dict) -> Path:
     return files.write_json(path, complete(record))
 
 
+def _range(rec: dict, field: str, scale: float = 1.0) -> str:
+    """`` [lo-hi]``: a figure's 95 % interval (``<field>_lo``/``_hi``, or ``p50_lo_us``), or
+    nothing where the record has none."""
+    lo, hi = (rec.get(f"{field}_lo_us"), rec.get(f"{field}_hi_us")) if field == "p50" else (
+        rec.get(f"{field}_lo"), rec.get(f"{field}_hi"))  # fmt: skip
+    if lo is None or hi is None:
+        return ""
+    digits = 2
+    return f" [{lo * scale:.{digits}f}-{hi * scale:.{digits}f}]"
+
+
 def job_line(rec) -> str:
     """One job in one line: what ran (strategy, layout, payload size) and how it did (p50,
     ``vs_floor``, the speedup over ``pickled`` measured in the same job), or why it did not."""
@@ -309,13 +355,15 @@ def job_line(rec) -> str:
     what = f"{rec.get('payload')} b{rec.get('batch_size')} {human_bytes(rec['payload_bytes'])}"
     if rec.get("workload"):  # a varying workload: its name, and bytes are a mean per call
         what = f"{rec.get('payload')} {rec['workload']} {human_bytes(rec['payload_bytes'])}/call"
-    line = f"{who}  {what}  p50 {rec['p50_us'] / 1000:.2f} ms"
+    line = f"{who}  {what}  p50 {rec['p50_us'] / 1000:.2f} ms{_range(rec, 'p50', 1e-3)}"
     if rec.get("vs_floor"):
-        line += f"  vs_floor {rec['vs_floor']:.2f}"
+        line += f"  vs_floor {rec['vs_floor']:.2f}{_range(rec, 'vs_floor')}"
         if rec.get("floor_method"):
             line += f" ({rec['floor_method']})"
     if rec.get("vs_baseline") and not rec.get("mode") and rec.get("strategy") != "pickled":
         line += f"  {1 / rec['vs_baseline']:.1f}x faster than pickled"
     if rec.get("auto_choice"):
         line += f"  (auto chose {rec['auto_choice']})"
+    if rec.get("oversubscribed"):
+        line += f"  [oversubscribed: {rec['ranks_on_node']} ranks on {rec['host_cores']} cores]"
     return line

@@ -34,6 +34,9 @@ class RankResult:
     """A dispatch job: the leader modes' strategies that refused the layout, with why."""
     times_s: dict[str, list[float]] = field(default_factory=dict)
     """Seconds per timed call, by strategy (``TimedRounds``)."""
+    cpu_s: dict[str, list[float | None]] | None = None
+    """CPU seconds this process spent inside each timed call, by strategy (None per call
+    where the clock is a driver's)."""
     steady_s: dict[str, list[list[float]]] | None = None
     """Seconds per steady-state call, by strategy then distinct shape (``SteadyRounds``)."""
     link_bytes_per_call: dict[str, float] | None = None
@@ -78,6 +81,13 @@ class TimingFigures:
     mean_us: float
     rank_skew_us: float | None
     """Median over calls of one call's spread across ranks (None: a driver's clock)."""
+    p50_lo_us: float | None = None
+    p50_hi_us: float | None = None
+    """The p50's 95 % interval (``harness.job.stats.p50_interval``; None: too few calls)."""
+    cpu_us_per_call: float | None = None
+    """CPU microseconds per call, every rank of the replica together (median over calls)."""
+    cpu_us_leader: float | None = None
+    """The replica leader's alone."""
 
 
 @dataclass(frozen=True)
@@ -148,10 +158,14 @@ class FloorFigures:
     p50_us: float
     method: str
     """A broadcast job's raw method (one | chunks2 | ... | shm); a dispatch job's floor mode."""
+    name: str
+    """The floor's own name among the job's strategies (``floor``, ``floor:shm``, ...)."""
     single_p50_us: float | None
     """One raw broadcast over the replica (``floor``), where it was timed."""
     network_p50_us: float | None
     """The fastest raw method through the collective library (every method but shm)."""
+    network_name: str | None = None
+    """That method's own name among the job's strategies."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +206,11 @@ class JobSummary:
     """A dispatch job: the modes whose strategy refused the layout, with why."""
     shapes: list[ShapeFigures] | None = None
     """A varying workload: one entry per distinct shape; None for a constant workload."""
+    calls_s: dict[str, list[float]] = field(default_factory=dict)
+    """Every timed call's seconds (its slowest rank), by strategy, in round order: what the
+    same-job ratios' intervals pair round by round (``harness.job.stats``)."""
+    blocks: list[int] = field(default_factory=list)
+    """Each timed round's block (``repeats``)."""
 
 
 @dataclass(frozen=True)

@@ -44,11 +44,16 @@ class JobSpec:
     seed: int = 0
     iters: int = 20
     warmup: int = 3
+    repeats: int = 1
+    """Blocks of ``iters`` timed rounds, one after another (``harness.job.stats`` widens each
+    interval to cover the spread between them)."""
     references: tuple[str, ...] = ("floor", "pickled")
     options: dict = field(default_factory=dict)
     fault_rank: int = -1
     fault_at_iter: int = -1
     fault_kind: str = "crash"
+    fault_delay_us: int = 0
+    """fault_kind=delay: microseconds the fault rank adds to each of its calls."""
     link_bytes_calls: int = 0
     """Emulated clusters only: untimed calls per strategy whose node-link bytes are counted
     through the rank context's ``link_counter`` hook (``harness.worlds.emulated``); 0, or a
@@ -118,6 +123,15 @@ class JobSpec:
         return open_payload(
             self.payload, self.payload_path, self.payload_trust, self.payload_max_bytes, rows
         )
+
+    @property
+    def timed_rounds(self) -> int:
+        """Every timed round of the job: ``iters`` per block, ``repeats`` blocks."""
+        return self.iters * self.repeats
+
+    def block_of_round(self) -> list[int]:
+        """Each timed round's block (repeat), in order."""
+        return [it // self.iters for it in range(self.timed_rounds)]
 
     def period(self) -> tuple[CallShape, ...]:
         """The shapes call c of the job moves, ``period()[c % len(period())]``."""

@@ -52,6 +52,11 @@ def summarize(spec: JobSpec, results: list[RankResult]) -> JobSummary | Refusal:
         floor=best_floor({n: f.p50_us for n, f in figures.items()}, spec.floors(figures)),
         refused=results[0].refused or None,
         shapes=shapes,
+        calls_s={
+            name: np.array([r.times_s[name] for r in results]).max(axis=0).tolist()
+            for name in figures
+        },
+        blocks=spec.block_of_round(),
     )
 
 
@@ -70,7 +75,7 @@ def _figures(spec: JobSpec, name: str, results: list[RankResult], ran) -> Strate
 def _call_shapes(spec: JobSpec) -> list[int]:
     """Per timed iteration, the index (in ``distinct_shapes``) of the shape it moved."""
     index = {shape: k for k, shape in enumerate(spec.distinct_shapes())}
-    return [index[spec.shape_of_call(spec.warmup + it)] for it in range(spec.iters)]
+    return [index[spec.shape_of_call(spec.warmup + it)] for it in range(spec.timed_rounds)]
 
 
 def per_shape(spec: JobSpec, results: list[RankResult]) -> list[ShapeFigures]:
@@ -121,10 +126,13 @@ def best_floor(p50s: dict[str, float], names: list[str]) -> FloorFigures | None:
         return None
     method = min(floors, key=floors.get)
     broadcast = method.split(":")[0] == "floor"
-    network = [p50 for n, p50 in floors.items() if n not in NODE_FLOORS]
+    network = {n: p50 for n, p50 in floors.items() if n not in NODE_FLOORS}
+    network_name = min(network, key=network.get) if network else None
     return FloorFigures(
         p50_us=floors[method],
         method=(method.partition(":")[2] or "one") if broadcast else method,
+        name=method,
         single_p50_us=floors.get("floor"),
-        network_p50_us=min(network) if network else None,
+        network_p50_us=network[network_name] if network else None,
+        network_name=network_name,
     )
