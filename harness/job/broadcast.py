@@ -63,6 +63,8 @@ class BroadcastJob:
     delay_s: float = 0.0
     """Seconds this rank adds to each timed call of the strategy under test (fault.kind=delay
     on this rank)."""
+    refused: dict = field(default_factory=dict)
+    """References that refused the layout or batch (on every rank), with why."""
     scope = Scope.BROADCAST
 
     def call(self, name: str):
@@ -152,7 +154,9 @@ def _batches(spec: JobSpec, groups) -> dict:
 
 def prepare(ctx, spec: JobSpec) -> BroadcastJob | RankResult:
     """Groups, the payload on each replica leader, meta_info on every rank, every strategy
-    built; a refusal (raised on every rank before any collective) returns its result instead."""
+    built. A refusal is raised on every rank before any collective: the strategy under test's
+    returns the job's result instead; a reference's drops it from the job, said in the
+    result's ``refused``."""
     ctx.report("building groups")
     groups = ctx.groups_for(spec.layout)
     ctx.report("generating the payload")
@@ -160,15 +164,20 @@ def prepare(ctx, spec: JobSpec) -> BroadcastJob | RankResult:
     first = spec.period()[0]
     full = batches[first]
     order, options = _order(spec)
-    built = {}
+    built, refused = {}, {}
     for name in order:
         try:
             built[name] = _build(ctx, groups, name, options[name])
         except strategies.Unsupported as exc:
-            return RankResult(ctx.rank, groups.is_leader, unsupported=f"{name}: {exc}")
+            if name == spec.strategy:
+                return RankResult(ctx.rank, groups.is_leader, unsupported=f"{name}: {exc}")
+            refused[name] = str(exc)
+            continue
         built[name].prepare(full.entry_state(groups.is_leader))
     delay_s = spec.fault_delay_us / 1e6 if _delays(spec, ctx.rank) else 0.0
-    return BroadcastJob(groups, full, order, built, batches, first, delay_s=delay_s)
+    order = [name for name in order if name in built]
+    return BroadcastJob(groups, full, order, built, batches, first, delay_s=delay_s,
+                        refused=refused)  # fmt: skip
 
 
 def _delays(spec: JobSpec, rank: int) -> bool:
@@ -212,6 +221,7 @@ def run_job_on_rank(ctx, spec: JobSpec) -> RankResult:
         shape_bytes=[_payload_bytes(job.batches[s]) for s in spec.distinct_shapes()]
         if leader
         else None,
+        refused=job.refused,
     )
     return run_phases(ctx, spec, job, result)
 

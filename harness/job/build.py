@@ -50,6 +50,7 @@ def from_run_config(cfg, layout) -> JobSpec:
         iters=int(cfg.iters),
         warmup=int(cfg.warmup),
         references=tuple(cfg.references),
+        record_each=bool(cfg.record_each),
         options=OmegaConf.to_container(cfg.strategy.options, resolve=True) or {},
         fault_rank=int(cfg.fault.rank),
         fault_at_iter=int(cfg.fault.at_iter),

@@ -188,6 +188,10 @@ class BenchConf:
     """A rank silent this long fails the job (named); gloo's own timeout sits just past it."""
     references: list[str] = field(default_factory=lambda: ["floor", "pickled"])
     """Measured in the same job for vs_floor and vs_baseline (pickled is the baseline)."""
+    record_each: bool = False
+    """Every strategy of ``references`` gets a record of its own too, each with the others as
+    its references (``<job dir>/<strategy>/result.json``): a sweep that lists them all times
+    them side by side in one job per cell, so every cross-strategy ratio is a same-job ratio."""
     fault: FaultConf = field(default_factory=FaultConf)
     """Fault injection (tests)."""
     world: str = "forked"
@@ -209,6 +213,12 @@ def selectable_strategies() -> str:
     return ",".join(strategies.names())
 
 
+def every_strategy() -> list[str]:
+    """``${bcastbench.every_strategy:}`` as a job's ``references``: the floor and every
+    strategy a user can choose, to time side by side in one job (``record_each``)."""
+    return ["floor", *strategies.names()]
+
+
 def shape_name(layout_node) -> str:
     """``${bcastbench.layout:${layout}}`` in run folder names: the shape that runs
     (``layout=tp2pp2 layout.tp=8 layout.pp=8`` is ``tp8pp8``, not the preset's name). A layout
@@ -226,6 +236,7 @@ def register() -> None:
     cs.store(name="bench_schema", node=BenchConf)
     OmegaConf.register_new_resolver("bcastbench.strategies", selectable_strategies, replace=True)
     OmegaConf.register_new_resolver("bcastbench.layout", shape_name, replace=True)
+    OmegaConf.register_new_resolver("bcastbench.every_strategy", every_strategy, replace=True)
     _register_installed_strategies(cs)
 
 

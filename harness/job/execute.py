@@ -10,6 +10,7 @@ the Ray driver), summarizes them (``harness.job.summary``), builds the record
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from harness.job.config import ray_conf
 from harness.job.config_schema import layout_name
 from harness.job.dispatch import run_dispatch
 from harness.job.record_fields import Record
+from harness.job.results import JobSummary, Refusal
 from harness.job.samples import write_samples
 from harness.job.spec import JobSpec, Scope
 from harness.job.summary import summarize
@@ -71,6 +73,7 @@ def run_job(
     ``out_dir`` the record is also written there (``result.json``, atomically). ``extra``:
     fields the record takes as they are (what a wrapping command knows and the job does not)."""
     host = host_before_job()
+    others: dict[str, Record] = {}
     try:
         if isinstance(world, WorldSpec):
             world = open_world(world)
@@ -82,16 +85,36 @@ def run_job(
         fields = world.record_fields()
         # An emulated cluster's nodes are namespaces of this one host: every rank shares its cores.
         here = (tuple(range(world.world_size)),) if "emulate_nodes" in fields else world.nodes
-        record = {
-            **records.build(spec, summary, start_s), **fields, **host.fields(here),
-            **_samples(out_dir, spec, results), **(extra or {}),
-        }  # fmt: skip
+        common = {**fields, **host.fields(here), **_samples(out_dir, spec, results)}
+        record = {**records.build(spec, summary, start_s), **common, **(extra or {})}
+        if spec.record_each and not isinstance(summary, Refusal):
+            others = _each_strategy(spec, summary, start_s, {**common, **(extra or {})})
     except record_failures as exc:
         record = {**records.failed(spec, exc), **(extra or {})}
     record = records.complete(record)
     if out_dir is not None:
         records.write_atomic(Path(out_dir) / RESULT_FILE, record)
+        for name, other in others.items():
+            records.write_atomic(Path(out_dir) / name / RESULT_FILE, other)
     return record
+
+
+def _each_strategy(spec: JobSpec, summary: JobSummary, start_s: float, common: dict) -> dict:
+    """``record_each``: a record for every other strategy the job timed (floor methods
+    aside), each about that strategy with the others as its references, and one saying why
+    for every reference that refused; their samples are the job's (one directory up)."""
+    out = {}
+    if common.get("samples_file"):
+        common = {**common, "samples_file": f"../{common['samples_file']}"}
+    for name in summary.strategies:
+        if name != spec.strategy and name.split(":")[0] != "floor":
+            as_tested = replace(spec, strategy=name, options={})
+            out[name] = records.complete({**records.build(as_tested, summary, start_s), **common})
+    for name, why in (summary.refused or {}).items():
+        refusal = Refusal(f"{name}: {why}")
+        out[name] = records.complete({**records.build(replace(spec, strategy=name, options={}),
+                                                      refusal, start_s), **common})  # fmt: skip
+    return out
 
 
 def _samples(out_dir: Path | None, spec: JobSpec, results) -> dict:

@@ -172,7 +172,11 @@ class Record(TypedDict, total=False):
     modes: Annotated[
         dict | None, "dispatch: every mode timed in the job, with its p50 and raw floor"
     ]
-    unsupported: Annotated[dict | None, "dispatch: the modes a strategy refused, with why"]
+    unsupported: Annotated[
+        dict | None,
+        "the references (a dispatch job: the modes) whose strategy refused the layout or "
+        "batch, with why; they were left out of the job",
+    ]
     references: Annotated[
         dict | None, "every other strategy timed in the same job, with its own figures"
     ]

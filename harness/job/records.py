@@ -212,6 +212,11 @@ def _measured(spec, summary: JobSummary) -> dict:
         },
         **({"shapes": shape_entries(spec, summary.shapes)} if summary.shapes else {}),
         **(_modes(spec, summary) if spec.scope is Scope.DISPATCH else {}),
+        **(
+            {"unsupported": summary.refused}
+            if summary.refused and spec.scope is Scope.BROADCAST
+            else {}
+        ),  # fmt: skip
     }
 
 

@@ -48,6 +48,9 @@ class JobSpec:
     """Blocks of ``iters`` timed rounds, one after another (``harness.job.stats`` widens each
     interval to cover the spread between them)."""
     references: tuple[str, ...] = ("floor", "pickled")
+    record_each: bool = False
+    """Every strategy timed in the job gets a record of its own (the others its references),
+    so a sweep compares strategies inside one job (``harness.job.execute``)."""
     options: dict = field(default_factory=dict)
     fault_rank: int = -1
     fault_at_iter: int = -1

@@ -138,22 +138,24 @@ def test_sweep_is_validated_before_its_first_job(tmp_path, capsys, monkeypatch):
     assert not sweep.exists()
 
 
-def test_named_sweeps_expand_every_selectable_strategy():
-    """conf/sweep/bench.yaml sweeps every selectable strategy (strategies.names()) with no list
-    to keep up to date; its product is what `make bench` runs, layouts outermost."""
+def test_named_sweeps_time_every_selectable_strategy_in_one_job_per_cell():
+    """conf/sweep/bench.yaml times every selectable strategy (strategies.names(), no list to
+    keep up to date) side by side in one job per cell (layout × size, layouts outermost), each
+    with a record of its own, repeated; one layout gives every rank a core of a 2-core host."""
     import strategies
     from harness.job.sweep_plan import sweep_jobs
 
     jobs = sweep_jobs(["sweep=bench"])
-    names = strategies.names()
-    assert len(jobs) == len(names) * 3 * 4
-    assert {j[1] for j in jobs} == {f"strategy={n}" for n in names}
-    assert [j[0] for j in jobs[:: len(jobs) // 3]] == [
-        "layout=tp2pp2", "layout=tp2cp2", "layout=tp2pp2dp2",
+    assert len(jobs) == 4 * 4
+    assert [j[0] for j in jobs[::4]] == [
+        "layout=tp2", "layout=tp2pp2", "layout=tp2cp2", "layout=tp2pp2dp2",
     ]  # fmt: skip
-    assert len(sweep_jobs(["sweep=bench_quick"])) == len(names) * 2
+    assert len(sweep_jobs(["sweep=bench_quick"])) == 2 * 2
     bench = cfg_of("sweep=bench")
+    assert set(bench.references) == {"floor", *strategies.names()} and bench.record_each
     assert (bench.iters, bench.warmup, bench.payload.seq_len) == (8, 2, 512)
+    assert bench.repeats >= 3
+    assert cfg_of("sweep=bench", "layout=tp2").layout.tp * 1 == 2
 
 
 def test_the_real_step_sweep_is_a_varying_workload_on_uneven_replicas():
