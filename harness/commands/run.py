@@ -28,7 +28,7 @@ from harness.errors import ConfigError, VerificationError, usage_error
 from harness.job import config_schema
 from harness.job.config_schema import BenchConf, register
 from harness.job.sweep_lock import claim, release
-from harness.job.sweep_plan import check_sweep, sweep_dir
+from harness.job.sweep_plan import check_sweep, expand_size_ranges, sweep_dir
 from harness.megatron_import import quiet_megatron
 from harness.report.sweep_state import STATE
 from harness.worlds import launcher
@@ -96,6 +96,10 @@ def run(argv: list[str]) -> int:
     quiet_megatron()
 
     register()
+    try:
+        argv = expand_size_ranges(argv)
+    except ConfigError as exc:
+        return _exit_status(exc)
     if any("hydra/launcher=" in arg for arg in argv):
         try:
             launcher.prompt_slurm_failures()

@@ -11,7 +11,7 @@ import strategies
 from harness.errors import ConfigError
 from harness.job.config_schema import FAULT_KINDS
 from harness.job.dispatch_modes import LEADER, DispatchMode, with_floors
-from harness.payload import generated, source, user_files, workload
+from harness.payload import generated, sizes, source, user_files, workload
 from harness.units import human_bytes
 from harness.worlds.emulated_network import EmulateConf
 from harness.worlds.ray_cluster import RayConf, RayUnavailable, import_ray
@@ -235,11 +235,11 @@ def check_size(
     limit = user_files.default_max_bytes() if max_bytes is None else int(max_bytes)
     where = "set" if max_bytes is not None else "a quarter of this machine's memory"
     for d, shapes in enumerate(per_leader):
-        sizes = [generated.payload_bytes(name, rows, seq_len) for rows, seq_len in shapes]
-        need = sum(sizes) * copies
+        weights = [sizes.payload_bytes(name, rows, seq_len) for rows, seq_len in shapes]
+        need = sum(weights) * copies
         if need <= limit:
             continue
-        rows, seq_len = shapes[sizes.index(max(sizes))]
+        rows, seq_len = shapes[weights.index(max(weights))]
         what = f"of {rows} rows × {seq_len} tokens"
         if len(shapes) > 1:
             what = (

@@ -13,6 +13,7 @@ from omegaconf import MISSING, OmegaConf
 
 import strategies
 from harness.paths import CONF_DIR
+from harness.payload.sizes import sizes_for
 from harness.worlds.emulated_network import EmulateConf
 from harness.worlds.ray_cluster import RayConf
 from strategies.core.layout import DEFAULT_ORDER, Layout, LayoutError
@@ -116,7 +117,7 @@ class PayloadConf:
     max_bytes: int | None = None
     """The most bytes a replica leader's batches may take: a generated payload's every
     distinct shape together (a leader builds them all before the first call; priced by
-    ``harness.payload.generated.payload_bytes``), a recording's or a schema's batch from the file's
+    ``harness.payload.sizes.payload_bytes``), a recording's or a schema's batch from the file's
     sizes and shapes; ``bcastbench ray-dispatch``: the driver's global batch. Checked before
     anything is allocated. null: a quarter of this machine's physical memory
     (``harness.payload.user_files.default_max_bytes``)."""
@@ -219,6 +220,14 @@ def every_strategy() -> list[str]:
     return ["floor", *strategies.names()]
 
 
+def size_range(begin, end, factor, name="rl_rollout", seq_len=512) -> str:
+    """``${bcastbench.sizes:64K,16M,4}`` in a sweep's ``payload.batch_size``: nccl-tests'
+    ``-b 64K -e 16M -f 4``, one job per size, as the batch sizes of ``name`` at ``seq_len``
+    (``${bcastbench.sizes:64K,16M,4,${payload.name},${payload.seq_len}}`` for the job's own)
+    whose payload is nearest each size; the record's ``payload_bytes`` is the exact one."""
+    return ",".join(str(rows) for rows in sizes_for(str(name), int(seq_len), begin, end, factor))
+
+
 def shape_name(layout_node) -> str:
     """``${bcastbench.layout:${layout}}`` in run folder names: the shape that runs
     (``layout=tp2pp2 layout.tp=8 layout.pp=8`` is ``tp8pp8``, not the preset's name). A layout
@@ -237,6 +246,7 @@ def register() -> None:
     OmegaConf.register_new_resolver("bcastbench.strategies", selectable_strategies, replace=True)
     OmegaConf.register_new_resolver("bcastbench.layout", shape_name, replace=True)
     OmegaConf.register_new_resolver("bcastbench.every_strategy", every_strategy, replace=True)
+    OmegaConf.register_new_resolver("bcastbench.sizes", size_range, replace=True)
     _register_installed_strategies(cs)
 
 

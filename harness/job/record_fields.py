@@ -145,6 +145,12 @@ class Record(TypedDict, total=False):
     auto_choice: Annotated[
         str | None, "the strategy auto served the job with; null for any other strategy"
     ]
+    auto_tied_with: Annotated[
+        list | None,
+        "the strategies timed in the same job that auto's choice is not told apart from (the "
+        "interval of their ratio to it holds 1): a tie, not a win; null when auto chose none "
+        "of the strategies timed",
+    ]
     collectives_per_call: Annotated[int | None, "collectives one call makes on its busiest rank"]
     collectives_leader: Annotated[int | None, "collectives the replica leader makes per call"]
     collectives_unavailable: Annotated[

@@ -29,7 +29,7 @@ from harness.job.results import (
     StrategyFigures,
 )
 from harness.job.spec import Scope
-from harness.job.stats import ratio_interval
+from harness.job.stats import excludes_one, ratio_interval
 from harness.units import human_bytes
 
 REPO = paths.REPO
@@ -203,6 +203,7 @@ def _measured(spec, summary: JobSummary) -> dict:
         **_ratio_intervals(spec, summary),
         **_work_fields(figures),
         **({"auto_choice": figures.choice.choice} if figures.choice else {}),
+        **_auto_ties(spec, summary, figures),
         "correct": True,
         "supported": True,
         "references": {
@@ -250,6 +251,21 @@ def _reference(summary: JobSummary, name: str, mine: str) -> dict:
     out = {k: v for k, v in figures.flat().items() if not isinstance(v, dict)}
     out["vs_strategy"] = _ratio(figures.p50_us, summary.strategies[mine].p50_us)
     return {**out, **_interval(summary, name, mine, "vs_strategy")}
+
+
+def _auto_ties(spec, summary: JobSummary, figures: StrategyFigures) -> dict:
+    """``auto``'s choice against every other strategy the job timed: the ones it is tied with
+    (their ratio's interval holds 1), so the record names a winner only when it is one."""
+    choice = figures.choice.choice if figures.choice else None
+    calls = summary.calls_s
+    if choice is None or choice not in calls:
+        return {}
+    others = [n for n in calls if n not in (spec.under_test, choice) and n.split(":")[0] != "floor"]
+    tied = [
+        n for n in others
+        if not excludes_one(ratio_interval(calls[n], calls[choice], summary.blocks))
+    ]  # fmt: skip
+    return {"auto_tied_with": tied}
 
 
 def _work_fields(figures: StrategyFigures) -> dict:

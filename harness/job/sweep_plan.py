@@ -11,6 +11,7 @@ nothing heavy itself, it refuses a mistyped key before the job's modules (torch)
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from harness import paths
 from harness.errors import ConfigError, one_line
 from harness.job.config_schema import register
+from harness.payload.sizes import sizes_for
 
 
 def describe(exc: BaseException) -> str:
@@ -92,3 +94,32 @@ def check_sweep(
             except (ConfigError, HydraException, OmegaConfBaseException) as exc:
                 raise ConfigError(f"{where}: {describe(exc)}; no job was started") from None
     return len(jobs)
+
+
+SIZE_RANGE = re.compile(r"^payload\.batch_size=sizes\((?P<args>[^)]*)\)$")
+"""``payload.batch_size=sizes(64K,16M,4)``: nccl-tests' ``-b 64K -e 16M -f 4`` on the command
+line."""
+
+
+def expand_size_ranges(argv: list[str], config_name: str = "config") -> list[str]:
+    """``argv`` with a ``payload.batch_size=sizes(BEGIN,END,FACTOR)`` override made the list of
+    batch sizes whose payload is nearest each of BEGIN, BEGIN·FACTOR, ... END bytes, for the
+    payload and seq_len the rest of the command line composes to (one job per size under
+    ``-m``). Anything else is left as it is; a bad range raises ConfigError."""
+    hits = [a for a in argv if SIZE_RANGE.match(a)]
+    if not hits:
+        return argv
+    rest = [a for a in argv if a not in hits and not a.startswith("-")]
+    with _expanded(rest, config_name) as (_, master, jobs):
+        payloads = {(str(master.payload.name), int(master.payload.seq_len))}
+        if len(jobs) > 1 and any(o.startswith(("payload=", "payload.seq_len=")) for j in jobs
+                                 for o in j):  # fmt: skip
+            raise ConfigError("sizes(...) needs one payload and one seq_len in the sweep")
+    ((name, seq_len),) = payloads
+    args = [x.strip() for x in SIZE_RANGE.match(hits[-1]).group("args").split(",")]
+    try:
+        rows = sizes_for(name, seq_len, *args)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"payload.batch_size=sizes(BEGIN,END,FACTOR): {exc}") from None
+    size = f"payload.batch_size={','.join(map(str, rows))}"
+    return [size if a in hits else a for a in argv if a not in hits[:-1]]

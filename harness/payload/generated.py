@@ -11,10 +11,10 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from harness.payload.sizes import PATCH_DIM
 from strategies import NON_TENSOR_FLAG, DataProto
 
 VOCAB = 151_936  # Qwen2's vocabulary, as in ROLL's and verl's examples
-PATCH_DIM = 1176  # Qwen2-VL: 3 channels × 2 frames × 14 × 14
 
 
 def _meta(batch_size: int, broadcast_non_tensor: bool) -> dict:
@@ -111,30 +111,6 @@ PAYLOADS: dict[str, Callable[..., DataProto]] = {
     "pretrain": pretrain,
     "multimodal": multimodal,
 }
-
-
-TEXT_BYTES_PER_ROW = 320
-"""At most what one row of the generated text columns takes (a prompt of up to 23 short
-words, a 36-character uid): the non-tensor part of ``payload_bytes``."""
-
-
-def payload_bytes(name: str, batch_size: int, seq_len: int) -> int:
-    """What a generated payload of ``batch_size`` rows × ``seq_len`` tokens takes, from its
-    shapes alone (nothing allocated): the bound a job is checked against before any rank
-    generates it. Tensors exactly; the text columns at ``TEXT_BYTES_PER_ROW``."""
-    b, s = int(batch_size), int(seq_len)
-    r = s // 2
-    # rl_rollout, per row: five int64 leaves of s, s - r or r tokens (prompts + responses = s)
-    # plus response_mask, and five float32 leaves of r.
-    rollout = b * (8 * (4 * s) + 8 * r + 4 * 5 * r) + b * TEXT_BYTES_PER_ROW
-    if name == "rl_rollout":
-        return rollout
-    if name == "pretrain":
-        return b * s * (8 + 8 + 4 + 8)  # tokens, labels (int64), loss_mask (f32), positions
-    if name == "multimodal":
-        patches = max(4, s // 4)
-        return rollout + b * patches * PATCH_DIM * 2 + b * 3 * 8  # bf16 patches, int64 grid
-    raise KeyError(f"unknown generated payload {name!r}; valid names: {sorted(PAYLOADS)}")
 
 
 def make(

@@ -10,7 +10,7 @@ from cli_support import REPO, cfg_of
 
 from harness.errors import ConfigError
 from harness.job.config import validate
-from harness.payload import generated
+from harness.payload import generated, sizes
 
 
 @pytest.mark.parametrize(
@@ -28,7 +28,13 @@ from harness.payload import generated
         (["payload.batch_size=0"], "payload.batch_size must be positive"),
         (["layout.pp=0"], "layout.pp must be a positive integer"),
         (["references=[floor,nope]"], "unknown reference strategy 'nope'"),
-        (["fault.kind=explode"], "fault.kind must be one of crash, hang, raise"),
+        (["fault.kind=explode"], "fault.kind must be one of crash, hang, raise, delay"),
+        (["repeats=0"], "repeats must be >= 1"),
+        (
+            ["fault.kind=delay", "fault.rank=9", "fault.delay_us=100"],
+            "fault.rank=9 is not a rank of the world of 4; valid: -1 (no fault) or 0..3",
+        ),
+        (["fault.kind=delay", "fault.rank=1"], "fault.delay_us must be >= 1"),
         (["layout.order=tp-pp-xx"], "unknown axes ['xx']"),
         # A size claim no machine can hold is priced from the shapes, never allocated.
         (["payload.batch_size=1000000000000"], "takes 47424000000000000 bytes (42 PiB)"),
@@ -229,8 +235,8 @@ def test_a_generated_payload_is_priced_exactly_before_it_is_made(name, rows, seq
     batch = generated.make(name, rows, seq_len, seed=5)
     tensors = sum(v.numel() * v.element_size() for v in batch.batch.values())
     text = sum(len(str(x).encode()) for col in batch.non_tensor_batch.values() for x in col)
-    priced = generated.payload_bytes(name, rows, seq_len)
-    allowance = rows * generated.TEXT_BYTES_PER_ROW if batch.non_tensor_batch else 0
+    priced = sizes.payload_bytes(name, rows, seq_len)
+    allowance = rows * sizes.TEXT_BYTES_PER_ROW if batch.non_tensor_batch else 0
     assert priced == tensors + allowance
     assert text <= allowance
 
@@ -253,3 +259,23 @@ def test_a_mistyped_key_is_refused_before_torch_is_imported():
         imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import")}
         heavy = imported & {"torch", "tensordict", "megatron", "megatron.core", "pandas"}
         assert not heavy, (argv, sorted(heavy))
+
+
+def test_a_size_range_is_one_job_per_size_the_nccl_tests_way(capsys):
+    """``payload.batch_size=sizes(64K,16M,4)`` is nccl-tests' ``-b 64K -e 16M -f 4``: the batch
+    sizes whose payload is nearest each size, one job each; a bad range is one line, exit 2."""
+    from harness.commands import cli
+    from harness.payload.sizes import payload_bytes, sizes_for
+
+    rows = sizes_for("rl_rollout", 512, "64K", "16M", 4)
+    assert rows == sorted(rows) and len(rows) == 5
+    for k, b in enumerate(rows):
+        target = 64 * 2**10 * 4**k
+        assert target / 2 <= payload_bytes("rl_rollout", b, 512) <= target * 2, (k, b)
+    argv = ["run", "-m", "payload.batch_size=sizes(64K,16M,4)", "payload.seq_len=512",
+            "layout=tp2", "--check"]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert "5 jobs checked" in capsys.readouterr().out
+    assert cli.main(["run", "-m", "payload.batch_size=sizes(16M,64K,4)", "--check"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "expected 0 < begin <= end" in err[0], err

@@ -247,3 +247,42 @@ def test_a_recorded_batch_is_recorded_with_its_real_shape(
     assert rec["status"] == "ok" and rec["correct"] is True
     assert (rec["seq_len"], rec["batch_size"], rec["payload"]) == (9, 4, "file:step")
     assert rec["payload_path"] == str(path.resolve())
+
+
+@pytest.mark.world
+def test_a_job_says_how_sure_it_is_and_a_delay_shows(tmp_path, monkeypatch, forked_worlds_closed):
+    """One in-process job with repeats: every p50 and same-job ratio has its interval, the
+    record says what the host offered and what a call cost in CPU, every timed call is kept
+    beside it (the p50 recomputes from them), and a rank told to spend 3 ms more in every call
+    of the strategy under test raises its p50 by about that, which its interval against the
+    same job's floor shows."""
+    import pandas as pd
+
+    from harness.commands import cli
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    base = ["layout=tp2", "iters=6", "warmup=1", "repeats=2", "payload.batch_size=2",
+            "payload.seq_len=64", "references=[floor,pickled]"]  # fmt: skip
+    assert cli.main([*base, f"hydra.run.dir={tmp_path / 'plain'}"]) == 0
+    delay = ["fault.kind=delay", "fault.delay_us=3000", "fault.rank=1"]
+    assert cli.main([*base, *delay, f"hydra.run.dir={tmp_path / 'late'}"]) == 0
+    plain, late = (
+        json.loads((tmp_path / d / "result.json").read_text()) for d in ("plain", "late")
+    )
+    for rec in (plain, late):
+        assert rec["repeats"] == 2
+        assert rec["p50_lo_us"] <= rec["p50_us"] <= rec["p50_hi_us"]
+        for ratio in ("vs_floor", "vs_baseline"):
+            assert rec[f"{ratio}_lo"] <= rec[f"{ratio}_hi"], ratio
+        assert rec["references"]["pickled"]["vs_strategy_lo"] is not None
+        assert rec["host_cores"] >= 1 and rec["ranks_on_node"] == 2
+        assert rec["oversubscribed"] == (2 > rec["host_cores"]) and rec["cpu_us_per_call"] > 0
+        samples = pd.read_csv(
+            tmp_path / ("plain" if rec is plain else "late") / rec["samples_file"]
+        )
+        mine = samples[(samples.strategy == rec["strategy"]) & (samples["rank"] == -1)]
+        assert len(mine) == 12 and mine.wall_us.median() == pytest.approx(rec["p50_us"])
+    # The delay is inside every call of the strategy under test on rank 1: the call costs it.
+    assert late["p50_us"] - plain["p50_us"] > 2000
+    assert late["vs_floor_lo"] > 1 and late["vs_floor_lo"] * late["floor_p50_us"] > 2000
