@@ -87,12 +87,14 @@ def test_slurm_sweep_one_rank_per_task_and_crash(slurm, tmp_path):
     rec = json.loads(records[0].read_text())
     assert rec["world_size"] == 2 and rec["correct"] is True, rec
     # Each task of a job shares its directory; only rank 0 wrote there (no partial or extra
-    # records, no per-rank files), and the job's log holds rank 0's lines only.
+    # records, no per-rank files; the samples file is the job's, written by rank 0), and the
+    # job's log holds rank 0's lines only.
     assert not list(sweep.rglob(".result.*"))
     assert sorted(p.name for p in records[0].parent.iterdir()) == [
         ".hydra",
         "bcastbench.log",
         "result.json",
+        "samples.csv.gz",
     ]
     # Each job ran as 2 Slurm tasks (one rank each), not as a world forked by one task: one
     # submitit folder per job (array task), one log per task.
