@@ -110,22 +110,10 @@ def run(argv: list[str]) -> int:
     config_schema.COMMAND[:] = ["bcastbench", *argv]  # what the records say made them
     sys.argv = ["bcastbench", *_nothing_written_by_other_ranks(argv)]
     os.environ["HYDRA_FULL_ERROR"] = "1"
-    root = None
-    sweeping = {"-m", "--multirun"} & set(argv) and not PASSTHROUGH & set(argv)
-    if sweeping:
-        overrides = [a for a in argv if not a.startswith("-")]
-        try:
-            STATE.total = check_sweep(overrides, lambda: _job().validate)
-            # Claimed before Hydra starts (it ignores what its callbacks raise), and handed
-            # back resolved so Hydra writes exactly where the claim is; under torchrun only
-            # the rank that writes records owns it.
-            if launcher.current().writes_records:
-                root = claim(sweep_dir(overrides))
-        except ConfigError as exc:
-            return _exit_status(exc)
-        if root is not None:
-            sys.argv.append(f"hydra.sweep.dir={_quoted(str(root))}")
-
+    try:
+        root = _claim_sweep(argv)
+    except ConfigError as exc:
+        return _exit_status(exc)
     decorated = hydra.main(
         version_base="1.3", config_path=str(paths.CONF_DIR), config_name="config"
     )
@@ -137,6 +125,23 @@ def run(argv: list[str]) -> int:
         _hand_back_logging(*found)
         if root is not None:
             release(root)
+
+
+def _claim_sweep(argv: list[str]) -> Path | None:
+    """A ``-m`` sweep: every job checked, the progress total set and the sweep directory
+    claimed (and handed to Hydra as ``hydra.sweep.dir``); None for a single run."""
+    if not {"-m", "--multirun"} & set(argv) or PASSTHROUGH & set(argv):
+        return None
+    overrides = [a for a in argv if not a.startswith("-")]
+    STATE.total = check_sweep(overrides, lambda: _job().validate)
+    # Claimed before Hydra starts (it ignores what its callbacks raise), and handed back
+    # resolved so Hydra writes exactly where the claim is; under torchrun only the rank that
+    # writes records owns it.
+    if not launcher.current().writes_records:
+        return None
+    root = claim(sweep_dir(overrides))
+    sys.argv.append(f"hydra.sweep.dir={_quoted(str(root))}")
+    return root
 
 
 def _check_only(argv: list[str]) -> int:
