@@ -22,7 +22,7 @@ from typing import Any
 
 import strategies
 from harness import paths
-from harness.commands.hydra_app import run_app
+from harness.commands.hydra_app import run_app, store_schema
 from harness.errors import ConfigError
 from harness.files import write_json
 from harness.job.config_schema import LayoutConf, PayloadConf
@@ -228,6 +228,16 @@ def task(cfg) -> None:
 
     record = run(cfg)
     write_json(Path(HydraConfig.get().runtime.output_dir) / "prediction.json", record)
+
+
+def composed(overrides: list[str]):
+    """The config ``predict OVERRIDES`` runs (Hydra's compose, no app): for a caller that runs
+    ``run(cfg)`` itself, a notebook or a benchmark."""
+    from hydra import compose, initialize_config_dir
+
+    store_schema("predict", PredictConf)
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(config_name="predict", overrides=list(overrides))
 
 
 def main(argv: list[str] | None = None) -> int:

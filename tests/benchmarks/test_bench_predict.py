@@ -12,12 +12,9 @@ import pytest
 
 @pytest.mark.benchmark(group="predict")
 def test_bench_predict_one_layout(benchmark):
-    from hydra import compose, initialize_config_dir
+    from harness.commands.predict import EXAMPLE, composed, run
 
-    from harness.commands.predict import CONF, EXAMPLE, run
-
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="predict", overrides=[*EXAMPLE, "quiet=true"])
+    cfg = composed([*EXAMPLE, "quiet=true"])
     run(cfg)  # one-off imports and caches stay out of the timed rounds
     record = benchmark.pedantic(run, args=(cfg,), rounds=3, iterations=1)
     assert record["world_size"] == 16384 and record["winner"]

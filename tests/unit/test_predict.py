@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.commands.predict import CONF, EXAMPLE, run, scaled_spec
+from harness.commands.predict import EXAMPLE, run, scaled_spec
 from harness.model.prices import predict_all, price_strategy, replicas_independent
 from harness.payload import generated
 from strategies import Unsupported, get_class, has_plan, names
@@ -27,16 +27,9 @@ FIXTURE = ROOT / "tests" / "fixtures" / "model_sweep"
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from harness.commands.predict import composed
 
-    from harness.commands.hydra_app import store_schema
-    from harness.commands.predict import PredictConf
-
-    store_schema("predict", PredictConf)
-
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return hydra_compose(config_name="predict", overrides=overrides)
+    return composed(overrides)
 
 
 # -- the app ---------------------------------------------------------------------------------
