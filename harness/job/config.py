@@ -56,6 +56,11 @@ def validate(cfg, world_size: int | None = None) -> Layout:
         raise ConfigError(
             f"fault.delay_us must be >= 1 with fault.kind=delay, got {cfg.fault.delay_us}"
         )
+    if cfg.fault.kind == "delay" and cfg.fault.rank == -1:
+        raise ConfigError(
+            f"fault.kind=delay delays no rank while fault.rank=-1 (no fault); name the rank "
+            f"whose calls take {cfg.fault.delay_us} us longer: fault.rank=0..{layout.world_size - 1}"
+        )
     if cfg.fault.kind not in FAULT_KINDS:
         raise ConfigError(
             f"fault.kind must be one of {', '.join(FAULT_KINDS)}, got {cfg.fault.kind!r}"

@@ -35,6 +35,11 @@ from harness.payload import generated, sizes
             "fault.rank=9 is not a rank of the world of 4; valid: -1 (no fault) or 0..3",
         ),
         (["fault.kind=delay", "fault.rank=1"], "fault.delay_us must be >= 1"),
+        (
+            ["fault.kind=delay", "fault.delay_us=2000"],
+            "fault.kind=delay delays no rank while fault.rank=-1 (no fault); name the rank whose "
+            "calls take 2000 us longer: fault.rank=0..3",
+        ),
         (["layout.order=tp-pp-xx"], "unknown axes ['xx']"),
         # A size claim no machine can hold is priced from the shapes, never allocated.
         (["payload.batch_size=1000000000000"], "takes 47424000000000000 bytes (42 PiB)"),
