@@ -292,6 +292,7 @@ def _extra_info(result: Gate, timed: str, job: dict) -> dict:
     return {
         "stats_are": timed,
         "strategy": result.strategy,
+        "options": dict(job.get("options") or {}),  # compare keys a cell by them too
         "layout": str(job.get("layout", "tp2pp2")),
         "payload": job.get("payload", "rl_rollout"),
         "payload_bytes": result.payload_bytes,

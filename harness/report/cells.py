@@ -154,9 +154,9 @@ def _from_records(root: Path, samples: bool) -> list[Cell]:
         cell = _cell(record)
         if cell is None:
             continue
-        if samples:
-            if not record.get("samples_file"):
-                raise CellsError(f"{path}: names no samples_file (use --no-samples)")
+        # A record that names no samples file predates them: its p50 interval is all there is.
+        # One that names a file it does not have is broken, and said so.
+        if samples and record.get("samples_file"):
             cell.samples = _samples_of(path.parent / record["samples_file"], record, read)
         cells.append(cell)
     return cells

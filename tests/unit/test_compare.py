@@ -215,6 +215,16 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys):
     assert words in err and "Traceback" not in err
 
 
+def test_a_record_from_before_samples_falls_back_to_its_p50_interval(tmp_path, capsys):
+    older = _copy(tmp_path)
+    (older / "samples.csv.gz").unlink()
+    for path in older.rglob("result.json"):
+        record = json.loads(path.read_text())
+        path.write_text(json.dumps({**record, "samples_file": None}))
+    status, out, _ = run(capsys, OLD, older, "--csv")
+    assert status == 0 and all(",p50ci," in line for line in out.splitlines()[1:])
+
+
 def test_no_samples_reads_no_samples_file(tmp_path, capsys):
     missing = _copy(tmp_path)
     (missing / "samples.csv.gz").unlink()
