@@ -80,6 +80,12 @@ def test_benchmark_rounds_are_the_per_call_p50s(suite):
     # The p50's interval pools every round's calls, widened to each round's own p50.
     assert info["p50_lo_us"] == min(P50_US) and info["p50_hi_us"] == max(P50_US)
     assert info["vs_baseline_lo"] is None
+    # bcastbench compare reads the same file: one cell, its rounds as samples.
+    from harness.report import cells
+
+    (cell,) = cells.load_cells(suite.path / "bench.json").values()
+    assert cell.key == ("header", "tp2pp2", "rl_rollout", 3 << 20)
+    assert sorted(cell.samples) == pytest.approx(sorted(P50_US))
 
 
 def test_disabled_benchmarks_still_run_every_round_and_the_section_says_so(suite):
