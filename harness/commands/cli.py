@@ -8,6 +8,7 @@
     bcastbench ray-calibrate|ray-model [overrides]         Ray dispatch's cost model
     bcastbench emulated-table [overrides]                  the emulated-cluster table
     bcastbench report|collect|validate DIR                 read a run or sweep directory
+    bcastbench compare OLD NEW             two runs cell by cell (new/old, interval, verdict)
     bcastbench gpu-check                   the CUDA checks on a single-GPU machine
 
 Every ``[overrides]`` subcommand is a Hydra app configured through ``conf/<name>.yaml``
@@ -45,6 +46,10 @@ SUBCOMMANDS = {
     "report": ("harness.commands.report", "DIR: report.md and figures of a run or sweep"),
     "collect": ("harness.report.collect", "DIR: one CSV row per job of a run or sweep"),
     "validate": ("harness.commands.validate", "DIR: the cost model against a measured sweep"),
+    "compare": (
+        "harness.commands.compare",
+        "OLD NEW: two runs cell by cell, new/old with a 95 % interval and a verdict",
+    ),
     "emulated-table": (
         "harness.commands.emulated_table",
         "strategies on both emulated link layouts vs the model (conf/emulated_table.yaml)",

@@ -19,6 +19,7 @@ What it does not cover: the world and the host the job ran on (a ratio taken on 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 
 import numpy as np
@@ -97,3 +98,97 @@ def p50_interval(
 def excludes_one(interval: tuple[float, float] | None) -> bool:
     """Whether a ratio's interval says the two differ (it lies wholly above or below 1)."""
     return interval is not None and (interval[0] > 1 or interval[1] < 1)
+
+
+# -- two independent runs: the shift between them (``bcastbench compare``, the plugin's gate) --
+EXACT_MAX_PAIRS = 2500
+"""Up to this many pairs (m * n) the rank of the interval's ends comes from the exact
+Mann-Whitney U distribution; above it, from its normal approximation (which then agrees with
+the exact rank to within one)."""
+
+
+def u_counts(m: int, n: int) -> list[int]:
+    """How many of the C(m + n, m) orderings of two samples of sizes m and n give each value
+    u = 0 .. m*n of the Mann-Whitney U statistic: the coefficients of the Gaussian binomial
+    [m + n choose m](q) = prod_{i=1..m} (1 - q^(n+i)) / (1 - q^i), exact integers."""
+    size = m * n + 1
+    poly = [1] + [0] * (size - 1)
+    for i in range(1, m + 1):
+        # Multiply by (1 - q^(n+i)), then divide by (1 - q^i): the quotient is a polynomial.
+        for k in range(size - 1, n + i - 1, -1):
+            poly[k] -= poly[k - n - i]
+        for k in range(i, size):
+            poly[k] += poly[k - i]
+    return poly
+
+
+def shift_rank(m: int, n: int, level: float = LEVEL) -> int | None:
+    """The 1-based rank k of the sorted m*n pairwise differences that is the interval's low end
+    (the high end is rank m*n + 1 - k): the largest k with P(U <= k - 1) <= (1 - level) / 2.
+    None when no k >= 1 does (too few samples: 3 against 3 cannot reach 95 %)."""
+    alpha = (1 - level) / 2
+    if m < 1 or n < 1:
+        return None
+    if m * n <= EXACT_MAX_PAIRS:
+        counts, total = u_counts(m, n), math.comb(m + n, m)
+        k, below = 0, 0
+        while (below + counts[k]) / total <= alpha:  # P(U <= k) within alpha: k + 1 is fine
+            below += counts[k]
+            k += 1
+        return k if k >= 1 else None
+    z = statistics.NormalDist().inv_cdf(1 - alpha)
+    sd = math.sqrt(m * n * (m + n + 1) / 12)
+    k = math.floor(m * n / 2 + 0.5 - z * sd)  # continuity-corrected P(U <= k - 1) <= alpha
+    return k if k >= 1 else None
+
+
+def shift_ratio(
+    old: Sequence[float], new: Sequence[float], level: float = LEVEL
+) -> tuple[float, tuple[float, float] | None] | None:
+    """How many times ``new``'s times are ``old``'s, from two independent sets of samples: the
+    Hodges-Lehmann estimate of the shift of log times (the median of every ``ln new_j - ln
+    old_i``) and its exact distribution-free interval (the order statistics of those
+    differences that the Mann-Whitney U distribution puts at ``(1 - level) / 2`` from each
+    end), both exponentiated. It assumes the two runs' log times differ by a shift, nothing
+    about their shape. Returns (ratio, interval), the interval None when too few samples;
+    None when either side is empty or holds a time that is not positive."""
+    x, y = np.asarray(old, dtype=float), np.asarray(new, dtype=float)
+    if len(x) == 0 or len(y) == 0 or not (x > 0).all() or not (y > 0).all():
+        return None
+    diffs = np.sort(np.subtract.outer(np.log(y), np.log(x)).ravel())
+    estimate = math.exp(float(np.median(diffs)))
+    k = shift_rank(len(x), len(y), level)
+    if k is None:
+        return estimate, None
+    return estimate, (math.exp(float(diffs[k - 1])), math.exp(float(diffs[len(diffs) - k])))
+
+
+def p50_ratio_interval(
+    old: tuple[float, float] | None, new: tuple[float, float] | None
+) -> tuple[float, float] | None:
+    """A conservative interval of new p50 / old p50 from the two p50 intervals alone (no
+    samples): ``new_lo / old_hi .. new_hi / old_lo``."""
+    if old is None or new is None or min(*old, *new) <= 0:
+        return None
+    return new[0] / old[1], new[1] / old[0]
+
+
+FASTER, SLOWER, SAME, UNKNOWN = "faster", "slower", "same", "unknown"
+
+
+def verdict(interval: tuple[float, float] | None, noise: float = 0.05) -> str:
+    """A ratio (new / old) interval in words, Criterion-style: ``slower`` when its low end is
+    above ``1 + noise``, ``faster`` when its high end is below ``1 / (1 + noise)``, ``same``
+    otherwise (the change is within noise, or not shown); ``unknown`` without an interval."""
+    if interval is None:
+        return UNKNOWN
+    if interval[0] > 1 + noise:
+        return SLOWER
+    if interval[1] < 1 / (1 + noise):
+        return FASTER
+    return SAME
+
+
+def wholly_below(interval: tuple[float, float] | None, bound: float) -> bool:
+    """Whether a whole interval lies below ``bound`` (a gate that holds)."""
+    return interval is not None and interval[1] < bound

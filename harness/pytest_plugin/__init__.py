@@ -125,11 +125,25 @@ class Gate:
     pickled."""
     collectives_per_call: int | None
     """Collectives one call issues (max over ranks), from the first round."""
+    p50_interval: tuple[float, float] | None
+    """The p50's 95 % interval (µs): from every round's calls pooled, widened to each round's
+    own p50 (``harness.job.stats.p50_interval``, as ``repeats`` widens a job's); without
+    samples, the median over rounds of each job's interval ends."""
+    vs_floor_interval: tuple[float, float] | None
+    """``vs_floor``'s 95 % interval: the median over rounds of each job's paired interval ends."""
+    vs_floor_network_interval: tuple[float, float] | None
+    vs_baseline_interval: tuple[float, float] | None
     payload_bytes: int
     floor_methods: tuple[str, ...]
     """The raw method that was the floor in each round."""
     rounds: list[dict] = field(repr=False)
     """Every round's job summary (``bcastbench_job``'s dict)."""
+
+    def holds(self, **below: float) -> Held:
+        """Whether every named figure's whole 95 % interval lies below its bound:
+        ``gate.holds(vs_floor_below=1.5, vs_baseline_below=1.0)`` (also ``p50_us_below``,
+        ``vs_floor_network_below``). A ``Held``: true or false, its repr says why."""
+        return holds(self, **below)
 
 
 class _StrategyClock:
@@ -145,6 +159,11 @@ class _StrategyClock:
 
     def __call__(self) -> float:
         return self.now_s
+
+
+SAMPLES_KEY = "samples_us"
+"""What ``bcastbench_job`` adds to a record: the strategy's slowest-rank time of every timed
+call (µs), read from the job's samples file before its scratch directory is removed."""
 
 
 def _median(values) -> float | None:
@@ -190,6 +209,10 @@ def bcastbench_gate(request, bcastbench_job, bcastbench_mode):
 
 def _gate_of(strategy: str, rounds: list[dict]) -> Gate:
     return Gate(
+        p50_interval=_p50_interval(rounds),
+        vs_floor_interval=_ends(rounds, "vs_floor"),
+        vs_floor_network_interval=_ends(rounds, "vs_floor_network"),
+        vs_baseline_interval=_ends(rounds, "vs_baseline"),
         strategy=strategy,
         p50_us=statistics.median(r["p50_us"] for r in rounds),
         floor_p50_us=_median(r.get("floor_p50_us") for r in rounds),
@@ -203,23 +226,93 @@ def _gate_of(strategy: str, rounds: list[dict]) -> Gate:
     )
 
 
+def _ends(rounds: list[dict], field: str, lo: str = "_lo", hi: str = "_hi"):
+    """The median over rounds of each job's interval ends of ``field``; None unless every
+    round has both."""
+    los = [r.get(f"{field}{lo}") for r in rounds]
+    his = [r.get(f"{field}{hi}") for r in rounds]
+    if None in los or None in his or not rounds:
+        return None
+    return statistics.median(los), statistics.median(his)
+
+
+def _p50_interval(rounds: list[dict]) -> tuple[float, float] | None:
+    """The p50's interval from every round's calls pooled (``SAMPLES_KEY``), widened to each
+    round's own p50; the median of the jobs' interval ends where a round kept no samples."""
+    if not rounds or any(not r.get(SAMPLES_KEY) for r in rounds):
+        return _ends(rounds, "p50", "_lo_us", "_hi_us")
+    from harness.job import stats  # numpy: only once a gate has rounds to pool
+
+    pooled = [t for r in rounds for t in r[SAMPLES_KEY]]
+    blocks = [i for i, r in enumerate(rounds) for _ in r[SAMPLES_KEY]]
+    return stats.p50_interval(pooled, blocks)
+
+
+@dataclass(frozen=True)
+class Held:
+    """A gate's answer: true only when every interval asked about lies wholly below its
+    bound; otherwise false, and its repr (what pytest prints for a failed ``assert``) says
+    which figure, its interval and the bound."""
+
+    ok: bool
+    message: str
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __repr__(self) -> str:
+        return self.message
+
+
+def holds(gate: Gate, **below: float) -> Held:
+    """``gate.holds(vs_floor_below=1.5)``: see ``Gate.holds``."""
+    from harness.job import stats  # the rule compare uses: the whole interval, not the median
+
+    figures = {"p50_us": gate.p50_interval, "vs_floor": gate.vs_floor_interval,
+               "vs_floor_network": gate.vs_floor_network_interval,
+               "vs_baseline": gate.vs_baseline_interval}  # fmt: skip
+    failed = []
+    for name, bound in below.items():
+        figure = name.removesuffix("_below")
+        if not name.endswith("_below") or figure not in figures:
+            raise TypeError(f"holds(): unknown bound {name!r}; valid: "
+                            f"{', '.join(f'{f}_below' for f in figures)}")  # fmt: skip
+        interval = figures[figure]
+        if not stats.wholly_below(interval, bound):
+            shown = "no interval" if interval is None else f"[{interval[0]:.3g}, {interval[1]:.3g}]"
+            failed.append(f"{figure} {shown} is not wholly below {bound:g}")
+    what = ", ".join(f"{n.removesuffix('_below')} < {b:g}" for n, b in below.items())
+    if failed:
+        return Held(False, f"gate of {gate.strategy} does not hold: " + "; ".join(failed))
+    return Held(True, f"gate of {gate.strategy} holds: {what} (whole 95 % intervals)")
+
+
 def _extra_info(result: Gate, timed: str, job: dict) -> dict:
     """What pytest-benchmark saves beside the stats (``--benchmark-json``, autosave)."""
     return {
         "stats_are": timed,
         "strategy": result.strategy,
+        "options": dict(job.get("options") or {}),  # compare keys a cell by them too
         "layout": str(job.get("layout", "tp2pp2")),
         "payload": job.get("payload", "rl_rollout"),
         "payload_bytes": result.payload_bytes,
         "p50_us": result.p50_us,
         "floor_p50_us": result.floor_p50_us,
         "floor_methods": list(result.floor_methods),
+        **_ends_info("p50", result.p50_interval, "_us"),
         "vs_floor": result.vs_floor,
+        **_ends_info("vs_floor", result.vs_floor_interval),
         "vs_floor_network": result.vs_floor_network,
         "vs_baseline": result.vs_baseline,
+        **_ends_info("vs_baseline", result.vs_baseline_interval),
         "collectives_per_call": result.collectives_per_call,
         "rounds": len(result.rounds),
     }
+
+
+def _ends_info(field: str, interval, unit: str = "") -> dict:
+    lo, hi = interval or (None, None)
+    return {f"{field}_lo{unit}": lo, f"{field}_hi{unit}": hi}
 
 
 # -- the terminal section ----------------------------------------------------------------------
@@ -251,9 +344,11 @@ def summary_lines(jobs: dict[str, list[dict]]) -> list[str]:
         rows.append([
             nodeid.split("::", 1)[-1], g.strategy, str(runs[0].get("layout", "?")),
             f"{runs[0].get('payload', '?')} {human_bytes(g.payload_bytes)}", str(len(runs)),
-            f"{g.p50_us / 1e3:.3f}",
+            f"{g.p50_us / 1e3:.3f}" + _between(g.p50_interval, 1e3, "{:.3f}"),
             "—" if g.floor_p50_us is None else f"{g.floor_p50_us / 1e3:.3f} ({', '.join(methods)})",
-            _times(g.vs_floor), _times(g.vs_floor_network), _times(g.vs_baseline),
+            _times(g.vs_floor, g.vs_floor_interval),
+            _times(g.vs_floor_network, g.vs_floor_network_interval),
+            _times(g.vs_baseline, g.vs_baseline_interval),
             "—" if g.collectives_per_call is None else str(g.collectives_per_call),
         ])  # fmt: skip
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -271,12 +366,20 @@ def summary_lines(jobs: dict[str, list[dict]]) -> list[str]:
         "  floor; vs_network: over the fastest method through the collective library (all but",
         "  shm), the floor a gloo or NCCL strategy can reach. vs_baseline = p50 / pickled p50:",
         "  below 1x is faster than pickled. All are taken inside each job (same world,",
-        "  interleaved calls), then the median over jobs.",
+        "  interleaved calls), then the median over jobs. [lo, hi]: 95 % intervals (the p50's",
+        "  from every job's calls pooled; a ratio's, the median of its jobs' interval ends).",
     ]
 
 
-def _times(value: float | None) -> str:
-    return "—" if value is None else f"{value:.2f}x"
+def _times(value: float | None, interval=None) -> str:
+    return "—" if value is None else f"{value:.2f}x" + _between(interval)
+
+
+def _between(interval, scale: float = 1.0, fmt: str = "{:.2f}") -> str:
+    """`` [lo, hi]``: a 95 % interval after its figure; nothing when there is none."""
+    if interval is None:
+        return ""
+    return " [" + ", ".join(fmt.format(v / scale) for v in interval) + "]"
 
 
 @pytest.hookimpl(trylast=True)

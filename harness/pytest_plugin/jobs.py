@@ -5,7 +5,12 @@ asks for one (``harness.pytest_plugin``), so a pytest session that uses none nev
 
 from __future__ import annotations
 
+import csv
+import gzip
+import shutil
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,9 +22,11 @@ from harness.job.build import from_arguments
 from harness.job.config import check_size, per_leader
 from harness.job.execute import run_job
 from harness.job.record_fields import Record
+from harness.job.samples import SAMPLES_FILE, SLOWEST
 from harness.job.spec import JobSpec
 from harness.paths import CONF_DIR
 from harness.payload import source
+from harness.pytest_plugin import SAMPLES_KEY
 from harness.worlds.launcher import forked_spec
 from harness.worlds.opening import open_world
 from harness.worlds.protocol import REGISTRY
@@ -65,7 +72,25 @@ def run(worlds: Worlds, strategy: str, layout: Any, options: dict | None, fields
     options = dict(options or {})
     strategies.check_options(strategy, options)  # one line before any rank runs
     spec = check_payload(from_arguments(strategy, layout_named(layout), options, fields))
-    return run_job(worlds(spec.layout.world_size), spec)
+    # A scratch directory for the job's samples file: the gate pools every round's calls into
+    # its p50 interval. The record written beside them is the one returned; nothing stays.
+    scratch = Path(tempfile.mkdtemp(prefix="bcastbench_gate_"))
+    try:
+        record = run_job(worlds(spec.layout.world_size), spec, out_dir=scratch)
+        return {**record, SAMPLES_KEY: strategy_samples(scratch, record)}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def strategy_samples(directory: Path, record: Record) -> list[float]:
+    """The strategy's slowest-rank time (µs) of every timed call of the job whose samples
+    file lies in ``directory``, in round order; [] where the job kept none (a refusal)."""
+    path = directory / (record.get("samples_file") or SAMPLES_FILE)
+    if not path.is_file():
+        return []
+    with gzip.open(path, "rt", newline="") as f:
+        return [float(row["wall_us"]) for row in csv.DictReader(f)
+                if row["strategy"] == record["strategy"] and int(row["rank"]) == SLOWEST]  # fmt: skip
 
 
 def check_payload(spec: JobSpec) -> JobSpec:

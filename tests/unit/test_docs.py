@@ -5,8 +5,9 @@ Each command of a fenced ``bash`` or ``console`` block (a console block's ``$`` 
 test, handled by the first rule of ``plan`` that fits:
 
 - **run** for real, when it is cheap: ``bcastbench --help``, any ``--help`` or ``--cfg``,
-  ``predict``, ``extrapolate``, ``schema``, ``ray-model``, ``emulated-table source=...``, and
-  ``report``/``collect``/``validate`` of a directory of at most ``SMALL_DIR`` records. It runs in
+  ``predict``, ``extrapolate``, ``schema``, ``ray-model``, ``emulated-table source=...``,
+  ``compare`` (its inputs are small), and ``report``/``collect``/``validate`` of a directory of
+  at most ``SMALL_DIR`` records. It runs in
   process, in a scratch directory per page that holds copies of the repository paths the command
   names and the files the pages use as a user's own (``PROPS``), so nothing committed changes.
 - **checked**, nothing started: ``bcastbench run`` and ``bench`` with ``--check`` (every job
@@ -165,6 +166,8 @@ def plan(cmd: Command) -> Plan | None:
             return Plan("run", "Hydra shows, nothing runs")
         if sub in ("run", "bench"):
             return Plan("check", f"{sub} --check")
+        if sub == "compare":
+            return Plan("run", "on copies of both inputs")
         if sub in RECORD_READERS:
             small = _records(_positional(rest)) <= SMALL_DIR
             return Plan("run", "on a copy") if small else Plan("check", "the records are there")

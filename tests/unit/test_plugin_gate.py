@@ -1,6 +1,7 @@
 """The pytest plugin shows what it gates: under ``bcastbench_gate`` pytest-benchmark's rounds
 are the strategy's per-call p50s (not a job's wall time), ``extra_info`` carries the same-run
-ratios, and a terminal section lists each gated test's p50 per call, vs_floor and vs_baseline.
+ratios, and a terminal section lists each gated test's p50 per call, vs_floor and vs_baseline
+with their 95 % intervals; ``gate.holds(...)`` passes only on a whole interval below its bound.
 
 A user's suite runs in-process (pytester) with ``bcastbench_job`` overridden by canned job
 summaries, so no rank starts; the real jobs run in tests/world/test_byo.py's example suite."""
@@ -37,8 +38,10 @@ def bcastbench_job(request):
         p50 = next(P50)
         summary = dict(strategy=strategy, p50_us=p50, floor_p50_us={FLOOR_US}, floor_method="one",
                        vs_floor=p50 / {FLOOR_US}, vs_baseline=p50 / {PICKLED_US},
+                       vs_floor_lo=0.9 * p50 / {FLOOR_US}, vs_floor_hi=1.1 * p50 / {FLOOR_US},
                        baseline_p50_us={PICKLED_US}, payload_bytes=3 << 20,
-                       collectives_per_call=3, layout=layout, payload="rl_rollout")
+                       collectives_per_call=3, layout=layout, payload="rl_rollout",
+                       samples_us=[0.9 * p50, p50, 1.1 * p50] * 3)
         record_job(request, summary)
         return summary
     return job
@@ -48,6 +51,10 @@ GATED = """
 def test_gated(bcastbench_gate):
     gate = bcastbench_gate(strategy="header", layout="tp2pp2", batch_size=8)
     assert gate.vs_floor < 4.0 and gate.vs_baseline < 1.0
+    assert gate.holds(vs_floor_below=4.0)
+    held = gate.holds(vs_floor_below=2.6)  # the median (2.5) is below, the interval is not
+    assert not held and "vs_floor [2.25, 2.75] is not wholly below 2.6" in repr(held)
+    assert not gate.holds(vs_baseline_below=1.0)  # the canned jobs carry no ratio interval
 """
 
 
@@ -69,6 +76,16 @@ def test_benchmark_rounds_are_the_per_call_p50s(suite):
     assert info["vs_floor"] == pytest.approx(median / FLOOR_US)
     assert info["vs_baseline"] == pytest.approx(median / PICKLED_US)
     assert info["collectives_per_call"] == 3 and info["rounds"] == len(P50_US)
+    assert (info["vs_floor_lo"], info["vs_floor_hi"]) == pytest.approx((2.25, 2.75))
+    # The p50's interval pools every round's calls, widened to each round's own p50.
+    assert info["p50_lo_us"] == min(P50_US) and info["p50_hi_us"] == max(P50_US)
+    assert info["vs_baseline_lo"] is None
+    # bcastbench compare reads the same file: one cell, its rounds as samples.
+    from harness.report import cells
+
+    (cell,) = cells.load_cells(suite.path / "bench.json").values()
+    assert cell.key == ("header", "tp2pp2", "rl_rollout", 3 << 20)
+    assert sorted(cell.samples) == pytest.approx(sorted(P50_US))
 
 
 def test_disabled_benchmarks_still_run_every_round_and_the_section_says_so(suite):
@@ -78,7 +95,7 @@ def test_disabled_benchmarks_still_run_every_round_and_the_section_says_so(suite
     assert pytest_plugin.SUMMARY_TITLE in out
     row = next(line for line in out.splitlines() if line.startswith("test_gated "))
     assert f" {len(P50_US)} " in row  # every round ran, though pytest-benchmark timed none
-    assert f"{statistics.median(P50_US) / FLOOR_US:.2f}x" in row
+    assert f"{statistics.median(P50_US) / FLOOR_US:.2f}x [2.25, 2.75]" in row
 
 
 def test_the_section_follows_the_benchmark_table(suite):
