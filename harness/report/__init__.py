@@ -14,7 +14,7 @@ import importlib
 
 _HOMES = {
     "tables": (
-        "BASELINE", "FLOOR", "SETTING", "SINGLE", "TIE_FRACTION", "clean_reason",
+        "BASELINE", "FLOOR", "SETTING", "SINGLE", "clean_reason",
         "context_line", "crossovers", "floor_method_text", "floor_reference", "floor_table",
         "human_bytes", "layout_label", "layouts_of", "load",
         "recommendation", "recommendation_ranges", "run_dates", "strategies_of",

@@ -11,12 +11,13 @@ from pathlib import Path
 import pandas as pd
 
 from harness.files import write_atomic
+from harness.job.verdict import interval_text
 from harness.report.cost_section import cost_markdown
 from harness.report.figures import save_figures
 from harness.report.md_format import fenced_commands, is_missing, md_table, ratio_range
+from harness.report.sure import MARK, mark_legend, oversubscribed_cells
 from harness.report.tables import (
     SINGLE,
-    TIE_FRACTION,
     clean_reason,
     context_line,
     crossovers,
@@ -63,6 +64,15 @@ def caveat(df: pd.DataFrame) -> str:
     )
 
 
+def _answer_cell(r: dict) -> str:
+    """The verdict in bold where it names strategies to use: ``**shm**``, ``**shm** ≈
+    **auto** (tied)``, ``shm (no interval)``."""
+    if r["kind"] == "tied":
+        names = r["answer"].removesuffix(" (tied)").split(" ≈ ")
+        return " ≈ ".join(f"**{n}**" for n in names) + " (tied)"
+    return r["answer"] if r["kind"] == "no interval" else f"**{r['answer']}**"
+
+
 def recommendation_markdown(df: pd.DataFrame) -> str:
     rec = recommendation(df)
     if rec.empty:
@@ -74,40 +84,46 @@ def recommendation_markdown(df: pd.DataFrame) -> str:
         if r["to_bytes"] != r["from_bytes"]:
             span += f" – {human_bytes(r['to_bytes'])}"
         runners = sorted({x for x in r["runner_up"] if isinstance(x, str)})  # NaN: none
-        tie_sizes = [human_bytes(b) for b, t in zip(r["sizes"], r["ties"]) if t]
-        tie = f" (≈ runner-up at {', '.join(tie_sizes)})" if tie_sizes else ""
+        paired = [interval_text(v / w if w else None, i) for v, w, i in
+                  zip(r["runner_up_vs_floor"], r["winner_vs_floor"], r["runner_up_interval"])
+                  if not is_missing(v)]  # fmt: skip
+        over = MARK if any(isinstance(o, str) for o in r["oversubscribed"]) else ""
         rows.append(
             [
-                r["layout"],
+                f"{r['layout']}{over}",
                 span,
-                f"**{r['winner']}**{tie}",
+                _answer_cell(r),
                 ratio_range(r["winner_vs_floor"]),
                 ratio_range(r["winner_speedup_over_pickled"]),
                 ", ".join(runners) or "—",
-                ratio_range(r["runner_up_vs_floor"]),
+                "; ".join(paired) or "—",
             ]
         )
     table = md_table(
         [
             "layout",
             "payload range (measured sizes)",
-            "winner (lowest vs_floor)",
+            "recommended (lowest vs_floor; ≈ tied)",
             "winner vs_floor (×, lower is better)",
             "winner speedup over pickled (×, higher is better)",
             "runner-up",
-            "runner-up vs_floor (×, lower is better)",
+            "runner-up / winner (×, paired 95 % interval)",
         ],
         rows,
         align="lllrrlr",
     )
     note = (
-        f"The winner at a size is the strategy with the lowest `vs_floor` (its p50 over the floor "
-        f"p50 of the same job). '≈ runner-up at …' marks sizes where the runner-up is within "
-        f"{TIE_FRACTION:.0%} of the winner, "
-        "inside the run-to-run noise of such jobs: either is a fine choice there, and a "
-        "crossover next to a tie is not a clear one."
+        "The fastest strategy at a size has the lowest `vs_floor` (its p50 over the floor p50 of "
+        "the same job). It is named alone only where the 95 % interval of every other "
+        "strategy's time over its own, paired round by round in the same job, lies above 1; "
+        "where an interval holds 1 the strategies are tied and each of them is listed "
+        "(`a ≈ b (tied)`: either is a fine choice there, and a crossover next to a tie is not "
+        "a clear one). `no interval`: the records give no paired interval (older records, "
+        "fewer than 6 rounds, or strategies timed in different jobs), so no winner is claimed."
     )
-    return table + "\n\n" + note + "\n\n" + "\n".join(f"- {line}" for line in crossovers(rec))
+    legend = mark_legend(oversubscribed_cells(df))
+    return (table + "\n\n" + note + (f"\n\n{legend}" if legend else "") + "\n\n"
+            + "\n".join(f"- {line}" for line in crossovers(rec)))  # fmt: skip
 
 
 RESULT_TABLES = (
