@@ -15,7 +15,13 @@ from harness.job.verdict import interval_text
 from harness.report.cost_section import cost_markdown
 from harness.report.figures import save_figures
 from harness.report.md_format import fenced_commands, is_missing, md_table, ratio_range
-from harness.report.sure import MARK, mark_legend, oversubscribed_cells
+from harness.report.sure import (
+    MARK,
+    check_samples,
+    mark_legend,
+    oversubscribed_cells,
+    samples_markdown,
+)
 from harness.report.tables import (
     SINGLE,
     clean_reason,
@@ -127,40 +133,60 @@ def recommendation_markdown(df: pd.DataFrame) -> str:
 
 
 RESULT_TABLES = (
-    (
-        "p50_us",
-        "p50 per call (ms, median over jobs; lower is better)",
-        lambda v: f"{v / 1e3:.2f}",
-    ),
+    ("p50_us", "p50 per call (ms, median over jobs; lower is better)", 1e-3, ""),
     (
         "vs_floor",
         "`vs_floor`: p50 / floor p50, both timed in the same job (×; lower is better, 1× is the "
         "floor, below 1× beats it)",
-        lambda v: f"{v:.2f}×",
+        1.0,
+        "×",
     ),
     (
         "speedup_over_pickled",
         "Speedup over `pickled`: pickled's p50 / the strategy's p50, both timed in the same job "
         "(×; higher is better, above 1× is faster than pickled)",
-        lambda v: f"{v:.2f}×",
+        1.0,
+        "×",
     ),
 )
-"""The per-layout tables: (column, caption saying its unit and which way is better, cell)."""
+"""The per-layout tables: (column, caption saying its unit and which way is better, the scale
+of its cells, their unit). A cell is the figure and, where the records carry one, its 95 %
+interval in brackets (``lo``/``hi`` columns of ``strategy_table``)."""
+
+
+def _with_interval(column: str, scale: float, unit: str):
+    """The cell of ``column``: ``1.23× [1.10–1.40]``, the figure alone without an interval."""
+    lo, hi = (f"{column[:-3]}_lo_us", f"{column[:-3]}_hi_us") if column.endswith("_us") else (
+        f"{column}_lo", f"{column}_hi")  # fmt: skip
+
+    def cell(row) -> str:
+        low, high = row.get(lo), row.get(hi)
+        bounds = None if is_missing(low) or is_missing(high) else (low * scale, high * scale)
+        return interval_text(row[column] * scale, bounds, unit)
+
+    return cell
 
 
 def results_markdown(df: pd.DataFrame) -> str:
     """Per layout, three tables of every strategy at every size: p50 per call, ``vs_floor`` and
     the speedup over ``pickled`` (each caption says which way is better), the floor in words."""
     table, floors = strategy_table(df), floor_table(df)
+    over = oversubscribed_cells(df)
     parts = []
     for layout in layouts_of(df):
         tab = table[table["layout"] == layout]
         fl = floors[floors["layout"] == layout].set_index("payload_bytes")
         sizes = sorted(tab["payload_bytes"].dropna().unique())
-        header = ["strategy", *[human_bytes(s) for s in sizes]]
+        # A cell is a layout and a size: its column carries the mark for every strategy in it.
+        marks = {s: MARK if (layout, s) in over else "" for s in sizes}
+        header = ["strategy", *[human_bytes(s) + marks[s] for s in sizes]]
         parts.append(f"### {layout_label(df, layout)}\n")
+        legend = mark_legend({k: v for k, v in over.items() if k[0] == layout})
+        if legend:
+            parts.append(f"{legend}\n")
         reasons: dict[str, str] = {}
-        for column, caption, fmt in RESULT_TABLES:
+        for column, caption, scale, unit in RESULT_TABLES:
+            fmt = _with_interval(column, scale, unit)
             rows = [
                 [name, *[_result_cell(tab, name, s, column, fmt, reasons) for s in sizes]]
                 for name in strategies_of(df)
@@ -194,7 +220,7 @@ def _result_cell(tab: pd.DataFrame, name: str, size, column: str, fmt, reasons: 
         reasons[name] = clean_reason(row["error"])
         return "n/a"
     value = row.get(column)
-    return "—" if value is None or math.isnan(value) else fmt(value)
+    return "—" if value is None or math.isnan(value) else fmt(row)
 
 
 def _floor_rows(fl: pd.DataFrame, sizes, column: str) -> list[list[str]]:
@@ -295,11 +321,17 @@ Regenerate this report with `bcastbench report {root}`.
 
 {title_figs}
 
+## Checked against the samples
+
+{samples_markdown(check_samples(df))}
+
 ## Results per layout
 
 Three tables per layout: p50 per call (lower is better), `vs_floor` (lower is better) and the
 speedup over `pickled` (1 / `vs_baseline`; higher is better). Both ratios are taken inside each
-job, then the median over jobs. n/a: the strategy refuses the layout (reason below the
+job, then the median over jobs; in brackets each figure's 95 % interval (paired by round for a
+ratio; the widest of the jobs' where several measured it), where the records carry one. {MARK}
+on a size: its jobs ran more ranks on a node than the host had cores. n/a: the strategy refuses the layout (reason below the
 tables); not run: no job measured it.
 
 {results_markdown(df)}
