@@ -12,6 +12,7 @@ import pandas as pd
 
 from harness.files import write_atomic
 from harness.job.verdict import interval_text
+from harness.report import figures_sizes
 from harness.report.cost_section import cost_markdown
 from harness.report.figures import save_figures
 from harness.report.md_format import fenced_commands, is_missing, md_table, ratio_range
@@ -293,6 +294,7 @@ def write_report(root: Path | str, df: pd.DataFrame | None = None) -> Path:
     root = Path(root)
     df = load(root) if df is None else df
     figures = save_figures(df, root)
+    figures["time and busbw (nccl-tests)"] = figures_sizes.save(df, root)
     n_refused = int((~df["supported"]).sum())
     title_figs = "\n\n".join(f"![{name}]({path.name})" for name, path in figures.items())
     text = f"""# bcastbench report: {root.name}
