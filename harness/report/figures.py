@@ -136,7 +136,7 @@ def _panels(df: pd.DataFrame, title: str, max_cols: int = 3) -> tuple[Figure, li
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax in axes[len(layouts) :]:
         ax.set_visible(False)
-    fig.suptitle(f"{title}\n{context_line(df)}", fontsize=11)
+    fig.suptitle(_wrap(f"{title}\n{context_line(df)}", width - 0.4, 11), fontsize=11)
     return fig, list(zip(layouts, axes[: len(layouts)]))
 
 

@@ -80,6 +80,18 @@ def _answer_cell(r: dict) -> str:
     return r["answer"] if r["kind"] == "no interval" else f"**{r['answer']}**"
 
 
+TIE_NOTE = (
+    "The fastest strategy at a size has the lowest `vs_floor` (its p50 over the floor p50 of "
+    "the same job). It is named alone only where the 95 % interval of every other strategy's "
+    "time over its own, paired round by round in the same job, lies above 1; where an interval "
+    "holds 1 the strategies are tied and each of them is listed (`a ≈ b (tied)`: either is a "
+    "fine choice there, and a crossover next to a tie is not a clear one). `no interval`: the "
+    "records give no paired interval (older records, fewer than 6 rounds, or strategies timed "
+    "in different jobs), so no winner is claimed."
+)
+"""What the recommendation table's verdicts mean (``harness.job.verdict``)."""
+
+
 def recommendation_markdown(df: pd.DataFrame) -> str:
     rec = recommendation(df)
     if rec.empty:
@@ -119,17 +131,8 @@ def recommendation_markdown(df: pd.DataFrame) -> str:
         rows,
         align="lllrrlr",
     )
-    note = (
-        "The fastest strategy at a size has the lowest `vs_floor` (its p50 over the floor p50 of "
-        "the same job). It is named alone only where the 95 % interval of every other "
-        "strategy's time over its own, paired round by round in the same job, lies above 1; "
-        "where an interval holds 1 the strategies are tied and each of them is listed "
-        "(`a ≈ b (tied)`: either is a fine choice there, and a crossover next to a tie is not "
-        "a clear one). `no interval`: the records give no paired interval (older records, "
-        "fewer than 6 rounds, or strategies timed in different jobs), so no winner is claimed."
-    )
     legend = mark_legend(oversubscribed_cells(df))
-    return (table + "\n\n" + note + (f"\n\n{legend}" if legend else "") + "\n\n"
+    return (table + "\n\n" + TIE_NOTE + (f"\n\n{legend}" if legend else "") + "\n\n"
             + "\n".join(f"- {line}" for line in crossovers(rec)))  # fmt: skip
 
 
@@ -293,10 +296,7 @@ def write_report(root: Path | str, df: pd.DataFrame | None = None) -> Path:
     """Write report.md and the PNG figures into ``root``; returns the report's path."""
     root = Path(root)
     df = load(root) if df is None else df
-    figures = save_figures(df, root)
-    figures["time and busbw (nccl-tests)"] = figures_sizes.save(df, root)
     n_refused = int((~df["supported"]).sum())
-    title_figs = "\n\n".join(f"![{name}]({path.name})" for name, path in figures.items())
     text = f"""# bcastbench report: {root.name}
 
 {context_line(df)}. {len(df)} job record(s), {n_refused} of them unsupported (shown as n/a){_failed_note(df)};
@@ -319,13 +319,7 @@ Regenerate this report with `bcastbench report {root}`.
 
 {recommendation_markdown(df)}
 
-## Figures
-
-{title_figs}
-
-## Checked against the samples
-
-{samples_markdown(check_samples(df))}
+{_figures_and_checks(df, root)}
 
 ## Results per layout
 
@@ -345,6 +339,15 @@ tables); not run: no job measured it.
 {cost_markdown(df)}
 """
     return write_atomic(root / "report.md", text)
+
+
+def _figures_and_checks(df: pd.DataFrame, root: Path) -> str:
+    """The figures (drawn into ``root``) linked, and what recomputing every p50 found."""
+    figures = save_figures(df, root)
+    figures["time and busbw (nccl-tests)"] = figures_sizes.save(df, root)
+    links = "\n\n".join(f"![{name}]({path.name})" for name, path in figures.items())
+    checked = samples_markdown(check_samples(df))
+    return f"## Figures\n\n{links}\n\n## Checked against the samples\n\n{checked}"
 
 
 def _failed_note(df: pd.DataFrame) -> str:
