@@ -434,6 +434,8 @@ def dispatch_frame(records: list[dict]) -> pd.DataFrame:
                 "panel": f"{rec['layout'].split(' ')[0]}\n{where}", "mode": mode,
                 "payload_bytes": rec["payload_bytes"], "p50_ms": row["p50_us"] / 1e3,
                 "p90_ms": row["p90_us"] / 1e3,
+                "p50_lo_ms": (row.get("p50_lo_us") or float("nan")) / 1e3,
+                "p50_hi_ms": (row.get("p50_hi_us") or float("nan")) / 1e3,
                 "cross_mb": (row.get("cross_node_bytes_per_call") or float("nan")) / 1e6,
             })  # fmt: skip
     return pd.DataFrame(rows)
