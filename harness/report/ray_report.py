@@ -30,7 +30,7 @@ def _ray_winner(modes: dict[str, float]) -> str:
         return verdict.text()
     return (
         f"no interval: {verdict.best} fastest, {verdict.runner_up} "
-        f"{verdict.runner_up_ratio:.2f}× its p50 (modes timed in separate jobs)"
+        f"{verdict.runner_up_ratio:.2f}× its p50 (no paired interval)"
     )
 
 
