@@ -237,6 +237,8 @@ def floor_table(df: pd.DataFrame) -> pd.DataFrame:
     the method that won most often (``floor_method``, in ``method_jobs`` of them) and the
     single broadcast beside it (``floor_single_p50_us``)."""
     ok = df[df["supported"] & df["floor_p50_us"].notna()].copy()
+    if "samples_file" in ok.columns:  # a record_each job's records share one floor: count it once
+        ok = ok[~ok.apply(_job_key, axis=1).duplicated()]
     ok["winner_p90_us"] = winning_floor(ok, "p90_us")
     out = ok.groupby(["layout", "payload_bytes"], as_index=False).agg(
         floor_p50_us=("floor_p50_us", "median"),
@@ -249,6 +251,15 @@ def floor_table(df: pd.DataFrame) -> pd.DataFrame:
     )
     out["floor_algbw_gbps"] = out["payload_bytes"] / (out["floor_p50_us"] / 1e6) / 1e9
     return out
+
+
+def _job_key(row) -> str:
+    """The job a record came from: its samples file, which every record a ``record_each`` job
+    writes names (one directory up for the others); its own directory where it names none."""
+    name = row.get("samples_file")
+    if isinstance(name, str) and name and isinstance(row.get("job_dir"), str):
+        return str((Path(row["job_dir"]) / name).resolve())
+    return str(row.get("job_dir"))
 
 
 def _most_often(values: pd.Series) -> str:
