@@ -213,3 +213,11 @@ def test_every_registered_strategy_has_its_own_stable_style():
     assert set(BUILTIN) <= set(names)
     assert style("pickled [serialization=dataclass]")["color"] == style("pickled")["color"]
     assert style("leader:header") == style("leader:header")
+
+
+def test_a_record_each_job_counts_once_and_bench_sums_up_the_verdicts(sweep):
+    floors = tables.floor_table(tables.load(sweep))
+    assert list(floors["n_jobs"]) == [1, 1]  # three records per job, one floor each
+    from harness.commands.bench import _verdicts
+
+    assert _verdicts(sweep) == "2 cells: 1 winner, 1 tied (report.md names them)"
