@@ -19,7 +19,9 @@ from harness import paths
 from harness.commands import report
 from harness.commands.run import run
 from harness.errors import USAGE_EXIT
+from harness.job.verdict import ALONE, NO_INTERVAL, TIED, WINNER
 from harness.report.sweep_state import STATE
+from harness.report.tables import load, recommendation
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,11 +43,25 @@ def main(argv: list[str] | None = None) -> int:
 
     if STATE.done > STATE.failed:
         report.main([str(out)])
+        print(f"bcastbench bench: {_verdicts(out)}", flush=True)
     else:
         print(f"bcastbench bench: every job failed; no report (see {out / 'results.csv'})")
     done = "took" if rc == 0 else f"ended with exit {rc} (failed jobs are in the table) after"
     print(f"\nbcastbench bench: the sweep {done} {sweep_s:.0f} s; results in {out}", flush=True)
     return rc
+
+
+def _verdicts(out: Path) -> str:
+    """How many cells name a winner, how many are ties and how many have no interval: the
+    sweep's answer in one line, before anyone opens report.md."""
+    rec = recommendation(load(out))
+    if rec.empty:
+        return "no cell to recommend for"
+    counts = rec["kind"].value_counts()
+    kinds = ", ".join(
+        f"{int(counts[k])} {k}" for k in (WINNER, TIED, NO_INTERVAL, ALONE) if k in counts
+    )
+    return f"{len(rec)} cells: {kinds} (report.md names them)"
 
 
 if __name__ == "__main__":

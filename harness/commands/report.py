@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from harness.errors import USAGE_EXIT
+from harness.report import figures_sizes
 from harness.report.collect import records_dir_problem, unfinished_writes
 from harness.report.dispatch_records import load_dispatch_records
 from harness.report.figures import FIGURES
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return FAILED_EXIT
     path = write_report(args.root, df)
-    print(f"bcastbench report: {path} (figures beside it: {', '.join(FIGURES.values())})")
+    shown = ", ".join([*FIGURES.values(), figures_sizes.FIGURE])
+    print(f"bcastbench report: {path} (figures beside it: {shown})")
     return 0
 
 

@@ -28,6 +28,7 @@ from harness.job.build import from_run_config
 from harness.job.config import validate
 from harness.job.execute import JOB_FAILURES, run_job, world_spec
 from harness.job.records import job_line
+from harness.job.verdict import records_beside
 from harness.worlds import launcher as launchers
 
 log = logging.getLogger("bcastbench")
@@ -86,8 +87,9 @@ def run(cfg) -> dict | None:
     record = run_job(world, spec, out_dir, _recorded_failures(launch, multirun))
     if record is None:
         return None
+    line = job_line(record, records_beside(out_dir))
     if multirun:
-        _to_job_log(job_line(record))  # a failed one is a row of the sweep's table, counted
+        _to_job_log(line)  # a failed one is a row of the sweep's table, counted
     else:
-        log.info(f"{job_line(record)}\nrecord: {out_dir / 'result.json'}")
+        log.info(f"{line}\nrecord: {out_dir / 'result.json'}")
     return record

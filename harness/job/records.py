@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from harness.job.results import (
 )
 from harness.job.spec import Scope
 from harness.job.stats import excludes_one, ratio_interval
+from harness.job.verdict import WINNER, job_verdict
 from harness.units import human_bytes
 
 REPO = paths.REPO
@@ -362,9 +364,11 @@ def _range(rec: dict, field: str, scale: float = 1.0) -> str:
     return f" [{lo * scale:.{digits}f}-{hi * scale:.{digits}f}]"
 
 
-def job_line(rec) -> str:
+def job_line(rec, others: Iterable[dict] = ()) -> str:
     """One job in one line: what ran (strategy, layout, payload size) and how it did (p50,
-    ``vs_floor``, the speedup over ``pickled`` measured in the same job), or why it did not."""
+    ``vs_floor``, the speedup over ``pickled`` measured in the same job), which strategy it
+    found fastest, tied or not (``harness.job.verdict``; ``others``: the records the job wrote
+    for its other strategies), or why it did not run."""
     if not isinstance(rec, dict):
         return f"FAILED: {str(rec)[:160]}"
     # A dispatch job is named by its mode (leader:<strategy>, all_ranks): it has no baseline.
@@ -385,6 +389,11 @@ def job_line(rec) -> str:
         line += f"  {1 / rec['vs_baseline']:.1f}x faster than pickled"
     if rec.get("auto_choice"):
         line += f"  (auto chose {rec['auto_choice']})"
+    verdict = job_verdict([rec, *others])
+    if verdict is not None and verdict.runner_up is not None:
+        line += f"  fastest: {verdict.text()}"
+        if verdict.kind == WINNER:
+            line += f", then {verdict.runner_up_text()}"
     if rec.get("oversubscribed"):
-        line += f"  [oversubscribed: {rec['ranks_on_node']} ranks on {rec['host_cores']} cores]"
+        line += f"  † oversubscribed: {rec['ranks_on_node']} ranks on {rec['host_cores']} cores"
     return line

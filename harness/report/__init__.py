@@ -1,5 +1,6 @@
 """From records to readers: one table of every job (``collect``), the report's tables, figures
-and text (``tables``, ``figures``, ``markdown`` with ``cost_section`` and ``md_format``), and
+and text (``tables``, ``figures`` with ``figures_sizes`` and ``styles``, ``markdown`` with
+``cost_section`` and ``md_format``), how sure they are (``sure``), and
 measured Ray dispatch beside the model (``dispatch_records``, ``dispatch_model``,
 ``ray_report``); ``bcastbench report`` (``harness.commands.report``) writes them.
 
@@ -14,7 +15,7 @@ import importlib
 
 _HOMES = {
     "tables": (
-        "BASELINE", "FLOOR", "SETTING", "SINGLE", "TIE_FRACTION", "clean_reason",
+        "BASELINE", "FLOOR", "SETTING", "SINGLE", "clean_reason",
         "context_line", "crossovers", "floor_method_text", "floor_reference", "floor_table",
         "human_bytes", "layout_label", "layouts_of", "load",
         "recommendation", "recommendation_ranges", "run_dates", "strategies_of",
@@ -29,9 +30,13 @@ _HOMES = {
         "write_report",
     ),
     "cost_section": ("COST_COLUMNS", "cost_markdown"),
+    "figures_sizes": ("plot_time_and_busbw",),
+    "sure": ("MARK", "check_samples", "host_text", "oversubscribed_cells", "samples_markdown"),
 }  # fmt: skip
 _WHERE = {name: module for module, names in _HOMES.items() for name in names}
-_MODULES = ("collect", "md_format", "dispatch_records", "dispatch_model", "ray_report")
+_MODULES = (
+    "collect", "md_format", "dispatch_records", "dispatch_model", "ray_report", "styles",
+)  # fmt: skip
 """Modules reached as attributes only (``report.collect``), their names not lifted up."""
 
 

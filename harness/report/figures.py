@@ -17,6 +17,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from harness.files import write_figure
+from harness.report.styles import draw_order, emphasis
+from harness.report.styles import styles as strategy_styles
 from harness.report.tables import (
     BASELINE,
     SINGLE,
@@ -27,6 +29,7 @@ from harness.report.tables import (
     jobs_text,
     layout_label,
     layouts_of,
+    recommendation,
     strategies_of,
     strategy_table,
 )
@@ -133,7 +136,7 @@ def _panels(df: pd.DataFrame, title: str, max_cols: int = 3) -> tuple[Figure, li
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax in axes[len(layouts) :]:
         ax.set_visible(False)
-    fig.suptitle(f"{title}\n{context_line(df)}", fontsize=11)
+    fig.suptitle(_wrap(f"{title}\n{context_line(df)}", width - 0.4, 11), fontsize=11)
     return fig, list(zip(layouts, axes[: len(layouts)]))
 
 
@@ -163,13 +166,40 @@ def _legend(fig: Figure, axes_pairs) -> None:
 
 
 # -- figures --------------------------------------------------------------------------------
+def recommended(df: pd.DataFrame) -> set[str]:
+    """Every strategy some cell recommends (its fastest, and those tied with it)."""
+    rec = recommendation(df)
+    if rec.empty:
+        return set()
+    return set(rec["winner"]) | {n for tied in rec["tied_with"] for n in tied}
+
+
+def line_styles(df: pd.DataFrame) -> tuple[list[str], dict[str, dict]]:
+    """The strategies in legend order (recommended first) and each one's colour, marker and
+    emphasis (``harness.report.styles``): the same strategy looks the same in every figure."""
+    chosen = recommended(df)
+    names = draw_order(strategies_of(df), chosen)
+    return names, {n: {**s, **emphasis(n, chosen)} for n, s in strategy_styles(names).items()}
+
+
+def interval_bars(ax, x, y, lo, hi, style: dict) -> None:
+    """Each point's 95 % interval as a vertical bar in its line's colour; none where the
+    records carry no interval (NaN)."""
+    x, y, lo, hi = (np.asarray(v, dtype=float) for v in (x, y, lo, hi))
+    have = ~(np.isnan(lo) | np.isnan(hi) | np.isnan(y))
+    if not have.any():
+        return
+    err = [np.clip(y - lo, 0, None)[have], np.clip(hi - y, 0, None)[have]]
+    ax.errorbar(x[have], y[have], yerr=err, fmt="none", ecolor=style["color"], capsize=2.5,
+                elinewidth=1.0, alpha=style.get("alpha", 1.0), zorder=style.get("zorder", 2))  # fmt: skip
+
+
 def _layout_panels(df: pd.DataFrame, title: str, ylabel: str, draw) -> Figure:
     """One panel per layout against payload bytes (log-log), one legend for all: ``draw(ax,
     tab, fl, names, styles)`` draws a layout's lines from its supported rows ``tab`` and its
     floors ``fl`` (sorted by payload); the axes, title and legend are the same for every plot."""
     table, floors = strategy_table(df), floor_table(df)
-    names = strategies_of(df)
-    styles = _styles(names)
+    names, styles = line_styles(df)
     fig, pairs = _panels(df, title)
     for layout, ax in pairs:
         tab = table[(table["layout"] == layout) & table["supported"]]
@@ -184,26 +214,17 @@ def _layout_panels(df: pd.DataFrame, title: str, ylabel: str, draw) -> Figure:
 
 
 def plot_latency(df: pd.DataFrame) -> Figure:
-    """(a) p50 latency with a p50..p90 band vs payload, log-log, one panel per layout; the
+    """(a) p50 latency with its 95 % interval vs payload, log-log, one panel per layout; the
     floor is its own black line (median of the floors measured by every job at that size)."""
 
     def draw(ax, tab, fl, names, styles) -> None:
-        for name in names:
-            rows = tab[tab["strategy"] == name].sort_values("payload_bytes")
-            if rows.empty:
-                continue
-            x, p50, p90 = rows["payload_bytes"], rows["p50_us"] / 1e3, rows["p90_us"] / 1e3
-            ax.plot(x, p50, label=name, lw=1.6, ms=5, **styles[name])
-            if len(rows) > 1:
-                ax.fill_between(x, p50, p90, color=styles[name]["color"], alpha=0.12, lw=0)
-            else:  # a band needs two sizes: one size gets its p50..p90 as a bar
-                ax.vlines(x, p50, p90, color=styles[name]["color"], alpha=0.35, lw=5)
+        _strategy_lines(ax, tab, names, styles, "p50_us", 1e-3)
         _floor_line(ax, fl, "floor_p50_us", scale=1e-3)
 
     return _layout_panels(
         df,
-        "Latency per call (p50, band up to p90) vs payload size",
-        "latency per call (ms, log scale): line p50, band p50 to p90",
+        "Latency per call (p50, bars: its 95 % interval) vs payload size",
+        "latency per call (ms, log scale): p50 with its 95 % interval",
         draw,
     )
 
@@ -320,12 +341,28 @@ def _single_broadcast(fl: pd.DataFrame, column: str) -> pd.Series:
     return fl["floor_single_p50_us"]
 
 
-def _strategy_lines(ax, tab: pd.DataFrame, names, styles, column: str) -> None:
-    """One line per strategy: ``column`` against payload bytes."""
+def bounds(rows: pd.DataFrame, column: str) -> tuple[pd.Series, pd.Series]:
+    """The 95 % interval of ``column`` in ``rows`` (NaN where none): its own ``_lo``/``_hi``,
+    or for a bandwidth the p50's turned round (bytes over a longer time is fewer GB/s)."""
+    nan = pd.Series(np.nan, index=rows.index)
+    if column in ("algbw_gbps", "busbw_gbps"):
+        lo, hi = rows.get("p50_hi_us", nan), rows.get("p50_lo_us", nan)
+        return rows[column] * rows["p50_us"] / lo, rows[column] * rows["p50_us"] / hi
+    if column.endswith("_us"):
+        return rows.get(f"{column[:-3]}_lo_us", nan), rows.get(f"{column[:-3]}_hi_us", nan)
+    return rows.get(f"{column}_lo", nan), rows.get(f"{column}_hi", nan)
+
+
+def _strategy_lines(ax, tab: pd.DataFrame, names, styles, column: str, scale=1.0) -> None:
+    """One line per strategy: ``column`` (× ``scale``) against payload bytes, each point with
+    its interval bar."""
     for name in names:
         rows = tab[tab["strategy"] == name].sort_values("payload_bytes")
         if not rows.empty:
-            ax.plot(rows["payload_bytes"], rows[column], label=name, lw=1.6, ms=5, **styles[name])
+            x, y = rows["payload_bytes"], rows[column] * scale
+            ax.plot(x, y, label=name, **styles[name])
+            lo, hi = bounds(rows, column)
+            interval_bars(ax, x, y, lo * scale, hi * scale, styles[name])
 
 
 def plot_overhead(df: pd.DataFrame) -> Figure:
@@ -397,6 +434,8 @@ def dispatch_frame(records: list[dict]) -> pd.DataFrame:
                 "panel": f"{rec['layout'].split(' ')[0]}\n{where}", "mode": mode,
                 "payload_bytes": rec["payload_bytes"], "p50_ms": row["p50_us"] / 1e3,
                 "p90_ms": row["p90_us"] / 1e3,
+                "p50_lo_ms": (row.get("p50_lo_us") or float("nan")) / 1e3,
+                "p50_hi_ms": (row.get("p50_hi_us") or float("nan")) / 1e3,
                 "cross_mb": (row.get("cross_node_bytes_per_call") or float("nan")) / 1e6,
             })  # fmt: skip
     return pd.DataFrame(rows)

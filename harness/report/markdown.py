@@ -11,12 +11,20 @@ from pathlib import Path
 import pandas as pd
 
 from harness.files import write_atomic
+from harness.job.verdict import interval_text
+from harness.report import figures_sizes
 from harness.report.cost_section import cost_markdown
 from harness.report.figures import save_figures
 from harness.report.md_format import fenced_commands, is_missing, md_table, ratio_range
+from harness.report.sure import (
+    MARK,
+    check_samples,
+    mark_legend,
+    oversubscribed_cells,
+    samples_markdown,
+)
 from harness.report.tables import (
     SINGLE,
-    TIE_FRACTION,
     clean_reason,
     context_line,
     crossovers,
@@ -63,6 +71,27 @@ def caveat(df: pd.DataFrame) -> str:
     )
 
 
+def _answer_cell(r: dict) -> str:
+    """The verdict in bold where it names strategies to use: ``**shm**``, ``**shm** ≈
+    **auto** (tied)``, ``shm (no interval)``."""
+    if r["kind"] == "tied":
+        names = r["answer"].removesuffix(" (tied)").split(" ≈ ")
+        return " ≈ ".join(f"**{n}**" for n in names) + " (tied)"
+    return r["answer"] if r["kind"] == "no interval" else f"**{r['answer']}**"
+
+
+TIE_NOTE = (
+    "The fastest strategy at a size has the lowest `vs_floor` (its p50 over the floor p50 of "
+    "the same job). It is named alone only where the 95 % interval of every other strategy's "
+    "time over its own, paired round by round in the same job, lies above 1; where an interval "
+    "holds 1 the strategies are tied and each of them is listed (`a ≈ b (tied)`: either is a "
+    "fine choice there, and a crossover next to a tie is not a clear one). `no interval`: the "
+    "records give no paired interval (older records, fewer than 6 rounds, or strategies timed "
+    "in different jobs), so no winner is claimed."
+)
+"""What the recommendation table's verdicts mean (``harness.job.verdict``)."""
+
+
 def recommendation_markdown(df: pd.DataFrame) -> str:
     rec = recommendation(df)
     if rec.empty:
@@ -74,77 +103,94 @@ def recommendation_markdown(df: pd.DataFrame) -> str:
         if r["to_bytes"] != r["from_bytes"]:
             span += f" – {human_bytes(r['to_bytes'])}"
         runners = sorted({x for x in r["runner_up"] if isinstance(x, str)})  # NaN: none
-        tie_sizes = [human_bytes(b) for b, t in zip(r["sizes"], r["ties"]) if t]
-        tie = f" (≈ runner-up at {', '.join(tie_sizes)})" if tie_sizes else ""
+        paired = [interval_text(v / w if w else None, i) for v, w, i in
+                  zip(r["runner_up_vs_floor"], r["winner_vs_floor"], r["runner_up_interval"])
+                  if not is_missing(v)]  # fmt: skip
+        over = MARK if any(isinstance(o, str) for o in r["oversubscribed"]) else ""
         rows.append(
             [
-                r["layout"],
+                f"{r['layout']}{over}",
                 span,
-                f"**{r['winner']}**{tie}",
+                _answer_cell(r),
                 ratio_range(r["winner_vs_floor"]),
                 ratio_range(r["winner_speedup_over_pickled"]),
                 ", ".join(runners) or "—",
-                ratio_range(r["runner_up_vs_floor"]),
+                "; ".join(paired) or "—",
             ]
         )
     table = md_table(
         [
             "layout",
             "payload range (measured sizes)",
-            "winner (lowest vs_floor)",
+            "recommended (lowest vs_floor; ≈ tied)",
             "winner vs_floor (×, lower is better)",
             "winner speedup over pickled (×, higher is better)",
             "runner-up",
-            "runner-up vs_floor (×, lower is better)",
+            "runner-up / winner (×, paired 95 % interval)",
         ],
         rows,
         align="lllrrlr",
     )
-    note = (
-        f"The winner at a size is the strategy with the lowest `vs_floor` (its p50 over the floor "
-        f"p50 of the same job). '≈ runner-up at …' marks sizes where the runner-up is within "
-        f"{TIE_FRACTION:.0%} of the winner, "
-        "inside the run-to-run noise of such jobs: either is a fine choice there, and a "
-        "crossover next to a tie is not a clear one."
-    )
-    return table + "\n\n" + note + "\n\n" + "\n".join(f"- {line}" for line in crossovers(rec))
+    legend = mark_legend(oversubscribed_cells(df))
+    return (table + "\n\n" + TIE_NOTE + (f"\n\n{legend}" if legend else "") + "\n\n"
+            + "\n".join(f"- {line}" for line in crossovers(rec)))  # fmt: skip
 
 
 RESULT_TABLES = (
-    (
-        "p50_us",
-        "p50 per call (ms, median over jobs; lower is better)",
-        lambda v: f"{v / 1e3:.2f}",
-    ),
+    ("p50_us", "p50 per call (ms, median over jobs; lower is better)", 1e-3, ""),
     (
         "vs_floor",
         "`vs_floor`: p50 / floor p50, both timed in the same job (×; lower is better, 1× is the "
         "floor, below 1× beats it)",
-        lambda v: f"{v:.2f}×",
+        1.0,
+        "×",
     ),
     (
         "speedup_over_pickled",
         "Speedup over `pickled`: pickled's p50 / the strategy's p50, both timed in the same job "
         "(×; higher is better, above 1× is faster than pickled)",
-        lambda v: f"{v:.2f}×",
+        1.0,
+        "×",
     ),
 )
-"""The per-layout tables: (column, caption saying its unit and which way is better, cell)."""
+"""The per-layout tables: (column, caption saying its unit and which way is better, the scale
+of its cells, their unit). A cell is the figure and, where the records carry one, its 95 %
+interval in brackets (``lo``/``hi`` columns of ``strategy_table``)."""
+
+
+def _with_interval(column: str, scale: float, unit: str):
+    """The cell of ``column``: ``1.23× [1.10–1.40]``, the figure alone without an interval."""
+    lo, hi = (f"{column[:-3]}_lo_us", f"{column[:-3]}_hi_us") if column.endswith("_us") else (
+        f"{column}_lo", f"{column}_hi")  # fmt: skip
+
+    def cell(row) -> str:
+        low, high = row.get(lo), row.get(hi)
+        bounds = None if is_missing(low) or is_missing(high) else (low * scale, high * scale)
+        return interval_text(row[column] * scale, bounds, unit)
+
+    return cell
 
 
 def results_markdown(df: pd.DataFrame) -> str:
     """Per layout, three tables of every strategy at every size: p50 per call, ``vs_floor`` and
     the speedup over ``pickled`` (each caption says which way is better), the floor in words."""
     table, floors = strategy_table(df), floor_table(df)
+    over = oversubscribed_cells(df)
     parts = []
     for layout in layouts_of(df):
         tab = table[table["layout"] == layout]
         fl = floors[floors["layout"] == layout].set_index("payload_bytes")
         sizes = sorted(tab["payload_bytes"].dropna().unique())
-        header = ["strategy", *[human_bytes(s) for s in sizes]]
+        # A cell is a layout and a size: its column carries the mark for every strategy in it.
+        marks = {s: MARK if (layout, s) in over else "" for s in sizes}
+        header = ["strategy", *[human_bytes(s) + marks[s] for s in sizes]]
         parts.append(f"### {layout_label(df, layout)}\n")
+        legend = mark_legend({k: v for k, v in over.items() if k[0] == layout})
+        if legend:
+            parts.append(f"{legend}\n")
         reasons: dict[str, str] = {}
-        for column, caption, fmt in RESULT_TABLES:
+        for column, caption, scale, unit in RESULT_TABLES:
+            fmt = _with_interval(column, scale, unit)
             rows = [
                 [name, *[_result_cell(tab, name, s, column, fmt, reasons) for s in sizes]]
                 for name in strategies_of(df)
@@ -178,7 +224,7 @@ def _result_cell(tab: pd.DataFrame, name: str, size, column: str, fmt, reasons: 
         reasons[name] = clean_reason(row["error"])
         return "n/a"
     value = row.get(column)
-    return "—" if value is None or math.isnan(value) else fmt(value)
+    return "—" if value is None or math.isnan(value) else fmt(row)
 
 
 def _floor_rows(fl: pd.DataFrame, sizes, column: str) -> list[list[str]]:
@@ -250,9 +296,7 @@ def write_report(root: Path | str, df: pd.DataFrame | None = None) -> Path:
     """Write report.md and the PNG figures into ``root``; returns the report's path."""
     root = Path(root)
     df = load(root) if df is None else df
-    figures = save_figures(df, root)
     n_refused = int((~df["supported"]).sum())
-    title_figs = "\n\n".join(f"![{name}]({path.name})" for name, path in figures.items())
     text = f"""# bcastbench report: {root.name}
 
 {context_line(df)}. {len(df)} job record(s), {n_refused} of them unsupported (shown as n/a){_failed_note(df)};
@@ -275,15 +319,15 @@ Regenerate this report with `bcastbench report {root}`.
 
 {recommendation_markdown(df)}
 
-## Figures
-
-{title_figs}
+{_figures_and_checks(df, root)}
 
 ## Results per layout
 
 Three tables per layout: p50 per call (lower is better), `vs_floor` (lower is better) and the
 speedup over `pickled` (1 / `vs_baseline`; higher is better). Both ratios are taken inside each
-job, then the median over jobs. n/a: the strategy refuses the layout (reason below the
+job, then the median over jobs; in brackets each figure's 95 % interval (paired by round for a
+ratio; the widest of the jobs' where several measured it), where the records carry one. {MARK}
+on a size: its jobs ran more ranks on a node than the host had cores. n/a: the strategy refuses the layout (reason below the
 tables); not run: no job measured it.
 
 {results_markdown(df)}
@@ -295,6 +339,15 @@ tables); not run: no job measured it.
 {cost_markdown(df)}
 """
     return write_atomic(root / "report.md", text)
+
+
+def _figures_and_checks(df: pd.DataFrame, root: Path) -> str:
+    """The figures (drawn into ``root``) linked, and what recomputing every p50 found."""
+    figures = save_figures(df, root)
+    figures["time and busbw (nccl-tests)"] = figures_sizes.save(df, root)
+    links = "\n\n".join(f"![{name}]({path.name})" for name, path in figures.items())
+    checked = samples_markdown(check_samples(df))
+    return f"## Figures\n\n{links}\n\n## Checked against the samples\n\n{checked}"
 
 
 def _failed_note(df: pd.DataFrame) -> str:

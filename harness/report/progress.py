@@ -18,6 +18,7 @@ from hydra.experimental.callback import Callback
 
 from harness import files
 from harness.job.records import job_line
+from harness.job.verdict import records_beside
 from harness.report.collect import load, summary_table
 from harness.report.sweep_state import STATE
 
@@ -72,7 +73,8 @@ class Progress(Callback):
             STATE.failed += 1
 
         line = f"[{STATE.done}/{total or '?'}] {elapsed:6.0f}s elapsed, ETA {eta:5.0f}s  "
-        line += job_line(rec)
+        # A record_each job's other records hold the intervals against its fastest strategy.
+        line += job_line(rec, records_beside(HydraConfig.get().runtime.output_dir))
         print(line, flush=True)
         if STATE.records is not None:
             _append_log(STATE.records, line)

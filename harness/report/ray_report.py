@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.files import write_atomic, write_figure
+from harness.job.verdict import NO_INTERVAL, decide, interval_text
 from harness.model.dispatch_prices import load_ray_costs
 from harness.report.dispatch_model import compare
 from harness.report.dispatch_records import load_dispatch_records
@@ -13,22 +14,24 @@ from harness.report.figures import RAY_FIGURE, dispatch_frame, plot_ray_dispatch
 from harness.report.md_format import fenced_commands, is_missing, md_table
 from harness.report.tables import human_bytes
 
-RAY_TIE = 0.10
-"""Relative p50 difference below which the Ray section calls two modes even."""
-
 
 def _ray_winner(modes: dict[str, float]) -> str:
-    """all_ranks against the best leader + broadcast (floors left out: nobody ships them)."""
-    leaders = {m: p for m, p in modes.items() if m.startswith("leader:") and m != "leader:floor"}
-    if "all_ranks" not in modes or not leaders:
+    """Which of all_ranks and the leader paths is fastest (floors left out: nobody ships them),
+    by the rule of ``harness.job.verdict``. A dispatch record keeps no paired interval between
+    two modes (a sweep's job times one mode and its raw floor; the older CLI's record keeps
+    each mode's own figures only), so the answer names the fastest and its lead, and says there
+    is no interval instead of claiming a winner."""
+    shipped = {m: p for m, p in modes.items() if m == "all_ranks" or
+               (m.startswith("leader:") and m != "leader:floor")}  # fmt: skip
+    if "all_ranks" not in shipped or len(shipped) < 2:
         return "n/a"
-    best = min(leaders, key=leaders.get)
-    ratio = leaders[best] / modes["all_ranks"]
-    if abs(ratio - 1) <= RAY_TIE:
-        return f"even: all_ranks and {best} within {RAY_TIE:.0%} ({ratio:.2f}×)"
-    if ratio > 1:
-        return f"**all_ranks**, {ratio:.2f}× faster than the best leader path ({best})"
-    return f"**{best}**, {1 / ratio:.2f}× faster than all_ranks"
+    verdict = decide(shipped, lambda mode: None)
+    if verdict.kind != NO_INTERVAL:  # a paired interval: the rule's own words
+        return verdict.text()
+    return (
+        f"no interval: {verdict.best} fastest, {verdict.runner_up} "
+        f"{verdict.runner_up_ratio:.2f}× its p50 (no paired interval)"
+    )
 
 
 def ray_dispatch_markdown(records: list[dict]) -> str:
@@ -42,16 +45,23 @@ def ray_dispatch_markdown(records: list[dict]) -> str:
         for r in g.itertuples():
             pred = model.get((where, size, r.mode))
             cross = "" if is_missing(r.cross_mb) else f"{r.cross_mb:.2f}"
-            rows.append([where, human_bytes(size), r.mode, f"{r.p50_ms:.1f}", cross,
+            rows.append([where, human_bytes(size), r.mode, _p50_cell(r), cross,
                          f"{pred[0]:.1f}" if pred else "", f"{pred[1]:+.0%}" if pred else ""])  # fmt: skip
         wins.append([where, human_bytes(size), _ray_winner(dict(zip(g["mode"], g["p50_ms"])))])
     header = ["layout, cluster", "payload", "mode", "p50 ms", "MB crossed", "model ms", "error"]
     return (
         "### Where each wins\n\n"
-        + md_table(["layout, cluster", "payload per replica", "winner (p50)"], wins)
+        + md_table(["layout, cluster", "payload per replica", "fastest (p50)"], wins)
         + "\n\n### Measured, with the cost model's figure beside it\n\n"
         + md_table(header, rows)
     )
+
+
+def _p50_cell(row) -> str:
+    """A mode's p50 in ms with its 95 % interval where the record carries one."""
+    lo, hi = row.p50_lo_ms, row.p50_hi_ms
+    bounds = None if is_missing(lo) or is_missing(hi) else (lo, hi)
+    return interval_text(row.p50_ms, bounds, unit="")
 
 
 def _ray_model(records: list[dict]) -> dict:
@@ -93,8 +103,10 @@ uses the node's one address, so its transfers all cross on rail 0.
 
 {fenced_commands(commands)}
 
-{len(records)} job record(s), {records[0].get("iters", "?")} timed iterations per mode; a
-2-core shared host: differences within {RAY_TIE:.0%} are noise.
+{len(records)} job record(s), {records[0].get("iters", "?")} timed iterations per mode; p50 in
+brackets: its 95 % interval where the records carry one. Dispatch records keep no paired
+interval of one mode's time over another's (a sweep times each mode in a job of its own), so
+the table below names the fastest mode and its lead, never a winner it cannot back.
 
 ![Ray to every rank vs leader + broadcast]({RAY_FIGURE})
 

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from harness.report import collect
+from harness.report.sure import cell_verdict, host_text, oversubscribed_cells
 from harness.units import human_bytes
 
 BASELINE = "pickled"
@@ -26,15 +27,15 @@ BASELINE = "pickled"
 FLOOR = "floor"
 SINGLE = "one"
 """The floor method that is one raw broadcast (the only floor older records timed)."""
-TIE_FRACTION = 0.10
-"""Two strategies whose vs_floor differ by less than this are called a tie: a job's p50 on a
-shared CPU machine moves by about this much from one run to the next."""
 SETTING = (
     "backend", "device", "world_size", "dp", "pp", "tp", "cp", "order", "payload", "seq_len",
     "emulate_nodes", "emulate_links", "emulate_rate_mbit", "world", "workload",
 )  # fmt: skip
 """Record fields that make two runs of one strategy at one payload size different runs (a
 varying workload's rows never merge with a constant one's: ``workload`` is null there)."""
+INTERVALS = ("p50_lo_us", "p50_hi_us", "vs_floor_lo", "vs_floor_hi", "vs_baseline_lo",
+             "vs_baseline_hi")  # fmt: skip
+"""The 95 % intervals records carry (``harness.job.stats``); older records have none (NaN)."""
 
 
 # -- the table ------------------------------------------------------------------------------
@@ -60,10 +61,14 @@ def load(root: Path | str) -> pd.DataFrame:
         df.loc[missing, "payload_bytes"] = [
             known.get(tuple(row), np.nan) for row in df.loc[missing, key].itertuples(index=False)
         ]
-    for col in ("p50_us", "p90_us", "floor_p50_us", "vs_floor", "vs_baseline", "algbw_gbps"):
+    for col in ("p50_us", "p90_us", "floor_p50_us", "vs_floor", "vs_baseline", "algbw_gbps",
+                "busbw_gbps", *INTERVALS):  # fmt: skip
         # Refused rows (and jobs run without a reference) leave gaps: make them NaN, not None.
         df[col] = pd.to_numeric(df[col], errors="coerce") if col in df.columns else np.nan
     df["speedup_over_pickled"] = 1.0 / df["vs_baseline"]
+    # The speedup is 1 / vs_baseline, so its interval is that one's turned round.
+    df["speedup_over_pickled_lo"] = 1.0 / df["vs_baseline_hi"]
+    df["speedup_over_pickled_hi"] = 1.0 / df["vs_baseline_lo"]
     return _label_settings(_honest_floor(_honest_rss_growth(df)))
 
 
@@ -207,8 +212,15 @@ def strategy_table(df: pd.DataFrame) -> pd.DataFrame:
     ]  # fmt: skip
     key = ["layout", *[c for c in SETTING if c in df.columns], "strategy", "payload_bytes"]
     ok = df[df["supported"]]
+    # Several jobs of one cell: the median of their figures, and the widest of their intervals
+    # (each job's is honest on its own; together they cover every job's answer).
+    bounds = {c: (c, "min" if c.endswith(("_lo", "_lo_us")) else "max")
+              for c in ok.columns if c.endswith(("_lo", "_hi", "_lo_us", "_hi_us"))
+              and not c.startswith("ref_")}  # fmt: skip
     measured = ok.groupby(key, as_index=False, dropna=False).agg(
-        **{c: (c, "median") for c in cols if c in ok.columns}, n_jobs=("strategy", "size")
+        **{c: (c, "median") for c in [*cols, "busbw_gbps"] if c in ok.columns},
+        **bounds,
+        n_jobs=("strategy", "size"),
     )
     measured["supported"] = True
     measured["error"] = None
@@ -225,6 +237,8 @@ def floor_table(df: pd.DataFrame) -> pd.DataFrame:
     the method that won most often (``floor_method``, in ``method_jobs`` of them) and the
     single broadcast beside it (``floor_single_p50_us``)."""
     ok = df[df["supported"] & df["floor_p50_us"].notna()].copy()
+    if "samples_file" in ok.columns:  # a record_each job's records share one floor: count it once
+        ok = ok[~ok.apply(_job_key, axis=1).duplicated()]
     ok["winner_p90_us"] = winning_floor(ok, "p90_us")
     out = ok.groupby(["layout", "payload_bytes"], as_index=False).agg(
         floor_p50_us=("floor_p50_us", "median"),
@@ -237,6 +251,15 @@ def floor_table(df: pd.DataFrame) -> pd.DataFrame:
     )
     out["floor_algbw_gbps"] = out["payload_bytes"] / (out["floor_p50_us"] / 1e6) / 1e9
     return out
+
+
+def _job_key(row) -> str:
+    """The job a record came from: its samples file, which every record a ``record_each`` job
+    writes names (one directory up for the others); its own directory where it names none."""
+    name = row.get("samples_file")
+    if isinstance(name, str) and name and isinstance(row.get("job_dir"), str):
+        return str((Path(row["job_dir"]) / name).resolve())
+    return str(row.get("job_dir"))
 
 
 def _most_often(values: pd.Series) -> str:
@@ -310,10 +333,11 @@ def context_line(df: pd.DataFrame) -> str:
     payload = unique_values(df, "payload")
     seq = unique_values(df, "seq_len")
     iters = unique_values(df, "iters")
+    host = host_text(df)
     return (
         f"backend {unique_values(df, 'backend')}, device {unique_values(df, 'device')}, "
-        f"machine {unique_values(df, 'hostname')}, {run_dates(df)}; "
-        f"payload {payload} (seq_len {seq}), {iters} timed iterations per job"
+        f"machine {unique_values(df, 'hostname')}{f' ({host})' if host else ''}, "
+        f"{run_dates(df)}; payload {payload} (seq_len {seq}), {iters} timed iterations per job"
     )
 
 
@@ -331,26 +355,40 @@ def clean_reason(error: str | None) -> str:
 # -- tables ---------------------------------------------------------------------------------
 def recommendation(df: pd.DataFrame) -> pd.DataFrame:
     """Per layout and payload: the strategy with the lowest vs_floor (a same-job ratio, so jobs
-    measured at different moments compare fairly), the runner-up, and whether it is a tie."""
+    measured at different moments compare fairly), the runner-up, and the verdict
+    (``harness.report.sure.cell_verdict``): a winner only where the paired interval of every
+    other strategy's time over its own excludes 1, else the strategies tied with it (``tie``),
+    and ``no interval`` where the records give none. ``answer`` is the verdict in words."""
     table = strategy_table(df)
+    over = oversubscribed_cells(df)
     rows = []
     for layout in layouts_of(df):
         tab = table[(table["layout"] == layout) & table["supported"]]
         for size in sorted(tab["payload_bytes"].unique()):
-            ranked = tab[tab["payload_bytes"] == size].sort_values("vs_floor")
+            # Jobs timed without a floor rank by p50 (their only figure) instead.
+            metric = "vs_floor" if tab["vs_floor"].notna().any() else "p50_us"
+            ranked = tab[tab["payload_bytes"] == size].sort_values(metric)
+            times = {n: t for n, t in zip(ranked["strategy"], ranked[metric]) if not math.isnan(t)}
+            if not times:
+                continue
+            verdict = cell_verdict(df, layout, size, times)
             best = ranked.iloc[0]
             second = ranked.iloc[1] if len(ranked) > 1 else None
-            tie = second is not None and second["vs_floor"] <= best["vs_floor"] * (1 + TIE_FRACTION)
             rows.append(
                 {
                     "layout": layout,
                     "payload_bytes": int(size),
-                    "winner": best["strategy"],
+                    "winner": verdict.best,
+                    "answer": verdict.text(),
+                    "tied_with": list(verdict.tied),
+                    "kind": verdict.kind,
                     "winner_vs_floor": best["vs_floor"],
                     "winner_speedup_over_pickled": best["speedup_over_pickled"],
                     "runner_up": None if second is None else second["strategy"],
                     "runner_up_vs_floor": np.nan if second is None else second["vs_floor"],
-                    "tie": bool(tie),
+                    "runner_up_interval": verdict.runner_up_interval,
+                    "tie": verdict.is_tie,
+                    "oversubscribed": over.get((layout, size)),
                 }
             )
     return pd.DataFrame(rows)
@@ -364,7 +402,7 @@ def recommendation_ranges(rec: pd.DataFrame) -> pd.DataFrame:
         start = 0
         records = group.to_dict("records")
         for i in range(1, len(records) + 1):
-            if i == len(records) or records[i]["winner"] != records[start]["winner"]:
+            if i == len(records) or records[i]["answer"] != records[start]["answer"]:
                 span = records[start:i]
                 out.append(
                     {
@@ -372,6 +410,10 @@ def recommendation_ranges(rec: pd.DataFrame) -> pd.DataFrame:
                         "from_bytes": span[0]["payload_bytes"],
                         "to_bytes": span[-1]["payload_bytes"],
                         "winner": span[0]["winner"],
+                        "answer": span[0]["answer"],
+                        "kind": span[0]["kind"],
+                        "runner_up_interval": [r["runner_up_interval"] for r in span],
+                        "oversubscribed": [r["oversubscribed"] for r in span],
                         "winner_vs_floor": [r["winner_vs_floor"] for r in span],
                         "winner_speedup_over_pickled": [
                             r["winner_speedup_over_pickled"] for r in span
@@ -394,7 +436,11 @@ def crossovers(rec: pd.DataFrame) -> list[str]:
         changes = [
             f"{a['winner']} → {b['winner']} between {human_bytes(a['payload_bytes'])} and "
             f"{human_bytes(b['payload_bytes'])}"
-            + (" (not clear: a tie within the margin on one side)" if a["tie"] or b["tie"] else "")
+            + (
+                " (not clear: a tie on one side)"
+                if a["kind"] != "winner" or b["kind"] != "winner"
+                else ""
+            )
             for a, b in zip(group, group[1:])
             if a["winner"] != b["winner"]
         ]
@@ -403,7 +449,7 @@ def crossovers(rec: pd.DataFrame) -> list[str]:
             + (
                 "; ".join(changes)
                 if changes
-                else f"no crossover: {group[0]['winner']} wins at every measured size"
+                else f"no crossover: {group[0]['winner']} is fastest at every measured size"
             )
             + "."
         )

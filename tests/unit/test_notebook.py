@@ -36,7 +36,10 @@ def test_report_main_writes_report_and_figures(sweep: Path, capsys):
     assert report_command.main([str(sweep)]) == 0
     text = (sweep / "report.md").read_text()
     assert "## Recommendation" in text
-    assert "| layout | payload range (measured sizes) | winner (lowest vs_floor) |" in text
+    assert (
+        "| layout | payload range (measured sizes) | recommended (lowest vs_floor; ≈ tied) |"
+        in text
+    )
     assert "## Why each costs what it costs" in text
     assert "collectives on the leader" in text and "bytes pickled on the leader" in text
     assert "python -m harness -m " in text  # the command that produced the sweep
@@ -91,7 +94,7 @@ def test_notebook_runs_headless_and_draws_figures(monkeypatch):
     images = [o for o in outputs if "image/png" in o.get("data", {})]
     assert len(images) >= len(report.PLOTS), f"{len(images)} figures drawn"
     text = "".join(str(o.get("data", {}).get("text/markdown", "")) for o in outputs)
-    assert "winner (lowest vs_floor)" in text
+    assert "recommended (lowest vs_floor; ≈ tied)" in text
     assert not [o for o in outputs if o.get("output_type") == "error"]
 
 
