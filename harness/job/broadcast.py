@@ -20,6 +20,7 @@ from harness.job.spec import JobSpec, Scope
 from harness.job.verification import batch_problems, bytes_problems, digest, tensor_digest
 from harness.payload.workload import CallShape
 from strategies.core.layout import Layout
+from strategies.core.phase_clock import CLOCK
 from strategies.floor import Floor, raw_parts
 
 
@@ -85,17 +86,21 @@ class BroadcastJob:
         strategy = self.built[name]
         entry = self.full.entry_state(self.groups.is_leader)
         delay_s = self.delay_s if name == self.order[0] else 0.0
+        split = self.groups.is_leader and getattr(strategy, "phased", False)
         start_line(self.groups)
         c0, t0 = time.process_time(), time.perf_counter()
+        if split:
+            CLOCK.begin()
         out = strategy.get_data_input(entry)
         sync(self.groups.device)
+        phases = CLOCK.end()
         if delay_s:
             time.sleep(delay_s)
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         del out, entry
         if getattr(strategy, "raw_bytes", False):
             strategy.let_go()
-        return Timing(elapsed, cpu)
+        return Timing(elapsed, cpu, phases)
 
     def fence(self) -> None:
         """A barrier over the world."""

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from harness.job.leader_phases import PHASE_FIELDS, cpu_figures, phase_figures
 from harness.job.results import (
     ChoiceFigures,
     CollectiveFigures,
@@ -47,10 +48,12 @@ from strategies.core.trace import Recorder
 
 
 class Timing(NamedTuple):
-    """One timed call: wall seconds, and the CPU seconds of this process inside them."""
+    """One timed call: wall seconds, the CPU seconds of this process inside them, and on a
+    leader the call's (wall, CPU) seconds per phase (``strategies.core.phase_clock``)."""
 
     wall_s: float
     cpu_s: float | None = None
+    phases: dict | None = None
 
 
 class Job(Protocol):
@@ -169,10 +172,11 @@ class TimedRounds(Phase):
     scopes = BOTH
     part = "timing"
     record_fields = (*TIMING_FIELDS, "rank_skew_us", "p50_lo_us", "p50_hi_us",
-                     "cpu_us_per_call", "cpu_us_leader")  # fmt: skip
+                     "cpu_us_per_call", "cpu_us_leader", *PHASE_FIELDS)  # fmt: skip
 
     def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
         cpu: dict[str, list[float | None]] = {name: [] for name in job.order}
+        split: dict[str, list[dict | None]] = {name: [] for name in job.order}
 
         def call(name: str, it: int, timed: bool) -> float | None:
             if not timed:
@@ -180,15 +184,17 @@ class TimedRounds(Phase):
             ctx.report(f"timed iteration {it} of {name}")
             if name == spec.strategy:
                 _fault(spec, job, ctx.rank, it)
-            wall_s, cpu_s = job.timed(name)
-            cpu[name].append(cpu_s)
-            return wall_s
+            timing = job.timed(name)
+            cpu[name].append(timing.cpu_s)
+            split[name].append(timing.phases)
+            return timing.wall_s
 
         def round_start(c: int, timed: bool) -> None:
             job.use(spec.shape_of_call(c))
 
         times = interleaved(job.order, spec.warmup, spec.timed_rounds, call, round_start)
-        return {"times_s": times, "cpu_s": cpu}
+        phased = {name: calls for name, calls in split.items() if any(calls)}
+        return {"times_s": times, "cpu_s": cpu, "phases_s": phased or None}
 
     def fold(self, spec, name: str, results: list[RankResult]) -> TimingFigures:
         t = np.array([r.times_s[name] for r in results])  # ranks × rounds
@@ -202,22 +208,9 @@ class TimedRounds(Phase):
             rank_skew_us=spread,
             p50_lo_us=interval[0] * 1e6 if interval else None,
             p50_hi_us=interval[1] * 1e6 if interval else None,
-            **_cpu_figures(name, results),
+            **cpu_figures(name, results),
+            **phase_figures(name, results),
         )
-
-
-def _cpu_figures(name: str, results: list[RankResult]) -> dict[str, float | None]:
-    """CPU per call: the replica's (every rank's CPU seconds in the call, summed, median over
-    calls) and the leader's alone; None where no rank measured it (a driver's clock)."""
-    cpu = [r.cpu_s.get(name) if r.cpu_s else None for r in results]
-    if any(c is None or None in c for c in cpu):
-        return {"cpu_us_per_call": None, "cpu_us_leader": None}
-    leader = next(i for i, r in enumerate(results) if r.is_leader)
-    per_call = np.array(cpu, dtype=float)  # ranks × rounds
-    return {
-        "cpu_us_per_call": float(np.median(per_call.sum(axis=0))) * 1e6,
-        "cpu_us_leader": float(np.median(per_call[leader])) * 1e6,
-    }
 
 
 class SteadyRounds(Phase):

@@ -142,6 +142,25 @@ class Record(TypedDict, total=False):
         "timed call, summed (median over calls; null for a dispatch job, timed on the driver)",
     ]
     cpu_us_leader: Annotated[float | None, "the replica leader's alone, microseconds"]
+    leader_plan_us: Annotated[
+        float | None,
+        "the leader's wall time per call in its own Python: checks, plan lookup, header, "
+        "bookkeeping (median over calls, microseconds; the header family and shm, else null)",
+    ]
+    leader_copy_us: Annotated[
+        float | None, "the leader's wall time per call copying the leaves and the blob"
+    ]
+    leader_signal_us: Annotated[
+        float | None,
+        "the leader's wall time per call handing the message over (signal, send, collective)",
+    ]
+    leader_plan_cpu_us: Annotated[float | None, "leader_plan_us in the leader thread's CPU"]
+    leader_copy_cpu_us: Annotated[float | None, "leader_copy_us in the leader thread's CPU"]
+    leader_signal_cpu_us: Annotated[
+        float | None,
+        "leader_signal_us in the leader thread's CPU (a collective library's own threads are "
+        "not in it)",
+    ]
     auto_choice: Annotated[
         str | None, "the strategy auto served the job with; null for any other strategy"
     ]

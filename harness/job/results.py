@@ -37,6 +37,9 @@ class RankResult:
     cpu_s: dict[str, list[float | None]] | None = None
     """CPU seconds this process spent inside each timed call, by strategy (None per call
     where the clock is a driver's)."""
+    phases_s: dict[str, list[dict | None]] | None = None
+    """A leader's: each timed call's {phase: (wall, CPU) seconds}, by strategy, for the
+    strategies that mark their phases (``strategies.core.phase_clock``)."""
     steady_s: dict[str, list[list[float]]] | None = None
     """Seconds per steady-state call, by strategy then distinct shape (``SteadyRounds``)."""
     link_bytes_per_call: dict[str, float] | None = None
@@ -88,6 +91,14 @@ class TimingFigures:
     """CPU microseconds per call, every rank of the replica together (median over calls)."""
     cpu_us_leader: float | None = None
     """The replica leader's alone."""
+    leader_plan_us: float | None = None
+    """The leader's wall microseconds per phase of a call (``harness.job.leader_phases``)."""
+    leader_copy_us: float | None = None
+    leader_signal_us: float | None = None
+    leader_plan_cpu_us: float | None = None
+    """The leader's thread-CPU microseconds per phase of a call."""
+    leader_copy_cpu_us: float | None = None
+    leader_signal_cpu_us: float | None = None
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from strategies.core.groups import Stripe, stripes
 from strategies.core.node_signals import RELEASE, SIGNAL, STRIPE_MAGIC, STRIPED, ShmError
+from strategies.core.phase_clock import CLOCK
 from strategies.core.segment_ring import Slot
 
 
@@ -38,6 +39,7 @@ class NodeCrossing:
         waited for. A send that fails to post leaves nobody waiting for a signal: nothing was
         signalled yet."""
         g = self.groups
+        before = CLOCK.switch("signal")
         others = g.node_leaders[1:]
         handles = []
         if announce and others:
@@ -47,6 +49,7 @@ class NodeCrossing:
         self.publish(slot, max(buf.numel(), 1))
         for h in handles:
             h.wait()
+        CLOCK.switch(before)
 
     def receive_from_leader(self, nbytes: int | None, max_bytes: int) -> torch.Tensor:
         """A node leader other than the replica leader: the replica leader's bytes straight into

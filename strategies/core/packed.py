@@ -25,6 +25,7 @@ from strategies.core.header_format import (
 )
 from strategies.core.packer import Packer
 from strategies.core.parts import message_parts, nbytes_of, structure, transportable
+from strategies.core.phase_clock import CLOCK
 from strategies.core.recent import remember
 from strategies.core.strategy_base import Strategy
 from strategies.core.unpacker import unpack
@@ -44,6 +45,7 @@ class PackedStrategy(Strategy):
     """
 
     direct_min_bytes: int | None = None
+    phased = True
 
     def __init__(
         self,
@@ -204,8 +206,12 @@ class PackedStrategy(Strategy):
 def _broadcast_all(tensors: list[torch.Tensor], group, src: int) -> None:
     """One async broadcast per tensor, then wait for all: the backend may run them at once
     (gloo has two worker threads per group), and none waits for the previous one's reply."""
+    if not tensors:
+        return
+    before = CLOCK.switch("signal")
     handles = [
         dist.broadcast(transportable(t), src=src, group=group, async_op=True) for t in tensors
     ]
     for h in handles:
         h.wait()
+    CLOCK.switch(before)

@@ -25,6 +25,7 @@ from strategies.core.header_format import (
     stamp_next_expect,
 )
 from strategies.core.parts import Part, encode_non_tensor, message_parts, nbytes_of, structure
+from strategies.core.phase_clock import CLOCK
 from strategies.core.recent import remember
 from strategies.core.trace import WORK
 
@@ -260,6 +261,7 @@ class Filler:
         self.done = 0  # leaves copied so far, in order
 
     def __call__(self, upto: int) -> None:
+        before = CLOCK.switch("copy")
         end = self.done
         while end < len(self.dst) and self.starts[end] < upto:
             end += 1
@@ -269,16 +271,19 @@ class Filler:
             self.done = end
         if self._blob is not None and self.blob_at < upto:
             self.blob()
+        CLOCK.switch(before)
 
     def blob(self) -> None:
         blob, self._blob = self._blob, None
         if blob is None:
             return
+        before = CLOCK.switch("copy")
         at, out = self.blob_at, self.out
         if out.device.type == "cpu":  # straight from the bytes: no tensor made of them
             out.numpy()[at : at + len(blob)] = np.frombuffer(blob, np.uint8)
         else:
             out[at : at + len(blob)].copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+        CLOCK.switch(before)
 
 
 def _empty(capacity: int, device: torch.device) -> torch.Tensor:

@@ -28,6 +28,7 @@ from strategies.core.node_signals import (
     ShmError,
     close_quietly,
 )
+from strategies.core.phase_clock import CLOCK
 from strategies.core.segment_ring import Slot, map_private
 
 
@@ -78,6 +79,7 @@ class RingWriter:
         slot.holders = set(self.readers)
         magic = EARLY_MAGIC if early else SIGNAL_MAGIC
         msg = SIGNAL.pack(magic, slot.index, seg.generation, self.sequence, nbytes)
+        before = CLOCK.switch("signal")
         failed: list[str] = []
         for rank in self.readers:  # every live reader is told, whoever fails before it
             sock = self.socks.get(rank)
@@ -96,6 +98,7 @@ class RingWriter:
                 slot.holders.discard(rank)
                 continue
             slot.delivered.add(rank)
+        CLOCK.switch(before)
         if failed:
             if early:  # the readers that were told wait for the rest: release them
                 self.abort(slot, f"the signal to node-local {', '.join(failed)} failed")
@@ -109,7 +112,9 @@ class RingWriter:
     def complete(self, slot: Slot) -> None:
         """Tell every reader of a message signalled early that all of it is in the slot."""
         msg = SIGNAL.pack(DONE_MAGIC, slot.index, slot.segment.generation, slot.sequence, 0)
+        before = CLOCK.switch("signal")
         failed = self._tell(slot, [msg])
+        CLOCK.switch(before)
         if failed:
             raise settled(ShmError(
                 f"rank {self.groups.rank}: shm: the message's completion could not be signalled "

@@ -56,6 +56,10 @@ class Strategy:
     raw_bytes: ClassVar[bool] = False
     """True for a strategy that moves bytes ``prepare`` packed rather than the batch it is
     handed (the floor): ``get_data_input`` runs its ``transfer`` as it is."""
+    phased: ClassVar[bool] = False
+    """True where the leader's call marks its copy and its hand-over on
+    ``strategies.core.phase_clock.CLOCK``, so a harness can split the call into plan, copy and
+    signal (the header family and shm); elsewhere the whole call would read as plan."""
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

@@ -25,6 +25,7 @@ from strategies.core.header_format import (
     read_prefix,
     stamp_next_expect,
 )
+from strategies.core.phase_clock import CLOCK
 
 PAGE = 4096
 # A first message this large goes out in SEGMENTS async broadcasts, so the leader packs
@@ -99,6 +100,7 @@ class Wire:
         first = self.expect
         parts = segments(first)
         handles = []
+        before = CLOCK.switch("signal")  # a fill inside switches to the copy and back
         for a, b in parts:
             if fill is not None:
                 fill(min(b, total))
@@ -112,6 +114,7 @@ class Wire:
             if fill is not None:
                 fill(total)
             dist.broadcast(buf[first:total], src=src, group=group)
+        CLOCK.switch(before)
 
     def recv(self, group, src: int) -> tuple[torch.Tensor, Header]:
         """Receiver side; returns a buffer with capacity >= max(total, expect), so it can be
