@@ -100,6 +100,8 @@ class _HeaderBytes:
     sizes: tuple  # (data_bytes, non-tensor span)
     raw: torch.Tensor
     stamped: int = 0
+    header: Header | None = None
+    """The decoded ``Header`` these bytes stand for, made once per next_expect stamped."""
 
 
 @dataclass(frozen=True)
@@ -175,8 +177,12 @@ class Packer:
         sources = [parts[i][3] for i in views.src_index]
         blob_at = header_len + span[0] if blob is not None else total
         fill = Filler(out, views.dst, sources, views.starts, blob, blob_at)
-        entries = tuple(layout.entries)
-        header = Header(tuple(batch.batch_size), entries, data_bytes, header_len, nxt, span)
+        header = held.header
+        if header is None or header.next_expect != nxt:
+            # The layout's structure fixes the batch size; the sizes, the span: one per stamp.
+            entries = tuple(layout.entries)
+            header = Header(tuple(batch.batch_size), entries, data_bytes, header_len, nxt, span)
+            held.header = header
         WORK["packed_bytes"] += total
         if blob is not None:
             WORK["pickled_bytes"] += len(blob)

@@ -5,6 +5,7 @@ gloo twins and global ranks, built by hand or from megatron-core's initialized p
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import torch
@@ -83,18 +84,18 @@ class ProcessGroups:
     def tp_cp_size(self) -> int:
         return len(self.tp_cp_ranks)
 
-    @property
+    @cached_property
     def replica_nodes(self) -> tuple[tuple[int, ...], ...]:
         """This rank's replica split by node (``groups.node_split``): one tuple per node, the
         leader's node first; each tuple's first rank is that node's leader."""
         return node_split(self.replica_ranks, self.node_of)
 
-    @property
+    @cached_property
     def node_local_ranks(self) -> tuple[int, ...]:
         """The ranks of this rank's replica on this rank's node (in replica order)."""
         return next(n for n in self.replica_nodes if self.rank in n)
 
-    @property
+    @cached_property
     def node_leaders(self) -> tuple[int, ...]:
         """One rank per node of this rank's replica, the replica leader first."""
         return tuple(n[0] for n in self.replica_nodes)

@@ -71,14 +71,21 @@ class Wire:
         self.max_bytes = max_bytes
         self.expect = initial_bytes
         self.recent: deque[int] = deque(maxlen=RECENT_CALLS)  # the last calls' message bytes
+        self._next: tuple[int, int] = (-1, 0)  # (total, next_expect) of this call, once asked
         self._headers: dict = {}  # last decoded header, by its raw bytes
 
     def next_expect(self, total: int) -> int:
         """Leader's size for the next call's first message, from this message's ``total`` and
         the last ones': the smallest of the last ``RECENT_CALLS`` (``fits``). Pure: a replayed
-        call computes the same value."""
+        call computes the same value. A leader asks twice a call (the header, then ``agree``):
+        the second answer is the first's."""
+        last_total, last_next = self._next
+        if total == last_total:
+            return last_next
         window = (*self.recent, total)[-RECENT_CALLS:]
-        return min(self.fits(n) for n in window)
+        nxt = min(self.fits(n) for n in window)
+        self._next = (total, nxt)
+        return nxt
 
     def fits(self, total: int) -> int:
         """The first message that holds a ``total``-byte message: plus 1/64 headroom (at most
@@ -143,6 +150,7 @@ class Wire:
         """End of a call on every rank of the replica: remember this message's ``total`` and
         adopt the size the leader announced."""
         self.recent.append(total)
+        self._next = (-1, 0)  # the window moved
         nxt = next_expect
         if nxt < PAGE or nxt > self.eager_max_bytes:
             nxt = self.initial_bytes
