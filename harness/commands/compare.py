@@ -9,7 +9,10 @@ ratio new / old with its 95 % interval, which method found it, and the verdict
 (``harness.report.cells``, ``harness.job.stats``).
 
 Exit 0; 1 with ``--fail-above X`` when some cell's interval lies wholly above X (each such cell
-named on a line); 2 on an input it cannot read (one line on stderr, no traceback).
+named on a line); 2 on an input it cannot read (one line on stderr, no traceback). A cell whose
+job ran oversubscribed in either run (more ranks than cores: † in the table) is reported but
+not gated unless ``--gate-oversubscribed``: on such a host the same sweep run twice moved a
+cell's p50 by up to 1.7x with confidence (the loads of the two runs, not the code).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ PROG = "bcastbench compare"
 SLOWED_EXIT = 1
 """``--fail-above``: a cell's whole interval is above the threshold."""
 HEADER = ["strategy", "layout", "payload", "bytes", "old_p50_us", "new_p50_us", "ratio",
-          "ratio_lo", "ratio_hi", "method", "verdict"]  # fmt: skip
+          "ratio_lo", "ratio_hi", "method", "verdict", "oversubscribed"]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a change within this fraction is 'same' (default 0.05)")  # fmt: skip
     ap.add_argument("--fail-above", type=float, metavar="X",
                     help="exit 1 when a cell's ratio interval lies wholly above X")  # fmt: skip
+    ap.add_argument("--gate-oversubscribed", action="store_true",
+                    help="--fail-above gates oversubscribed cells (†) too")  # fmt: skip
     ap.add_argument("--csv", action="store_true", help="the table as CSV on stdout")
     ap.add_argument("--no-samples", action="store_true",
                     help="compare the records' p50 intervals only; read no samples file")  # fmt: skip
@@ -56,14 +61,14 @@ def main(argv: list[str] | None = None) -> int:
         writer.writerows(_fields(r) for r in rows)
     else:
         print("\n".join(table(rows, args.noise)))
-    return _gate(rows, args.fail_above)
+    return _gate(rows, args.fail_above, args.gate_oversubscribed)
 
 
 def _fields(row: Row) -> list:
     lo, hi = row.interval or (None, None)
     return [*row.key, f"{row.old_p50_us:.1f}", f"{row.new_p50_us:.1f}", f"{row.ratio:.4f}",
             "" if lo is None else f"{lo:.4f}", "" if hi is None else f"{hi:.4f}",
-            row.method, row.verdict]  # fmt: skip
+            row.method, row.verdict, row.oversubscribed]  # fmt: skip
 
 
 def table(rows: list[Row], noise: float) -> list[str]:
@@ -74,7 +79,8 @@ def table(rows: list[Row], noise: float) -> list[str]:
     for r in rows:
         shown = f"{r.ratio:.2f}x" + (f" [{r.interval[0]:.2f}, {r.interval[1]:.2f}]"
                                      if r.interval else " [—]")  # fmt: skip
-        body.append([r.key[0], r.key[1], r.key[2], human_bytes(r.key[3]),
+        layout = f"{r.key[1]} †" if r.oversubscribed else r.key[1]
+        body.append([r.key[0], layout, r.key[2], human_bytes(r.key[3]),
                      f"{r.old_p50_us / 1e3:.3f}", f"{r.new_p50_us / 1e3:.3f}", shown,
                      r.method, r.verdict])  # fmt: skip
     widths = [max(len(c[i]) for c in [header, *body]) for i in range(len(header))]
@@ -86,23 +92,32 @@ def table(rows: list[Row], noise: float) -> list[str]:
         + f". verdict: slower if the interval's low end > {1 + noise:.2f}, faster if its high "
         f"end < 1/{1 + noise:.2f}, else same"
     )  # fmt: skip
+    if any(r.oversubscribed for r in rows):
+        lines.append(
+            "†: oversubscribed in either run (more ranks on a node than cores): the two runs' "
+            "host loads can decide its ratio; --fail-above reports it without gating on it "
+            "unless --gate-oversubscribed"
+        )
     return lines
 
 
-def _gate(rows: list[Row], fail_above: float | None) -> int:
-    """``--fail-above``: one line per cell whose whole interval is above it; 1 if any."""
+def _gate(rows: list[Row], fail_above: float | None, crowded_too: bool = False) -> int:
+    """``--fail-above``: one line per cell whose whole interval is above it; 1 if any gated
+    one is (an oversubscribed cell only with ``crowded_too``: named, as not gated, otherwise)."""
     if fail_above is None:
         return 0
     slowed = [r for r in rows if r.interval is not None and r.interval[0] > fail_above]
+    gated = [r for r in slowed if crowded_too or not r.oversubscribed]
     for r in slowed:
         strategy, layout, payload, size = r.key
+        what = "slower than" if r in gated else "not gated (oversubscribed), slower than"
         print(
-            f"{PROG}: slower than {fail_above:g}x: {strategy} on {layout}, {payload} "
+            f"{PROG}: {what} {fail_above:g}x: {strategy} on {layout}, {payload} "
             f"{human_bytes(size)} ({size} B): {r.ratio:.2f}x "
             f"[{r.interval[0]:.2f}, {r.interval[1]:.2f}]",
             file=sys.stderr,
         )
-    return SLOWED_EXIT if slowed else 0
+    return SLOWED_EXIT if gated else 0
 
 
 if __name__ == "__main__":

@@ -47,6 +47,9 @@ class Cell:
     p50_interval: tuple[float, float] | None
     samples: np.ndarray | None
     """The slowest-rank wall times (µs) of every timed call, or None."""
+    oversubscribed: bool = False
+    """Its job ran more ranks on a node than the host had cores (a pytest-benchmark JSON
+    does not say: False)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,9 @@ class Row:
     interval: tuple[float, float] | None
     method: str
     verdict: str
+    oversubscribed: bool = False
+    """Either run's job of this cell was oversubscribed: on such a host the two runs' loads,
+    not the code, can decide the ratio, so ``--fail-above`` reports it without gating on it."""
 
 
 def load_cells(path: Path | str, samples: bool = True) -> dict[tuple, Cell]:
@@ -98,7 +104,8 @@ def _row(old: Cell, new: Cell, noise: float) -> Row:
         interval = stats.p50_ratio_interval(old.p50_interval, new.p50_interval)
         method = NONE if interval is None else P50
     verdict = stats.verdict(interval, noise)
-    return Row(old.key, old.p50_us, new.p50_us, ratio, interval, method, verdict)
+    crowded = old.oversubscribed or new.oversubscribed
+    return Row(old.key, old.p50_us, new.p50_us, ratio, interval, method, verdict, crowded)
 
 
 def label(strategy: str, options) -> str:
@@ -139,7 +146,9 @@ def _cell(fields: dict, samples: np.ndarray | None = None) -> Cell | None:
         str(fields.get("payload")),
         int(size),
     )
-    return Cell(key, p50, _interval(fields.get("p50_lo_us"), fields.get("p50_hi_us")), samples)
+    interval = _interval(fields.get("p50_lo_us"), fields.get("p50_hi_us"))
+    crowded = fields.get("oversubscribed") in (True, "True", "true", 1, "1")
+    return Cell(key, p50, interval, samples, crowded)
 
 
 def _from_records(root: Path, samples: bool) -> list[Cell]:
@@ -244,5 +253,6 @@ def _pooled(cells: list[Cell]) -> dict[tuple, Cell]:
             None if any(c.samples is None for c in group) else np.concatenate(
                 [c.samples for c in group]
             ),
+            any(c.oversubscribed for c in group),
         )  # fmt: skip
     return out

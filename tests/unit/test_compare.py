@@ -150,6 +150,26 @@ def test_fail_above_names_only_the_slowed_cell(capsys):
     assert run(capsys, OLD, NEW, "--fail-above", "100")[0] == 0
 
 
+def test_an_oversubscribed_cell_is_reported_not_gated(tmp_path, capsys):
+    """A cell whose job ran more ranks than cores in either run is marked † and named by
+    ``--fail-above`` without failing it (the host's load can decide it), unless
+    ``--gate-oversubscribed``."""
+    new = tmp_path / "new"
+    shutil.copytree(NEW, new)
+    for path in new.rglob("result.json"):
+        record = json.loads(path.read_text())
+        record["oversubscribed"] = record["strategy"] == "header"
+        path.write_text(json.dumps(record))
+    status, out, err = run(capsys, OLD, new, "--fail-above", "1.5")
+    assert status == 0, err
+    assert err.startswith(
+        "bcastbench compare: not gated (oversubscribed), slower than 1.5x: header"
+    )
+    assert len(err.splitlines()) == 1 and "tp2 †" in out and out.splitlines()[-1].startswith("†")
+    status, _, err = run(capsys, OLD, new, "--fail-above", "1.5", "--gate-oversubscribed")
+    assert status == 1 and err.startswith("bcastbench compare: slower than 1.5x: header"), err
+
+
 def _benchmark_json(path, p50s_us, with_data=True):
     """A pytest-benchmark JSON as the plugin's gate leaves it (one benchmark)."""
     stats_ = {"data": [p / 1e6 for p in p50s_us]} if with_data else {"median": 0.001}
