@@ -177,6 +177,9 @@ class PackedStrategy(Strategy):
             parts=parts,
             shape=shape,
         )
+        if not direct:  # the usual case: every leaf is in the message
+            self._direct = []
+            return buf, header, header.total_bytes
         self._direct = [t for i, (*_, t) in enumerate(parts) if i in direct]
         alone = sum(nbytes_of(t) for t in self._direct)
         if alone and header.total_bytes + alone > self.wire.max_bytes:

@@ -7,6 +7,7 @@ buffer's capacity may exceed the message; the message is ``buffer[:header.total_
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -268,9 +269,7 @@ class Filler:
 
     def __call__(self, upto: int) -> None:
         before = CLOCK.switch("copy")
-        end = self.done
-        while end < len(self.dst) and self.starts[end] < upto:
-            end += 1
+        end = max(self.done, bisect_left(self.starts, upto))  # the leaves starting before upto
         if end > self.done:
             # One C++ call for these copies; non-contiguous sources copy only their elements.
             torch._foreach_copy_(self.dst[self.done : end], self.sources[self.done : end])
