@@ -31,6 +31,8 @@ TP2PP2DP2 = Layout(dp=2, pp=2, tp=2)
 VARIANTS = [
     pytest.param("pickled", {"serialization": "roll"}, id="pickled-roll"),
     pytest.param("pickled", {"serialization": "dataclass"}, id="pickled-dataclass"),
+    pytest.param("pickled", {"serialization": "pickle5"}, id="pickled-pickle5"),
+    pytest.param("pickled", {"serialization": "verl_numpy"}, id="pickled-verl_numpy"),
     pytest.param("nemo_rl_leader_broadcast", {}, id="nemo"),
 ]
 FAIL_WITHIN_S = 1.0
@@ -188,9 +190,9 @@ def bad_entry(case: str, good):
     raise ValueError(case)
 
 
-def failing_job(ctx, name, layout, case):
+def failing_job(ctx, name, layout, case, options=None):
     groups = ctx.groups_for(layout)
-    strategy = strategies.get(name, groups)
+    strategy = strategies.get(name, groups, **(options or {}))
     good = generated.make("rl_rollout", 2, 32, seed=1, broadcast_non_tensor=True)
     entry = bad_entry(case, good) if groups.is_leader else good.entry_state(False)
     t0 = time.monotonic()
@@ -206,11 +208,16 @@ FAILURES = [
     for name in ("pickled", "nemo_rl_leader_broadcast")
     for case in ("none", "dict", "tensordict", "leading_dims", "unpicklable")
 ] + [pytest.param("nemo_rl_leader_broadcast", "jagged", id="nemo_rl_leader_broadcast-jagged")]
+FAILURES = [pytest.param(*p.values, {}, id=p.id) for p in FAILURES] + [
+    pytest.param("pickled", case, {"serialization": ser}, id=f"pickled-{ser}-{case}")
+    for ser in ("pickle5", "verl_numpy")
+    for case in ("none", "leading_dims", "unpicklable")
+]
 
 
-@pytest.mark.parametrize("name,case", FAILURES)
-def test_a_leader_failure_reaches_every_rank_within_a_second(world4, name, case):
-    results = world4.run(failing_job, name, TP2PP2, case, timeout_s=5)
+@pytest.mark.parametrize("name,case,options", FAILURES)
+def test_a_leader_failure_reaches_every_rank_within_a_second(world4, name, case, options):
+    results = world4.run(failing_job, name, TP2PP2, case, options, timeout_s=5)
     leader = TP2PP2.leaders()[0]
     said = results[leader][0]["raised"]
     assert said is not None, f"the leader accepted a {case} batch"

@@ -1,0 +1,224 @@
+"""Serializers of the pickled path that keep tensor bytes out of the pickle stream, and the hop
+that carries what they make (``pickled``'s ``serialization`` = ``pickle5`` | ``verl_numpy``).
+
+- ``pickle5``: vLLM's way (``vllm/v1/serial_utils.py``, its shared-memory queue): pickle protocol
+  5 with a ``buffer_callback``; every dense CPU tensor is reduced to (dtype, shape, its bytes as
+  a uint8 numpy array), which protocol 5 hands out of band, so the stream holds no tensor byte.
+  Receivers rebuild each tensor as a view of the bytes that arrived (vLLM's ``torch.frombuffer``
+  of its aux frames): no copy after the transfer.
+- ``verl_numpy``: verl's ``VERL_DATAPROTO_SERIALIZATION_METHOD=numpy`` (``verl/protocol.py``,
+  ``serialize_tensordict``): a TensorDict becomes (batch_size, device, {key: (dtype, shape,
+  uint8 numpy view)}) so Ray's protocol-5 pickling carries the arrays out of band; the receiver
+  copies each array into a ``bytearray`` and ``torch.frombuffer``s it (one copy per tensor,
+  which gives owned, writable tensors). Adapted: a nested TensorDict is reduced the same way,
+  level by level (verl's batches are flat), and an entry that is not a dense tensor (jagged,
+  NonTensorData) is pickled as it is, in band, where verl unbinds a jagged one.
+
+The hop keeps ``broadcast_object_list``'s two collectives: the size (one int64, then a host
+sync), then one byte buffer. The buffer is a frame table (count, then each frame's length, as
+int64) and the frames: the in-band pickle first, then the out-of-band buffers in the order
+pickle asked for them. The source copies each frame into the buffer once (vLLM writes its
+frames into a shared chunk the same way); receivers unpickle with the frames as views of it.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from strategies.core.contract import ContractError, ShippedFailure, failure_text
+from strategies.core.trace import WORK
+
+OOB_SERIALIZATIONS = ("pickle5", "verl_numpy")
+MAX_FRAMES = 1 << 20
+"""More frames than this in a table is a corrupt or hostile message, not a batch."""
+
+
+@dataclass
+class Whole:
+    """What a hop carries with the non-tensor flag set (as ROLL's DataProto pickles it)."""
+
+    batch: TensorDict
+    non_tensor_batch: dict
+    meta_info: dict
+
+
+def as_bytes(t) -> bool:
+    """A tensor these serializers carry as its bytes: strided, not nested, no subclass (its
+    dtype and shape say the rest); any other leaf is pickled as it is, in band."""
+    return type(t) is torch.Tensor and t.layout == torch.strided and not t.is_nested
+
+
+def _as_uint8(t: torch.Tensor) -> np.ndarray:
+    """``t``'s elements as a flat uint8 numpy array: a view when ``t`` is dense on the CPU, else
+    one copy (made contiguous, conjugate and negative bits resolved, or brought to the host)."""
+    src = t.resolve_conj().resolve_neg()
+    if src.device.type != "cpu":
+        src = src.cpu()
+        WORK["d2h_bytes"] += src.nbytes
+    if not src.is_contiguous():
+        src = src.contiguous()
+        WORK["copied_bytes"] += src.nbytes
+    return src.reshape(-1).view(torch.uint8).numpy()
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ContractError(f"a frame names dtype {name!r}, which this torch does not have")
+    return dtype
+
+
+def tensor_view(dtype: str, shape: tuple, data: np.ndarray) -> torch.Tensor:
+    """vLLM's rebuild: a view of the bytes that arrived, in ``dtype`` and ``shape``."""
+    return torch.from_numpy(data).view(_dtype(dtype)).view(shape)
+
+
+def tensor_copy(dtype: str, shape: tuple, data: np.ndarray) -> torch.Tensor:
+    """verl's rebuild: the bytes copied into a bytearray, ``torch.frombuffer`` of it."""
+    owned = bytearray(data)
+    WORK["copied_bytes"] += len(owned)
+    if not owned:  # frombuffer refuses an empty buffer
+        return torch.empty(shape, dtype=_dtype(dtype))
+    return torch.frombuffer(owned, dtype=torch.uint8).view(_dtype(dtype)).view(shape)
+
+
+def verl_tensordict(batch_size: tuple, device: str | None, items: dict) -> TensorDict:
+    """verl's ``deserialize_tensordict``: every entry rebuilt (tensors by ``tensor_copy``; a
+    nested TensorDict arrives rebuilt already, by its own reduction)."""
+    out = {k: tensor_copy(*v[1:]) if v[0] == "tensor" else v[1] for k, v in items.items()}
+    return TensorDict(out, batch_size=batch_size, device=device)
+
+
+class _Pickle5(pickle.Pickler):
+    """Protocol 5: dense tensors as their bytes, out of band."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and as_bytes(obj):
+            return tensor_view, (str(obj.dtype), tuple(obj.shape), _as_uint8(obj))
+        return NotImplemented
+
+
+class _VerlNumpy(pickle.Pickler):
+    """Protocol 5: a TensorDict as verl's (batch_size, device, items), arrays out of band."""
+
+    def reducer_override(self, obj):
+        if not isinstance(obj, TensorDict):
+            return NotImplemented
+        items = {}
+        for key, value in obj.items():  # one level, as verl's; a nested TensorDict recurses
+            if isinstance(value, torch.Tensor) and as_bytes(value):
+                items[key] = ("tensor", str(value.dtype), tuple(value.shape), _as_uint8(value))
+            else:
+                items[key] = ("raw", value)
+        device = None if obj.device is None else str(obj.device)
+        return verl_tensordict, (tuple(obj.batch_size), device, items)
+
+
+PICKLERS = {"pickle5": _Pickle5, "verl_numpy": _VerlNumpy}
+
+
+def dumps(obj, serialization: str) -> list:
+    """The frames of ``obj``: the in-band pickle, then every out-of-band buffer (as raw
+    memoryviews of the tensors' bytes: no copy yet)."""
+    buffers: list[pickle.PickleBuffer] = []
+    stream = io.BytesIO()
+    PICKLERS[serialization](stream, protocol=5, buffer_callback=buffers.append).dump(obj)
+    inband = stream.getbuffer()
+    WORK["pickled_bytes"] += inband.nbytes
+    return [inband, *(b.raw() for b in buffers)]
+
+
+def frames_bytes(frames: list) -> int:
+    """The bytes of the hop's buffer that carries ``frames`` (table included)."""
+    return 8 * (1 + len(frames)) + sum(f.nbytes for f in frames)
+
+
+def _join(frames: list) -> torch.Tensor:
+    """Source: the frame table and the frames in one uint8 tensor (each frame copied once)."""
+    table = struct.pack(f"<{1 + len(frames)}q", len(frames), *(f.nbytes for f in frames))
+    out = np.empty(frames_bytes(frames), dtype=np.uint8)
+    out[: len(table)] = np.frombuffer(table, dtype=np.uint8)
+    at = len(table)
+    for f in frames:
+        out[at : at + f.nbytes] = np.frombuffer(f, dtype=np.uint8)
+        at += f.nbytes
+    WORK["copied_bytes"] += at - len(table)
+    return torch.from_numpy(out)
+
+
+def _split(buf: torch.Tensor, rank: int) -> list[memoryview]:
+    """Receiver: the frames in ``buf`` as views of it; a table that does not fit ``buf`` is
+    refused naming this rank and what it expected."""
+    raw = memoryview(buf.numpy())
+    total = len(raw)
+    count = struct.unpack_from("<q", raw, 0)[0] if total >= 8 else -1
+    if not 1 <= count <= MAX_FRAMES or 8 * (1 + count) > total:
+        raise ContractError(
+            f"rank {rank}: pickled: a hop's frame table claims {count} frames in {total} bytes; "
+            f"expected 1 to {MAX_FRAMES} frames whose table fits the buffer"
+        )
+    sizes = struct.unpack_from(f"<{count}q", raw, 8)
+    at = 8 * (1 + count)
+    if min(sizes) < 0 or at + sum(sizes) != total:
+        raise ContractError(
+            f"rank {rank}: pickled: a hop's frames add up to {at + sum(sizes)} bytes; the buffer "
+            f"holds {total}"
+        )
+    frames = []
+    for n in sizes:
+        frames.append(raw[at : at + n])
+        at += n
+    return frames
+
+
+def _on(group) -> torch.device:
+    """Where a hop's tensors go: the current CUDA device for NCCL (as broadcast_object_list)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def send(obj, serialization: str, group) -> tuple[Exception, ShippedFailure] | None:
+    """A hop's source: ``obj`` by ``serialization``, as the size then the buffer. None once
+    sent; if serializing fails, a ShippedFailure goes in its place and (the error, that failure)
+    is returned, as ``pickled.send_or_failure`` does."""
+    failed = None
+    try:
+        frames = dumps(obj, serialization)
+    except Exception as exc:  # noqa: BLE001 -- any type: it travels to the receivers
+        failed = (exc, ShippedFailure(failure_text(exc)))
+        frames = [memoryview(pickle.dumps(failed[1]))]
+    buf = _join(frames)
+    device = _on(group)
+    src = dist.get_process_group_ranks(group)[0]
+    dist.broadcast(torch.tensor([buf.numel()], dtype=torch.int64, device=device), src, group)
+    dist.broadcast(buf.to(device), src, group)
+    return failed
+
+
+def receive(group, rank: int, max_bytes: int):
+    """A hop's receiver: the object the source sent (a ShippedFailure included)."""
+    device = _on(group)
+    src = dist.get_process_group_ranks(group)[0]
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.broadcast(size, src, group)
+    total = int(size.item())  # the host sync broadcast_object_list has too
+    if not 8 <= total <= max_bytes:
+        raise ContractError(
+            f"rank {rank}: pickled: rank {src} announced a hop of {total} bytes; expected 8 to "
+            f"max_bytes={max_bytes}"
+        )
+    buf = torch.empty(total, dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src, group)
+    inband, *buffers = _split(buf.cpu(), rank)
+    obj = pickle.loads(inband, buffers=buffers)
+    WORK["unpickled_bytes"] += inband.nbytes
+    return obj
