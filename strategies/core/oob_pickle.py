@@ -66,7 +66,10 @@ def _as_uint8(t: torch.Tensor) -> np.ndarray:
     if not src.is_contiguous():
         src = src.contiguous()
         WORK["copied_bytes"] += src.nbytes
-    return src.reshape(-1).view(torch.uint8).numpy()
+    flat = src.reshape(-1)
+    if flat.numel() <= 1:  # torch calls a one-element tensor contiguous whatever its stride
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8).numpy()
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -160,6 +160,34 @@ def test_non_tensor_flag_both_ways(world8, name, flag):
     assert run_contract(world8, name, layout, spec, (3, 3, 1), 7, TEST_OPTIONS.get(name, {})) == []
 
 
+SERIALIZATIONS = ("pickle5", "verl_numpy")
+"""``pickled``'s serializations beside its default: the same contract, each run as ``pickled``."""
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("serialization", SERIALIZATIONS)
+@pytest.mark.parametrize("layout", [LAYOUTS_4[0], LAYOUTS_8[1]], ids=lambda x: x.describe())
+@FEW
+@given(spec=batch_specs(), seed=st.integers(0, 2**20))
+def test_every_pickled_serialization_ends_with_the_leaders_batch(
+    request, layout, serialization, spec, seed
+):
+    """``pickled`` is one of OURS: every serialization of it carries every valid batch."""
+    world = world_for(layout, request)
+    options = {"serialization": serialization}
+    assert run_contract(world, "pickled", layout, spec, (2, 2, 5, 0), seed, options) == []
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("flag", [True, False], ids=["non_tensor", "tensors_only"])
+@pytest.mark.parametrize("serialization", SERIALIZATIONS)
+def test_pickled_serializations_with_the_non_tensor_flag_both_ways(world8, serialization, flag):
+    layout = LAYOUTS_8[1]
+    spec = BatchSpec(FIXED.leaves, FIXED.non_tensor, FIXED.meta, broadcast_non_tensor=flag)
+    options = {"serialization": serialization}
+    assert run_contract(world8, "pickled", layout, spec, (3, 3, 1), 7, options) == []
+
+
 @pytest.mark.world
 @pytest.mark.parametrize("name", [n for n in strategies.names() if n in OURS])
 def test_realistic_payloads_with_small_first_message(world4, name):
