@@ -406,7 +406,7 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-@pytest.mark.parametrize("name", ["shm", "vllm_shm_broadcast"])
+@pytest.mark.parametrize("name", ["shm", "vllm_shm_broadcast", "independent_fetch"])
 def test_kill_9_of_the_leader_reaches_every_reader_at_once_and_leaves_no_segment(tmp_path, name):
     before = _shm_listing()
     script = tmp_path / "kill_job.py"
@@ -446,11 +446,11 @@ def test_kill_9_of_the_leader_reaches_every_reader_at_once_and_leaves_no_segment
         f"\n{name}: /dev/shm before {before}, while running {during}, after kill -9 {after}; "
         f"the ranks mapped {ours}"
     )
-    # The job's own segments (what its ranks mapped): shm's are memfds, which no name in
-    # /dev/shm can ever hold; vllm's named ones are unlinked once every rank has them open,
-    # so none is listed while the job runs or after the kill.
+    # The job's own segments (what its ranks mapped): shm's (and independent_fetch's store) are
+    # memfds, which no name in /dev/shm can ever hold; vllm's named ones are unlinked once every
+    # rank has them open, so none is listed while the job runs or after the kill.
     named = [n for n in ours if not n.startswith("memfd:")]
-    if name == "shm":
+    if name in ("shm", "independent_fetch"):
         assert ours and not named, ours
     else:
         assert named, f"the ranks mapped no named segment: nothing was checked ({ours})"
