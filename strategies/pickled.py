@@ -51,7 +51,7 @@ from __future__ import annotations
 import io
 import pickle
 from functools import cache
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -116,6 +116,11 @@ def loads_back(dtype: torch.dtype, torch_save: bool) -> bool:
 class Pickled(Strategy):
     name = "pickled"
     claims = "2 collectives per hop (sizes, pickled bytes): 2 on stage 0 with tp·cp>1, +2 for pp>1"
+
+    priced_options: ClassVar[tuple[dict, ...]] = tuple(
+        {"serialization": s} for s in oob_pickle.OOB_SERIALIZATIONS
+    )
+    """Option sets ``bcastbench predict`` prices beside the default (``roll``)."""
 
     def __init__(self, groups, serialization: str = "roll") -> None:
         super().__init__(groups)
@@ -213,6 +218,8 @@ class Pickled(Strategy):
     ) -> Plan:
         """``pickle_bytes``: the measured size of one hop's pickle (``hop_pickle_bytes``); without
         it the size is estimated from ``spec`` and marked inexact."""
+        if serialization not in SERIALIZATIONS:
+            raise ValueError(f"serialization={serialization!r}; expected one of {SERIALIZATIONS}")
         nbytes = spec.pickle_bytes + (spec.non_tensor_bytes if spec.broadcast_non_tensor else 0)
         exact = spec.pickle_exact and not spec.broadcast_non_tensor and serialization == "dataclass"
         if pickle_bytes is not None:
