@@ -16,9 +16,10 @@ that carries what they make (``pickled``'s ``serialization`` = ``pickle5`` | ``v
 
 The hop keeps ``broadcast_object_list``'s two collectives: the size (one int64, then a host
 sync), then one byte buffer. The buffer is a frame table (count, then each frame's length, as
-int64) and the frames: the in-band pickle first, then the out-of-band buffers in the order
-pickle asked for them. The source copies each frame into the buffer once (vLLM writes its
-frames into a shared chunk the same way); receivers unpickle with the frames as views of it.
+int64) and the frames, each on a 64-byte boundary: the in-band pickle first, then the
+out-of-band buffers in the order pickle asked for them. The source copies each frame into the
+buffer once (vLLM writes its frames into a shared chunk the same way); receivers unpickle with
+the frames as views of it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ from strategies.core.contract import ContractError, ShippedFailure, failure_text
 from strategies.core.trace import WORK
 
 OOB_SERIALIZATIONS = ("pickle5", "verl_numpy")
+ALIGN = 64
+"""Every frame starts on this boundary of the hop's buffer: a tensor rebuilt as a view of it is
+as aligned as one torch allocates (an unaligned complex128 view crashes vectorized reads)."""
 MAX_FRAMES = 1 << 20
 """More frames than this in a table is a corrupt or hostile message, not a batch."""
 
@@ -139,21 +143,36 @@ def dumps(obj, serialization: str) -> list:
     return [inband, *(b.raw() for b in buffers)]
 
 
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _offsets(sizes) -> tuple[list[int], int]:
+    """Where each frame starts in the hop's buffer (after the table, each on an ``ALIGN``
+    boundary), and the buffer's bytes."""
+    at = _align(8 * (1 + len(sizes)))
+    starts = []
+    for n in sizes:
+        starts.append(at)
+        at = _align(at + n)
+    return starts, at
+
+
 def frames_bytes(frames: list) -> int:
-    """The bytes of the hop's buffer that carries ``frames`` (table included)."""
-    return 8 * (1 + len(frames)) + sum(f.nbytes for f in frames)
+    """The bytes of the hop's buffer that carries ``frames`` (table and padding included)."""
+    return _offsets([f.nbytes for f in frames])[1]
 
 
 def _join(frames: list) -> torch.Tensor:
     """Source: the frame table and the frames in one uint8 tensor (each frame copied once)."""
-    table = struct.pack(f"<{1 + len(frames)}q", len(frames), *(f.nbytes for f in frames))
-    out = np.empty(frames_bytes(frames), dtype=np.uint8)
+    sizes = [f.nbytes for f in frames]
+    starts, total = _offsets(sizes)
+    table = struct.pack(f"<{1 + len(frames)}q", len(frames), *sizes)
+    out = np.zeros(total, dtype=np.uint8)
     out[: len(table)] = np.frombuffer(table, dtype=np.uint8)
-    at = len(table)
-    for f in frames:
+    for f, at in zip(frames, starts):
         out[at : at + f.nbytes] = np.frombuffer(f, dtype=np.uint8)
-        at += f.nbytes
-    WORK["copied_bytes"] += at - len(table)
+    WORK["copied_bytes"] += sum(sizes)
     return torch.from_numpy(out)
 
 
@@ -169,17 +188,12 @@ def _split(buf: torch.Tensor, rank: int) -> list[memoryview]:
             f"expected 1 to {MAX_FRAMES} frames whose table fits the buffer"
         )
     sizes = struct.unpack_from(f"<{count}q", raw, 8)
-    at = 8 * (1 + count)
-    if min(sizes) < 0 or at + sum(sizes) != total:
+    if min(sizes) < 0 or _offsets(sizes)[1] != total:
         raise ContractError(
-            f"rank {rank}: pickled: a hop's frames add up to {at + sum(sizes)} bytes; the buffer "
-            f"holds {total}"
+            f"rank {rank}: pickled: a hop's frames need {_offsets(sizes)[1]} bytes with their "
+            f"padding; the buffer holds {total}"
         )
-    frames = []
-    for n in sizes:
-        frames.append(raw[at : at + n])
-        at += n
-    return frames
+    return [raw[at : at + n] for at, n in zip(_offsets(sizes)[0], sizes)]
 
 
 def _on(group) -> torch.device:
