@@ -24,10 +24,12 @@ What travels depends on ``meta_info["_broadcast_non_tensor_batch"]`` and on the 
   Each hop is still two collectives and a host sync (the size, then one buffer: the in-band
   pickle and the tensors' bytes beside it), so only the serialization differs from ``roll``.
 
-Why an option and not strategies of their own: ROLL's two hops, their groups, sources and
-failure handling are the same code for every serialization, and a record names its options
-(``pickled [serialization=pickle5]``), so reports keep them apart; ``roll`` stays the default,
-so existing records stay comparable.
+The out-of-band serializations are also strategies of their own, ``pickled_pickle5`` and
+``pickled_verl_numpy`` (this class with ``serialization`` fixed): a job times each strategy
+name once, so only under their own names can one job time them beside ROLL's ``pickled`` and
+give a ``vs_baseline`` with its interval. ROLL's two hops, their groups, sources and failure
+handling are this one class for every serialization; ``roll`` stays ``pickled``'s default, so
+existing records stay comparable.
 
 Either way the caller's object (ours, verl's, a ROLL-shaped one: anything with batch,
 non_tensor_batch and meta_info) gets the batch set on it and is returned.
@@ -51,7 +53,7 @@ from __future__ import annotations
 import io
 import pickle
 from functools import cache
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -116,11 +118,6 @@ def loads_back(dtype: torch.dtype, torch_save: bool) -> bool:
 class Pickled(Strategy):
     name = "pickled"
     claims = "2 collectives per hop (sizes, pickled bytes): 2 on stage 0 with tp·cp>1, +2 for pp>1"
-
-    priced_options: ClassVar[tuple[dict, ...]] = tuple(
-        {"serialization": s} for s in oob_pickle.OOB_SERIALIZATIONS
-    )
-    """Option sets ``bcastbench predict`` prices beside the default (``roll``)."""
 
     def __init__(self, groups, serialization: str = "roll") -> None:
         super().__init__(groups)
@@ -248,6 +245,20 @@ class Pickled(Strategy):
             receiver=LocalWork(pickled_bytes=nbytes, copied_bytes=saved),
             forwarder=LocalWork(pickled_bytes=2 * nbytes, copied_bytes=2 * saved),
         )
+
+
+class FixedSerialization(Pickled):
+    """``Pickled`` with one serialization fixed, under a name of its own (not a strategy itself:
+    ``pickled_pickle5`` and ``pickled_verl_numpy`` set ``name`` and ``fixed``)."""
+
+    fixed = "roll"
+
+    def __init__(self, groups) -> None:
+        super().__init__(groups, serialization=self.fixed)
+
+    @classmethod
+    def plan(cls, layout, spec: PayloadSpec, pickle_bytes: int | None = None) -> Plan:
+        return super().plan(layout, spec, serialization=cls.fixed, pickle_bytes=pickle_bytes)
 
 
 def oob_plan(name: str, comms: list, hops: int, spec: PayloadSpec, serialization: str) -> Plan:

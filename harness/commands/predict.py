@@ -62,9 +62,9 @@ class PredictConf:
     cluster: ClusterConf = field(default_factory=ClusterConf)
     """Machine room to price on; ``conf/cluster/`` (``strategies.core.cluster.ClusterConf``)."""
     strategies: list[str] = field(default_factory=list)
-    """Strategies to price, each a name or a name with options (``pickled[serialization=pickle5]``);
-    empty = every selectable one (``strategies.names()``) and the option sets each prices beside
-    its default (a strategy's ``priced_options``)."""
+    """Strategies to price, each a name or a name with options, quoted on the command line
+    (``'strategies=["pickled[serialization=dataclass]"]'``); empty = every selectable one
+    (``strategies.names()``)."""
     quiet: bool = False
     """Print only the winner line (sweeps)."""
 
@@ -205,7 +205,7 @@ def run(cfg) -> dict[str, Any]:
         p.name, int(p.batch_size), int(p.seq_len), int(p.seed), p.broadcast_non_tensor
     )
     t_spec = time.perf_counter()
-    preds = predict_all(layout, spec, cluster, list(cfg.strategies) or None, with_options=True)
+    preds = predict_all(layout, spec, cluster, list(cfg.strategies) or None)
     winner, why = explain(preds)
     auto = auto_pick(preds)
     elapsed = time.perf_counter() - t0

@@ -99,13 +99,10 @@ def price_strategy(name: str, layout, spec, cluster, **options) -> Prediction:
     return replace(pred, steps=steps)
 
 
-def predict_all(
-    layout, spec, cluster, names: list[str] | None = None, with_options: bool = False
-) -> dict[str, Any]:
+def predict_all(layout, spec, cluster, names: list[str] | None = None) -> dict[str, Any]:
     """``{strategy: Prediction | str}`` (a string says why a strategy cannot serve the layout),
-    plus the floor under ``"floor"``. A name may carry options (``pickled[serialization=pickle5]``,
-    ``option_label``); ``with_options``: every strategy's ``priced_options`` are priced too,
-    each under its label, beside its default."""
+    plus the floor under ``"floor"``. A name may carry options, priced under that label
+    (``pickled[serialization=dataclass]``: ``option_label``)."""
     out: dict[str, Any] = {}
     # auto is priced as what it picks (``auto_pick``), not as a plan of its own.
     for label in [*(n for n in names or strategies.names() if n != "auto"), "floor"]:
@@ -114,18 +111,15 @@ def predict_all(
             # plan() is optional (a user's strategy may state none): measured, not predicted.
             out[label] = "n/a: no plan() (it can be measured with bcastbench run, not predicted)"
             continue
-        variants = getattr(strategies.get_class(name), "priced_options", ()) if with_options else ()
-        for opts in [options, *(v for v in variants if not options)]:
-            key = option_label(name, opts)
-            try:
-                out[key] = price_strategy(name, layout, spec, cluster, **opts)
-            except strategies.Unsupported as exc:
-                out[key] = f"n/a: {exc}"
+        try:
+            out[label] = price_strategy(name, layout, spec, cluster, **options)
+        except strategies.Unsupported as exc:
+            out[label] = f"n/a: {exc}"
     return out
 
 
 def option_label(name: str, options: dict) -> str:
-    """``name`` with its options, as predict prints it: ``pickled[serialization=pickle5]``."""
+    """``name`` with its options, as predict prints it: ``pickled[serialization=dataclass]``."""
     if not options:
         return name
     return f"{name}[{','.join(f'{k}={v}' for k, v in sorted(options.items()))}]"
@@ -140,7 +134,7 @@ def parse_label(label: str) -> tuple[str, dict[str, str]]:
     pairs = [p.partition("=") for p in rest.removesuffix("]").split(",")]
     if not rest.endswith("]") or any(not k or not eq for k, eq, _ in pairs):
         raise ValueError(
-            f"strategies: {label!r} is not name[key=value,...] (e.g. pickled[serialization=pickle5])"
+            f"strategies: {label!r} is not name[key=value,...] (e.g. pickled[serialization=dataclass])"
         )
     return name, {k: v for k, _, v in pairs}
 

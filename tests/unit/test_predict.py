@@ -146,8 +146,8 @@ def test_predict_prices_the_pull_strategy_and_every_pickled_serialization():
     from strategies.core.costs import Prediction
 
     layout, spec = Layout(tp=2, pp=2), scaled_spec("rl_rollout", 128, 512)
-    preds = predict_all(layout, spec, load_cluster("local"), with_options=True)
-    p5, verl = "pickled[serialization=pickle5]", "pickled[serialization=verl_numpy]"
+    preds = predict_all(layout, spec, load_cluster("local"))
+    p5, verl = "pickled_pickle5", "pickled_verl_numpy"
     assert all(isinstance(preds[k], Prediction) for k in ("independent_fetch", p5, verl))
     assert preds["shm"].total_s < preds["independent_fetch"].total_s
     fetch = {w.role: w for w in preds["independent_fetch"].local}["receiver"]
@@ -155,12 +155,15 @@ def test_predict_prices_the_pull_strategy_and_every_pickled_serialization():
     assert preds[p5].total_s < preds["pickled"].total_s
     assert preds[p5].total_s < preds[verl].total_s
     assert auto_pick(preds) in CANDIDATES
-    assert parse_label(p5) == ("pickled", {"serialization": "pickle5"})
-    assert option_label(*parse_label(p5)) == p5
-    asked = predict_all(layout, spec, load_cluster("local"), [verl, "independent_fetch"])
-    assert sorted(asked) == ["floor", "independent_fetch", verl]
-    record = run(compose(["layout=tp2", "cluster=local", f'strategies=["{p5}"]', "quiet=true"]))
-    assert record["winner"] == p5
+    # A name with options is priced under its label: the option's plan, not the default's.
+    label = "pickled[serialization=verl_numpy]"
+    assert parse_label(label) == ("pickled", {"serialization": "verl_numpy"})
+    assert option_label(*parse_label(label)) == label
+    asked = predict_all(layout, spec, load_cluster("local"), [label, "independent_fetch"])
+    assert sorted(asked) == ["floor", "independent_fetch", label]
+    assert asked[label].total_s == preds[verl].total_s
+    record = run(compose(["layout=tp2", "cluster=local", f'strategies=["{label}"]', "quiet=true"]))
+    assert record["winner"] == label
 
 
 def test_validate_prices_the_floor_method_that_won():

@@ -24,7 +24,15 @@ from harness.worlds.protocol import WorldError
 from strategies.core.layout import SEED_ORDER, Layout
 from strategies.header import HeaderStrategy
 
-OURS = ("pickled", "header", "flat", "direct", "scatter_allgather")
+OURS = (
+    "pickled",
+    "pickled_pickle5",
+    "pickled_verl_numpy",
+    "header",
+    "flat",
+    "direct",
+    "scatter_allgather",
+)
 """Strategies that must carry every valid batch. Others (peer reproductions) may refuse a
 layout or a batch they document as out of reach, if they do so on every rank."""
 
@@ -158,34 +166,6 @@ def test_non_tensor_flag_both_ways(world8, name, flag):
     layout = LAYOUTS_8[1]  # the seed's DP2×PP2×TP2
     spec = BatchSpec(FIXED.leaves, FIXED.non_tensor, FIXED.meta, broadcast_non_tensor=flag)
     assert run_contract(world8, name, layout, spec, (3, 3, 1), 7, TEST_OPTIONS.get(name, {})) == []
-
-
-SERIALIZATIONS = ("pickle5", "verl_numpy")
-"""``pickled``'s serializations beside its default: the same contract, each run as ``pickled``."""
-
-
-@pytest.mark.world
-@pytest.mark.parametrize("serialization", SERIALIZATIONS)
-@pytest.mark.parametrize("layout", [LAYOUTS_4[0], LAYOUTS_8[1]], ids=lambda x: x.describe())
-@FEW
-@given(spec=batch_specs(), seed=st.integers(0, 2**20))
-def test_every_pickled_serialization_ends_with_the_leaders_batch(
-    request, layout, serialization, spec, seed
-):
-    """``pickled`` is one of OURS: every serialization of it carries every valid batch."""
-    world = world_for(layout, request)
-    options = {"serialization": serialization}
-    assert run_contract(world, "pickled", layout, spec, (2, 2, 5, 0), seed, options) == []
-
-
-@pytest.mark.world
-@pytest.mark.parametrize("flag", [True, False], ids=["non_tensor", "tensors_only"])
-@pytest.mark.parametrize("serialization", SERIALIZATIONS)
-def test_pickled_serializations_with_the_non_tensor_flag_both_ways(world8, serialization, flag):
-    layout = LAYOUTS_8[1]
-    spec = BatchSpec(FIXED.leaves, FIXED.non_tensor, FIXED.meta, broadcast_non_tensor=flag)
-    options = {"serialization": serialization}
-    assert run_contract(world8, "pickled", layout, spec, (3, 3, 1), 7, options) == []
 
 
 @pytest.mark.world
