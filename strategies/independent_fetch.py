@@ -26,10 +26,11 @@ per-node store (what a node-local cache in front of TransferQueue gives), said p
 than hidden: the cross-node bytes are ``shm``'s, the fetches are not.
 
 Left out: TransferQueue itself (its controller round trips, ZMQ frames, msgspec encoding, its
-jagged return types and the conversion back; the ``transferqueue`` strategy is the real
-package), the metadata lookup a NeMo-RL worker makes before its get, and the per-step
-``kv_clear`` (the ring's slots are reused instead). The leader does not fetch its own batch
-back: it holds what it put.
+jagged return types and the conversion back), the metadata lookup a NeMo-RL worker makes before
+its get, and the per-step ``kv_clear`` (the ring's slots are reused instead). The leader does
+not fetch its own batch back: it holds what it put. The same source's other policy is
+``nemo_rl_leader_broadcast`` (the replica leader fetches, then broadcasts): time the two side by
+side to see what NeMo-RL's choice between them costs.
 
 A leader's failure reaches every rank as it does for ``shm``: a batch the leader cannot pack is
 replaced by a failure batch, which is put and fetched like any other; a leader that dies closes
