@@ -14,6 +14,10 @@ that carries what they make (``pickled``'s ``serialization`` = ``pickle5`` | ``v
   level by level (verl's batches are flat), and an entry that is not a dense tensor (jagged,
   NonTensorData) is pickled as it is, in band, where verl unbinds a jagged one.
 
+Both are host-memory serializers (verl's runs on CPU tensors only): a leaf on a device is
+copied to the host on the source and onto the receiving rank's own device of that type after
+the transfer (as ``nemo_rl_leader_broadcast`` restores one), counted as d2h and h2d bytes.
+
 The hop keeps ``broadcast_object_list``'s two collectives: the size (one int64, then a host
 sync), then one byte buffer. The buffer is a frame table (count, then each frame's length, as
 int64) and the frames, each on a 64-byte boundary: the in-band pickle first, then the
@@ -83,25 +87,46 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def tensor_view(dtype: str, shape: tuple, data: np.ndarray) -> torch.Tensor:
-    """vLLM's rebuild: a view of the bytes that arrived, in ``dtype`` and ``shape``."""
-    return torch.from_numpy(data).view(_dtype(dtype)).view(shape)
+def _here(device_type: str | None) -> torch.device | None:
+    """This rank's device of ``device_type`` (its current CUDA device for ``cuda``, as
+    ``nemo_rl_leader_broadcast`` restores a tensor), None for the host."""
+    if device_type in (None, "cpu"):
+        return None
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
 
 
-def tensor_copy(dtype: str, shape: tuple, data: np.ndarray) -> torch.Tensor:
+def _onto(t: torch.Tensor, device_type: str | None) -> torch.Tensor:
+    here = _here(device_type)
+    if here is None:
+        return t
+    WORK["h2d_bytes"] += t.nbytes
+    return t.to(here)
+
+
+def tensor_view(dtype: str, shape: tuple, data: np.ndarray, device: str = "cpu") -> torch.Tensor:
+    """vLLM's rebuild: a view of the bytes that arrived, in ``dtype`` and ``shape`` (a tensor
+    that left a device is copied onto this rank's)."""
+    return _onto(torch.from_numpy(data).view(_dtype(dtype)).view(shape), device)
+
+
+def tensor_copy(dtype: str, shape: tuple, data: np.ndarray, device: str = "cpu") -> torch.Tensor:
     """verl's rebuild: the bytes copied into a bytearray, ``torch.frombuffer`` of it."""
     owned = bytearray(data)
     WORK["copied_bytes"] += len(owned)
     if not owned:  # frombuffer refuses an empty buffer
-        return torch.empty(shape, dtype=_dtype(dtype))
-    return torch.frombuffer(owned, dtype=torch.uint8).view(_dtype(dtype)).view(shape)
+        return _onto(torch.empty(shape, dtype=_dtype(dtype)), device)
+    return _onto(torch.frombuffer(owned, dtype=torch.uint8).view(_dtype(dtype)).view(shape), device)
 
 
 def verl_tensordict(batch_size: tuple, device: str | None, items: dict) -> TensorDict:
     """verl's ``deserialize_tensordict``: every entry rebuilt (tensors by ``tensor_copy``; a
-    nested TensorDict arrives rebuilt already, by its own reduction)."""
+    nested TensorDict arrives rebuilt already, by its own reduction), on this rank's device of
+    the sender's device type."""
     out = {k: tensor_copy(*v[1:]) if v[0] == "tensor" else v[1] for k, v in items.items()}
-    return TensorDict(out, batch_size=batch_size, device=device)
+    here = _here(None if device is None else torch.device(device).type)
+    return TensorDict(out, batch_size=batch_size, device=device if here is None else here)
 
 
 class _Pickle5(pickle.Pickler):
@@ -109,7 +134,8 @@ class _Pickle5(pickle.Pickler):
 
     def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor) and as_bytes(obj):
-            return tensor_view, (str(obj.dtype), tuple(obj.shape), _as_uint8(obj))
+            shape, kind = tuple(obj.shape), obj.device.type
+            return tensor_view, (str(obj.dtype), shape, _as_uint8(obj), kind)
         return NotImplemented
 
 
@@ -122,7 +148,8 @@ class _VerlNumpy(pickle.Pickler):
         items = {}
         for key, value in obj.items():  # one level, as verl's; a nested TensorDict recurses
             if isinstance(value, torch.Tensor) and as_bytes(value):
-                items[key] = ("tensor", str(value.dtype), tuple(value.shape), _as_uint8(value))
+                shape, kind = tuple(value.shape), value.device.type
+                items[key] = ("tensor", str(value.dtype), shape, _as_uint8(value), kind)
             else:
                 items[key] = ("raw", value)
         device = None if obj.device is None else str(obj.device)
