@@ -17,6 +17,19 @@ What travels depends on ``meta_info["_broadcast_non_tensor_batch"]`` and on the 
   does. ``torch.save``/``torch.load`` bytes are counted as ``copied_bytes``.
 - ``dataclass``: the earlier, cheaper baseline: flag true pickles the caller's DataProto as it
   is (a dataclass pickle for ours), flag false pickles the bare TensorDict.
+- ``pickle5``: vLLM's pickle protocol 5 with out-of-band buffers; ``verl_numpy``: verl's
+  ``numpy`` DataProto serializer (``strategies.core.oob_pickle`` says what each reproduces).
+  Flag true: the batch, non_tensor_batch and meta_info travel (as ROLL's DataProto pickles
+  them; only batch and non_tensor_batch are copied back); flag false: the bare TensorDict.
+  Each hop is still two collectives and a host sync (the size, then one buffer: the in-band
+  pickle and the tensors' bytes beside it), so only the serialization differs from ``roll``.
+
+The out-of-band serializations are also strategies of their own, ``pickled_pickle5`` and
+``pickled_verl_numpy`` (this class with ``serialization`` fixed): a job times each strategy
+name once, so only under their own names can one job time them beside ROLL's ``pickled`` and
+give a ``vs_baseline`` with its interval. ROLL's two hops, their groups, sources and failure
+handling are this one class for every serialization; ``roll`` stays ``pickled``'s default, so
+existing records stay comparable.
 
 Either way the caller's object (ours, verl's, a ROLL-shaped one: anything with batch,
 non_tensor_batch and meta_info) gets the batch set on it and is returned.
@@ -31,7 +44,8 @@ on every rank, a leaf whose dtype its hop's pickling saves but cannot load back
 (``loads_back``: float8 and uint16/32/64 under plain pickle), which the seed would have left to
 fail on the receivers.
 
-Options: ``serialization`` = ``roll`` | ``dataclass`` (conf/strategy/pickled.yaml).
+Options: ``serialization`` = ``roll`` | ``dataclass`` | ``pickle5`` | ``verl_numpy``
+(conf/strategy/pickled.yaml).
 """
 
 from __future__ import annotations
@@ -45,6 +59,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from strategies.core import oob_pickle
 from strategies.core.contract import (
     ContractError,
     ShippedFailure,
@@ -54,11 +69,12 @@ from strategies.core.contract import (
     raise_failure,
     wants_non_tensor,
 )
+from strategies.core.header_format import DEFAULT_MAX_BYTES
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.roll_proto import RollBatchProxy, RollDataProto
 from strategies.core.strategy_base import Strategy
 
-SERIALIZATIONS = ("roll", "dataclass")
+SERIALIZATIONS = ("roll", "dataclass", *oob_pickle.OOB_SERIALIZATIONS)
 
 
 def broadcast_obj(obj, group):
@@ -121,7 +137,10 @@ class Pickled(Strategy):
         back (``loads_back``)."""
         rank = self.groups.rank
         torch_save = self.serialization == "roll" and wants_non_tensor(batch)
+        oob = self.serialization in oob_pickle.OOB_SERIALIZATIONS
         for key, t in leaves(batch.batch):
+            if oob and oob_pickle.as_bytes(t):  # travels as its bytes, whatever its dtype
+                continue
             if isinstance(t, torch.Tensor) and not loads_back(t.dtype, torch_save):
                 how = "torch.save / torch.load" if torch_save else "pickle"
                 raise ContractError(
@@ -133,7 +152,20 @@ class Pickled(Strategy):
     def _outgoing(self, state, whole: bool):
         if self.serialization == "roll":
             return state if whole else state.batch_proxy()
+        if whole and self.serialization in oob_pickle.OOB_SERIALIZATIONS:
+            return oob_pickle.Whole(state.batch, state.non_tensor_batch, state.meta_info)
         return state if whole else state.batch
+
+    def _send(self, obj, group) -> tuple[Exception, ShippedFailure] | None:
+        """One hop from this rank (its source): ``send_or_failure``'s contract."""
+        if self.serialization in oob_pickle.OOB_SERIALIZATIONS:
+            return oob_pickle.send(obj, self.serialization, group)
+        return send_or_failure(obj, group)
+
+    def _receive(self, group):
+        if self.serialization in oob_pickle.OOB_SERIALIZATIONS:
+            return oob_pickle.receive(group, self.groups.rank, DEFAULT_MAX_BYTES)
+        return broadcast_obj(None, group)
 
     @staticmethod
     def _incoming(state, received, whole: bool) -> None:
@@ -158,11 +190,11 @@ class Pickled(Strategy):
         failure = error = None
         for hop in g.seed_hops():
             if g.rank == hop.ranks[0]:  # a forwarder's own pickling failure travels on
-                failed = send_or_failure(failure or self._outgoing(state, whole), hop.group)
+                failed = self._send(failure or self._outgoing(state, whole), hop.group)
                 if failed is not None:
                     error, failure = failed
                 continue
-            received = broadcast_obj(None, hop.group)
+            received = self._receive(hop.group)
             if isinstance(received, ShippedFailure):
                 failure = received
             else:
@@ -183,8 +215,10 @@ class Pickled(Strategy):
     ) -> Plan:
         """``pickle_bytes``: the measured size of one hop's pickle (``hop_pickle_bytes``); without
         it the size is estimated from ``spec`` and marked inexact."""
+        if serialization not in SERIALIZATIONS:
+            raise ValueError(f"serialization={serialization!r}; expected one of {SERIALIZATIONS}")
         nbytes = spec.pickle_bytes + (spec.non_tensor_bytes if spec.broadcast_non_tensor else 0)
-        exact = spec.pickle_exact and not spec.broadcast_non_tensor and serialization != "roll"
+        exact = spec.pickle_exact and not spec.broadcast_non_tensor and serialization == "dataclass"
         if pickle_bytes is not None:
             nbytes, exact = pickle_bytes, True
         # ROLL's flag-true hop runs torch.save on the sender and torch.load on the receiver,
@@ -202,6 +236,8 @@ class Pickled(Strategy):
                 )
             step += 2
         n = len(hops)
+        if serialization in oob_pickle.OOB_SERIALIZATIONS:
+            return oob_plan(cls.name, comms, n, spec, serialization)
         return Plan(
             cls.name,
             comms,
@@ -211,9 +247,45 @@ class Pickled(Strategy):
         )
 
 
+class FixedSerialization(Pickled):
+    """``Pickled`` with one serialization fixed, under a name of its own (not a strategy itself:
+    ``pickled_pickle5`` and ``pickled_verl_numpy`` set ``name`` and ``fixed``)."""
+
+    fixed = "roll"
+
+    def __init__(self, groups) -> None:
+        super().__init__(groups, serialization=self.fixed)
+
+    @classmethod
+    def plan(cls, layout, spec: PayloadSpec, pickle_bytes: int | None = None) -> Plan:
+        return super().plan(layout, spec, serialization=cls.fixed, pickle_bytes=pickle_bytes)
+
+
+def oob_plan(name: str, comms: list, hops: int, spec: PayloadSpec, serialization: str) -> Plan:
+    """The local work of the out-of-band serializations: only the non-tensor part is pickled in
+    band; a hop's source copies the tensors' bytes into its buffer once; verl's receiver copies
+    each tensor again (into its bytearray), vLLM's views them."""
+    nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
+    tb = spec.tensor_bytes
+    kept = tb if serialization == "verl_numpy" else 0
+    receiver = LocalWork(pickled_bytes=nt, copied_bytes=kept)
+    return Plan(
+        name,
+        comms,
+        leader=LocalWork(pickled_bytes=nt * hops, copied_bytes=tb * hops),
+        receiver=receiver,
+        forwarder=LocalWork(pickled_bytes=2 * nt, copied_bytes=kept + tb),
+    )
+
+
 def hop_pickle_bytes(batch, serialization: str = "roll") -> int:
     """Bytes one hop pickles for this leader's batch (what ``plan`` takes as ``pickle_bytes``)."""
     whole = wants_non_tensor(batch)
+    if serialization in oob_pickle.OOB_SERIALIZATIONS:
+        obj = oob_pickle.Whole(batch.batch, batch.non_tensor_batch, batch.meta_info)
+        return oob_pickle.frames_bytes(
+            oob_pickle.dumps(obj if whole else batch.batch, serialization)
+        )
     if serialization == "roll":
         state = RollDataProto.of(batch)
         return len(pickle.dumps(state if whole else state.batch_proxy()))

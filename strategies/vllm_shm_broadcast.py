@@ -14,8 +14,11 @@ from a ZMQ PUB socket instead), then sets its read flag. A pickle of ``max_chunk
 more overflows; readers on other nodes always take the PUB socket (TCP). The segment's name,
 the sockets' addresses and who reads from where travel in one ``broadcast_object_list`` on the
 first call; readers subscribe and the writer waits for every subscription before the first
-message (vLLM's ``wait_until_ready``). Defaults are ``GroupCoordinator``'s: 4 MiB chunks, 6 of
-them.
+message (vLLM's ``wait_until_ready``). Defaults are vLLM's current ones (``MessageQueue``'s
+``max_chunk_bytes`` and ``max_chunks`` as ``GroupCoordinator`` builds it): 16 MiB chunks, 10 of
+them, so a pickle of up to 16 MiB stays in shared memory; vLLM's earlier 4 MiB × 6 is
+``max_chunk_bytes=4194304 max_chunks=6`` (``LEGACY``). Records made before the change ran
+the earlier setting under no option; rerun those to compare.
 
 Where it differs, and why: vLLM unlinks the segment when its writer is garbage-collected, so a
 killed writer leaves it in /dev/shm; here it is unlinked as soon as every reader has it open.
@@ -65,6 +68,11 @@ IDLE_S = 10.0
 """vLLM's SpinTimer: after this long without a message a reader sleeps between polls."""
 IDLE_SLEEP_S = 0.1
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+DEFAULT_MAX_CHUNK_BYTES = 16 << 20
+"""vLLM's current chunk size (a pickle this large or larger overflows to the socket)."""
+DEFAULT_MAX_CHUNKS = 10
+LEGACY = {"max_chunk_bytes": 4 << 20, "max_chunks": 6}
+"""vLLM's earlier defaults, still selectable as these options."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,12 @@ class VllmShmBroadcast(Strategy):
         "one, and every reader on another node, over a ZMQ PUB socket"
     )
 
-    def __init__(self, groups, max_chunk_bytes: int = 1 << 22, max_chunks: int = 6) -> None:
+    def __init__(
+        self,
+        groups,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        max_chunks: int = DEFAULT_MAX_CHUNKS,
+    ) -> None:
         if groups.device.type != "cpu":
             raise Unsupported(
                 f"rank {groups.rank}: vllm_shm_broadcast: the ring is host memory and the groups "

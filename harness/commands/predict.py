@@ -26,7 +26,7 @@ from harness.commands.hydra_app import run_app, store_schema
 from harness.errors import ConfigError
 from harness.files import write_json
 from harness.job.config_schema import LayoutConf, PayloadConf
-from harness.model.prices import auto_pick, explain, predict_all, report, to_json
+from harness.model.prices import auto_pick, explain, parse_label, predict_all, report, to_json
 from harness.payload import generated
 from strategies.core.cluster import ClusterConf
 from strategies.core.header_format import Entry, align, encode_header
@@ -62,7 +62,9 @@ class PredictConf:
     cluster: ClusterConf = field(default_factory=ClusterConf)
     """Machine room to price on; ``conf/cluster/`` (``strategies.core.cluster.ClusterConf``)."""
     strategies: list[str] = field(default_factory=list)
-    """Strategies to price; empty = every selectable one (``strategies.names()``)."""
+    """Strategies to price, each a name or a name with options, quoted on the command line
+    (``'strategies=["pickled[serialization=dataclass]"]'``); empty = every selectable one
+    (``strategies.names()``)."""
     quiet: bool = False
     """Print only the winner line (sweeps)."""
 
@@ -160,9 +162,26 @@ def check(cfg) -> None:
     for key in ("batch_size", "seq_len"):
         if cfg.payload[key] < 1:
             raise ConfigError(f"payload.{key} must be positive, got {cfg.payload[key]}")
-    unknown = sorted(set(cfg.get("strategies") or ()) - set(strategies.names()))
+    try:
+        asked = [parse_label(label) for label in cfg.get("strategies") or ()]
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    unknown = sorted({name for name, _ in asked} - set(strategies.names()))
     if unknown:
         raise ConfigError(f"strategies: unknown {unknown}; valid: {strategies.names()}")
+    for name, options in asked:
+        _check_plan_options(name, options)
+
+
+def _check_plan_options(name: str, options: dict) -> None:
+    """The options a label gives are ones its plan takes, with values it accepts (the plan
+    says which, for a one-leaf batch on two ranks)."""
+    if not options:
+        return
+    try:
+        strategies.get_class(name).plan(Layout(tp=2), scaled_spec("pretrain", 1, 8), **options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"strategies: {name} with {options}: {exc}") from None
 
 
 def _nodes(cluster, world_size: int) -> str:

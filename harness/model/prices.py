@@ -52,11 +52,11 @@ def replicas_independent(layout, gpus_per_node: int) -> bool:
     return bool((shape == shape[0]).all())
 
 
-def _one_replica_plan(cls, layout, spec, device: str = "cpu"):
+def _one_replica_plan(cls, layout, spec, device: str = "cpu", **options):
     """The plan of replica 0 of ``layout``, built on a 2-replica copy of the layout (so a
     strategy that refuses DP > 1 still refuses) and moved onto replica 0's global ranks."""
     small = replace(layout, dp=2)
-    plan = plan_of(cls, small, spec, device)
+    plan = plan_of(cls, small, spec, device, **options)
     move = dict(zip(small.replica_groups()[0], layout.replica_groups()[0]))
     comms = [
         replace(
@@ -73,7 +73,7 @@ def _one_replica_plan(cls, layout, spec, device: str = "cpu"):
     return replace(plan, comms=comms, shared=shared)
 
 
-def price_strategy(name: str, layout, spec, cluster) -> Prediction:
+def price_strategy(name: str, layout, spec, cluster, **options) -> Prediction:
     """``price(plan(layout, spec))``; for a big DP whose replicas are independent
     (``replicas_independent``) one replica is planned and priced and the group counts scaled,
     which is exact and ~dp× faster (a 16k-rank layout of per-tensor broadcasts has 28k comms).
@@ -84,13 +84,14 @@ def price_strategy(name: str, layout, spec, cluster) -> Prediction:
     if not replicas_independent(layout, cluster.gpus_per_node):
         # check=False: the test-suite checks plans against real runs; the O(ranks) check
         # would double the time of a 16k-rank layout.
-        return price(plan_of(cls, layout, spec, device), cluster, layout, check=False)
+        return price(plan_of(cls, layout, spec, device, **options), cluster, layout, check=False)
     try:
-        one = _one_replica_plan(cls, layout, spec, device)
+        one = _one_replica_plan(cls, layout, spec, device, **options)
     except strategies.Unsupported:
         # Refuse with the real layout in the message (refusals are raised before any planning,
         # so this is cheap); a strategy that refuses only the 2-replica copy is planned in full.
-        return price(plan_of(cls, layout, spec, device), cluster, layout, check=False)
+        plan = plan_of(cls, layout, spec, device, **options)
+        return price(plan, cluster, layout, check=False)
     pred = price(one, cluster, layout, check=False)
     steps = tuple(
         replace(s, n_comms=s.n_comms * layout.dp, n_inter=s.n_inter * layout.dp) for s in pred.steps
@@ -100,19 +101,42 @@ def price_strategy(name: str, layout, spec, cluster) -> Prediction:
 
 def predict_all(layout, spec, cluster, names: list[str] | None = None) -> dict[str, Any]:
     """``{strategy: Prediction | str}`` (a string says why a strategy cannot serve the layout),
-    plus the floor under ``"floor"``."""
+    plus the floor under ``"floor"``. A name may carry options, priced under that label
+    (``pickled[serialization=dataclass]``: ``option_label``)."""
     out: dict[str, Any] = {}
     # auto is priced as what it picks (``auto_pick``), not as a plan of its own.
-    for name in [*(n for n in names or strategies.names() if n != "auto"), "floor"]:
+    for label in [*(n for n in names or strategies.names() if n != "auto"), "floor"]:
+        name, options = parse_label(label)
         if not strategies.has_plan(name):
             # plan() is optional (a user's strategy may state none): measured, not predicted.
-            out[name] = "n/a: no plan() (it can be measured with bcastbench run, not predicted)"
+            out[label] = "n/a: no plan() (it can be measured with bcastbench run, not predicted)"
             continue
         try:
-            out[name] = price_strategy(name, layout, spec, cluster)
+            out[label] = price_strategy(name, layout, spec, cluster, **options)
         except strategies.Unsupported as exc:
-            out[name] = f"n/a: {exc}"
+            out[label] = f"n/a: {exc}"
     return out
+
+
+def option_label(name: str, options: dict) -> str:
+    """``name`` with its options, as predict prints it: ``pickled[serialization=dataclass]``."""
+    if not options:
+        return name
+    return f"{name}[{','.join(f'{k}={v}' for k, v in sorted(options.items()))}]"
+
+
+def parse_label(label: str) -> tuple[str, dict[str, str]]:
+    """``option_label``'s inverse (values stay strings, as a plan's string options take them);
+    a label whose brackets hold no ``key=value`` pair raises ValueError naming it."""
+    name, sep, rest = label.partition("[")
+    if not sep:
+        return label, {}
+    pairs = [p.partition("=") for p in rest.removesuffix("]").split(",")]
+    if not rest.endswith("]") or any(not k or not eq for k, eq, _ in pairs):
+        raise ValueError(
+            f"strategies: {label!r} is not name[key=value,...] (e.g. pickled[serialization=dataclass])"
+        )
+    return name, {k: v for k, _, v in pairs}
 
 
 def auto_pick(preds: dict[str, Any]) -> str | None:
@@ -152,7 +176,8 @@ def explain(preds: dict[str, Any]) -> tuple[str | None, str]:
 
 
 def report(preds: dict[str, Any], header: str) -> str:
-    lines = [header, f"{'strategy':24} {'predicted_ms':>13} {'vs_best':>8}  dominant term"]
+    w = max([24, *map(len, preds)])  # a label with options is longer than any name
+    lines = [header, f"{'strategy':{w}} {'predicted_ms':>13} {'vs_best':>8}  dominant term"]
     best = min((p.total_s for n, p in preds.items() if n != "floor" and isinstance(p, Prediction)),
                default=None)  # fmt: skip
     order = sorted(
@@ -163,9 +188,9 @@ def report(preds: dict[str, Any], header: str) -> str:
         if isinstance(p, Prediction):
             ratio = f"{p.total_s / best:8.2f}" if best else f"{'':8}"
             est = "" if p.exact else " (estimated sizes)"
-            lines.append(f"{n:24} {p.total_s * 1e3:13.4g} {ratio}  {p.dominant()}{est}")
+            lines.append(f"{n:{w}} {p.total_s * 1e3:13.4g} {ratio}  {p.dominant()}{est}")
         else:
-            lines.append(f"{n:24} {'n/a':>13} {'':8}  {p.removeprefix('n/a: ')[:90]}")
+            lines.append(f"{n:{w}} {'n/a':>13} {'':8}  {p.removeprefix('n/a: ')[:90]}")
     return "\n".join(lines)
 
 

@@ -134,13 +134,14 @@ def _emulated_job(
 @pytest.fixture(scope="module")
 def two_node_job(netns_ok, tmp_path_factory):
     """One ``emulate.enabled=true`` job on two emulated nodes (1000 Mbit/s, a link per node):
-    pp_first timed, shm and vllm_shm_broadcast beside it, every one verified bit for bit on
-    every rank; (run directory, record, wall seconds). One job serves the tests below: each
-    start of the cluster is four ranks importing torch."""
+    pp_first timed, shm, vllm_shm_broadcast and independent_fetch beside it, every one verified
+    bit for bit on every rank; (run directory, record, wall seconds). One job serves the tests
+    below: each start of the cluster is four ranks importing torch."""
     run_dir = tmp_path_factory.mktemp("two_node") / "run"
     res, elapsed = _emulated_job(
         run_dir, "strategy=pp_first", "emulate.nodes=2", "emulate.rate_mbit=1000",
-        "emulate.links=node", "timeout_s=60", references="[shm,vllm_shm_broadcast]",
+        "emulate.links=node", "timeout_s=60",
+        references="[shm,vllm_shm_broadcast,independent_fetch]",
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return run_dir, json.loads((run_dir / "result.json").read_text()), elapsed
@@ -181,9 +182,10 @@ def test_emulated_cluster_job_records_shape_and_bytes(two_node_job):
 def test_shared_memory_strategies_cross_each_node_link_as_their_peers_do(two_node_job):
     """Across two emulated nodes (each a network namespace, its own address): shm sends the
     message once to the other node's first rank, which hands it to its node in shared
-    memory; vllm_shm_broadcast's readers on the other node subscribe to the writer's ZMQ
-    socket on the node's address, and each gets its own copy of the pickle, as vLLM's remote
-    readers do. Both arrive bit for bit (the job's verification covers every strategy)."""
+    memory (independent_fetch's store is fed the same way); vllm_shm_broadcast's readers on the
+    other node subscribe to the writer's ZMQ socket on the node's address, and each gets its own
+    copy of the pickle, as vLLM's remote readers do. All arrive bit for bit (the job's
+    verification covers every strategy)."""
     _, rec, _ = two_node_job
     assert rec["correct"] is True and rec["emulate_ranks_per_node"] == 2
     s = rec["payload_bytes"]
@@ -194,6 +196,9 @@ def test_shared_memory_strategies_cross_each_node_link_as_their_peers_do(two_nod
     # Two remote readers: two copies of a pickle at least as large as the tensors.
     vllm = rec["references"]["vllm_shm_broadcast"]["cross_node_bytes_per_call"]
     assert 2 * s * WIRE <= vllm <= 3 * s * WIRE + slack, rec["references"]["vllm_shm_broadcast"]
+    # independent_fetch's store is per node: fed once across the link, as shm's segment is.
+    fetch = rec["references"]["independent_fetch"]["cross_node_bytes_per_call"]
+    assert s * WIRE <= fetch <= s * WIRE * 1.1 + slack, rec["references"]["independent_fetch"]
     assert _our_netns() == []
 
 

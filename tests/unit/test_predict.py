@@ -136,6 +136,36 @@ def test_a_gpu_cluster_prices_shm_with_its_staging_copies():
     assert local_leader["leader"].d2h_s == 0
 
 
+def test_predict_prices_the_pull_strategy_and_every_pickled_serialization():
+    """independent_fetch is shm's hand-off plus one copy of the message per reader; pickled's
+    out-of-band serializations pickle only the non-tensor part (cheaper than ROLL's torch.save
+    archive), and verl's receivers copy each tensor that vLLM's view. None is an auto
+    candidate, so auto still picks among its own."""
+    from harness.model.prices import auto_pick, option_label, parse_label
+    from strategies.auto import CANDIDATES
+    from strategies.core.costs import Prediction
+
+    layout, spec = Layout(tp=2, pp=2), scaled_spec("rl_rollout", 128, 512)
+    preds = predict_all(layout, spec, load_cluster("local"))
+    p5, verl = "pickled_pickle5", "pickled_verl_numpy"
+    assert all(isinstance(preds[k], Prediction) for k in ("independent_fetch", p5, verl))
+    assert preds["shm"].total_s < preds["independent_fetch"].total_s
+    fetch = {w.role: w for w in preds["independent_fetch"].local}["receiver"]
+    assert fetch.memcpy_s > {w.role: w for w in preds["shm"].local}["receiver"].memcpy_s
+    assert preds[p5].total_s < preds["pickled"].total_s
+    assert preds[p5].total_s < preds[verl].total_s
+    assert auto_pick(preds) in CANDIDATES
+    # A name with options is priced under its label: the option's plan, not the default's.
+    label = "pickled[serialization=verl_numpy]"
+    assert parse_label(label) == ("pickled", {"serialization": "verl_numpy"})
+    assert option_label(*parse_label(label)) == label
+    asked = predict_all(layout, spec, load_cluster("local"), [label, "independent_fetch"])
+    assert sorted(asked) == ["floor", "independent_fetch", label]
+    assert asked[label].total_s == preds[verl].total_s
+    record = run(compose(["layout=tp2", "cluster=local", f'strategies=["{label}"]', "quiet=true"]))
+    assert record["winner"] == label
+
+
 def test_validate_prices_the_floor_method_that_won():
     """A record's measured floor is its fastest raw method (``floor_method``); validate prices
     that method, not always one broadcast (a node-local shm floor has no collective at all)."""
@@ -210,6 +240,12 @@ def test_extrapolate_small(tmp_path):
         ("predict", ["-m", "layout.dp=1,0"], "layout.dp must be a positive integer"),
         ("predict", ["cluster.intra.alpha_us=-1"], "intra.alpha_us must be finite and >= 0"),
         ("predict", ["strategies=[bogus]"], "strategies: unknown ['bogus']"),
+        (
+            "predict",
+            ['strategies=["pickled[serialization=zzz]"]'],
+            "serialization='zzz'; expected one of",
+        ),
+        ("predict", ['strategies=["pickled[oops]"]'], "is not name[key=value,...]"),
         ("calibrate", ["world=1"], "world must be >= 2"),
         ("calibrate", ["reps=x"], "reps=x"),
         ("extrapolate", ["max_world=4"], "max_world must be >= 8"),

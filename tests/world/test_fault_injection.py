@@ -51,10 +51,10 @@ OPTIONS = {
 one collective per leaf to fault. auto among the collective strategies: on one host it would
 choose shm, whose leader posts none (faulted in tests/world/test_shm.py)."""
 DTYPES = ("float32", "int64", "bfloat16", "bool", "complex64")
-SIGNALLED = {"shm", "vllm_shm_broadcast"}
+SIGNALLED = {"shm", "vllm_shm_broadcast", "independent_fetch"}
 """Strategies whose leader posts no collective on one node in steady state (a socket message or
 a shared flag per rank instead): nothing here to fault; tests/world/test_shm.py faults shm's
-signal."""
+signal (independent_fetch's is the same channel's)."""
 
 
 class Injected(Exception):

@@ -22,7 +22,7 @@ from strategies.core.plan import spec_of
 from strategies.core.roll_proto import RollDataProto
 from strategies.core.trace import Recorder
 from strategies.nemo_rl_leader_broadcast import NemoRlLeaderBroadcast
-from strategies.pickled import Pickled, hop_pickle_bytes, loads_back
+from strategies.pickled import hop_pickle_bytes, loads_back
 
 pytestmark = pytest.mark.world
 
@@ -31,6 +31,8 @@ TP2PP2DP2 = Layout(dp=2, pp=2, tp=2)
 VARIANTS = [
     pytest.param("pickled", {"serialization": "roll"}, id="pickled-roll"),
     pytest.param("pickled", {"serialization": "dataclass"}, id="pickled-dataclass"),
+    pytest.param("pickled_pickle5", {}, id="pickled_pickle5"),
+    pytest.param("pickled_verl_numpy", {}, id="pickled_verl_numpy"),
     pytest.param("nemo_rl_leader_broadcast", {}, id="nemo"),
 ]
 FAIL_WITHIN_S = 1.0
@@ -79,7 +81,7 @@ def exact_job(ctx, name, layout, flag, options, kind="ours", calls=2):
             {
                 "comms": [(c.kind, c.ranks, c.root, c.nbytes) for c in rec.comms],
                 "spec": spec_of(expected),
-                "hop_bytes": hop_pickle_bytes(expected, options.get("serialization", "roll")),
+                "hop_bytes": hop_pickle_bytes(expected, strategy_serialization(name, options)),
                 "leaf_bytes": tuple(nbytes_of(t) for _, t in leaves),
                 "storages": storage_count(expected.batch),
             }
@@ -103,9 +105,16 @@ twice; a heap address has 14 digits, an mmap'd one 15 (measured: the same batch 
 85534 bytes on one rank and 85536 on its equal copy)."""
 
 
+def strategy_serialization(name: str, options: dict) -> str:
+    """The serialization a pickled strategy of this name and options runs."""
+    cls = strategies.get_class(name)
+    return options.get("serialization", getattr(cls, "fixed", "roll"))
+
+
 def plan_of(name: str, layout: Layout, options: dict, call: dict):
-    if name == "pickled":
-        return Pickled.plan(layout, call["spec"], pickle_bytes=call["hop_bytes"], **options)
+    if name.startswith("pickled"):
+        cls = strategies.get_class(name)
+        return cls.plan(layout, call["spec"], pickle_bytes=call["hop_bytes"], **options)
     return NemoRlLeaderBroadcast.plan(layout, call["spec"], leaf_bytes=call["leaf_bytes"])
 
 
@@ -203,7 +212,7 @@ def failing_job(ctx, name, layout, case):
 
 FAILURES = [
     pytest.param(name, case, id=f"{name}-{case}")
-    for name in ("pickled", "nemo_rl_leader_broadcast")
+    for name in ("pickled", "pickled_pickle5", "pickled_verl_numpy", "nemo_rl_leader_broadcast")
     for case in ("none", "dict", "tensordict", "leading_dims", "unpicklable")
 ] + [pytest.param("nemo_rl_leader_broadcast", "jagged", id="nemo_rl_leader_broadcast-jagged")]
 

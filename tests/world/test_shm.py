@@ -55,21 +55,43 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def ownership_job(ctx, node_of, calls: int, options: dict):
+def shared_ranges() -> list[tuple[int, int]]:
+    """Address ranges of this process's shared mappings (memfds and /dev/shm files)."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            cols = line.split(maxsplit=5)
+            if len(cols) == 6 and cols[5].startswith(("/memfd:", "/dev/shm/")):
+                lo, hi = (int(x, 16) for x in cols[0].split("-"))
+                out.append((lo, hi))
+    return out
+
+
+def views_shared_memory(out) -> bool:
+    """Whether any tensor of ``out`` lies in a shared mapping (a view of a segment)."""
+    ranges = shared_ranges()
+    ptrs = [t.data_ptr() for t in out.batch.values(include_nested=True, leaves_only=True)]
+    return any(lo <= p < hi for p in ptrs for lo, hi in ranges)
+
+
+def ownership_job(ctx, node_of, calls: int, options: dict, name: str = "shm"):
     """``calls`` calls; every rank keeps the first batch, rank 2 writes into every later one.
     Returns (every call exact, the held batch still exact, fds opened meanwhile, segments
-    the leader made, stripes written per reader as this rank's channel counted them)."""
+    the leader made, stripes written per reader as this rank's channel counted them, calls
+    whose batch viewed shared memory on a receiver)."""
     groups = ctx.groups_for(LAYOUT)
     if node_of is not None:
         groups = dataclasses.replace(groups, node_of=tuple(node_of))
-    strategy = strategies.get("shm", groups, **options)
+    strategy = strategies.get(name, groups, **options)
     exact, held = [], None
     fds = None
+    viewed = 0
     for seed in range(calls):
         want = batch(seed)
         entry = batch(seed) if groups.is_leader else want.entry_state(False)
         out = strategy.get_data_input(entry)
         exact.append(same(out, want))
+        viewed += not groups.is_leader and views_shared_memory(out)
         if seed == 0:
             held = out
             fds = open_fds()
@@ -84,7 +106,7 @@ def ownership_job(ctx, node_of, calls: int, options: dict):
     del held
     grew = open_fds() - fds
     made = strategy.channel.segments_made
-    return all(exact), held_exact, grew, made, dict(strategy.channel.striped_upto)
+    return all(exact), held_exact, grew, made, dict(strategy.channel.striped_upto), viewed
 
 
 OWNERSHIP = [
@@ -111,7 +133,7 @@ OWNERSHIP = [
 def test_a_receivers_batch_is_its_own_and_a_held_one_is_never_overwritten(world4, node_of, options):
     calls = 12
     results = world4.run(ownership_job, node_of, calls, options, timeout_s=60)
-    for rank, (exact, held_exact, grew, _, _) in enumerate(results):
+    for rank, (exact, held_exact, grew, *_) in enumerate(results):
         assert exact, f"rank {rank}: a call was not exact"
         assert held_exact, f"rank {rank}: the batch held since the first call changed"
         # The ring's other two slots: a memfd each, and on a writer its mapping's own copy.
@@ -127,6 +149,29 @@ def test_a_receivers_batch_is_its_own_and_a_held_one_is_never_overwritten(world4
         assert striped == {other[0]: {other[1]: calls}}, striped
     else:
         assert striped == {}, striped
+
+
+@pytest.mark.parametrize(
+    "node_of,options",
+    [(None, {}), ((0, 0, 1, 1), {}), ((0, 1, 0, 1), {}), ((0, 0, 1, 1), {"stripe_min_bytes": 0})],
+    ids=str,
+)
+def test_independent_fetch_gives_every_rank_an_owned_copy_on_a_node_and_across(
+    world4, node_of, options
+):
+    """Every receiver's batch is its own copy (no tensor of it in a shared mapping, and rank 2's
+    writes reach nobody), on one node and across two (a store per node, fed once: the other
+    node's leader receives, its other rank fetches from that node's store). Readers release a
+    slot as soon as they have copied it, so the ring never makes a segment beyond its three."""
+    calls = 8
+    results = world4.run(ownership_job, node_of, calls, options, "independent_fetch", timeout_s=60)
+    for rank, (exact, held_exact, _, _, _, viewed) in enumerate(results):
+        assert exact and held_exact, f"rank {rank}: a call, or the held batch, was not exact"
+        assert viewed == 0, f"rank {rank}: {viewed} calls' batches viewed shared memory"
+    assert results[0][3] <= 3, f"the leader made {results[0][3]} segments in {calls} calls"
+    striped = {rank: res[4] for rank, res in enumerate(results) if res[4]}
+    if options.get("stripe_min_bytes") == 0:
+        assert striped == {2: {3: calls}}, striped
 
 
 def guess_job(ctx, sizes: list[int], options: dict):
@@ -406,7 +451,7 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-@pytest.mark.parametrize("name", ["shm", "vllm_shm_broadcast"])
+@pytest.mark.parametrize("name", ["shm", "vllm_shm_broadcast", "independent_fetch"])
 def test_kill_9_of_the_leader_reaches_every_reader_at_once_and_leaves_no_segment(tmp_path, name):
     before = _shm_listing()
     script = tmp_path / "kill_job.py"
@@ -446,11 +491,11 @@ def test_kill_9_of_the_leader_reaches_every_reader_at_once_and_leaves_no_segment
         f"\n{name}: /dev/shm before {before}, while running {during}, after kill -9 {after}; "
         f"the ranks mapped {ours}"
     )
-    # The job's own segments (what its ranks mapped): shm's are memfds, which no name in
-    # /dev/shm can ever hold; vllm's named ones are unlinked once every rank has them open,
-    # so none is listed while the job runs or after the kill.
+    # The job's own segments (what its ranks mapped): shm's (and independent_fetch's store) are
+    # memfds, which no name in /dev/shm can ever hold; vllm's named ones are unlinked once every
+    # rank has them open, so none is listed while the job runs or after the kill.
     named = [n for n in ours if not n.startswith("memfd:")]
-    if name == "shm":
+    if name in ("shm", "independent_fetch"):
         assert ours and not named, ours
     else:
         assert named, f"the ranks mapped no named segment: nothing was checked ({ours})"

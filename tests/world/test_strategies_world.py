@@ -24,7 +24,15 @@ from harness.worlds.protocol import WorldError
 from strategies.core.layout import SEED_ORDER, Layout
 from strategies.header import HeaderStrategy
 
-OURS = ("pickled", "header", "flat", "direct", "scatter_allgather")
+OURS = (
+    "pickled",
+    "pickled_pickle5",
+    "pickled_verl_numpy",
+    "header",
+    "flat",
+    "direct",
+    "scatter_allgather",
+)
 """Strategies that must carry every valid batch. Others (peer reproductions) may refuse a
 layout or a batch they document as out of reach, if they do so on every rank."""
 
