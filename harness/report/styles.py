@@ -13,6 +13,8 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable
 
+import strategies  # light: the registry is read only when names() is called
+
 BUILTIN = (
     "shm", "auto", "flat", "header", "direct", "pp_first", "scatter_allgather",
     "megatron_broadcast_data", "nemo_rl_leader_broadcast", "vllm_tensor_dict",
@@ -34,8 +36,6 @@ def _registered() -> list[str]:
     """Every strategy a user can pick (built-ins and installed plug-ins); the built-ins alone
     where the registry cannot be read (a report must draw even then)."""
     try:
-        import strategies
-
         return list(strategies.names())
     except Exception:  # a broken plug-in must not stop a report of records already made
         return list(BUILTIN)

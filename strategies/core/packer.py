@@ -104,6 +104,15 @@ class _HeaderBytes:
     header: Header | None = None
     """The decoded ``Header`` these bytes stand for, made once per next_expect stamped."""
 
+    def decoded(self, layout: _Layout, batch, header_len: int) -> Header:
+        """``header``, made anew only when the stamp changed (the layout's structure fixes the
+        batch size, ``sizes`` the data bytes and the span)."""
+        if self.header is None or self.header.next_expect != self.stamped:
+            data_bytes, span = self.sizes
+            self.header = Header(tuple(batch.batch_size), tuple(layout.entries), data_bytes,
+                                 header_len, self.stamped, span)  # fmt: skip
+        return self.header
+
 
 @dataclass(frozen=True)
 class _Views:
@@ -178,12 +187,7 @@ class Packer:
         sources = [parts[i][3] for i in views.src_index]
         blob_at = header_len + span[0] if blob is not None else total
         fill = Filler(out, views.dst, sources, views.starts, blob, blob_at)
-        header = held.header
-        if header is None or header.next_expect != nxt:
-            # The layout's structure fixes the batch size; the sizes, the span: one per stamp.
-            entries = tuple(layout.entries)
-            header = Header(tuple(batch.batch_size), entries, data_bytes, header_len, nxt, span)
-            held.header = header
+        header = held.decoded(layout, batch, header_len)
         WORK["packed_bytes"] += total
         if blob is not None:
             WORK["pickled_bytes"] += len(blob)
