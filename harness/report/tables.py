@@ -428,8 +428,15 @@ def recommendation_ranges(rec: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def _within_a_tie(a: dict, b: dict) -> bool:
+    """Whether one size's winner is among the other's tied strategies (``shm ≈ auto`` next to
+    ``auto ≈ shm``: the same answer, not a crossover)."""
+    return a["winner"] in (b.get("tied_with") or ()) or b["winner"] in (a.get("tied_with") or ())
+
+
 def crossovers(rec: pd.DataFrame) -> list[str]:
-    """Sentences naming where the winner changes, between which two measured sizes."""
+    """Sentences naming where the winner changes, between which two measured sizes (a winner
+    tied with the other size's is no change)."""
     lines = []
     for layout, group in rec.groupby("layout", sort=False):
         group = group.sort_values("payload_bytes").to_dict("records")
@@ -442,18 +449,23 @@ def crossovers(rec: pd.DataFrame) -> list[str]:
                 else ""
             )
             for a, b in zip(group, group[1:])
-            if a["winner"] != b["winner"]
+            if a["winner"] != b["winner"] and not _within_a_tie(a, b)
         ]
         lines.append(
-            f"**{layout}**: "
-            + (
-                "; ".join(changes)
-                if changes
-                else f"no crossover: {group[0]['winner']} is fastest at every measured size"
-            )
-            + "."
+            f"**{layout}**: " + ("; ".join(changes) if changes else _no_crossover(group)) + "."
         )
     return lines
+
+
+def _no_crossover(group: list[dict]) -> str:
+    """The sentence for a layout whose answer never changes: one winner, or a tie."""
+    winners = list(dict.fromkeys(r["winner"] for r in group))
+    if len(winners) == 1 and all(r["kind"] == "winner" for r in group):
+        return f"no crossover: {winners[0]} is fastest at every measured size"
+    if len(winners) == 1:
+        return f"no crossover: {winners[0]} leads at every measured size, tied at some"
+    names = ", ".join(winners[:-1]) + f" and {winners[-1]}"
+    return f"no crossover: the lead passes between {names}, each tied with the next size's leader"
 
 
 SHAPE_COLUMNS = (

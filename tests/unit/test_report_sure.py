@@ -221,3 +221,23 @@ def test_a_record_each_job_counts_once_and_bench_sums_up_the_verdicts(sweep):
     from harness.commands.bench import _verdicts
 
     assert _verdicts(sweep) == "2 cells: 1 winner, 1 tied (report.md names them)"
+
+
+def test_a_winner_tied_with_the_next_sizes_is_no_crossover():
+    """``shm ≈ auto`` at one size and ``auto ≈ shm`` at the next (auto serving shm) is one
+    answer, not a crossover; a winner the next size's leader beats with confidence is one."""
+    import pandas as pd
+
+    from harness.report.tables import crossovers
+
+    def row(size, winner, tied, kind):
+        return {"layout": "tp2", "payload_bytes": size, "winner": winner, "tied_with": tied,
+                "kind": kind}  # fmt: skip
+
+    tied = pd.DataFrame([row(1, "shm", ["auto"], "tie"), row(2, "auto", ["shm"], "tie")])
+    assert crossovers(tied) == [
+        "**tp2**: no crossover: the lead passes between shm and auto, each tied with the next "
+        "size's leader."
+    ]
+    clear = pd.DataFrame([row(1, "flat", [], "winner"), row(2, "shm", [], "winner")])
+    assert crossovers(clear) == ["**tp2**: flat → shm between 1 B and 2 B."]
