@@ -28,16 +28,27 @@ def _skip(reason: str) -> None:
     pytest.skip(reason)
 
 
-def _ray_processes() -> set[int]:
+RUN_MARK = "BCB_TEST_RAY_RUN"
+"""An environment variable the test sets to a value of its own: every process the run starts
+inherits it, so the Ray processes of this run are told from another session's on the host."""
+
+
+def _ray_processes(mark: str) -> set[int]:
+    """Ray's processes (raylet, GCS, workers) that carry this run's mark in their environment."""
     names = ("raylet", "gcs_server", "ray::")
-    return {
-        p.pid
-        for p in psutil.process_iter(["cmdline"])
-        if any(n in " ".join(p.info["cmdline"] or []) for n in names)
-    }
+    found = set()
+    for p in psutil.process_iter(["cmdline"]):
+        if not any(n in " ".join(p.info["cmdline"] or []) for n in names):
+            continue
+        try:
+            if p.environ().get(RUN_MARK) == mark:
+                found.add(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
 
 
-def test_two_node_dispatch_crosses_once_per_node_with_all_ranks(tmp_path):
+def test_two_node_dispatch_crosses_once_per_node_with_all_ranks(tmp_path, monkeypatch):
     reason = unavailable_reason()
     if reason is not None:
         _skip(f"network namespaces unavailable: {reason}")
@@ -51,7 +62,8 @@ def test_two_node_dispatch_crosses_once_per_node_with_all_ranks(tmp_path):
 
     from harness.commands import ray_emulated as emulated
 
-    before = _ray_processes()  # another session's Ray (if any) is not ours to judge
+    mark = f"{os.getpid()}-{tmp_path.name}"
+    monkeypatch.setenv(RUN_MARK, mark)  # another session's Ray (if any) is not ours to judge
     argv = ["layout=tp2pp2", "payload.batch_size=96", "payload.seq_len=512"]
     argv += ["modes=[leader:header,all_ranks]", "iters=3", "warmup=1"]
     argv += ["emulate.nodes=2", "emulate.rate_mbit=1000", "emulate.bytes_calls=2"]
@@ -74,4 +86,4 @@ def test_two_node_dispatch_crosses_once_per_node_with_all_ranks(tmp_path):
     assert 1.9 < crossed["leader:floor"] < 2.6, crossed
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"bcb-{os.getpid()}-" not in left
-    assert _ray_processes() - before == set(), "Ray processes of the run are still running"
+    assert _ray_processes(mark) == set(), "Ray processes of the run are still running"
