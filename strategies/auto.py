@@ -213,7 +213,8 @@ def _cluster(name: str):
 
 def spec_of_header(header) -> PayloadSpec:
     """The ``PayloadSpec`` a decoded header describes (what ``plan.spec_of`` says of the
-    leader's batch, but from bytes every rank of the replica received alike)."""
+    leader's batch, but from bytes every rank of the replica received alike; of the non-tensor
+    blob the header keeps its room, ``parts.blob_room``, not its length)."""
     sizes = [e.nbytes for e in header.entries]
     nt = header.non_tensor[1] if header.non_tensor is not None else 0
     padded = sum(align(n) for n in sizes)

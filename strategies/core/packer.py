@@ -25,7 +25,14 @@ from strategies.core.header_format import (
     encode_header,
     stamp_next_expect,
 )
-from strategies.core.parts import Part, encode_non_tensor, message_parts, nbytes_of, structure
+from strategies.core.parts import (
+    Part,
+    blob_room,
+    encode_non_tensor,
+    message_parts,
+    nbytes_of,
+    structure,
+)
 from strategies.core.phase_clock import CLOCK
 from strategies.core.recent import remember
 from strategies.core.trace import WORK
@@ -170,8 +177,8 @@ class Packer:
         span = None
         data_bytes = layout.tensor_end
         if blob is not None:
-            span = (layout.tensor_end, len(blob))
-            data_bytes = align(layout.tensor_end + len(blob))
+            span = (layout.tensor_end, blob_room(len(blob)))  # the room: see blob_room
+            data_bytes = align(layout.tensor_end + span[1])
         held = self._encoded(batch, layout, data_bytes, span, next_expect)
         raw, nxt = held.raw, held.stamped
         header_len = raw.numel()
@@ -186,7 +193,7 @@ class Packer:
         views = self._views_in(out, layout, header_len)
         sources = [parts[i][3] for i in views.src_index]
         blob_at = header_len + span[0] if blob is not None else total
-        fill = Filler(out, views.dst, sources, views.starts, blob, blob_at)
+        fill = Filler(out, views.dst, sources, views.starts, blob, blob_at, span and span[1])
         header = held.decoded(layout, batch, header_len)
         WORK["packed_bytes"] += total
         if blob is not None:
@@ -264,11 +271,15 @@ class Packer:
 class Filler:
     """``fill(upto)``: copy every leaf (and the blob) that starts before byte ``upto`` and is
     not copied yet; ``fill.blob()`` writes the non-tensor blob now, ahead of the leaves (a
-    reader can decode it while they are copied)."""
+    reader can decode it while they are copied). The blob's room past its own bytes
+    (``parts.blob_room``) is zeroed: nothing of an earlier message or of the allocator's
+    memory travels in it."""
 
-    def __init__(self, out: torch.Tensor, dst, sources, starts, blob: bytes | None, blob_at: int):
+    def __init__(
+        self, out: torch.Tensor, dst, sources, starts, blob: bytes | None, blob_at: int, room=0
+    ):
         self.out, self.dst, self.sources, self.starts = out, dst, sources, starts
-        self._blob, self.blob_at = blob, blob_at
+        self._blob, self.blob_at, self.room = blob, blob_at, room or 0
         self.done = 0  # leaves copied so far, in order
 
     def __call__(self, upto: int) -> None:
@@ -287,11 +298,14 @@ class Filler:
         if blob is None:
             return
         before = CLOCK.switch("copy")
-        at, out = self.blob_at, self.out
+        at, out, end = self.blob_at, self.out, self.blob_at + len(blob)
         if out.device.type == "cpu":  # straight from the bytes: no tensor made of them
-            out.numpy()[at : at + len(blob)] = np.frombuffer(blob, np.uint8)
+            array = out.numpy()
+            array[at:end] = np.frombuffer(blob, np.uint8)
+            array[end : at + self.room] = 0
         else:
-            out[at : at + len(blob)].copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+            out[at:end].copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+            out[end : at + self.room].zero_()
         CLOCK.switch(before)
 
 

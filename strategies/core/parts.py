@@ -131,6 +131,27 @@ def encode_non_tensor(non_tensor_batch: dict[str, np.ndarray]) -> bytes:
     )
 
 
+BLOB_MIN_ROOM = 256
+BLOB_POW2_UPTO = 64 << 10
+
+
+def blob_room(nbytes: int) -> int:
+    """The room a message gives a non-tensor blob of ``nbytes``: a power of two from 256 B up
+    to 64 KiB, above that the next multiple of an eighth of its power of two. The header
+    records the room, not the length (a pickle ends itself: ``pickle.loads`` reads up to its
+    STOP and no further), so a batch whose prompts change by a few bytes from step to step, as
+    every RL step's do, keeps its header bytes: the leader's encoded header, the receivers'
+    decoded one and shm's guessed TensorDict all hold. At most a byte of room per byte of
+    blob below 64 KiB, an eighth above; only the blob's own bytes are written."""
+    if nbytes <= BLOB_MIN_ROOM:
+        return BLOB_MIN_ROOM
+    power = 1 << (nbytes - 1).bit_length()  # the least power of two >= nbytes
+    if power <= BLOB_POW2_UPTO:
+        return power
+    step = power // 16  # an eighth of the power of two below
+    return -(-nbytes // step) * step
+
+
 def decode_non_tensor(raw) -> dict[str, np.ndarray]:
     """``encode_non_tensor`` undone (``raw``: any bytes-like object, read in place): a list
     becomes a 1-D object array holding exactly its elements (``fromiter`` never reads a

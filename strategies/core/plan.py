@@ -15,7 +15,7 @@ from typing import Literal
 from strategies.core.contract import wants_non_tensor
 from strategies.core.header_format import encode_header
 from strategies.core.packer import layout_entries
-from strategies.core.parts import encode_non_tensor, message_parts, nbytes_of
+from strategies.core.parts import blob_room, encode_non_tensor, message_parts, nbytes_of
 
 CommKind = Literal["broadcast", "scatter", "all_gather"]
 
@@ -141,7 +141,7 @@ class PayloadSpec:
     def message_bytes(self) -> int:
         """Size of the packed message: header (with leaf padding) + tensors + the padded
         non-tensor blob when it travels."""
-        nt = -(-self.non_tensor_bytes // 64) * 64 if self.broadcast_non_tensor else 0
+        nt = -(-blob_room(self.non_tensor_bytes) // 64) * 64 if self.broadcast_non_tensor else 0
         return self.header_bytes + self.tensor_bytes + nt
 
 
@@ -163,10 +163,13 @@ def spec_of(dp) -> PayloadSpec:
     nt = dp.non_tensor_batch if flagged else None
     blob = encode_non_tensor(nt) if nt is not None else None
     entries, data_bytes, span = layout_entries(
-        dp.batch, 0, None if blob is None else len(blob), parts=[(k, 0, 0, t) for k, t in leaves]
+        dp.batch,
+        0,
+        None if blob is None else blob_room(len(blob)),
+        parts=[(k, 0, 0, t) for k, t in leaves],
     )
     header_len = len(encode_header(tuple(dp.batch.batch_size), entries, data_bytes, span))
-    nt_padded = -(-len(blob) // 64) * 64 if blob is not None else 0
+    nt_padded = -(-blob_room(len(blob)) // 64) * 64 if blob is not None else 0
     return PayloadSpec(
         tensor_bytes=sum(sizes),
         n_tensors=len(sizes),

@@ -13,6 +13,7 @@ from harness.payload import generated
 from strategies.auto import CANDIDATES, TIE, choose, pick, spec_of_header
 from strategies.core.layout import Layout
 from strategies.core.packer import pack
+from strategies.core.parts import blob_room
 from strategies.core.plan import spec_of
 
 TP2PP2 = Layout(tp=2, pp=2)
@@ -25,8 +26,12 @@ def test_spec_of_header_is_spec_of_the_batch(payload, flag):
     _, header = pack(dp.batch, dp.non_tensor_batch if flag else None)
     exact = spec_of(dp)
     from_header = spec_of_header(header)
-    # Everything but the pickle size of the tensors, which no candidate sends.
-    assert from_header == replace(exact, pickle_bytes=from_header.pickle_bytes, pickle_exact=False)
+    # Everything but the pickle size of the tensors, which no candidate sends, and the
+    # non-tensor blob's length, of which the header keeps the room (parts.blob_room).
+    room = blob_room(exact.non_tensor_bytes) if flag else exact.non_tensor_bytes
+    assert from_header == replace(
+        exact, pickle_bytes=from_header.pickle_bytes, pickle_exact=False, non_tensor_bytes=room
+    )
 
 
 def test_ties_go_by_preference_and_a_clear_winner_wins():

@@ -42,7 +42,7 @@ from strategies.core.header_format import (
     read_header,
 )
 from strategies.core.packer import RECENT_PACKS, SHRINK_ABOVE, Packer, layout_entries, pack
-from strategies.core.parts import decode_non_tensor, encode_non_tensor
+from strategies.core.parts import blob_room, decode_non_tensor, encode_non_tensor
 from strategies.core.trace import WORK
 from strategies.core.unpacker import unpack
 from strategies.core.wire import PAGE, RECENT_CALLS, Wire
@@ -146,7 +146,7 @@ def test_pack_unpack_round_trip_bit_exact(spec: BatchSpec, b: int):
     for _, t in leaves(dp.batch):
         expected_data = align(expected_data + t.numel() * t.element_size())
     if nt is not None:
-        expected_data = align(expected_data + len(encode_non_tensor(nt)))
+        expected_data = align(expected_data + blob_room(len(encode_non_tensor(nt))))
     assert header.data_bytes == expected_data
     assert buf.dtype == torch.uint8 and buf.numel() >= total
     assert read_header(buf[:total], DEFAULT_MAX_BYTES, 3) == header
@@ -494,3 +494,34 @@ def test_non_tensor_blob_round_trips_object_arrays_exactly():
     assert got["mixed"][1] is None and got["mixed"][3] == (1, "a")
     assert got["grid"].tolist() == grid.tolist() and got["strided"].tolist() == ["a", "c", "e"]
     assert np.array_equal(got["score"], nt["score"])
+
+
+def test_a_batch_whose_prompts_change_keeps_its_header():
+    """The header keeps the non-tensor blob's room, not its length (``parts.blob_room``): two
+    steps whose prompts differ by a few bytes pack into the same header bytes (the leader's
+    encoded header, the receivers' decoded one and shm's guess all hold), both unpack exactly,
+    and the room past the blob is zeros, whatever the buffer held before."""
+    td = TensorDict({"ids": torch.arange(6).reshape(3, 2)}, [3])
+    steps = [{"prompt": np.array(["solve x", "prove y", f"why {'z' * k}"], dtype=object)}
+             for k in (1, 9)]  # fmt: skip
+    lengths = [len(encode_non_tensor(nt)) for nt in steps]
+    assert lengths[0] != lengths[1] and blob_room(lengths[0]) == blob_room(lengths[1])
+    packer, raws = Packer(), []
+    for nt in steps:
+        buf, header, fill = packer.pack(td, nt)
+        buf[header.header_len :].fill_(0xFF)  # what an earlier message left
+        fill(header.total_bytes)
+        raws.append(bytes(buf[: header.header_len].numpy()))
+        _, got = unpack(buf[: header.total_bytes], header)
+        assert list(got["prompt"]) == list(nt["prompt"])
+        (off, room), own = header.non_tensor, len(encode_non_tensor(nt))
+        tail = buf[header.header_len + off + own : header.header_len + off + room]
+        assert room == blob_room(own) and len(tail) == room - own and not tail.any()
+    assert raws[0] == raws[1]
+
+
+@pytest.mark.parametrize("n", [0, 1, 255, 256, 257, 4095, 65536, 65537, 1 << 20, 3_000_001])
+def test_blob_room_holds_the_blob_and_is_its_own_room(n):
+    room = blob_room(n)
+    assert room >= max(n, parts.BLOB_MIN_ROOM) and blob_room(room) == room
+    assert room <= max(2 * n, parts.BLOB_MIN_ROOM) and (n <= 65536 or room <= n * 1.125 + 1)
