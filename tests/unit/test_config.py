@@ -163,7 +163,7 @@ def test_named_sweeps_time_every_selectable_strategy_in_one_job_per_cell():
     ]  # fmt: skip
     assert len(sweep_jobs(["sweep=bench_quick"])) == 2 * 2
     bench = cfg_of("sweep=bench")
-    assert set(bench.references) == {"floor", *strategies.names()} and bench.record_each
+    assert set(bench.references) == {"floor", *strategies.names_for_world()} and bench.record_each
     assert (bench.iters, bench.warmup, bench.payload.seq_len) == (8, 2, 512)
     assert bench.repeats >= 3
     assert cfg_of("sweep=bench", "layout=tp2").layout.tp * 1 == 2
@@ -176,9 +176,9 @@ def test_the_real_step_sweep_is_a_varying_workload_on_uneven_replicas():
     from harness.job.sweep_plan import check_sweep, sweep_jobs
 
     assert {j[1] for j in sweep_jobs(["sweep=real_step"])} == {
-        f"strategy={n}" for n in strategies.names()
+        f"strategy={n}" for n in strategies.names_for_world()
     }
-    assert check_sweep(["sweep=real_step"], lambda: validate) == len(strategies.names())
+    assert check_sweep(["sweep=real_step"], lambda: validate) == len(strategies.names_for_world())
     step = cfg_of("sweep=real_step", "layout=tp2pp2dp2")
     assert step.payload.dp_split == "drawn" and step.payload.draws >= 1
     assert len({entry["seq_len"] for entry in step.payload.cycle}) > 1
