@@ -118,6 +118,7 @@ def test_presets_compose():
         (["strategy=custom"], "strategy=custom needs strategy._target_=<package.module.Class>"),
         # A key the schema lacks, with the keys its node has.
         (["layout.tq=2"], "valid keys: dp, pp, tp, cp, order"),
+        (["strategy=ray_object_store"], "runs only on world=ray (this job: world=forked)"),
     ],
 )
 def test_cli_bad_config_is_one_line_and_exit_2(argv, says, tmp_path, capsys, monkeypatch):
