@@ -35,8 +35,10 @@ TP2PP2 = Layout(pp=2, tp=2)
 SMALL = {"batch_size": 4, "seq_len": 64}
 
 
-CONF = RayConf(num_cpus=2, object_store_mb=256)
-"""The module's Ray world; the Hydra jobs below ask for the same (ray.object_store_mb=256)."""
+CONF = RayConf(num_cpus=3, object_store_mb=256)
+"""The module's Ray world; the Hydra jobs below ask for the same (ray.num_cpus=3
+ray.object_store_mb=256). 3 CPUs: the 4 ranks reserve 1, TransferQueue's controller and
+storage unit 2 (logical CPUs: the host may have fewer cores)."""
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +156,7 @@ def test_bcastbench_run_world_ray_broadcast_and_dispatch(ray_world, tmp_path):
     status = cli.main(
         ["-m", "ray_job=broadcast,leader_header,all_ranks", "payload.batch_size=4",
          "payload.seq_len=64", "iters=2", "warmup=1", "references=[floor]",
-         "ray.object_store_mb=256", f"hydra.sweep.dir={tmp_path}"]
+         "ray.num_cpus=3", "ray.object_store_mb=256", f"hydra.sweep.dir={tmp_path}"]
     )  # fmt: skip
     assert status == 0
     assert [w for k, w in REGISTRY.worlds.items() if k[0] == "ray"] == [ray_world], (
@@ -203,7 +205,7 @@ def test_ray_dispatch_sweep_shares_one_world(ray_world, tmp_path):
         return {o.key_or_group: o.value() for o in parsed}
 
     job = ["layout=tp2pp2", "payload.seq_len=64", "iters=2", "warmup=1"]
-    job += ["modes=[leader:header,all_ranks]", "ray.object_store_mb=256"]
+    job += ["modes=[leader:header,all_ranks]", "ray.num_cpus=3", "ray.object_store_mb=256"]
     out = tmp_path / "all.json"
     argv = ["-m", *job, "payload.batch_size=2,4", f"out={out}", f"hydra.sweep.dir={tmp_path}"]
     assert cli.main(["ray-dispatch", *argv]) == 0
@@ -237,7 +239,7 @@ def test_a_varying_workload_on_uneven_replicas_is_dispatched_call_by_call(ray_wo
         ["-m", "ray_job=leader_header,all_ranks", "layout=tp2pp2", "layout.pp=1",
          "layout.dp=2", "iters=4", "warmup=1", "steady_iters=2", "payload.seq_len=64",
          "payload.cycle=[{seq_len:64},{seq_len:32}]", "payload.dp_split=[3,1]",
-         "ray.object_store_mb=256", f"hydra.sweep.dir={tmp_path}"]
+         "ray.num_cpus=3", "ray.object_store_mb=256", f"hydra.sweep.dir={tmp_path}"]
     )  # fmt: skip
     assert status == 0
     recs = [json.loads(p.read_text()) for p in sorted(tmp_path.rglob("result.json"))]
