@@ -22,6 +22,9 @@ if not hasattr(ray, "init"):  # tests/verl_support.py registers a bare stand-in 
         'only a test stand-in for ray is loaded: pip install "ray==2.60.0"', allow_module_level=True
     )
 
+# Read at collection, before this thread moves into a private cluster's network namespace.
+from test_nothing_left import HOST_NETNS, is_loopback, listeners  # noqa: E402
+
 import strategies  # noqa: E402
 from harness.job.broadcast import run_job_on_rank  # noqa: E402
 from harness.job.dispatch import DispatchMode, _Driver, _verify  # noqa: E402
@@ -425,3 +428,41 @@ def test_ray_object_store_leaves_no_object_behind(ray_world):
     assert record["correct"] and record["status"] == "ok", record
     assert record["payload_bytes"] > 16 << 20
     assert plasma_objects() <= before
+
+
+@pytest.mark.parametrize("name", RAY_ONLY)
+def test_every_port_a_pull_job_opens_is_on_loopback_or_the_clusters_own_network(ray_world, name):
+    """A job of the strategy, then every listening TCP socket of every process the cluster
+    runs (TransferQueue's controller and storage unit serve their ZMQ ports for as long as the
+    world lives, and accept pickled data from any peer): each on a loopback address, or inside
+    the cluster's own loopback-only network namespace (as root)."""
+    ray_only(name)
+    spec = JobSpec(name, TP2PP2, iters=2, warmup=1, **SMALL)
+    assert run_job(ray_world, spec)["correct"]
+    cluster = psutil.Process().children(recursive=True)
+    found = listeners({p.pid for p in cluster})
+    print(f"{name}: listening sockets of the Ray cluster:", *found, sep="\n  ")
+    assert found, "the cluster listens somewhere (GCS, raylet, workers)"
+    for pid, process, address, port, netns in found:
+        assert is_loopback(address) or netns != HOST_NETNS, (pid, process, address, port)
+    if name == "transferqueue":
+        # TransferQueue's processes: the controller and the storage unit. Each is a Ray worker
+        # whose own gRPC server (one per process) binds every interface, Ray's as in every
+        # worker; every other port there is TransferQueue's ZMQ, bound to Ray's node address.
+        tq = [p.pid for p in cluster if _title(p).removeprefix("ray::") in TQ_ACTORS]
+        assert len(tq) == 2, f"TransferQueue's controller and storage unit not found: {cluster}"
+        for pid in tq:
+            ports = [f for f in found if f[0] == pid]
+            zmq = [f for f in ports if is_loopback(f[2])]
+            assert len(zmq) >= 1 and len(ports) - len(zmq) <= 1, ports
+
+
+TQ_ACTORS = {"TransferQueueController", "SimpleStorageUnit"}
+"""TransferQueue's actors' process titles (``ray::<class>``)."""
+
+
+def _title(proc) -> str:
+    try:
+        return proc.name()
+    except psutil.Error:
+        return ""
