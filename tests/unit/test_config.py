@@ -285,3 +285,22 @@ def test_a_size_range_is_one_job_per_size_the_nccl_tests_way(capsys):
     assert cli.main(["run", "-m", "payload.batch_size=sizes(16M,64K,4)", "--check"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "expected 0 < begin <= end" in err[0], err
+
+
+def test_transferqueue_without_its_extra_is_one_line_naming_it_and_exit_2(
+    tmp_path, capsys, monkeypatch
+):
+    """An installation without the transferqueue extra (imports of transfer_queue fail):
+    choosing the strategy exits 2 before anything starts, in one line naming the extra; the
+    named sweeps leave it out."""
+    import strategies
+    from harness.commands import cli
+
+    monkeypatch.setitem(sys.modules, "transfer_queue", None)  # import raises ImportError
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    run_dir = tmp_path / "run"
+    assert cli.main(["world=ray", "strategy=transferqueue", f"hydra.run.dir={run_dir}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "pip install 'bcastbench[transferqueue]'" in err and len(err.splitlines()) == 1, err
+    assert "transferqueue" not in strategies.names_for_world("ray")
+    assert not run_dir.exists()
