@@ -33,7 +33,8 @@ Adapted to the ``get_data_input`` contract:
   more uint8 field cut into B rows;
 - a batch of zero rows has no keys to put: it travels whole in the signal;
 - a barrier over the replica before the leader's ``kv_clear`` (a reader still fetching would
-  find its keys gone); ``torch.get_num_threads()`` is restored after each put and get (both
+  find its keys gone); a call that failed after its put leaves its keys to the next call's
+  clear, and a call the base class finishes after a fault puts under the same keys again; ``torch.get_num_threads()`` is restored after each put and get (both
   reset it);
 - only the process that created the controller owns it; no rank calls ``close()`` (a
   reader's close would kill the shared controller): the controller and storage unit end with
@@ -77,7 +78,8 @@ PARTITION = "bcastbench"
 PICKLED_FIELD = "pickled"
 TQ_CPUS = 2
 """Ray CPUs TransferQueue's actors reserve here: the controller and one storage unit."""
-_CALLS = itertools.count()
+_INSTANCES = itertools.count()
+"""Numbers each instance in this process, so two instances' keys never meet."""
 
 
 def missing_package() -> str | None:
@@ -129,6 +131,8 @@ class TransferQueue(Strategy):
                 f"{ray.available_resources().get('CPU', 0):g} free (raise ray.num_cpus)"
             )
         self._attach(groups)
+        self._instance, self._calls = next(_INSTANCES), 0
+        self._uncleared: set[str] = set()
 
     def _attach(self, g) -> None:
         """The leaders first (the first creates the controller), then every other rank."""
@@ -148,18 +152,31 @@ class TransferQueue(Strategy):
     # -- leader --------------------------------------------------------------------------------
     def _send(self, batch):
         g = self.groups
-        signal, fields = _encode(batch, f"r{g.rank}c{next(_CALLS)}")
+        # The call's number moves on only once a call is through: a call the base class
+        # finishes after a fault replays this one under the same keys, so its signal is the
+        # same bytes as the one the readers were announced.
+        prefix = f"r{g.rank}i{self._instance}c{self._calls}"
+        signal, fields = _encode(batch, prefix)
         keys = _keys(signal)
         if keys:
+            self._uncleared.update(keys)
             self._call(self._tq.kv_batch_put, keys=keys, partition_id=PARTITION, fields=fields)
         box = [signal]
         failed = broadcast_objects(box, g.leader, g.cpu_replica_group)
         dist.barrier(group=g.cpu_replica_group)
-        if keys:
-            self._call(self._tq.kv_clear, keys=keys, partition_id=PARTITION)
+        self._clear()
+        self._calls += 1
         if failed is not None:
             raise_failure(g, box[0].text, failed)
         return batch
+
+    def _clear(self) -> None:
+        """Every rank has passed this call's barrier: every key this instance put and has not
+        cleared (a faulted call's too) is cleared."""
+        if self._uncleared:
+            keys = sorted(self._uncleared)
+            self._call(self._tq.kv_clear, keys=keys, partition_id=PARTITION)
+            self._uncleared.clear()
 
     def _call(self, fn, **kwargs):
         """A TransferQueue call with this rank's torch thread count restored after it."""

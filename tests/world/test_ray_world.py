@@ -318,12 +318,14 @@ def by_value():
     """The gloo suites' rank jobs, sent to the Ray actors by value: the actors' path holds the
     repository, not tests/ (a forked rank inherits the test process's modules instead)."""
     import batchgen
+    import test_fault_injection
     import test_interop
     import test_leader_failure
     import test_strategies_world
     import verl_support
 
-    modules = (batchgen, verl_support, test_interop, test_leader_failure, test_strategies_world)
+    modules = (batchgen, verl_support, test_interop, test_leader_failure, test_strategies_world,
+               test_fault_injection)  # fmt: skip
     for module in modules:
         ray.cloudpickle.register_pickle_by_value(module)
     try:
@@ -403,6 +405,24 @@ def test_ray_only_strategies_take_the_leaders_failure_to_every_rank(ray_world, b
         else:
             assert {o for o, _ in per_rank} == {"raised"}, (kind, per_rank)
             lf.check_leader_error_everywhere(per_rank, layout, name, kind, must_name)
+
+
+@pytest.mark.parametrize("name", RAY_ONLY)
+def test_ray_only_strategies_survive_a_fault_at_every_leader_collective(ray_world, by_value, name):
+    """The gloo suite's fault injection: a fault before and after each collective the leader
+    posts; every rank finishes within the limit (exact, or LeaderFailed before the first), and
+    the next call on the same instance is exact everywhere."""
+    ray_only(name)
+    import test_fault_injection as fi
+
+    # TransferQueue's first init starts its actors (seconds): not within the 5 s limit's job.
+    run_job(ray_world, JobSpec(name, TP2PP2, iters=1, warmup=0, **SMALL))
+    spec = (3, (("k0", "bfloat16", 2), ("k1", "int64", 3), ("k2", "bool", 1)), True)
+    for fault_type in sorted(fi.FAULTS):
+        results = ray_world.run(
+            fi.injection_job, name, spec, fault_type, "boom", timeout_s=fi.FAIL_WITHIN_S
+        )
+        fi.check(results, name, fault_type, "boom")
 
 
 def plasma_objects() -> int:
