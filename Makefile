@@ -19,7 +19,9 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q --no-compile "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q --no-compile -e ".[dev]" "$(TORCH_SPEC)"
+	# The transferqueue extra too (strategy=transferqueue, world=ray), so its tests run for
+	# real: a pure-Python wheel plus ray[default]'s packages.
+	$(BIN)/python -m pip install -q --no-compile -e ".[dev,transferqueue]" "$(TORCH_SPEC)"
 	# verl's own DataProto and worker payload for the interop tests; its ray/transformers
 	# imports are never used on that path (tests/verl_support.py), so no deps.
 	$(BIN)/python -m pip install -q --no-compile --no-deps "verl==0.9.1"

@@ -36,6 +36,7 @@ _EXPORTS = {
     "has_plan": "strategies.registry",
     "is_target": "strategies.registry",
     "names": "strategies.registry",
+    "names_for_world": "strategies.registry",
     "resolve_target": "strategies.registry",
 }
 """Every public name and the module that defines it, imported on first use (PEP 562): the

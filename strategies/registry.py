@@ -93,6 +93,17 @@ def names(include_floor: bool = False) -> list[str]:
     return [n for n, c in _registry().items() if c.selectable or include_floor]
 
 
+def names_for_world(world: str = "forked", include_floor: bool = False) -> list[str]:
+    """``names()`` less those that cannot run on ``world`` in this installation: a strategy
+    needing another world (``Strategy.world``, e.g. ``ray_object_store`` needs ``ray``) or an
+    optional package not installed (``Strategy.unavailable``). The named sweeps list these."""
+    return [
+        n
+        for n in names(include_floor)
+        if _registry()[n].world in (None, world) and _registry()[n].unavailable() is None
+    ]
+
+
 def get_class(name: str) -> type[Strategy]:
     """The class of a registered name, or of a dotted import path (see ``resolve_target``)."""
     if name not in _registry() and is_target(name):

@@ -103,8 +103,26 @@ def _validate_strategy(cfg, known: list[str]) -> None:
             strategies.check_options(strategy, options)
         except TypeError as exc:
             problem = f"strategy.options: {exc}"
+    if problem is None:
+        problem = _runs_here(cfg, strategy)
     if problem is not None:
         raise ConfigError(problem)
+
+
+def _runs_here(cfg, strategy: str) -> str | None:
+    """Why the strategy under test cannot run in this job (an optional package this
+    installation lacks, or a world it needs), or None. References are not checked: one that
+    cannot run is refused on every rank at construction and dropped from the job."""
+    cls = strategies.get_class(strategy)
+    missing = cls.unavailable()
+    if missing is not None:
+        return f"strategy={strategy}: {missing}"
+    if cls.world is not None and cfg.world != cls.world:
+        return (
+            f"strategy={strategy} runs only on world={cls.world} (this job: world={cfg.world}); "
+            f"run it with world={cls.world}"
+        )
+    return None
 
 
 def _validate_names(cfg) -> None:

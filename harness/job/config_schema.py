@@ -210,14 +210,17 @@ class BenchConf:
 def selectable_strategies() -> str:
     """``${bcastbench.strategies:}`` in a sweep's params: every strategy a user can choose
     (``strategies.names()``), so a named sweep covers a new strategy with no YAML to edit, and
-    never the floor (every job's reference) nor a config entry that is not a strategy."""
-    return ",".join(strategies.names())
+    never the floor (every job's reference) nor a config entry that is not a strategy. Named
+    sweeps run on the forked world: a strategy that needs another (``world=ray``) or an
+    optional package not installed is left out (``strategies.names_for_world``)."""
+    return ",".join(strategies.names_for_world())
 
 
 def every_strategy() -> list[str]:
     """``${bcastbench.every_strategy:}`` as a job's ``references``: the floor and every
-    strategy a user can choose, to time side by side in one job (``record_each``)."""
-    return ["floor", *strategies.names()]
+    strategy a user can choose that runs on the forked world, to time side by side in one job
+    (``record_each``); a ``world=ray`` job names its Ray-only references itself."""
+    return ["floor", *strategies.names_for_world()]
 
 
 def size_range(begin, end, factor, name="rl_rollout", seq_len=512) -> str:

@@ -18,7 +18,7 @@ import strategies  # light: the registry is read only when names() is called
 BUILTIN = (
     "shm", "auto", "flat", "header", "direct", "pp_first", "scatter_allgather",
     "megatron_broadcast_data", "nemo_rl_leader_broadcast", "vllm_tensor_dict",
-    "vllm_shm_broadcast", "tensordict_broadcast", "pickled",
+    "vllm_shm_broadcast", "tensordict_broadcast", "pickled", "ray_object_store", "transferqueue",
 )  # fmt: skip
 """The shipped strategies, in the order they take colours (the usual winners first: the
 most distinct colours go to the lines a reader looks for)."""

@@ -56,6 +56,10 @@ class Strategy:
     raw_bytes: ClassVar[bool] = False
     """True for a strategy that moves bytes ``prepare`` packed rather than the batch it is
     handed (the floor): ``get_data_input`` runs its ``transfer`` as it is."""
+    world: ClassVar[str | None] = None
+    """The world a strategy needs when it cannot run on every torch.distributed world:
+    ``"ray"`` (its ranks are connected Ray actors, ``world=ray``). Elsewhere it raises
+    ``Unsupported`` at construction, on every rank; a job naming it is refused at config time."""
     phased: ClassVar[bool] = False
     """True where the leader's call marks its copy and its hand-over on
     ``strategies.core.phase_clock.CLOCK``, so a harness can split the call into plan, copy and
@@ -81,6 +85,12 @@ class Strategy:
                 f"strategy {self.name!r} takes no options {sorted(options)}; "
                 "see its module docstring for the options it has"
             )
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why this strategy cannot run in this installation (an optional package missing), in
+        one line naming what to install; None where it can. Checked before any rank starts."""
+        return None
 
     def prepare(self, batch: DataProto) -> None:
         """Untimed set-up before a run of calls (the floor packs its buffer here)."""

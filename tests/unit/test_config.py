@@ -118,6 +118,7 @@ def test_presets_compose():
         (["strategy=custom"], "strategy=custom needs strategy._target_=<package.module.Class>"),
         # A key the schema lacks, with the keys its node has.
         (["layout.tq=2"], "valid keys: dp, pp, tp, cp, order"),
+        (["strategy=ray_object_store"], "runs only on world=ray (this job: world=forked)"),
     ],
 )
 def test_cli_bad_config_is_one_line_and_exit_2(argv, says, tmp_path, capsys, monkeypatch):
@@ -163,7 +164,7 @@ def test_named_sweeps_time_every_selectable_strategy_in_one_job_per_cell():
     ]  # fmt: skip
     assert len(sweep_jobs(["sweep=bench_quick"])) == 2 * 2
     bench = cfg_of("sweep=bench")
-    assert set(bench.references) == {"floor", *strategies.names()} and bench.record_each
+    assert set(bench.references) == {"floor", *strategies.names_for_world()} and bench.record_each
     assert (bench.iters, bench.warmup, bench.payload.seq_len) == (8, 2, 512)
     assert bench.repeats >= 3
     assert cfg_of("sweep=bench", "layout=tp2").layout.tp * 1 == 2
@@ -176,9 +177,9 @@ def test_the_real_step_sweep_is_a_varying_workload_on_uneven_replicas():
     from harness.job.sweep_plan import check_sweep, sweep_jobs
 
     assert {j[1] for j in sweep_jobs(["sweep=real_step"])} == {
-        f"strategy={n}" for n in strategies.names()
+        f"strategy={n}" for n in strategies.names_for_world()
     }
-    assert check_sweep(["sweep=real_step"], lambda: validate) == len(strategies.names())
+    assert check_sweep(["sweep=real_step"], lambda: validate) == len(strategies.names_for_world())
     step = cfg_of("sweep=real_step", "layout=tp2pp2dp2")
     assert step.payload.dp_split == "drawn" and step.payload.draws >= 1
     assert len({entry["seq_len"] for entry in step.payload.cycle}) > 1
@@ -284,3 +285,22 @@ def test_a_size_range_is_one_job_per_size_the_nccl_tests_way(capsys):
     assert cli.main(["run", "-m", "payload.batch_size=sizes(16M,64K,4)", "--check"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "expected 0 < begin <= end" in err[0], err
+
+
+def test_transferqueue_without_its_extra_is_one_line_naming_it_and_exit_2(
+    tmp_path, capsys, monkeypatch
+):
+    """An installation without the transferqueue extra (imports of transfer_queue fail):
+    choosing the strategy exits 2 before anything starts, in one line naming the extra; the
+    named sweeps leave it out."""
+    import strategies
+    from harness.commands import cli
+
+    monkeypatch.setitem(sys.modules, "transfer_queue", None)  # import raises ImportError
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    run_dir = tmp_path / "run"
+    assert cli.main(["world=ray", "strategy=transferqueue", f"hydra.run.dir={run_dir}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "pip install 'bcastbench[transferqueue]'" in err and len(err.splitlines()) == 1, err
+    assert "transferqueue" not in strategies.names_for_world("ray")
+    assert not run_dir.exists()

@@ -171,6 +171,23 @@ def test_unknown_option_is_refused_naming_it(name):
         strategies.get(name, fake_groups(), no_such_option=1)
 
 
+@pytest.mark.parametrize(
+    "name", [n for n in strategies.names() if strategies.get_class(n).world == "ray"]
+)
+def test_a_ray_only_strategy_refuses_a_rank_that_is_no_ray_actor_naming_world_ray(name):
+    """Built in a process that is not a connected Ray actor (a forked or launched world's
+    rank): Unsupported at construction, before any collective, one line naming world=ray."""
+    missing = strategies.get_class(name).unavailable()
+    if missing is not None:
+        pytest.skip(missing)
+    with pytest.raises(strategies.Unsupported) as err:
+        strategies.get(name, fake_groups(rank=1, replica=(0, 1)))
+    message = str(err.value)
+    assert message.startswith(f"rank 1: {name} needs") and "world=ray" in message, message
+    assert len(message.splitlines()) == 1
+    assert name not in strategies.names_for_world() and name in strategies.names_for_world("ray")
+
+
 def test_documented_options_are_accepted():
     for name in ("header", "flat"):
         s = strategies.get(name, fake_groups(), initial_bytes=8192, max_bytes=1 << 20)

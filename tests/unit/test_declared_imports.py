@@ -19,7 +19,13 @@ from harness.paths import REPO
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 PRODUCT = ("harness", "strategies")
-OPTIONAL = {"ray": "ray", "submitit": "slurm", "hydra_plugins": "slurm", "verl": "verl"}
+OPTIONAL = {
+    "ray": "ray",
+    "submitit": "slurm",
+    "hydra_plugins": "slurm",
+    "verl": "verl",
+    "transfer_queue": "transferqueue",
+}
 """Modules the product imports only where an optional extra is installed: module → extra."""
 
 

@@ -100,7 +100,7 @@ def test_pickled_two_per_hop(request, layout):
 @pytest.mark.parametrize("name", ["header", "flat", "pp_first"])
 @pytest.mark.parametrize("layout", [TP2PP2, TP4, DP2_SEED], ids=lambda x: x.describe())
 def test_wire_strategies_one_broadcast_per_hop_in_steady_state(request, name, layout):
-    if name not in strategies.names():
+    if name not in strategies.names_for_world():
         pytest.skip(f"{name} is not installed")
     results = record(world_of(request, layout), name, layout)
     assert total_bytes(results) > 64 << 10  # the first call must outgrow the 64 KiB default
@@ -192,7 +192,7 @@ def has_plan(name: str) -> bool:
     return strategies.get_class(name).plan.__func__ is not strategies.Strategy.plan.__func__
 
 
-PLANNED = [n for n in strategies.names(include_floor=True) if has_plan(n)]
+PLANNED = [n for n in strategies.names_for_world(include_floor=True) if has_plan(n)]
 
 
 @pytest.mark.parametrize("flag", [False, True], ids=["tensors_only", "non_tensor"])

@@ -42,7 +42,9 @@ FAIL_WITHIN_S = 5.0
 """The no-progress limit: a rank still in a call after this is a hang."""
 EXAMPLE_SRC = REPO / "examples" / "bcastbench_example_strategy" / "src"
 EXAMPLE = "bcastbench_example_strategy.per_key.PerKeyBroadcast"
-NAMES = strategies.names() + ([] if "per_key" in strategies.names() else [EXAMPLE])
+NAMES = strategies.names_for_world() + (
+    [] if "per_key" in strategies.names_for_world() else [EXAMPLE]
+)
 OPTIONS = {
     "direct": {"direct_min_bytes": 1},
     "auto": {"candidates": [c for c in CANDIDATES if c != "shm"]},

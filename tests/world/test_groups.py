@@ -56,7 +56,7 @@ def test_groups_without_order_are_the_layouts(world8, layout):
         assert replica[0] == layout.leaders()[layout.coords(rank)["dp"]]
         assert replicas == layout.dp
     spec = BatchSpec(FIXED.leaves, FIXED.non_tensor, FIXED.meta, broadcast_non_tensor=True)
-    for name in strategies.names():
+    for name in strategies.names_for_world():
         options = TEST_OPTIONS.get(name, {})
         try:
             problems = run_contract(world8, name, layout, spec, (3, 3, 1), 11, options)

@@ -47,7 +47,7 @@ def interop_job(ctx, name: str, layout: Layout, payload: str):
 @pytest.mark.world
 @pytest.mark.parametrize("payload", sorted(PAYLOADS))
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("name", strategies.names())
+@pytest.mark.parametrize("name", strategies.names_for_world())
 def test_verl_objects_arrive_exact_or_are_refused_on_every_rank(request, name, layout, payload):
     verl_modules()  # skip here, before any rank imports verl
     lay = LAYOUTS[layout]

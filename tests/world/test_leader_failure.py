@@ -119,7 +119,7 @@ def failure_job(ctx, name: str, layout: Layout, case: str):
 
 @pytest.mark.world
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("name", [*strategies.names(), *VARIANTS])
+@pytest.mark.parametrize("name", [*strategies.names_for_world(), *VARIANTS])
 def test_every_rank_raises_the_leaders_error_or_ends_exact(world4, name, case):
     layout = LAYOUTS["tp2pp2"]
     results, outcome = run_within_limit(world4, failure_job, name, layout, case)
@@ -177,7 +177,7 @@ def dp_failure_job(ctx, name: str, layout: Layout):
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("name", strategies.names())
+@pytest.mark.parametrize("name", strategies.names_for_world())
 def test_a_failing_replica_leaves_the_other_replica_exact(world8, name):
     layout = LAYOUTS["tp2pp2dp2"]
     results = world8.run(dp_failure_job, name, layout, timeout_s=FAIL_WITHIN_S)
@@ -235,7 +235,7 @@ def after_good_job(ctx, name: str, layout: Layout, case: str):
 
 @pytest.mark.world
 @pytest.mark.parametrize("case", sorted(AFTER_GOOD))
-@pytest.mark.parametrize("name", strategies.names())
+@pytest.mark.parametrize("name", strategies.names_for_world())
 def test_a_failure_after_a_good_call_reaches_every_rank(world4, name, case):
     layout = LAYOUTS["tp2pp2"]
     results, outcome = run_within_limit(world4, after_good_job, name, layout, case)
@@ -339,7 +339,7 @@ def leaf_kinds_job(ctx, name: str, layout: Layout, kinds: list[str]):
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("name", strategies.names())
+@pytest.mark.parametrize("name", strategies.names_for_world())
 def test_every_leaf_kind_is_carried_exactly_or_refused_on_every_rank(world4, name):
     """After a good call of the same structure, every leaf kind of LEAF_KINDS either arrives
     exact on every rank or is refused on every rank within the limit, naming key and kind."""

@@ -88,7 +88,13 @@ import json, os, sys, time
 sys.path.insert(0, {repo!r})
 from harness.worlds.ray_cluster import RayConf
 from harness.worlds.ray_world import RayWorld
-world = RayWorld(2, RayConf(num_cpus=2, object_store_mb=128)).start()
+world = RayWorld(2, RayConf(num_cpus={cpus}, object_store_mb=128)).start()
+if {strategy!r}:
+    from harness.job.execute import run_job
+    from harness.job.spec import JobSpec
+    from strategies.core.layout import Layout
+    spec = JobSpec({strategy!r}, Layout(tp=2), iters=2, warmup=1, batch_size=4, seq_len=64)
+    assert run_job(world, spec)["correct"]
 pids = world.rank_pids
 print(json.dumps({{"dir": str(world._cluster_dir), "started": sorted(world.started_pids),
                   "ranks": pids}}), flush=True)
@@ -97,18 +103,26 @@ time.sleep(600)
 
 
 @pytest.mark.ray
-def test_kill_9_of_a_ray_driver_leaves_nothing(tmp_path):
-    """The driver is killed with SIGKILL while its cluster runs: within 15 s every process the
-    cluster started and its directory are gone, and nothing was written to the home
-    directory or to Ray's shared /tmp/ray."""
+@pytest.mark.parametrize("strategy", ["", "ray_object_store", "transferqueue"])
+def test_kill_9_of_a_ray_driver_leaves_nothing(tmp_path, strategy):
+    """The driver is killed with SIGKILL while its cluster runs (after a job of a pull
+    strategy, whose actors and objects live in the cluster: TransferQueue's controller and
+    storage unit): within 15 s every process the cluster started and its directory are gone,
+    and nothing was written to the home directory or to Ray's shared /tmp/ray."""
     _ray_or_skip()
     import json
+
+    import strategies
+
+    if strategy and strategies.get_class(strategy).unavailable():
+        pytest.skip(strategies.get_class(strategy).unavailable())
+    cpus = 3 if strategy == "transferqueue" else 2  # its controller and storage unit: 2 CPUs
 
     home = tmp_path / "home"
     home.mkdir()
     shared_before = set(Path("/tmp/ray").glob("session_*")) if Path("/tmp/ray").exists() else set()
     proc = subprocess.Popen(
-        [sys.executable, "-c", DRIVER.format(repo=str(REPO))],
+        [sys.executable, "-c", DRIVER.format(repo=str(REPO), cpus=cpus, strategy=strategy)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
         env={**os.environ, "HOME": str(home)}, start_new_session=True,
     )  # fmt: skip
@@ -120,6 +134,9 @@ def test_kill_9_of_a_ray_driver_leaves_nothing(tmp_path):
         reaper = [p for p in cluster if "harness.worlds.ray_reaper" in " ".join(p.cmdline())]
         ray_procs = [p for p in cluster if p not in reaper]
         assert reaper and ray_procs and Path(info["dir"]).is_dir()
+        if strategy == "transferqueue":
+            titles = {p.name() for p in ray_procs}
+            assert {"ray::TransferQueueController", "ray::SimpleStorageUnit"} <= titles, titles
         found = listeners({proc.pid, *(p.pid for p in ray_procs)})
         gloo_ranks = set(info["ranks"])
         print("private Ray cluster of 2 ranks, listening sockets:", *found, sep="\n  ")

@@ -22,6 +22,10 @@ if not hasattr(ray, "init"):  # tests/verl_support.py registers a bare stand-in 
         'only a test stand-in for ray is loaded: pip install "ray==2.60.0"', allow_module_level=True
     )
 
+# Read at collection, before this thread moves into a private cluster's network namespace.
+from test_nothing_left import HOST_NETNS, is_loopback, listeners  # noqa: E402
+
+import strategies  # noqa: E402
 from harness.job.broadcast import run_job_on_rank  # noqa: E402
 from harness.job.dispatch import DispatchMode, _Driver, _verify  # noqa: E402
 from harness.job.execute import run_job  # noqa: E402
@@ -34,8 +38,10 @@ TP2PP2 = Layout(pp=2, tp=2)
 SMALL = {"batch_size": 4, "seq_len": 64}
 
 
-CONF = RayConf(num_cpus=2, object_store_mb=256)
-"""The module's Ray world; the Hydra jobs below ask for the same (ray.object_store_mb=256)."""
+CONF = RayConf(num_cpus=3, object_store_mb=256)
+"""The module's Ray world; the Hydra jobs below ask for the same (ray.num_cpus=3
+ray.object_store_mb=256). 3 CPUs: the 4 ranks reserve 1, TransferQueue's controller and
+storage unit 2 (logical CPUs: the host may have fewer cores)."""
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +159,7 @@ def test_bcastbench_run_world_ray_broadcast_and_dispatch(ray_world, tmp_path):
     status = cli.main(
         ["-m", "ray_job=broadcast,leader_header,all_ranks", "payload.batch_size=4",
          "payload.seq_len=64", "iters=2", "warmup=1", "references=[floor]",
-         "ray.object_store_mb=256", f"hydra.sweep.dir={tmp_path}"]
+         "ray.num_cpus=3", "ray.object_store_mb=256", f"hydra.sweep.dir={tmp_path}"]
     )  # fmt: skip
     assert status == 0
     assert [w for k, w in REGISTRY.worlds.items() if k[0] == "ray"] == [ray_world], (
@@ -202,7 +208,7 @@ def test_ray_dispatch_sweep_shares_one_world(ray_world, tmp_path):
         return {o.key_or_group: o.value() for o in parsed}
 
     job = ["layout=tp2pp2", "payload.seq_len=64", "iters=2", "warmup=1"]
-    job += ["modes=[leader:header,all_ranks]", "ray.object_store_mb=256"]
+    job += ["modes=[leader:header,all_ranks]", "ray.num_cpus=3", "ray.object_store_mb=256"]
     out = tmp_path / "all.json"
     argv = ["-m", *job, "payload.batch_size=2,4", f"out={out}", f"hydra.sweep.dir={tmp_path}"]
     assert cli.main(["ray-dispatch", *argv]) == 0
@@ -236,7 +242,7 @@ def test_a_varying_workload_on_uneven_replicas_is_dispatched_call_by_call(ray_wo
         ["-m", "ray_job=leader_header,all_ranks", "layout=tp2pp2", "layout.pp=1",
          "layout.dp=2", "iters=4", "warmup=1", "steady_iters=2", "payload.seq_len=64",
          "payload.cycle=[{seq_len:64},{seq_len:32}]", "payload.dp_split=[3,1]",
-         "ray.object_store_mb=256", f"hydra.sweep.dir={tmp_path}"]
+         "ray.num_cpus=3", "ray.object_store_mb=256", f"hydra.sweep.dir={tmp_path}"]
     )  # fmt: skip
     assert status == 0
     recs = [json.loads(p.read_text()) for p in sorted(tmp_path.rglob("result.json"))]
@@ -299,3 +305,187 @@ def test_crashing_rank_fails_by_name_and_close_leaves_nothing(ray_world):
     ray_world.close()
     left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert left == [], f"processes the Ray world started are still running: {left}"
+
+
+# -- strategies that need a Ray world: the tests every strategy passes on a gloo world ---------
+RAY_ONLY = [n for n in strategies.names() if strategies.get_class(n).world == "ray"]
+"""The strategies the gloo-world suites leave out (``strategies.names_for_world()``): each runs
+their jobs here, on the module's Ray world."""
+
+
+@pytest.fixture(scope="module")
+def by_value():
+    """The gloo suites' rank jobs, sent to the Ray actors by value: the actors' path holds the
+    repository, not tests/ (a forked rank inherits the test process's modules instead)."""
+    import batchgen
+    import test_fault_injection
+    import test_interop
+    import test_leader_failure
+    import test_strategies_world
+    import verl_support
+
+    modules = (batchgen, verl_support, test_interop, test_leader_failure, test_strategies_world,
+               test_fault_injection)  # fmt: skip
+    for module in modules:
+        ray.cloudpickle.register_pickle_by_value(module)
+    try:
+        yield
+    finally:
+        for module in modules:
+            ray.cloudpickle.unregister_pickle_by_value(module)
+
+
+def ray_only(name: str) -> None:
+    """Skip a Ray-only strategy this installation cannot run (its optional package)."""
+    missing = strategies.get_class(name).unavailable()
+    if missing is not None:
+        pytest.skip(missing)
+
+
+@pytest.mark.parametrize("flag", [True, False], ids=["non_tensor", "tensors_only"])
+@pytest.mark.parametrize("name", RAY_ONLY)
+def test_ray_only_strategies_end_with_the_leaders_batch(ray_world, by_value, name, flag):
+    """The gloo suite's contract job: growing and shrinking batches of every dtype and view
+    kind, non-tensor arrays both ways, bit for bit on every rank; two replicas apart."""
+    ray_only(name)
+    from batchgen import BatchSpec
+    from test_strategies_world import FIXED, contract_job
+
+    spec = BatchSpec(FIXED.leaves, FIXED.non_tensor, FIXED.meta, broadcast_non_tensor=flag)
+    for layout in (TP2PP2, Layout(dp=2, tp=2)):
+        per_rank = ray_world.run(contract_job, name, layout, spec, (3, 3, 5, 1), 7, {})
+        assert [p for problems in per_rank for p in problems] == []
+
+
+@pytest.mark.parametrize("name", RAY_ONLY)
+def test_ray_only_strategies_carry_verl_objects(ray_world, by_value, name):
+    """verl's own DataProto and worker payload (jagged NestedTensors, NonTensorData and
+    NonTensorStack leaves) arrive exact, in the class each rank was handed."""
+    ray_only(name)
+    from test_interop import PAYLOADS, interop_job
+    from verl_support import verl_modules
+
+    verl_modules()
+    for payload in sorted(PAYLOADS):
+        results = ray_world.run(interop_job, name, TP2PP2, payload, timeout_s=60)
+        assert {outcome for outcome, _ in results} == {"exact"}, (payload, results)
+        assert [p for _, problems in results for p in problems] == [], payload
+
+
+@pytest.mark.parametrize("name", RAY_ONLY)
+def test_ray_only_strategies_take_the_leaders_failure_to_every_rank(ray_world, by_value, name):
+    """Every leader failure case of the gloo suite (a foreign object, None, bad shapes,
+    unpicklable values, after a good call too, every hostile leaf kind): each rank ends with
+    the leader's batch exact, or raises an error naming the leader's, within the limit."""
+    ray_only(name)
+    import test_leader_failure as lf
+
+    layout = lf.LAYOUTS["tp2pp2"]
+    for case in sorted(lf.CASES):
+        results, outcome = lf.run_within_limit(ray_world, lf.failure_job, name, layout, case)
+        if outcome == "exact":
+            assert lf.CASES[case][1] is None, f"{name} {case}: carried what it should refuse"
+            assert [p for _, problems in results for p in problems] == []
+        else:
+            lf.check_leader_error_everywhere(results, layout, name, case, lf.CASES[case][1])
+    for case in sorted(lf.AFTER_GOOD):
+        results, outcome = lf.run_within_limit(ray_world, lf.after_good_job, name, layout, case)
+        if outcome == "exact":
+            assert {detail for _, detail in results} == {"True"}, results
+        else:
+            lf.check_leader_error_everywhere(results, layout, name, case, lf.AFTER_GOOD[case][1])
+    kinds = sorted(lf.LEAF_KINDS)
+    per_kind = ray_world.run(lf.leaf_kinds_job, name, layout, kinds, timeout_s=30)
+    for kind in kinds:
+        per_rank = [(r[kind][0], r[kind][1]) for r in per_kind]
+        must_name = lf.LEAF_KINDS[kind][1]
+        if must_name is None:
+            assert {o for o, _ in per_rank} == {"exact"}, (kind, per_rank)
+            assert [p for _, problems in per_rank for p in problems] == [], kind
+        else:
+            assert {o for o, _ in per_rank} == {"raised"}, (kind, per_rank)
+            lf.check_leader_error_everywhere(per_rank, layout, name, kind, must_name)
+
+
+@pytest.mark.parametrize("name", RAY_ONLY)
+def test_ray_only_strategies_survive_a_fault_at_every_leader_collective(ray_world, by_value, name):
+    """The gloo suite's fault injection: a fault before and after each collective the leader
+    posts; every rank finishes within the limit (exact, or LeaderFailed before the first), and
+    the next call on the same instance is exact everywhere."""
+    ray_only(name)
+    import test_fault_injection as fi
+
+    # TransferQueue's first init starts its actors (seconds): not within the 5 s limit's job.
+    run_job(ray_world, JobSpec(name, TP2PP2, iters=1, warmup=0, **SMALL))
+    spec = (3, (("k0", "bfloat16", 2), ("k1", "int64", 3), ("k2", "bool", 1)), True)
+    for fault_type in sorted(fi.FAULTS):
+        results = ray_world.run(
+            fi.injection_job, name, spec, fault_type, "boom", timeout_s=fi.FAIL_WITHIN_S
+        )
+        fi.check(results, name, fault_type, "boom")
+
+
+def plasma_objects() -> int:
+    """Objects in the cluster's object store now (Ray's own memory summary)."""
+    import re
+
+    from ray._private.internal_api import memory_summary
+
+    found = re.search(
+        r"Plasma memory usage \d+ MiB, (\d+) objects", memory_summary(stats_only=True)
+    )
+    assert found, "Ray's memory summary no longer states the object count"
+    return int(found.group(1))
+
+
+def test_ray_object_store_leaves_no_object_behind(ray_world):
+    """Every call's object is freed when the call returns: a job of many calls (a 17 MiB batch
+    each) leaves no more objects in the store than it found (earlier tests' own task results
+    may still be there, or freed meanwhile; the store deletes a freed object within moments)."""
+    before = plasma_objects()
+    spec = JobSpec("ray_object_store", TP2PP2, iters=4, warmup=1, batch_size=768, seq_len=512)
+    record = run_job(ray_world, spec)
+    assert record["correct"] and record["status"] == "ok", record
+    assert record["payload_bytes"] > 16 << 20
+    deadline = time.monotonic() + 5  # the store deletes a freed object asynchronously
+    while plasma_objects() > before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert plasma_objects() <= before
+
+
+@pytest.mark.parametrize("name", RAY_ONLY)
+def test_every_port_a_pull_job_opens_is_on_loopback_or_the_clusters_own_network(ray_world, name):
+    """A job of the strategy, then every listening TCP socket of every process the cluster
+    runs (TransferQueue's controller and storage unit serve their ZMQ ports for as long as the
+    world lives, and accept pickled data from any peer): each on a loopback address, or inside
+    the cluster's own loopback-only network namespace (as root)."""
+    ray_only(name)
+    spec = JobSpec(name, TP2PP2, iters=2, warmup=1, **SMALL)
+    assert run_job(ray_world, spec)["correct"]
+    cluster = psutil.Process().children(recursive=True)
+    found = listeners({p.pid for p in cluster})
+    print(f"{name}: listening sockets of the Ray cluster:", *found, sep="\n  ")
+    assert found, "the cluster listens somewhere (GCS, raylet, workers)"
+    for pid, process, address, port, netns in found:
+        assert is_loopback(address) or netns != HOST_NETNS, (pid, process, address, port)
+    if name == "transferqueue":
+        # TransferQueue's processes: the controller and the storage unit. Each is a Ray worker
+        # whose own gRPC server (one per process) binds every interface, Ray's as in every
+        # worker; every other port there is TransferQueue's ZMQ, bound to Ray's node address.
+        tq = [p.pid for p in cluster if _title(p).removeprefix("ray::") in TQ_ACTORS]
+        assert len(tq) == 2, f"TransferQueue's controller and storage unit not found: {cluster}"
+        for pid in tq:
+            ports = [f for f in found if f[0] == pid]
+            zmq = [f for f in ports if is_loopback(f[2])]
+            assert len(zmq) >= 1 and len(ports) - len(zmq) <= 1, ports
+
+
+TQ_ACTORS = {"TransferQueueController", "SimpleStorageUnit"}
+"""TransferQueue's actors' process titles (``ray::<class>``)."""
+
+
+def _title(proc) -> str:
+    try:
+        return proc.name()
+    except psutil.Error:
+        return ""

@@ -57,7 +57,7 @@ LAYOUTS_8 = [
 CASES = [
     pytest.param(layout, name, id=f"{name}-{layout.describe().replace(' ', '')}")
     for layout in LAYOUTS_4 + LAYOUTS_8  # layout-major: each world rebuilds its groups rarely
-    for name in strategies.names()
+    for name in strategies.names_for_world()
 ]
 
 FEW = settings(
@@ -160,7 +160,7 @@ FIXED = BatchSpec(
 
 @pytest.mark.world
 @pytest.mark.parametrize("flag", [True, False], ids=["non_tensor", "tensors_only"])
-@pytest.mark.parametrize("name", strategies.names())
+@pytest.mark.parametrize("name", strategies.names_for_world())
 def test_non_tensor_flag_both_ways(world8, name, flag):
     """Flagged: object arrays arrive everywhere; not flagged: receivers keep an empty dict."""
     layout = LAYOUTS_8[1]  # the seed's DP2×PP2×TP2
@@ -169,7 +169,7 @@ def test_non_tensor_flag_both_ways(world8, name, flag):
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("name", [n for n in strategies.names() if n in OURS])
+@pytest.mark.parametrize("name", [n for n in strategies.names_for_world() if n in OURS])
 def test_realistic_payloads_with_small_first_message(world4, name):
     """The rl_rollout and multimodal payloads, with a 4 KiB first message so every call of
     the wire-based strategies needs its second broadcast until the size is announced."""
@@ -264,7 +264,7 @@ def bad_leader_job(ctx, name: str, layout: Layout):
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("name", strategies.names())
+@pytest.mark.parametrize("name", strategies.names_for_world())
 def test_wrong_leading_dim_raises_contract_error_without_a_hang(scratch_world, name):
     layout = Layout(tp=2)
     world = scratch_world()
@@ -321,7 +321,7 @@ def small_max_bytes_job(ctx, name: str, layout: Layout):
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("name", [n for n in strategies.names() if takes_max_bytes(n)])
+@pytest.mark.parametrize("name", [n for n in strategies.names_for_world() if takes_max_bytes(n)])
 def test_receiver_refuses_a_message_over_max_bytes(scratch_world, name):
     world = scratch_world()
     with pytest.raises(WorldError) as err:
