@@ -19,15 +19,18 @@ BUILTIN = (
     "shm", "auto", "flat", "header", "direct", "pp_first", "scatter_allgather",
     "megatron_broadcast_data", "nemo_rl_leader_broadcast", "vllm_tensor_dict",
     "vllm_shm_broadcast", "tensordict_broadcast", "pickled", "ray_object_store", "transferqueue",
+    "independent_fetch", "pickled_pickle5", "pickled_verl_numpy",
 )  # fmt: skip
 """The shipped strategies, in the order they take colours (the usual winners first: the
 most distinct colours go to the lines a reader looks for)."""
 COLOURS = (
     "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
     "#bcbd22", "#7f7f7f", "#393b79", "#637939", "#843c39", "#ad494a", "#6b6ecf", "#e7ba52",
+    "#8c6d31", "#7b4173", "#a55194", "#5254a3",
 )  # fmt: skip
-"""Sixteen colours told apart on white (tab10, then darker shades of tab20b/c)."""
-MARKERS = ("o", "s", "D", "^", "v", "<", ">", "P", "X", "*", "h", "p", "d", "H", "8", "1")
+"""Twenty colours told apart on white (tab10, then darker shades of tab20b/c)."""
+MARKERS = ("o", "s", "D", "^", "v", "<", ">", "P", "X", "*", "h", "p", "d", "H", "8", "1", "2",
+           "3", "4", "+")  # fmt: skip
 PROMINENT = {"lw": 2.4, "ms": 6.5, "alpha": 1.0, "zorder": 4}
 MUTED = {"lw": 1.1, "ms": 4.0, "alpha": 0.6, "zorder": 2}
 
