@@ -16,6 +16,7 @@ from harness.report import figures_sizes
 from harness.report.cost_section import cost_markdown
 from harness.report.figures import save_figures
 from harness.report.md_format import fenced_commands, is_missing, md_table, ratio_range
+from harness.report.pull_section import push_pull_markdown
 from harness.report.sure import (
     MARK,
     check_samples,
@@ -318,6 +319,8 @@ Regenerate this report with `bcastbench report {root}`.
 ## Recommendation
 
 {recommendation_markdown(df)}
+
+{push_pull_markdown(df)}
 
 {_figures_and_checks(df, root)}
 

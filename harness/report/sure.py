@@ -42,15 +42,18 @@ def cell_verdict(df: pd.DataFrame, layout: str, size: float, times: dict[str, fl
     same-job ratio), the intervals come from the fastest one's records in ``df`` (the rows
     ``tables.load`` made: ``ref_<other>_vs_strategy_lo``/``_hi``, paired in its job's rounds)."""
     best = min((t, n) for n, t in times.items() if not math.isnan(t))[1]
-    own = df[(df["layout"] == layout) & (df["payload_bytes"] == size) & (df["strategy"] == best)]
+    return decide(times, lambda name: paired_interval(df, layout, size, name, best))
 
-    def interval_of(name: str) -> Interval:
-        lo, hi = f"ref_{_bare(name)}_vs_strategy_lo", f"ref_{_bare(name)}_vs_strategy_hi"
-        if own.empty or lo not in own.columns or hi not in own.columns:
-            return None
-        return _union(own[lo], own[hi])
 
-    return decide(times, interval_of)
+def paired_interval(df: pd.DataFrame, layout: str, size: float, name: str, over: str) -> Interval:
+    """The interval of ``name``'s time over ``over``'s, paired in the rounds of ``over``'s jobs
+    of this cell (its records' ``ref_<name>_vs_strategy_lo``/``_hi``); None where those jobs did
+    not time ``name`` beside it."""
+    own = df[(df["layout"] == layout) & (df["payload_bytes"] == size) & (df["strategy"] == over)]
+    lo, hi = f"ref_{_bare(name)}_vs_strategy_lo", f"ref_{_bare(name)}_vs_strategy_hi"
+    if own.empty or lo not in own.columns or hi not in own.columns:
+        return None
+    return _union(own[lo], own[hi])
 
 
 # -- the host -------------------------------------------------------------------------------

@@ -241,3 +241,21 @@ def test_a_winner_tied_with_the_next_sizes_is_no_crossover():
     ]
     clear = pd.DataFrame([row(1, "flat", [], "winner"), row(2, "shm", [], "winner")])
     assert crossovers(clear) == ["**tp2**: flat → shm between 1 B and 2 B."]
+
+
+def test_push_or_pull_sets_the_best_of_each_side_by_side(tmp_path):
+    """A cell with push and pull strategies timed in one job: the best of each by vs_floor,
+    pull over push with the interval paired in the push winner's job; auto is neither; a
+    report without a pull strategy has no such section."""
+    from harness.report.pull_section import push_pull_markdown, push_pull_table
+
+    p50s = {"shm": 120.0, "auto": 110.0, "flat": 300.0, "independent_fetch": 180.0}
+    _job(tmp_path / "mixed", "0_b3", p50s, _pairs(p50s, 0.05), batch_size=3, payload_bytes=1000)
+    row = push_pull_table(tables.load(tmp_path / "mixed")).iloc[0]
+    assert (row.push, row.pull) == ("shm", "independent_fetch")
+    assert row.pull_over_push == pytest.approx(1.5) and row.interval == pytest.approx((1.45, 1.55))
+    assert "| shm | 1.20× | independent_fetch | 1.80× | 1.50× [1.45–1.55] |" in push_pull_markdown(
+        tables.load(tmp_path / "mixed")
+    )
+    _job(tmp_path / "push", "0_b3", CLEAR, _pairs(CLEAR, 0.05), payload_bytes=1000)
+    assert push_pull_markdown(tables.load(tmp_path / "push")) == ""

@@ -1,0 +1,81 @@
+"""Push beside pull in the report: for every cell (layout × payload size) whose records hold
+both a push strategy (the leader broadcasts, or signals a segment it wrote: every strategy but
+the pull ones and ``auto``) and a pull one (each rank fetches its copy from a store:
+``independent_fetch``, ``ray_object_store``, ``transferqueue``), the best of each by
+``vs_floor`` and the pull one's time over the push one's, with its interval where the two were
+timed in the same job (paired by round, ``sure.paired_interval``). No such cell: no section.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from harness.job.verdict import interval_text
+from harness.report.md_format import md_table
+from harness.report.sure import paired_interval
+from harness.report.tables import layouts_of, strategy_table
+from harness.units import human_bytes
+
+PULL = ("independent_fetch", "ray_object_store", "transferqueue")
+"""The strategies whose ranks fetch from a store."""
+NEITHER = ("auto",)
+"""A choice among push strategies, not a way of its own."""
+
+
+def push_pull_table(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per cell with both kinds measured: the best push and pull strategy, their
+    ``vs_floor``, pull over push and that ratio's paired interval (None where not paired)."""
+    table = strategy_table(df)
+    table = table[table["supported"] & table["vs_floor"].notna()]
+    rows = []
+    for layout in layouts_of(df):
+        for size, cell in table[table["layout"] == layout].groupby("payload_bytes"):
+            kind = cell["strategy"].map(lambda n: _bare(n) in PULL)
+            push = cell[~kind & ~cell["strategy"].map(lambda n: _bare(n) in NEITHER)]
+            pull = cell[kind]
+            if push.empty or pull.empty:
+                continue
+            best_push = push.loc[push["vs_floor"].idxmin()]
+            best_pull = pull.loc[pull["vs_floor"].idxmin()]
+            over = best_pull["vs_floor"] / best_push["vs_floor"]
+            rows.append({
+                "layout": layout, "payload_bytes": int(size),
+                "push": best_push["strategy"], "push_vs_floor": best_push["vs_floor"],
+                "pull": best_pull["strategy"], "pull_vs_floor": best_pull["vs_floor"],
+                "pull_over_push": over,
+                "interval": paired_interval(df, layout, size, best_pull["strategy"],
+                                            best_push["strategy"]),
+            })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def push_pull_markdown(df: pd.DataFrame) -> str:
+    """The section (heading included), or '' when no cell measured both kinds."""
+    table = push_pull_table(df)
+    if table.empty:
+        return ""
+    header = ["layout", "payload", "best push", "vs_floor", "best pull", "vs_floor",
+              "pull / push (×, paired 95 % interval)"]  # fmt: skip
+    body = [
+        [r.layout, human_bytes(r.payload_bytes), r.push, _x(r.push_vs_floor), r.pull,
+         _x(r.pull_vs_floor), interval_text(r.pull_over_push, r.interval)]
+        for r in table.itertuples()
+    ]  # fmt: skip
+    return (
+        "## Push or pull\n\nThe fastest strategy that pushes the batch (the leader broadcasts "
+        "it, or writes and signals a segment) beside the fastest that pulls it (each rank "
+        "fetches its own copy from a store), both by their `vs_floor`; above 1 the store is "
+        "slower. The interval is paired by round where the two were timed in the same job; "
+        "without one, the ratio is of medians from different jobs.\n\n"
+        + md_table(header, body, align="lllrlrr")
+    )
+
+
+def _bare(name: str) -> str:
+    return name.split(" [")[0]
+
+
+def _x(value: float) -> str:
+    return "—" if value is None or math.isnan(value) else f"{value:.2f}×"
