@@ -8,13 +8,11 @@ timed in the same job (paired by round, ``sure.paired_interval``). No such cell:
 
 from __future__ import annotations
 
-import math
-
 import pandas as pd
 
 from harness.job.verdict import interval_text
-from harness.report.md_format import md_table
-from harness.report.sure import paired_interval
+from harness.report.md_format import md_table, ratio_range
+from harness.report.sure import bare, paired_interval
 from harness.report.tables import layouts_of, strategy_table
 from harness.units import human_bytes
 
@@ -32,8 +30,8 @@ def push_pull_table(df: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for layout in layouts_of(df):
         for size, cell in table[table["layout"] == layout].groupby("payload_bytes"):
-            kind = cell["strategy"].map(lambda n: _bare(n) in PULL)
-            push = cell[~kind & ~cell["strategy"].map(lambda n: _bare(n) in NEITHER)]
+            kind = cell["strategy"].map(lambda n: bare(n) in PULL)
+            push = cell[~kind & ~cell["strategy"].map(lambda n: bare(n) in NEITHER)]
             pull = cell[kind]
             if push.empty or pull.empty:
                 continue
@@ -59,8 +57,8 @@ def push_pull_markdown(df: pd.DataFrame) -> str:
     header = ["layout", "payload", "best push", "vs_floor", "best pull", "vs_floor",
               "pull / push (×, paired 95 % interval)"]  # fmt: skip
     body = [
-        [r.layout, human_bytes(r.payload_bytes), r.push, _x(r.push_vs_floor), r.pull,
-         _x(r.pull_vs_floor), interval_text(r.pull_over_push, r.interval)]
+        [r.layout, human_bytes(r.payload_bytes), r.push, ratio_range([r.push_vs_floor]), r.pull,
+         ratio_range([r.pull_vs_floor]), interval_text(r.pull_over_push, r.interval)]
         for r in table.itertuples()
     ]  # fmt: skip
     return (
@@ -71,11 +69,3 @@ def push_pull_markdown(df: pd.DataFrame) -> str:
         "without one, the ratio is of medians from different jobs.\n\n"
         + md_table(header, body, align="lllrlrr")
     )
-
-
-def _bare(name: str) -> str:
-    return name.split(" [")[0]
-
-
-def _x(value: float) -> str:
-    return "—" if value is None or math.isnan(value) else f"{value:.2f}×"

@@ -22,7 +22,7 @@ MARK = "†"
 
 
 # -- ties -----------------------------------------------------------------------------------
-def _bare(name: str) -> str:
+def bare(name: str) -> str:
     """A strategy's name as references are keyed (``pickled [serialization=x]`` -> pickled)."""
     return name.split(" [")[0]
 
@@ -50,7 +50,7 @@ def paired_interval(df: pd.DataFrame, layout: str, size: float, name: str, over:
     of this cell (its records' ``ref_<name>_vs_strategy_lo``/``_hi``); None where those jobs did
     not time ``name`` beside it."""
     own = df[(df["layout"] == layout) & (df["payload_bytes"] == size) & (df["strategy"] == over)]
-    lo, hi = f"ref_{_bare(name)}_vs_strategy_lo", f"ref_{_bare(name)}_vs_strategy_hi"
+    lo, hi = f"ref_{bare(name)}_vs_strategy_lo", f"ref_{bare(name)}_vs_strategy_hi"
     if own.empty or lo not in own.columns or hi not in own.columns:
         return None
     return _union(own[lo], own[hi])
