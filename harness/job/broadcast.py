@@ -91,9 +91,11 @@ class BroadcastJob:
         c0, t0 = time.process_time(), time.perf_counter()
         if split:
             CLOCK.begin()
-        out = strategy.get_data_input(entry)
-        sync(self.groups.device)
-        phases = CLOCK.end()
+        try:
+            out = strategy.get_data_input(entry)
+            sync(self.groups.device)
+        finally:  # a call that raised leaves no clock running into the next untimed one
+            phases = CLOCK.end()
         if delay_s:
             time.sleep(delay_s)
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
