@@ -230,7 +230,13 @@ def _from_benchmark_json(path: Path, samples: bool) -> list[Cell]:
         data_s = (bench.get("stats") or {}).get("data")
         if cell is not None and samples and data_s:
             # One value per round: that round's p50 per call (the plugin's clock), in seconds.
-            cell.samples = np.asarray(data_s, dtype=float) * 1e6
+            times = np.asarray(data_s, dtype=float)
+            if not (np.isfinite(times) & (times > 0) & (times < 1e6)).all():
+                raise CellsError(
+                    f"{path}: a round's time of {info['strategy']!r} is not a positive number "
+                    "of seconds (under 1e6)"
+                )
+            cell.samples = times * 1e6
         cells += [cell] if cell is not None else []
     return cells
 

@@ -213,8 +213,10 @@ def _bad_inputs(tmp_path):
     other = _copy(tmp_path / "d")
     for path in other.rglob("result.json"):
         path.write_text(path.read_text().replace('"tp2"', '"tp4"'))
+    negative = _benchmark_json(tmp_path / "negative.json", [100.0, -1.0, 98, 101, 99, 103])
     return {
         "does not exist": (tmp_path / "nowhere", "no such file or directory"),
+        "a negative round": (negative, "is not a positive number of seconds"),
         "no records": (empty, "no successful record"),
         "samples missing": (missing, "samples.csv.gz: samples file missing"),
         "samples malformed": (malformed, "no column block, rank, wall_us, cpu_us"),
@@ -226,7 +228,7 @@ def _bad_inputs(tmp_path):
 
 @pytest.mark.parametrize("case", ["does not exist", "no records", "samples missing",
                                   "samples malformed", "samples not gzip", "unreadable JSON",
-                                  "no cell in common"])  # fmt: skip
+                                  "no cell in common", "a negative round"])  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys):
     path, words = _bad_inputs(tmp_path)[case]
     status, out, err = run(capsys, OLD, path)
