@@ -52,6 +52,24 @@ def share_tree(root: Path | str) -> None:
                 continue  # gone meanwhile, or not ours to change
 
 
+def share_hydra_files(out: Path | str) -> None:
+    """The files Hydra writes into a run directory (``.hydra/`` and the job's ``*.log``) made
+    readable as records are. Only those: the directory may be one the harness did not make (a
+    rank that writes nothing runs in the temporary directory itself), and nothing else in it is
+    ours to change."""
+    out = Path(out)
+    if (out / ".hydra").is_dir():
+        share_tree(out / ".hydra")
+    uid = os.getuid()
+    for log in out.glob("*.log"):
+        try:
+            st = os.lstat(log)
+            if st.st_uid == uid and not log.is_symlink() and st.st_mode & 0o777 != MODE:
+                os.chmod(log, MODE)
+        except OSError:
+            continue
+
+
 def write_atomic(path: Path | str, data: str | bytes | Callable[[IO], Any]) -> Path:
     """Write ``data`` (text, bytes, or a function that writes to a binary file object, such as
     ``fig.savefig`` or ``df.to_csv``) to ``path`` atomically; returns the path."""

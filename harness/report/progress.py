@@ -59,8 +59,10 @@ class Progress(Callback):
     def on_job_end(self, config, job_return, **kwargs) -> None:
         from hydra.core.hydra_config import HydraConfig
 
-        # Hydra's own files (.hydra/, the log) follow the umask; records are for the team.
-        files.share_tree(HydraConfig.get().runtime.output_dir)
+        # Hydra's own files (.hydra/, the log) follow the umask; records are for the team. Not
+        # the whole run directory: a torchrun rank that writes nothing runs in the temporary
+        # directory itself, and walking it made every file under /tmp 0644.
+        files.share_hydra_files(HydraConfig.get().runtime.output_dir)
         if not self.sweeping:
             return  # a single run: its line was printed by the job
         STATE.done += 1

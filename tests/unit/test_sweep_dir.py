@@ -84,3 +84,26 @@ def test_collect_recovers_a_record_its_killed_writer_left(tmp_path, capsys):
     assert "left " in out.err and "def456" in out.err
     assert (whole / "result.json").stat().st_mode & 0o777 == 0o644
     assert not tmp.exists() and (broken / ".result.json.def456.tmp").exists()
+
+
+def test_only_hydras_own_files_are_shared_in_a_run_directory(tmp_path):
+    """A run directory may be one the harness did not make (a torchrun rank that writes nothing
+    runs in the temporary directory itself): only ``.hydra/`` and the job's log there are made
+    readable; nothing else in it changes mode (an executable stays executable)."""
+    from harness.files import share_hydra_files
+
+    (tmp_path / ".hydra").mkdir(mode=0o700)
+    (tmp_path / ".hydra" / "config.yaml").write_text("x: 1")
+    os.chmod(tmp_path / ".hydra" / "config.yaml", 0o600)
+    (tmp_path / "run.log").write_text("line")
+    os.chmod(tmp_path / "run.log", 0o600)
+    tool = tmp_path / "venv" / "bin" / "torchrun"
+    tool.parent.mkdir(parents=True)
+    tool.write_text("#!/bin/sh\n")
+    os.chmod(tool, 0o755)
+    os.chmod(tmp_path, 0o1777)
+    share_hydra_files(tmp_path)
+    modes = {p: oct(p.stat().st_mode & 0o7777) for p in
+             (tmp_path, tmp_path / ".hydra", tmp_path / ".hydra" / "config.yaml",
+              tmp_path / "run.log", tool)}  # fmt: skip
+    assert list(modes.values()) == ["0o1777", "0o755", "0o644", "0o644", "0o755"], modes
