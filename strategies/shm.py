@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
-from strategies.core.contract import DataProto, deliver, failure_text, settled
+from strategies.core.contract import DataProto, deliver, failure_text, settled, wants_non_tensor
 from strategies.core.header_format import (
     DEFAULT_MAX_BYTES,
     DIRECT,
@@ -67,6 +67,9 @@ from strategies.core.header_format import (
 from strategies.core.node_channel import DEFAULT_STRIPE_MIN_BYTES, NodeChannel
 from strategies.core.node_signals import ShmError, check_size_option
 from strategies.core.packed import PackedStrategy
+from strategies.core.packer import NO_DIRECT, Filler, write_blob
+from strategies.core.parts import encode_non_tensor
+from strategies.core.phase_clock import CLOCK
 from strategies.core.plan import Handoff, LocalWork, PayloadSpec, Plan
 from strategies.core.segment_ring import Premap
 from strategies.core.unpacker import unpack_non_tensor, unpack_tensors
@@ -116,6 +119,8 @@ class Shm(PackedStrategy):
         self._last = None  # a reader: (header bytes, header) of the last dense-only message
         self.guessed = 0
         """A reader: calls whose batch was built while it waited (``_guess`` held)."""
+        self.replayed = 0
+        """The leader: calls that replayed their slot's plan of the structure (``_replay``)."""
 
     def transfer(self, batch: DataProto) -> DataProto:
         g = self.groups
@@ -124,6 +129,8 @@ class Shm(PackedStrategy):
             return batch
         if g.is_leader:
             slot = ch.writer_slot()
+            if self._replay(slot, batch):
+                return batch
             buf, header, total, fill = self._pack_into(slot, batch)
             self._connect()
             if fill is None:
@@ -164,15 +171,16 @@ class Shm(PackedStrategy):
         ch = self.channel
         try:
             header, td = self._header_of(buf, guess)
+            host = guess.host if td is not None else None  # the guessed mapping's bytes
             early = ch.pending is not None
             if early:
-                non_tensor = unpack_non_tensor(buf, header)
+                non_tensor = unpack_non_tensor(buf, header, host)
                 if td is None and self.views and not self.stage and dense_only(header):
                     td = unpack_tensors(buf[: header.total_bytes], header)
         finally:
             ch.wait_complete()
         if not early:
-            non_tensor = unpack_non_tensor(buf, header)
+            non_tensor = unpack_non_tensor(buf, header, host)
         return header, td, non_tensor
 
     def _guess(self) -> Guess | None:
@@ -189,7 +197,8 @@ class Shm(PackedStrategy):
         raw, header = last
         if header.total_bytes > premap.view.numel():
             return Guess(premap)
-        return Guess(premap, raw, header, unpack_tensors(premap.view, header))
+        td = unpack_tensors(premap.view, header)
+        return Guess(premap, raw, header, td, memoryview(premap.view.numpy()))
 
     def _header_of(self, buf: torch.Tensor, guess: Guess | None):
         """The message's header (checked against the segment), and the guessed TensorDict
@@ -207,6 +216,45 @@ class Shm(PackedStrategy):
             )
         self._last = (host_bytes(buf, header.header_len), header) if dense_only(header) else None
         return header, None
+
+    def _replay(self, slot, batch: DataProto) -> bool:
+        """Leader, the plan per structure: when the slot's last message was laid out as this
+        batch's (``Packer.replay``: its structure, checked by ``leader_view``, and its blob
+        room; the header is in the segment, the views made), copy the leaves and the blob and
+        signal, nothing else. False (nothing written, the blob kept for ``pack``) for any other
+        batch, a staged one, or a replica across nodes (those take ``_pack_into``)."""
+        checked = self._checked
+        if self.stage or checked is None or checked[0] is not batch.batch:
+            return False
+        ch = self.channel
+        if len(ch.nodes) != 1 or not ch.connected:
+            return False
+        blob = encode_non_tensor(batch.non_tensor_batch) if wants_non_tensor(batch) else None
+        last = slot.packer.replay(
+            checked[2], NO_DIRECT, blob, self.wire.next_expect, self.wire.expect, self.groups.device
+        )
+        if last is None:
+            self._encoded = (batch, blob)
+            return False
+        self._checked = None
+        self.packer = slot.packer
+        parts, total = checked[1], last.total
+        sources = [parts[i][3] for i in last.views.src_index]
+        if self._early(total):
+            fill = Filler(last.out, last.views.dst, sources, last.views.starts, blob, last.blob_at,
+                          last.room, last.host)  # fmt: skip
+            self._write_early(slot, total, fill)
+        else:
+            before = CLOCK.switch("copy")
+            if sources:
+                torch._foreach_copy_(last.views.dst, sources)
+            if blob is not None:
+                write_blob(last.out, last.host, last.blob_at, blob, last.room)
+            CLOCK.switch(before)
+            ch.publish(slot, total)
+        self.agree(last.header, total)
+        self.replayed += 1
+        return True
 
     def _pack_into(self, slot, batch: DataProto):
         """Leader: the message in ``slot``'s segment; returns the segment's view of it (host
@@ -301,13 +349,16 @@ class Guess:
     header: Header | None = None
     td: TensorDict | None = None
     """The tensors as ``header`` lays them out, viewed in ``premap``'s mapping."""
+    host: memoryview | None = None
+    """``premap``'s mapping as bytes: the header is compared, the blob read, in place."""
 
     def holds(self, buf: torch.Tensor) -> bool:
         """Whether the message ``buf`` is in the guessed mapping and laid out as guessed."""
+        n = len(self.raw)
         return (
             buf.data_ptr() == self.premap.view.data_ptr()
-            and buf.numel() >= max(len(self.raw), self.header.total_bytes)
-            and host_bytes(buf, len(self.raw)) == self.raw
+            and buf.numel() >= max(n, self.header.total_bytes)
+            and self.host[:n] == self.raw
         )
 
 

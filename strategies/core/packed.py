@@ -24,7 +24,13 @@ from strategies.core.header_format import (
     HeaderError,
 )
 from strategies.core.packer import Packer
-from strategies.core.parts import message_parts, nbytes_of, structure, transportable
+from strategies.core.parts import (
+    message_parts,
+    nbytes_of,
+    parts_and_structure,
+    structure,
+    transportable,
+)
 from strategies.core.phase_clock import CLOCK
 from strategies.core.recent import remember
 from strategies.core.strategy_base import Strategy
@@ -59,8 +65,10 @@ class PackedStrategy(Strategy):
         self.packer = Packer()  # leader: the send buffer and the last structure's layout
         self._fill = None
         self._direct: list[torch.Tensor] = []  # leader: the leaves that travel on their own
-        self._valid: dict[tuple, None] = {}  # leader: structures of recent valid batches
+        self._valid: dict[tuple, tuple] = {}  # leader: recent valid structures, each its own key
+        self._last_valid: tuple | None = None  # leader: the last of them
         self._checked: tuple | None = None  # leader: (td, parts, structure) leader_view saw
+        self._encoded: tuple | None = None  # leader: (batch, its non-tensor blob), once encoded
         self.last_header: Header | None = None
         """The header of the last batch that arrived (on every rank alike; ``auto`` decides
         from it)."""
@@ -146,16 +154,23 @@ class PackedStrategy(Strategy):
         arrays are checked every call."""
         g = self.groups
         try:
-            parts = message_parts(batch.batch, g.rank)
-            shape = structure(batch.batch, parts)
+            parts, shape = parts_and_structure(batch.batch, g.rank)
         except Exception:
             validate(batch, g.rank, g.device)  # what breaks the contract says so plainly
             raise
-        if shape not in self._valid or not all(hasattr(batch, a) for a in PROTO_ATTRS):
+        # One object stands for each remembered structure (the packer's replay compares
+        # identities); the last one is compared first, which costs less than hashing it.
+        if shape == self._last_valid:
+            known = shape = self._last_valid
+        else:
+            known = self._valid.get(shape)
+            shape = known or shape
+        if known is None or not all(hasattr(batch, a) for a in PROTO_ATTRS):
             validate(batch, g.rank, g.device)
-            remember(self._valid, shape, None)
+            remember(self._valid, shape, shape)
         else:
             check_non_tensor(batch, shape[1][0], g.rank)
+        self._last_valid = shape
         return parts, shape
 
     def _pack(self, batch: DataProto) -> tuple[torch.Tensor, Header, int]:
@@ -166,6 +181,8 @@ class PackedStrategy(Strategy):
             parts = message_parts(batch.batch, self.groups.rank)
             shape = structure(batch.batch, parts)
         nt = batch.non_tensor_batch if wants_non_tensor(batch) else None
+        encoded, self._encoded = self._encoded, None
+        blob = encoded[1] if encoded is not None and encoded[0] is batch else None
         direct = self.direct_leaves(parts)
         buf, header, self._fill = self.packer.pack(
             batch.batch,
@@ -176,6 +193,7 @@ class PackedStrategy(Strategy):
             direct=direct,
             parts=parts,
             shape=shape,
+            blob=blob,
         )
         if not direct:  # the usual case: every leaf is in the message
             self._direct = []

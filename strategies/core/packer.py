@@ -39,6 +39,8 @@ from strategies.core.trace import WORK
 
 RECENT_PACKS = 4
 """A held buffer is sized for the largest of this many recent messages, not the largest ever."""
+NO_DIRECT = frozenset()
+"""No leaf travels on its own (every leaf is in the message)."""
 SHRINK_ABOVE = 2
 """A held buffer more than this many times the largest recent need is released and made again
 at the size of the one being packed: peak memory follows the recent batches."""
@@ -130,6 +132,27 @@ class _Views:
     starts: list[int]  # its first byte in the buffer
 
 
+@dataclass(eq=False)
+class _Replay:
+    """What the last pack of a structure made, to pack the next batch of the same structure
+    and blob room into the same buffer without looking anything up again (``Packer.pack``):
+    the header is in the buffer already, the destination views are made."""
+
+    shape: tuple
+    direct: frozenset[int]
+    room: int | None
+    """The non-tensor blob's room (None: no blob)."""
+    out: torch.Tensor
+    host: memoryview | None
+    """The buffer's bytes, on the host (None on a device)."""
+    total: int
+    held: _HeaderBytes
+    """The header's bytes (written into the buffer again when another pack wrote its own)."""
+    header: Header
+    views: _Views
+    blob_at: int
+
+
 class Packer:
     """The leader's send buffer and what stays the same between batches of one structure.
 
@@ -148,7 +171,14 @@ class Packer:
         """Makes a new buffer of (capacity, device): torch.empty, or a shared segment (shm)."""
         self._layouts: dict[tuple, _Layout] = {}  # signature -> layout, the recent ones
         self._header_in: tuple | None = None  # (buffer, header bytes, stamp) it holds
+        self._replays: dict[int, _Replay] = {}
+        """id(structure) -> the last pack of that structure object, the recent ones. Keyed by
+        identity (``PackedStrategy.checked_parts`` hands out one object per structure): no
+        hash of a structure per call, and the record holds its structure, so no other object
+        can take its id while it is kept."""
         self.recent_needs: deque[int] = deque(maxlen=RECENT_PACKS)  # bytes each pack needed
+        self.replays_done = 0
+        """Packs that replayed an earlier one (``replay``)."""
 
     def pack(
         self,
@@ -160,6 +190,7 @@ class Packer:
         direct: frozenset[int] = frozenset(),
         parts: list[Part] | None = None,
         shape: tuple | None = None,
+        blob: bytes | None = None,
     ) -> tuple[torch.Tensor, Header, Filler]:
         """Write the header only; returns (buffer, header, fill) where ``fill(upto)`` copies
         every leaf that starts before byte ``upto``, so a sender can put the first part of a
@@ -168,11 +199,56 @@ class Packer:
         batch's ``message_parts`` (and ``shape`` its ``structure``) when the caller has them
         already. ``next_expect`` may be a function of the message's total bytes (the wire's
         guess for the next call), so the remembered header carries it, and ``min_capacity``
-        too (the room a caller needs past the message)."""
-        blob = None
-        if non_tensor_batch is not None:
+        too (the room a caller needs past the message). ``blob``: ``non_tensor_batch`` encoded
+        already (``parts.encode_non_tensor``), when the caller has it."""
+        if blob is None and non_tensor_batch is not None:
             blob = encode_non_tensor(non_tensor_batch)
         parts = message_parts(batch, rank) if parts is None else parts
+        device = batch.device if batch.device is not None else _leaf_device(parts)
+        last = self.replay(shape, direct, blob, next_expect, min_capacity, device)
+        if last is not None:
+            return last.out, last.header, self._filler(last, parts, blob)
+        return self._pack_anew(batch, parts, blob, (next_expect, min_capacity), device, direct,
+                               rank, shape)  # fmt: skip
+
+    def replay(self, shape, direct, blob: bytes | None, next_expect, min_capacity, device):
+        """The last pack of the structure object ``shape`` into this buffer, when this message
+        is laid out as it was (the same ``direct`` leaves and blob room), still fits the buffer
+        (``_keeps``: the growth and shrink rules of ``_room_for`` hold) and carries the same
+        stamp: its views are made and its header is encoded (and rewritten only where another
+        structure's pack wrote its own), so only the leaves and the blob are left to copy.
+        None otherwise (nothing written). Counts the message as packed."""
+        last = self._replays.get(id(shape))
+        if (
+            last is None
+            or last.shape is not shape
+            or last.direct != direct
+            or last.room != (None if blob is None else blob_room(len(blob)))
+        ):
+            return None
+        out, capacity = self.buffer, _capacity(last.total, min_capacity)
+        if out is not last.out or not self._keeps(out, capacity, device):
+            return None
+        nxt = next_expect(last.total) if callable(next_expect) else next_expect
+        held = last.held
+        if nxt != held.stamped or nxt != last.header.next_expect:
+            return None
+        self.recent_needs.append(capacity)
+        written = self._header_in
+        if written is None or written[0] is not out or written[1] is not held or written[2] != nxt:
+            out[: held.raw.numel()].copy_(held.raw)  # another structure's pack wrote its own
+            self._header_in = (out, held, nxt)
+        WORK["packed_bytes"] += last.total
+        if blob is not None:
+            WORK["pickled_bytes"] += len(blob)
+        self.replays_done += 1
+        return last
+
+    def _pack_anew(self, batch, parts, blob, expect, device, direct, rank, shape):
+        """``pack`` of a batch ``replay`` does not cover: the layout, header and views of its
+        structure (made once while recent), the header written where the buffer does not hold
+        it."""
+        next_expect, min_capacity = expect
         layout = self._laid_out(batch, parts, direct, rank, shape)
         span = None
         data_bytes = layout.tensor_end
@@ -183,46 +259,64 @@ class Packer:
         raw, nxt = held.raw, held.stamped
         header_len = raw.numel()
         total = header_len + data_bytes
-        device = batch.device if batch.device is not None else _leaf_device(parts)
-        room = min_capacity(total) if callable(min_capacity) else min_capacity
-        out = self._room_for(max(total, room), device)
+        out = self._room_for(_capacity(total, min_capacity), device)
         written = self._header_in
         if written is None or written[0] is not out or written[1] is not held or written[2] != nxt:
             out[:header_len].copy_(raw)  # a buffer that holds these header bytes keeps them
             self._header_in = (out, held, nxt)
         views = self._views_in(out, layout, header_len)
-        sources = [parts[i][3] for i in views.src_index]
+        host = memoryview(out.numpy()) if out.device.type == "cpu" else None
         blob_at = header_len + span[0] if blob is not None else total
-        fill = Filler(out, views.dst, sources, views.starts, blob, blob_at, span and span[1])
         header = held.decoded(layout, batch, header_len)
+        last = _Replay(layout.signature[0], direct, span and span[1], out, host, total, held,
+                       header, views, blob_at)  # fmt: skip
+        if shape is not None:  # the caller's object: the next call of it may replay
+            remember(self._replays, id(shape), last)
         WORK["packed_bytes"] += total
         if blob is not None:
             WORK["pickled_bytes"] += len(blob)
-        return out, header, fill
+        return out, header, self._filler(last, parts, blob)
+
+    def _filler(self, last: _Replay, parts: list[Part], blob: bytes | None) -> Filler:
+        """The ``Filler`` of a message laid out as ``last`` with this batch's leaves and blob."""
+        sources = [parts[i][3] for i in last.views.src_index]
+        return Filler(last.out, last.views.dst, sources, last.views.starts, blob, last.blob_at,
+                      last.room, last.host)  # fmt: skip
 
     def forget(self) -> None:
         """Drop the buffer and everything cached about it (its owner took it back)."""
         self.buffer = self._header_in = None
+        self._replays.clear()
         for layout in self._layouts.values():
             layout.views.clear()
 
     def _room_for(self, capacity: int, device: torch.device) -> torch.Tensor:
-        """The buffer, reallocated when it is too small or elsewhere, or more than
-        ``SHRINK_ABOVE`` times the largest of the recent needs (``RECENT_PACKS``, this one
-        included) once it has been held across a pack (a buffer handed in is used as it is);
-        a new buffer gets 1/4 spare capacity, so slowly growing batches do not reallocate
-        every call."""
-        held = bool(self.recent_needs)
-        self.recent_needs.append(capacity)
+        """The buffer, reallocated unless it ``_keeps`` a message of ``capacity`` bytes; a new
+        buffer gets 1/4 spare capacity, so slowly growing batches do not reallocate every
+        call."""
         out = self.buffer
-        oversized = held and out is not None and out.numel() > SHRINK_ABOVE * max(self.recent_needs)
-        if out is None or out.numel() < capacity or out.device != device or oversized:
+        kept = out is not None and self._keeps(out, capacity, device)
+        self.recent_needs.append(capacity)
+        if not kept:
             # Released before the new one is made (views of it included): one at a time.
             out = None
             self.forget()
             out = self.allocate(capacity + capacity // 4, device)
             self.buffer = out
         return out
+
+    def _keeps(self, out: torch.Tensor, capacity: int, device: torch.device) -> bool:
+        """Whether ``out`` takes the next message of ``capacity`` bytes: large enough, on
+        ``device``, and, once it has been held across a pack (a buffer handed in is used as it
+        is), not more than ``SHRINK_ABOVE`` times the largest of the recent needs
+        (``RECENT_PACKS``, this one included)."""
+        if out.numel() < capacity or out.device != device:
+            return False
+        needs = self.recent_needs
+        if not needs:
+            return True
+        window = list(needs)[1:] if len(needs) == needs.maxlen else needs
+        return out.numel() <= SHRINK_ABOVE * max(capacity, *window)
 
     def _laid_out(self, batch, parts: list[Part], direct, rank: int, shape) -> _Layout:
         """The layout of this structure (``shape``: the batch's ``structure``, when the caller
@@ -276,10 +370,13 @@ class Filler:
     memory travels in it."""
 
     def __init__(
-        self, out: torch.Tensor, dst, sources, starts, blob: bytes | None, blob_at: int, room=0
-    ):
+        self, out: torch.Tensor, dst, sources, starts, blob: bytes | None, blob_at: int, room=0,
+        host: memoryview | None = None,
+    ):  # fmt: skip
         self.out, self.dst, self.sources, self.starts = out, dst, sources, starts
         self._blob, self.blob_at, self.room = blob, blob_at, room or 0
+        self.host = host
+        """``out``'s bytes when it is in host memory (the blob is written through it)."""
         self.done = 0  # leaves copied so far, in order
 
     def __call__(self, upto: int) -> None:
@@ -298,15 +395,36 @@ class Filler:
         if blob is None:
             return
         before = CLOCK.switch("copy")
-        at, out, end = self.blob_at, self.out, self.blob_at + len(blob)
-        if out.device.type == "cpu":  # straight from the bytes: no tensor made of them
-            array = out.numpy()
-            array[at:end] = np.frombuffer(blob, np.uint8)
-            array[end : at + self.room] = 0
-        else:
-            out[at:end].copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-            out[end : at + self.room].zero_()
+        write_blob(self.out, self.host, self.blob_at, blob, self.room)
         CLOCK.switch(before)
+
+
+def write_blob(out: torch.Tensor, host: memoryview | None, at: int, blob: bytes, room: int) -> None:
+    """The non-tensor blob into ``out`` at byte ``at``, and zeros over the rest of its
+    ``room`` (``parts.blob_room``): nothing of an earlier message or of the allocator's memory
+    travels in it. On the host through ``host`` (``out``'s bytes, when the caller has them):
+    straight from the bytes, no tensor or array made of them."""
+    end = at + len(blob)
+    stop = max(end, at + room)
+    if out.device.type != "cpu":
+        out[at:end].copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+        out[end:stop].zero_()
+        return
+    host = host if host is not None else memoryview(out.numpy())
+    host[at:end] = blob
+    if stop - end <= len(_ZEROS):
+        host[end:stop] = _ZEROS[: stop - end]
+    else:
+        out[end:stop].zero_()
+
+
+_ZEROS = memoryview(bytes(4096))
+"""Zeros for a blob's room past its bytes (larger rooms are zeroed by torch)."""
+
+
+def _capacity(total: int, min_capacity: int | Callable[[int], int]) -> int:
+    """The room a message of ``total`` bytes needs: itself, or the caller's minimum past it."""
+    return max(total, min_capacity(total) if callable(min_capacity) else min_capacity)
 
 
 def _empty(capacity: int, device: torch.device) -> torch.Tensor:

@@ -117,6 +117,26 @@ def _flat_dense_parts(batch) -> list[Part] | None:
     return out
 
 
+def parts_and_structure(batch: TensorDict, rank: int = 0) -> tuple[list[Part], tuple]:
+    """``message_parts`` and ``structure`` of a batch, the two in one pass over a flat batch
+    of plain dense tensors (``_flat_dense_parts``' batches), where the leader's every call
+    needs both: equal to ``(parts, structure(batch, parts))``, which every other batch gets."""
+    entries = getattr(batch, "_tensordict", None) if type(batch) is TensorDict else None
+    if type(entries) is dict:
+        parts: list[Part] = []
+        shape = []
+        for key, t in entries.items():
+            if type(t) is not torch.Tensor or t.is_nested or type(key) is not str:
+                break
+            k = (key,)
+            parts.append((k, KIND_DENSE, 0, t))
+            shape.append((k, KIND_DENSE, 0, t.dtype, t.shape, t.device, torch.Tensor, t.layout))
+        else:
+            return parts, (TensorDict, tuple(batch.batch_size), tuple(shape))
+    parts = _walk_parts(batch, rank)
+    return parts, structure(batch, parts)
+
+
 def encode_non_tensor(non_tensor_batch: dict[str, np.ndarray]) -> bytes:
     """The non_tensor_batch blob: one pickle of the dict, with every 1-D object array (the
     prompts, uids and per-sample dicts RL frameworks carry) as the list of its elements.

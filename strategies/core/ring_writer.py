@@ -46,6 +46,8 @@ class RingWriter:
         self.striped_upto: dict[int, int] = {}  # reader rank -> last message it striped
         self.local_releases: list[tuple[int, int, int]] = []  # a node leader's own views
         self.published = [0]  # the last sequence signalled (shared with the finalizer)
+        self._ready: select.poll | None = None  # the readers' sockets, polled by _drain
+        self._polled: dict[int, int] = {}  # fd -> reader rank, what _ready holds
 
     def writer_slot(self) -> Slot:
         """The slot to write next: the next free one in turn, or the next one retired."""
@@ -145,23 +147,45 @@ class RingWriter:
 
     def _drain(self) -> None:
         """Take every report the readers have sent since the last call, without waiting. A
-        reader whose socket closed is dropped (``publish`` names it, after telling the rest)."""
-        for rank, sock in list(self.socks.items()):
-            while True:
-                try:
-                    raw = sock.recv(RELEASE.size, socket.MSG_DONTWAIT)
-                except (BlockingIOError, InterruptedError):
-                    break
-                except OSError as exc:
-                    self._drop(rank, f"its socket failed: {exc}")
-                    break
-                if not raw:
-                    self._drop(rank, "it closed its socket: it ended or died")
-                    break
-                if len(raw) == RELEASE.size:
-                    self._report(rank, *RELEASE.unpack(raw))
+        reader whose socket closed is dropped (``publish`` names it, after telling the rest).
+        Polled, one report per ready socket per poll until none is ready: a receive tried on
+        a socket with nothing to read costs a failed system call and an exception."""
+        while self.socks:
+            ready = self._poller().poll(0)
+            if not ready:
+                break
+            for fd, _ in ready:
+                rank = self._polled.get(fd)
+                if rank is not None and rank in self.socks:
+                    self._take(rank, self.socks[rank])
         while self.local_releases:
             self._report(self.groups.rank, RELEASED, *self.local_releases.pop())
+
+    def _poller(self) -> select.poll:
+        """``_ready``, made again whenever the set of sockets changed (a reader connected or
+        was dropped)."""
+        if self._ready is None or len(self._polled) != len(self.socks):
+            self._ready = select.poll()
+            self._polled = {}
+            for rank, sock in self.socks.items():
+                self._ready.register(sock, select.POLLIN)
+                self._polled[sock.fileno()] = rank
+        return self._ready
+
+    def _take(self, rank: int, sock: socket.socket) -> None:
+        """One report from ``rank``'s socket, which the poll found ready; drops the reader
+        when it closed or failed."""
+        try:
+            raw = sock.recv(RELEASE.size, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._drop(rank, f"its socket failed: {exc}")
+            return
+        if not raw:
+            self._drop(rank, "it closed its socket: it ended or died")
+        elif len(raw) == RELEASE.size:
+            self._report(rank, *RELEASE.unpack(raw))
 
     def _wait_behind(self, n: int) -> None:
         """Block while some reader has not taken the signals of the last ``n`` messages: a
@@ -184,6 +208,7 @@ class RingWriter:
     def _drop(self, rank: int, why: str) -> None:
         sock = self.socks.pop(rank, None)
         if sock is not None:
+            self._ready = None  # its fd may be reused by the next socket opened
             close_quietly(sock)
         self.broken[rank] = why
 

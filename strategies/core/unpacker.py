@@ -95,13 +95,20 @@ def unpack_tensors(
     return TensorDict(nested, batch_size=list(header.batch_size), device=td_device)
 
 
-def unpack_non_tensor(buf: torch.Tensor, header: Header) -> dict[str, np.ndarray] | None:
-    """``unpack``'s non-tensor batch (None when the message carries none)."""
+def unpack_non_tensor(
+    buf: torch.Tensor, header: Header, host: memoryview | None = None
+) -> dict[str, np.ndarray] | None:
+    """``unpack``'s non-tensor batch (None when the message carries none); ``host``: the
+    buffer's bytes when the caller has them already (read in place, no tensor sliced)."""
     if header.non_tensor is None:
         return None
     off, n = header.non_tensor
-    blob = buf[header.header_len + off : header.header_len + off + n]
-    raw = blob.numpy() if blob.device.type == "cpu" else blob.cpu().numpy()
+    at = header.header_len + off
+    if host is not None:
+        raw = host[at : at + n]
+    else:
+        blob = buf[at : at + n]
+        raw = blob.numpy() if blob.device.type == "cpu" else blob.cpu().numpy()
     WORK["unpickled_bytes"] += n
     return decode_non_tensor(raw)
 

@@ -19,6 +19,7 @@ def leader() -> Flat:
     s = object.__new__(Flat)  # only the checks: no groups, no wire
     s.groups = SimpleNamespace(rank=3, device=torch.device("cpu"))
     s._valid = {}
+    s._last_valid = None
     return s
 
 
