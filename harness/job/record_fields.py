@@ -147,6 +147,10 @@ class Record(TypedDict, total=False):
         "the leader's wall time per call in its own Python: checks, plan lookup, header, "
         "bookkeeping (median over calls, microseconds; the header family and shm, else null)",
     ]
+    leader_encode_us: Annotated[
+        float | None,
+        "the leader's wall time per call pickling the non-tensor batch (the floor has none)",
+    ]
     leader_copy_us: Annotated[
         float | None, "the leader's wall time per call copying the leaves and the blob"
     ]
@@ -155,6 +159,7 @@ class Record(TypedDict, total=False):
         "the leader's wall time per call handing the message over (signal, send, collective)",
     ]
     leader_plan_cpu_us: Annotated[float | None, "leader_plan_us in the leader thread's CPU"]
+    leader_encode_cpu_us: Annotated[float | None, "leader_encode_us in the leader thread's CPU"]
     leader_copy_cpu_us: Annotated[float | None, "leader_copy_us in the leader thread's CPU"]
     leader_signal_cpu_us: Annotated[
         float | None,

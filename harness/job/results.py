@@ -93,10 +93,12 @@ class TimingFigures:
     """The replica leader's alone."""
     leader_plan_us: float | None = None
     """The leader's wall microseconds per phase of a call (``harness.job.leader_phases``)."""
+    leader_encode_us: float | None = None
     leader_copy_us: float | None = None
     leader_signal_us: float | None = None
     leader_plan_cpu_us: float | None = None
     """The leader's thread-CPU microseconds per phase of a call."""
+    leader_encode_cpu_us: float | None = None
     leader_copy_cpu_us: float | None = None
     leader_signal_cpu_us: float | None = None
 

@@ -1,5 +1,7 @@
 """Where a leader's call spends its time (``CLOCK``): the leader's own Python (``plan``: the
-checks, the plan lookup, the header, the bookkeeping), copying the bytes (``copy``: the leaves
+checks, the plan lookup, the header, the bookkeeping), pickling the non-tensor batch
+(``encode``: its cost grows with the batch's rows, and a floor, prepared untimed, has none of
+it), copying the bytes (``copy``: the leaves
 and the non-tensor blob into the message) and handing them over (``signal``: a shared-memory
 signal, a send, a collective and its wait).
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import time
 
-PHASES = ("plan", "copy", "signal")
+PHASES = ("plan", "encode", "copy", "signal")
 
 
 class PhaseClock:

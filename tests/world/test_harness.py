@@ -280,7 +280,9 @@ def test_a_job_says_how_sure_it_is_and_a_delay_shows(tmp_path, monkeypatch, fork
         assert rec["oversubscribed"] == (2 > rec["host_cores"]) and rec["cpu_us_per_call"] > 0
         # header marks its phases: the leader's call splits into plan, copy and signal.
         split = [
-            rec[f"leader_{p}_{u}"] for p in ("plan", "copy", "signal") for u in ("us", "cpu_us")
+            rec[f"leader_{p}_{u}"]
+            for p in ("plan", "encode", "copy", "signal")
+            for u in ("us", "cpu_us")
         ]
         assert all(v is not None and v >= 0 for v in split) and rec["leader_plan_us"] > 0, split
         samples = pd.read_csv(
