@@ -295,6 +295,9 @@ ASSUMPTIONS = (
     "meta_info), so the call overhead is the same on both sides",
     "leader + broadcast takes the best of the header family and pickled as priced by "
     "harness.model.prices on the same cluster",
+    "edge_stages and chain carry the chunk as pickled objects, as their sources do "
+    "(harness.model.dispatch_ranks.hop_plan); chain's pp - 1 stage-to-stage hops run one "
+    "after another, each forwarding rank unpickling and pickling it again",
 )
 
 
@@ -317,15 +320,19 @@ def example_answer(rows: list[dict]) -> str:
 
 
 def format_scan(rows: list[dict]) -> str:
+    """The scan, a line per cell; the hop modes' columns where the rows price them."""
+    hops = [k for k in ("edge_stages", "chain") if rows and f"{k}_ms" in rows[0]]
     head = (
         f"{'nodes':>6}{'GPUs':>7}{'batch':>7}{'MiB':>10}{'all_ranks ms':>14}{'leader + best':>28}"
-    )
+    ) + "".join(f"{k + ' ms':>16}" for k in hops)
     lines = [head]
     for r in rows:
         best = f"{r['leader']} {r['leader_ms']:.1f} ms"
         mark = "  <- all_ranks" if r["all_ranks_wins"] else ("  (even)" if r["tie"] else "")
         lines.append(
             f"{r['nodes']:>6}{r['gpus']:>7}{r['batch_size']:>7}{r['payload_bytes'] / 2**20:>10.1f}"
-            f"{r['all_ranks_ms']:>14.1f}{best:>28}{mark}"
+            f"{r['all_ranks_ms']:>14.1f}{best:>28}"
+            + "".join(f"{r[f'{k}_ms']:>16.1f}" for k in hops)
+            + mark
         )
     return "\n".join(lines)
