@@ -42,7 +42,7 @@ import torch
 
 import strategies
 from harness.job.dispatch_hops import hops_call
-from harness.job.dispatch_modes import ALL_RANKS, HOPS, LEADER, DispatchMode
+from harness.job.dispatch_modes import ALL_RANKS, EDGE_STAGES, HOPS, LEADER, DispatchMode
 from harness.job.phases import Timing, run_phases
 from harness.job.results import RankResult
 from harness.job.spec import JobSpec, Scope
@@ -284,7 +284,7 @@ def _check_stages(drv: _Driver, stages: list[dict]) -> None:
     last = drv.spec.layout.pp - 1
     for r, stage in enumerate(stages):
         source = stage["pp"] in (0, last) and stage["tp_cp"] == 0
-        if source != (r in drv.sources["edge_stages"]):
+        if source != (r in drv.sources[EDGE_STAGES]):
             raise WorldError(
                 f"rank {r}: megatron-core's groups put it on stage {stage['pp']} at TP×CP index "
                 f"{stage['tp_cp']}, but the layout maths ({drv.spec.layout.describe()}) "
