@@ -35,18 +35,14 @@ def ray_ranks(kind: str, layout: Layout) -> list[list[int]]:
     """Per replica (in ``layout.replica_groups()`` order), the ranks the driver hands the
     chunk's ObjectRef to, ascending."""
     _check(kind)
-    out = []
-    for replica in layout.replica_groups():
-        members = set(replica)
-        if kind == "all_ranks":
-            out.append(sorted(replica))
-        elif kind == "edge_stages":
-            # TP×CP rank 0 of a stage is its group's first rank (tp = cp = 0).
-            firsts = [g[0] for g in layout.groups("tp-cp") if g[0] in members]
-            out.append(sorted(r for r in firsts if edge_stage(layout, r)))
-        else:
-            out.append([replica[0]])
-    return out
+    replicas = layout.replica_groups()
+    if kind == "all_ranks":
+        return [sorted(replica) for replica in replicas]
+    if kind != "edge_stages":
+        return [[replica[0]] for replica in replicas]
+    # TP×CP rank 0 of a stage is its group's first rank (tp = cp = 0).
+    sources = {g[0] for g in layout.groups("tp-cp") if edge_stage(layout, g[0])}
+    return [sorted(sources.intersection(replica)) for replica in replicas]
 
 
 def holding_ranks(kind: str, layout: Layout) -> list[int]:
