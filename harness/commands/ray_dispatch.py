@@ -41,14 +41,14 @@ def format_table(record: dict) -> str:
     if record["status"] != "ok":
         return records.job_line(record)
     floors = [f for f in FLOORS.values() if f in record["modes"]]
-    head = f"{'mode':<28}{'p50 ms':>10}{'p90 ms':>10}" + "".join(f"{'/' + f:>16}" for f in floors)
+    head = f"{'mode':<28}{'p50 ms':>10}{'p90 ms':>10}" + "".join(f"{'/' + f:>18}" for f in floors)
     lines = [
         f"{record['layout']}, {record['payload']} batch {record['batch_size']}/replica, "
         f"{record['payload_bytes'] / 2**20:.2f} MiB per replica, scope {record['scope']}",
         head,
     ]
     for name, row in record["modes"].items():
-        ratios = "".join(f"{row['vs_floors'][f]:>16.2f}" for f in floors)
+        ratios = "".join(f"{row['vs_floors'][f]:>18.2f}" for f in floors)
         line = f"{name:<28}{row['p50_us'] / 1e3:>10.2f}{row['p90_us'] / 1e3:>10.2f}{ratios}"
         if "cross_node_bytes_per_call" in row:
             line += f"   {row['cross_node_bytes_per_call'] / 1e6:.2f} MB crossed/call"
@@ -68,8 +68,9 @@ class RayDispatchConf:
     """What the driver generates per replica: ``payload.batch_size`` rows each, so the global
     batch has ``batch_size * dp``; reuses ``conf/payload/`` (generated payloads only)."""
     modes: list[str] = field(default_factory=lambda: ["leader:header", "leader:pickled", ALL_RANKS])
-    """Dispatch modes (``leader:<strategy>``, ``leader:floor``, ``all_ranks``,
-    ``all_ranks:raw``); each family's floor is added when missing."""
+    """Dispatch modes (``leader:<strategy>``, ``leader:floor``, ``all_ranks``, ``edge_stages``,
+    ``chain``, each of the last three with ``:raw`` for its floor); each family's floor is added
+    when missing."""
     iters: int = 5
     """Timed calls per mode, interleaved with the first mode rotating."""
     warmup: int = 2

@@ -32,12 +32,16 @@ from harness.model.dispatch_prices import (
     example_answer,
     format_scan,
     price_all_ranks,
+    price_hops,
     price_leader,
 )
 from harness.model.prices import price_strategy
 from harness.report.dispatch_model import compare, format_compare
 from strategies.core.cluster import ClusterConf, ClusterError
 from strategies.core.layout import Layout
+
+HOP_MODES = ("edge_stages", "chain")
+"""The dispatch modes with hops of their own, priced beside the scan's two."""
 
 MODULE = "harness.commands.ray_model"
 """Where this command lives; its printed name comes from ``harness.errors.program``."""
@@ -46,7 +50,8 @@ MODULE = "harness.commands.ray_model"
 def example_scan(cluster: ClusterConf, ray: RayCostConf, seq_len: int = 4096,
                  dps=EXAMPLE_DPS, batches=EXAMPLE_BATCHES) -> list[dict]:  # fmt: skip
     """``all_ranks`` against the best leader + broadcast for the example's replica shape
-    (tp8·cp2·pp8 = 128 ranks) at each DP degree and rows per replica."""
+    (tp8·cp2·pp8 = 128 ranks) at each DP degree and rows per replica, the hop modes
+    (``edge_stages``, ``chain``) priced beside them."""
     shape = {k.split("=")[0].split(".")[1]: int(k.split("=")[1])
              for k in EXAMPLE if k.startswith("layout.")}  # fmt: skip
     out = []
@@ -66,10 +71,12 @@ def example_scan(cluster: ClusterConf, ray: RayCostConf, seq_len: int = 4096,
                 leader[name] = price_leader(layout, nbytes, cluster, ray, name, bcast_s).total_s
             best = min(leader, key=leader.get)
             all_s = price_all_ranks(layout, nbytes, cluster, ray).total_s
+            hops = {k: price_hops(k, layout, spec, cluster, ray).total_s for k in HOP_MODES}
             out.append({
                 "dp": dp, "nodes": layout.world_size // cluster.gpus_per_node,
                 "gpus": layout.world_size, "batch_size": batch, "payload_bytes": nbytes,
                 "all_ranks_ms": all_s * 1e3, "leader": best, "leader_ms": leader[best] * 1e3,
+                **{f"{k}_ms": v * 1e3 for k, v in hops.items()},
                 "all_ranks_wins": all_s < (1 - TIE) * leader[best],
                 "tie": abs(all_s / leader[best] - 1) <= TIE,
             })  # fmt: skip

@@ -11,6 +11,12 @@ Modes (``scope = "dispatch+broadcast"``; the forked world's jobs are ``"broadcas
 - ``all_ranks`` (verl, NeMo-RL by default, OpenRLHF): one ``ray.put`` per DP chunk; every rank of
   the replica gets the same ObjectRef and deserializes it. No collective.
 - ``all_ranks:raw``, its floor: one put of the flat array per replica, every rank gets it.
+- ``edge_stages`` (a verl fork): the chunk's ref to TP×CP rank 0 of the first and of the last
+  pipeline stage, each broadcasting it over its stage's TP×CP group; the middle stages hold
+  nothing. ``chain`` (TensorRT-LLM): the ref to the replica leader, a broadcast on the first
+  stage's TP×CP group, then stage k -> k + 1 point to point down the pipeline. Their floors
+  ``edge_stages:raw`` and ``chain:raw`` run the same hops with the flat array
+  (``harness.job.dispatch_hops``; who gets and who holds what: ``harness.model.dispatch_ranks``).
 
 Chunking and the put are inside the time. The job is a ``harness.job.spec.JobSpec`` of scope
 ``dispatch+broadcast``; its driver runs the same measured phases as a broadcast job's ranks
@@ -35,11 +41,13 @@ import numpy as np
 import torch
 
 import strategies
-from harness.job.dispatch_modes import LEADER, DispatchMode
+from harness.job.dispatch_hops import hops_call
+from harness.job.dispatch_modes import ALL_RANKS, EDGE_STAGES, HOPS, LEADER, DispatchMode
 from harness.job.phases import Timing, run_phases
 from harness.job.results import RankResult
 from harness.job.spec import JobSpec, Scope
 from harness.job.verification import batch_problems, bytes_problems, digest, tensor_digest
+from harness.model.dispatch_ranks import holding_ranks, ray_ranks
 from harness.payload import generated
 from harness.worlds.emulated import link_counter
 from harness.worlds.protocol import WorldError
@@ -94,6 +102,10 @@ class _Driver:
     flats: list[np.ndarray]
     expected: list[dict]
     expected_raw: list[str]
+    sources: dict[str, frozenset[int]]
+    """Per hop family (``edge_stages``, ``chain``): the ranks Ray hands the chunk to."""
+    holders: dict[str, frozenset[int]]
+    """Per hop family: the ranks that must hold their replica's chunk when a call ends."""
 
     @classmethod
     def build(cls, spec: JobSpec, shape=None) -> _Driver:
@@ -123,6 +135,8 @@ class _Driver:
             flats,
             [digest(c, True) for c in chunks],
             [tensor_digest(torch.from_numpy(f)) for f in flats],
+            {k: frozenset(r for rep in ray_ranks(k, lay) for r in rep) for k in HOPS},
+            {k: frozenset(holding_ranks(k, lay)) for k in HOPS},
         )
 
     def is_leader(self, rank: int) -> bool:
@@ -176,7 +190,9 @@ def _setup_on_rank(ctx, spec: JobSpec, entry: DataProto) -> dict:
             continue
         built[name].prepare(_on_device(entry, groups.device))
     ctx.cache["dispatch"] = built
-    return {"is_leader": groups.is_leader, "refused": refused}
+    ctx.cache["dispatch_groups"] = groups  # the hop modes' groups (harness.job.dispatch_hops)
+    stage = {"pp": groups.pp_rank, "tp_cp": groups.tp_cp_rank}
+    return {"is_leader": groups.is_leader, "refused": refused, "stage": stage}
 
 
 def _prepare_raw_on_rank(ctx, entry: DataProto) -> None:
@@ -230,9 +246,15 @@ def _call(world, drv: _Driver, mode: DispatchMode, verify: bool, what: str, time
             (mode.strategy, refs[d] if drv.is_leader(r) else meta, verify)
             for r, d in enumerate(drv.replica_of)
         ]
-    else:
+    elif mode.kind == ALL_RANKS:
         fn = _all_ranks_call
         args = [(refs[d], verify) for d in drv.replica_of]
+    else:
+        fn, sources = hops_call, drv.sources[mode.kind]
+        args = [
+            (mode.kind, refs[d] if r in sources else None, mode.raw, drv.flats[d].nbytes, verify)
+            for r, d in enumerate(drv.replica_of)
+        ]
     out = world.collect(world.submit(fn, args), what, timeout_s)
     # The ranks' end times and the driver's start read one clock: actors on one machine, and
     # ranks in network namespaces of one kernel, share CLOCK_REALTIME. Ranks on separate
@@ -249,19 +271,47 @@ def _setup(world, drv: _Driver) -> tuple[list[DispatchMode], dict[str, str]]:
                 f"rank {r}: megatron-core's groups make it {'a' if answer['is_leader'] else 'no'} "
                 f"replica leader, but the layout maths ({drv.spec.layout.describe()}) does not"
             )
+    _check_stages(drv, [answer["stage"] for answer in out])
     refused = out[0]["refused"]
     modes = [m for m in drv.spec.dispatch_modes() if m.strategy not in refused]
     return modes, refused
 
 
+def _check_stages(drv: _Driver, stages: list[dict]) -> None:
+    """The ranks the driver hands an ``edge_stages`` chunk to (layout maths) are the ones whose
+    megatron-core groups make them TP×CP rank 0 of the first or last stage, so the hops run
+    from the ranks that hold the chunk."""
+    last = drv.spec.layout.pp - 1
+    for r, stage in enumerate(stages):
+        source = stage["pp"] in (0, last) and stage["tp_cp"] == 0
+        if source != (r in drv.sources[EDGE_STAGES]):
+            raise WorldError(
+                f"rank {r}: megatron-core's groups put it on stage {stage['pp']} at TP×CP index "
+                f"{stage['tp_cp']}, but the layout maths ({drv.spec.layout.describe()}) "
+                f"{'does not hand' if source else 'hands'} it the edge_stages chunk"
+            )
+
+
 def _verify(drv: _Driver, mode: DispatchMode, out: list) -> list[str]:
     """Every rank's result against its replica's chunk, bit for bit, naming rank and key (the
     comparison every job makes: ``harness.job.verification``). Unflagged non-tensor data stays
-    with a leader dispatch's leader; every rank of an all_ranks dispatch gets the chunk."""
+    with a leader dispatch's leader; every rank of an all_ranks dispatch gets the chunk, and the
+    hop modes pickle the whole chunk. A rank that must hold nothing (an ``edge_stages`` middle
+    stage) is checked to hold nothing."""
     problems = []
     flagged = bool(drv.global_batch.broadcast_non_tensor)
+    holders = drv.holders.get(mode.kind)
     for rank, (_, got) in enumerate(out):
         d = drv.replica_of[rank]
+        if holders is not None and (rank in holders) != (got is not None):
+            problems.append(
+                f"{mode.name}: rank {rank}: holds no chunk, expected chunk {d}"
+                if rank in holders
+                else f"{mode.name}: rank {rank}: holds data, but a middle pipeline stage gets none"
+            )
+            continue
+        if got is None:
+            continue  # a middle stage, rightly empty
         if mode.raw:
             problems += bytes_problems(mode.name, rank, drv.expected_raw[d], got, f"chunk {d}")
             continue

@@ -1,6 +1,7 @@
-"""The dispatch modes' names and their parsed form (``leader:<strategy>``, ``all_ranks[:raw]``):
-what the job's config checks and its records name, apart from the code that runs them
-(``harness.job.dispatch``, which imports the config and the records)."""
+"""The dispatch modes' names and their parsed form (``leader:<strategy>``, ``all_ranks[:raw]``,
+``edge_stages[:raw]``, ``chain[:raw]``): what the job's config checks and its records name,
+apart from the code that runs them (``harness.job.dispatch``, which imports the config and the
+records)."""
 
 from __future__ import annotations
 
@@ -8,19 +9,27 @@ from dataclasses import dataclass
 
 import strategies
 
-LEADER, ALL_RANKS = "leader", "all_ranks"
+LEADER, ALL_RANKS, EDGE_STAGES, CHAIN = "leader", "all_ranks", "edge_stages", "chain"
+HOPS = (EDGE_STAGES, CHAIN)
+"""The families whose in-group hops the dispatch itself runs (``harness.job.dispatch_hops``),
+no broadcast strategy."""
 
-
-FLOORS = {LEADER: "leader:floor", ALL_RANKS: "all_ranks:raw"}
+FLOORS = {
+    LEADER: "leader:floor",
+    ALL_RANKS: "all_ranks:raw",
+    EDGE_STAGES: "edge_stages:raw",
+    CHAIN: "chain:raw",
+}
+"""Each family's floor: the same path with the chunk as one flat uint8 array."""
 
 
 @dataclass(frozen=True)
 class DispatchMode:
     """One way to get the chunks to the ranks, parsed from ``leader:<strategy>`` or
-    ``all_ranks[:raw]``."""
+    ``<family>[:raw]`` (``all_ranks``, ``edge_stages``, ``chain``)."""
 
     kind: str
-    """``leader`` or ``all_ranks``."""
+    """``leader``, ``all_ranks``, ``edge_stages`` or ``chain``."""
     strategy: str | None = None
     """The broadcast strategy after a leader dispatch (``floor`` for the raw floor)."""
     raw: bool = False
@@ -30,7 +39,7 @@ class DispatchMode:
     def name(self) -> str:
         if self.kind == LEADER:
             return f"{LEADER}:{self.strategy}"
-        return FLOORS[ALL_RANKS] if self.raw else ALL_RANKS
+        return FLOORS[self.kind] if self.raw else self.kind
 
     @classmethod
     def parse(cls, text: str) -> DispatchMode:
@@ -44,11 +53,11 @@ class DispatchMode:
                     f"of {sorted(strategies.names())} or 'floor'"
                 )
             return cls(LEADER, rest)
-        if kind == ALL_RANKS and rest in ("", "raw"):
-            return cls(ALL_RANKS, raw=rest == "raw")
+        if kind in (ALL_RANKS, *HOPS) and rest in ("", "raw"):
+            return cls(kind, raw=rest == "raw")
         raise ValueError(
-            f"dispatch mode {text!r}: expected 'leader:<strategy>', 'leader:floor', 'all_ranks' "
-            "or 'all_ranks:raw'"
+            f"dispatch mode {text!r}: expected 'leader:<strategy>', 'leader:floor', or one of "
+            f"{[ALL_RANKS, *HOPS]} with an optional ':raw'"
         )
 
 
@@ -62,7 +71,7 @@ def with_floors(names: tuple[str, ...] | list[str]) -> list[DispatchMode]:
     """``names`` parsed, in order, then each family's floor where one of its modes is there and
     its floor is not; a name given twice is refused."""
     modes = [DispatchMode.parse(m) for m in names]
-    for kind in (LEADER, ALL_RANKS):
+    for kind in FLOORS:
         if any(m.kind == kind for m in modes) and FLOORS[kind] not in [m.name for m in modes]:
             modes.append(DispatchMode.parse(FLOORS[kind]))
     names = [m.name for m in modes]

@@ -14,13 +14,20 @@ class Record(TypedDict, total=False):
 
     # what the job was
     strategy: Annotated[
-        str | None, "the strategy under test (a name, or a class's import path); null for all_ranks"
+        str | None,
+        "the strategy under test (a name, or a class's import path); null for a dispatch mode "
+        "that runs none (all_ranks, edge_stages, chain)",
     ]
     options: Annotated[dict, "its keyword options"]
     scope: Annotated[str, "what the clock covers: broadcast | dispatch+broadcast"]
-    dispatch: Annotated[str | None, "Ray dispatch: leader | all_ranks; null for a broadcast job"]
+    dispatch: Annotated[
+        str | None,
+        "Ray dispatch: leader | all_ranks | edge_stages | chain; null for a broadcast job",
+    ]
     mode: Annotated[
-        str | None, "a dispatch job's mode (leader:<strategy>, all_ranks); null for a broadcast job"
+        str | None,
+        "a dispatch job's mode (leader:<strategy>, all_ranks, edge_stages, chain); null for a "
+        "broadcast job",
     ]
     world: Annotated[
         str, "who ran the ranks: forked | ray (a joined or emulated world records forked)"
@@ -104,7 +111,7 @@ class Record(TypedDict, total=False):
         str | None,
         "which raw method that was: one | chunks2 | chunks4 | seed_hops | pp_first | shm "
         "(node-local shared memory, CPU jobs); "
-        "a dispatch job's floor mode: leader:floor | all_ranks:raw",
+        "a dispatch job's floor mode: leader:floor | all_ranks:raw | edge_stages:raw | chain:raw",
     ]
     floor_single_p50_us: Annotated[float | None, "one raw broadcast over the replica, microseconds"]
     floor_network_p50_us: Annotated[

@@ -102,7 +102,8 @@ def _job_fields(spec) -> dict:
     dispatch = getattr(spec, "dispatch", "none")
     broadcast = dispatch == "none"
     return {
-        "strategy": None if dispatch == "all_ranks" else spec.strategy,  # no strategy runs
+        # Only a leader dispatch runs a broadcast strategy; the other modes carry no name.
+        "strategy": spec.strategy if broadcast or dispatch == "leader" else None,
         "options": dict(spec.options),
         "scope": (Scope.BROADCAST if broadcast else Scope.DISPATCH).value,
         **({} if broadcast else {"dispatch": dispatch, "mode": spec.under_test}),

@@ -1,6 +1,7 @@
 """The cost model's price of Ray dispatch: from "the driver holds the global batch" to "every
-rank holds its chunk", for ``all_ranks`` (one object per replica, every rank gets it) and
-``leader`` (the object to each replica's leader, then a broadcast strategy), without running.
+rank holds its chunk", for ``all_ranks`` (one object per replica, every rank gets it),
+``leader`` (the object to each replica's leader, then a broadcast strategy), ``edge_stages`` and
+``chain`` (the object to a few ranks, then the mode's own hops), without running.
 ``bcastbench ray-model`` (``harness.commands.ray_model``) asks it the 16,384-GPU question and
 sets it beside measured records (``harness.report.dispatch_model``).
 
@@ -15,7 +16,10 @@ One call is priced as the sum of its phases, as ``harness.job.dispatch`` runs th
   object store, no copy of the bytes, but a DataProto is unpickled per actor): α_get + n·β_get,
   slowed by max(1, getters/cores) where ranks share a host's cores; on a GPU cluster each
   receiving rank then copies n bytes host→device.
-- **broadcast** (``leader`` only): the strategy's own price (``harness.model.prices``).
+- **broadcast** (``leader``): the strategy's own price (``harness.model.prices``); for
+  ``edge_stages`` and ``chain`` the price of their hops' plan
+  (``harness.model.dispatch_ranks.hop_plan``), by the same pricing, with the put, transfer and
+  get of the ranks Ray hands the object to (two per replica for ``edge_stages`` when pp > 1).
 
 The Ray terms (put, get, call) are fitted on a local Ray world by ``bcastbench
 ray-calibrate`` into ``conf/ray/local.yaml`` (``RayCostConf``); links, host cores and
@@ -30,8 +34,10 @@ from pathlib import Path
 
 import strategies
 from harness import paths
+from harness.model.dispatch_ranks import hop_plan, ray_ranks
 from harness.model.prices import predicted_cross_bytes, price_strategy
 from strategies.core.cluster import GB, US, ClusterConf, ClusterError, check_number
+from strategies.core.pricing import price
 
 CONF_DIR = paths.CONF_DIR / "ray"
 LEADER_STRATEGIES = ("header", "flat", "direct", "pp_first", "pickled", "scatter_allgather")
@@ -202,27 +208,56 @@ def price_all_ranks(layout, nbytes: float, cluster: ClusterConf, ray: RayCostCon
     )
 
 
+def _to_receivers(name: str, layout, nbytes: float, cluster: ClusterConf, ray: RayCostConf,
+                  receivers: list[list[int]], raw: bool, broadcast_s: float,
+                  broadcast_cross_bytes: float, host_cores: int | None) -> DispatchCost:  # fmt: skip
+    """A mode that hands each replica's object to ``receivers`` (per replica) through Ray, then
+    carries it on (``broadcast_s``): one put per replica, the object pulled once to each other
+    node of a replica's receivers (served by the driver's node 0), one get per receiver."""
+    crossed = nbytes * sum(
+        len({r // cluster.gpus_per_node for r in rep} - {0}) for rep in receivers
+    )
+    # Receivers on one host get at once; on one shared host (host_cores set) all of them do.
+    every = [r for rep in receivers for r in rep]
+    nodes_of = Counter(r // cluster.gpus_per_node for r in every)
+    per_host = len(every) if host_cores is not None else max(nodes_of.values())
+    return DispatchCost(
+        name,
+        put_s=layout.dp * ray.put_s(nbytes, raw),
+        call_s=ray.calls_s(layout.world_size),
+        transfer_s=ray.transfer_s(crossed, cluster),
+        get_s=_per_rank_get_s(ray, cluster, nbytes, raw, per_host, host_cores),
+        broadcast_s=broadcast_s,
+        cross_node_bytes=crossed + broadcast_cross_bytes,
+    )
+
+
 def price_leader(layout, nbytes: float, cluster: ClusterConf, ray: RayCostConf,
                  strategy: str, broadcast_s: float, broadcast_cross_bytes: float = 0.0,
                  host_cores: int | None = None) -> DispatchCost:  # fmt: skip
     """``leader:<strategy>``: one put per replica, the object pulled to each leader's node
     (served by the driver's node 0), one get per leader, then the strategy's broadcast
     (``broadcast_s``, priced by the caller on the same cluster)."""
-    raw = strategy == "floor"
-    leaders = [group[0] for group in layout.replica_groups()]
-    crossed = nbytes * sum(r // cluster.gpus_per_node != 0 for r in leaders)
-    # Leaders on one host get at once; on one shared host (host_cores set) all of them do.
-    nodes_of = Counter(r // cluster.gpus_per_node for r in leaders)
-    leaders_per_host = layout.dp if host_cores is not None else max(nodes_of.values())
-    return DispatchCost(
-        f"leader:{strategy}",
-        put_s=layout.dp * ray.put_s(nbytes, raw),
-        call_s=ray.calls_s(layout.world_size),
-        transfer_s=ray.transfer_s(crossed, cluster),
-        get_s=_per_rank_get_s(ray, cluster, nbytes, raw, leaders_per_host, host_cores),
-        broadcast_s=broadcast_s,
-        cross_node_bytes=crossed + broadcast_cross_bytes,
-    )
+    leaders = [[group[0]] for group in layout.replica_groups()]
+    return _to_receivers(f"leader:{strategy}", layout, nbytes, cluster, ray, leaders,
+                         strategy == "floor", broadcast_s, broadcast_cross_bytes, host_cores)  # fmt: skip
+
+
+def price_hops(kind: str, layout, spec, cluster: ClusterConf, ray: RayCostConf,
+               raw: bool = False, host_cores: int | None = None) -> DispatchCost:  # fmt: skip
+    """``edge_stages`` or ``chain`` (``raw``: its floor): the object through Ray to the ranks
+    ``harness.model.dispatch_ranks.ray_ranks`` names (two per replica for edge_stages when
+    pp > 1, the leader for chain), then the hops of ``hop_plan``, priced as a strategy's plan
+    is (``strategies.core.pricing.price``) on the same cluster."""
+    nbytes = spec.tensor_bytes + spec.non_tensor_bytes
+    plan = hop_plan(kind, layout, spec, raw)
+    hops = price(plan, cluster, layout, check=False)
+    cross = 0.0
+    if layout.world_size <= 4096:  # the plan walk is O(ranks), as for a leader mode
+        cross = float(predicted_cross_bytes(plan, cluster.gpus_per_node))
+    receivers = ray_ranks(kind, layout)
+    return _to_receivers(plan.strategy, layout, nbytes, cluster, ray, receivers, raw,
+                         hops.total_s, cross, host_cores)  # fmt: skip
 
 
 def price_mode(mode: str, layout, spec, cluster: ClusterConf, ray: RayCostConf,
@@ -230,10 +265,15 @@ def price_mode(mode: str, layout, spec, cluster: ClusterConf, ray: RayCostConf,
     """Any dispatch mode of ``harness.job.dispatch`` on ``layout`` with a chunk of ``spec``."""
     nbytes = spec.tensor_bytes + spec.non_tensor_bytes
     kind, _, rest = mode.partition(":")
-    if kind == "all_ranks":
+    if kind == "all_ranks" and rest in ("", "raw"):
         return price_all_ranks(layout, nbytes, cluster, ray, rest == "raw", host_cores)
+    if kind in ("edge_stages", "chain") and rest in ("", "raw"):
+        return price_hops(kind, layout, spec, cluster, ray, rest == "raw", host_cores)
     if kind != "leader" or not rest:
-        raise ValueError(f"dispatch mode {mode!r}: expected leader:<strategy> or all_ranks[:raw]")
+        raise ValueError(
+            f"dispatch mode {mode!r}: expected leader:<strategy>, or all_ranks, edge_stages or "
+            "chain with an optional :raw"
+        )
     pred = price_strategy(rest, layout, spec, cluster)
     cross = 0.0
     if layout.world_size <= 4096:  # the plan walk is O(ranks); the example asks for time only
@@ -255,6 +295,9 @@ ASSUMPTIONS = (
     "meta_info), so the call overhead is the same on both sides",
     "leader + broadcast takes the best of the header family and pickled as priced by "
     "harness.model.prices on the same cluster",
+    "edge_stages and chain carry the chunk as pickled objects, as their sources do "
+    "(harness.model.dispatch_ranks.hop_plan); chain's pp - 1 stage-to-stage hops run one "
+    "after another, each forwarding rank unpickling and pickling it again",
 )
 
 
@@ -277,15 +320,19 @@ def example_answer(rows: list[dict]) -> str:
 
 
 def format_scan(rows: list[dict]) -> str:
+    """The scan, a line per cell; the hop modes' columns where the rows price them."""
+    hops = [k for k in ("edge_stages", "chain") if rows and f"{k}_ms" in rows[0]]
     head = (
         f"{'nodes':>6}{'GPUs':>7}{'batch':>7}{'MiB':>10}{'all_ranks ms':>14}{'leader + best':>28}"
-    )
+    ) + "".join(f"{k + ' ms':>16}" for k in hops)
     lines = [head]
     for r in rows:
         best = f"{r['leader']} {r['leader_ms']:.1f} ms"
         mark = "  <- all_ranks" if r["all_ranks_wins"] else ("  (even)" if r["tie"] else "")
         lines.append(
             f"{r['nodes']:>6}{r['gpus']:>7}{r['batch_size']:>7}{r['payload_bytes'] / 2**20:>10.1f}"
-            f"{r['all_ranks_ms']:>14.1f}{best:>28}{mark}"
+            f"{r['all_ranks_ms']:>14.1f}{best:>28}"
+            + "".join(f"{r[f'{k}_ms']:>16.1f}" for k in hops)
+            + mark
         )
     return "\n".join(lines)

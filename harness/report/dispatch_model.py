@@ -20,7 +20,8 @@ from strategies.core.plan import spec_of
 def _record_cluster(record: dict) -> ClusterConf:
     """The preset a dispatch record ran on: the emulated cluster (links and ranks per node as
     recorded) or the local world."""
-    if "emulate_nodes" not in record:
+    # A record of today's local world carries the emulate_* fields as null; older ones lack them.
+    if not record.get("emulate_nodes"):
         return load_cluster("local")
     preset = "emulated" if record.get("emulate_links", "node") == "node" else "emulated_rails"
     return replace(load_cluster(preset), gpus_per_node=int(record["emulate_ranks_per_node"]))

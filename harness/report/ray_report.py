@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.files import write_atomic, write_figure
+from harness.job.dispatch_modes import FLOORS
 from harness.job.verdict import NO_INTERVAL, decide, interval_text
 from harness.model.dispatch_prices import load_ray_costs
 from harness.report.dispatch_model import compare
@@ -16,13 +17,13 @@ from harness.report.tables import human_bytes
 
 
 def _ray_winner(modes: dict[str, float]) -> str:
-    """Which of all_ranks and the leader paths is fastest (floors left out: nobody ships them),
+    """Which of all_ranks, the leader paths and the hop modes (edge_stages, chain) is fastest
+    (floors left out: nobody ships them),
     by the rule of ``harness.job.verdict``. A dispatch record keeps no paired interval between
     two modes (a sweep's job times one mode and its raw floor; the older CLI's record keeps
     each mode's own figures only), so the answer names the fastest and its lead, and says there
     is no interval instead of claiming a winner."""
-    shipped = {m: p for m, p in modes.items() if m == "all_ranks" or
-               (m.startswith("leader:") and m != "leader:floor")}  # fmt: skip
+    shipped = {m: p for m, p in modes.items() if m not in FLOORS.values()}
     if "all_ranks" not in shipped or len(shipped) < 2:
         return "n/a"
     verdict = decide(shipped, lambda mode: None)

@@ -1,8 +1,9 @@
 """Ray dispatch across two emulated nodes (harness.commands.ray_emulated): one Ray node per network
-namespace, ranks pinned per node, pipeline stages on different nodes. Both dispatch modes
-deliver every chunk bit for bit; the link counters show what crosses: ``all_ranks`` moves the
-chunk to the far node once however many ranks there read it, while ``leader:header`` (the seed's
-hop order) sends it down each of the tp PP groups. Nothing the run started survives it.
+namespace, ranks pinned per node, pipeline stages on different nodes. Every dispatch mode
+delivers every chunk bit for bit; the link counters show what crosses: ``all_ranks`` and
+``edge_stages`` move the chunk to the far node once however many ranks there read it, while
+``leader:header`` (the seed's hop order) and ``chain`` send it down each of the tp PP groups.
+Nothing the run started survives it.
 
 Skips when namespaces are unavailable (not root, no iproute2) or ray is not installed;
 BCB_REQUIRE_INFRA=1 turns the skip into a failure.
@@ -65,7 +66,7 @@ def test_two_node_dispatch_crosses_once_per_node_with_all_ranks(tmp_path, monkey
     mark = f"{os.getpid()}-{tmp_path.name}"
     monkeypatch.setenv(RUN_MARK, mark)  # another session's Ray (if any) is not ours to judge
     argv = ["layout=tp2pp2", "payload.batch_size=96", "payload.seq_len=512"]
-    argv += ["modes=[leader:header,all_ranks]", "iters=3", "warmup=1"]
+    argv += ["modes=[leader:header,all_ranks,edge_stages,chain]", "iters=3", "warmup=1"]
     argv += ["emulate.nodes=2", "emulate.rate_mbit=1000", "emulate.bytes_calls=2"]
     argv += ["emulate.limit_s=400", f"hydra.run.dir={tmp_path / 'job'}"]
     try:
@@ -84,6 +85,12 @@ def test_two_node_dispatch_crosses_once_per_node_with_all_ranks(tmp_path, monkey
     assert 0.95 < crossed["all_ranks:raw"] < 1.5, crossed
     assert 1.9 < crossed["leader:header"] < 2.6, crossed
     assert 1.9 < crossed["leader:floor"] < 2.6, crossed
+    # edge_stages: Ray pulls the chunk to the last stage's node once, its TP broadcast stays
+    # there; chain sends it from each first-stage rank to its counterpart on the far node.
+    for name in ("edge_stages", "edge_stages:raw"):
+        assert 0.95 < crossed[name] < 1.5, crossed
+    for name in ("chain", "chain:raw"):
+        assert 1.9 < crossed[name] < 2.6, crossed
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"bcb-{os.getpid()}-" not in left
     assert _ray_processes(mark) == set(), "Ray processes of the run are still running"

@@ -28,6 +28,7 @@ from test_nothing_left import HOST_NETNS, is_loopback, listeners  # noqa: E402
 import strategies  # noqa: E402
 from harness.job.broadcast import run_job_on_rank  # noqa: E402
 from harness.job.dispatch import DispatchMode, _Driver, _verify  # noqa: E402
+from harness.job.dispatch_modes import FLOORS  # noqa: E402
 from harness.job.execute import run_job  # noqa: E402
 from harness.job.spec import JobSpec  # noqa: E402
 from harness.worlds.protocol import WorldError  # noqa: E402
@@ -124,19 +125,26 @@ def test_verification_names_rank_and_key():
 
 def test_dispatch_modes_deliver_every_chunk(ray_world):
     """The driver runs the broadcast job's own phases (rounds, verification) through the
-    dispatch scope's Job, and the one record builder writes its record."""
-    spec = dispatch_spec(TP2PP2, iters=2, warmup=1, **SMALL)
+    dispatch scope's Job, and the one record builder writes its record: every family's."""
+    modes = ("leader:header", "all_ranks", "edge_stages", "chain")
+    spec = dispatch_spec(TP2PP2, modes, iters=2, warmup=1, **SMALL)
     record = run_job(ray_world, spec)  # raises VerificationError on any wrong byte
     assert record["floor_method"] == "leader:floor"
     assert record["scope"] == "dispatch+broadcast" and record["correct"]
     assert record["mode"] == "leader:header" and record["vs_floor"] > 0
-    assert set(record["modes"]) == {"leader:header", "all_ranks", "leader:floor", "all_ranks:raw"}
+    assert set(record["modes"]) == {*modes, *FLOORS.values()}
     for name, row in record["modes"].items():
         assert row["p50_us"] > 0 and row["rank_skew_us"] is None, name
-        assert row["floor_mode"] == (
-            "leader:floor" if name.startswith("leader") else "all_ranks:raw"
-        )
+        assert row["floor_mode"] == FLOORS[DispatchMode.parse(name).kind]
     assert record["modes"]["leader:floor"]["vs_floor"] == 1.0
+
+
+def test_edge_stages_leave_the_middle_stages_empty_and_chain_fills_them(ray_world):
+    """pp=4: stages 1, 2 hold nothing (edge_stages), chain makes three hops; all verified."""
+    spec = dispatch_spec(Layout(pp=4), ("edge_stages", "chain"), iters=1, warmup=0, **SMALL)
+    record = run_job(ray_world, spec)
+    assert record["correct"] and record["mode"] == "edge_stages" and record["strategy"] is None
+    assert set(record["modes"]) == {"edge_stages", "chain", "edge_stages:raw", "chain:raw"}
 
 
 def test_forked_worlds_rank_job_runs_unchanged(ray_world):
