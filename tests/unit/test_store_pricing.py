@@ -159,3 +159,13 @@ def test_a_recalibration_keeps_the_fitted_stores(tmp_path):
     assert _kept_stores(path) == {}
     write_cluster_yaml(_cluster(transferqueue=STORE), path, "a header")
     assert _kept_stores(path) == {"transferqueue": STORE}
+
+
+def test_validate_states_the_pull_target_only_where_pull_records_are():
+    from harness.commands.validate import _pull_row
+
+    assert _pull_row({"pull_records": 0, "pull_median_abs_err": float("nan")}) == []
+    (met,) = _pull_row({"pull_records": 18, "pull_median_abs_err": 0.12})
+    assert "pull strategies (18 records) | 12.0% (met)" in met and "≤ 15 %" in met
+    (missed,) = _pull_row({"pull_records": 18, "pull_median_abs_err": 0.165})
+    assert "16.5% (**missed**)" in missed
