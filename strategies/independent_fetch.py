@@ -56,7 +56,7 @@ from strategies.core.header_format import DEFAULT_MAX_BYTES, HeaderError, read_h
 from strategies.core.node_channel import DEFAULT_SLOTS, DEFAULT_STRIPE_MIN_BYTES, NodeChannel
 from strategies.core.node_signals import ShmError
 from strategies.core.packed import PackedStrategy
-from strategies.core.plan import Handoff, LocalWork, PayloadSpec, Plan
+from strategies.core.plan import Handoff, LocalWork, PayloadSpec, Plan, StoreFetch
 from strategies.core.trace import WORK
 from strategies.core.unpacker import unpack_non_tensor, unpack_tensors
 
@@ -173,25 +173,20 @@ class IndependentFetch(PackedStrategy):
         """No collective: every replica's message is one put into the store (``Handoff``: the
         cost model prices its signals and, across nodes, the sends that feed each node's
         store). The leader packs the message once; every reader copies all of it out (its
-        fetch) and unpickles the flagged non-tensor blob. ``stage`` (a batch on a device): the
-        leader's message goes to the host once, and each reader's fetch is a host-to-device
-        copy instead of a host copy."""
+        fetch: a ``StoreFetch`` from the node store, whose readers contend for the host's
+        memory and cores) and unpickles the flagged non-tensor blob. ``stage`` (a batch on a
+        device): the leader's message goes to the host once, and each reader's fetch copies
+        onto its device (the node store's rate on such a cluster, ``ClusterConf.store``)."""
         n = spec.message_bytes
         nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
-        shared = [
-            Handoff(tuple(r), n, stripe_min_bytes) for r in layout.replica_groups() if len(r) > 1
-        ]
-        fetch = (
-            LocalWork(pickled_bytes=nt, h2d_bytes=n)
-            if stage
-            else LocalWork(pickled_bytes=nt, copied_bytes=n)
-        )
+        replicas = [tuple(r) for r in layout.replica_groups() if len(r) > 1]
         return Plan(
             cls.name,
             [],
             leader=LocalWork(packed_bytes=n, d2h_bytes=n if stage else 0),
-            receiver=fetch,
-            shared=shared,
+            receiver=LocalWork(pickled_bytes=nt),
+            shared=[Handoff(r, n, stripe_min_bytes) for r in replicas],
+            stores=[StoreFetch("node_shm", r, n, "node", crosses=False) for r in replicas],
         )
 
 

@@ -55,7 +55,7 @@ from strategies.core.contract import (
     raise_failure,
     wants_non_tensor,
 )
-from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.plan import Comm, PayloadSpec, Plan, StoreFetch
 from strategies.core.strategy_base import Strategy
 from strategies.pickled import loads_back
 
@@ -159,11 +159,13 @@ class RayObjectStore(Strategy):
         return deliver(entry, td, non_tensor if wants_non_tensor(entry) else None)
 
     @classmethod
-    def plan(cls, layout, spec: PayloadSpec) -> Plan:
+    def plan(cls, layout, spec: PayloadSpec, store: str = "ray_object") -> Plan:
         """Per replica: the reference's size and bytes (its pickled size, ~``REF_BYTES``, is
-        not predicted: inexact) and the barrier, priced as an empty broadcast (inexact). The
-        object store's own put and get are priced as a pickle of the batch on the leader and
-        one on each receiver; the store's α and β are not calibrated yet."""
+        not predicted: inexact) and the barrier, priced as an empty broadcast (inexact); the
+        leader's ``ray.put`` and every other rank's ``ray.get`` of the batch as a fetch from
+        ``store`` (``StoreFetch``: the cluster's put/get α, β and fetch contention, Ray's
+        serialization of the TensorDict included; the object is copied once to each other
+        node and read there by that node's ranks)."""
         comms: list[Comm] = []
         replicas = layout.replica_groups() if layout.replica_size > 1 else []
         steps = [(8, "sizes", True), (REF_BYTES, "reference", False), (0, "barrier", False)]
@@ -171,8 +173,9 @@ class RayObjectStore(Strategy):
             for ranks in replicas:
                 comms.append(Comm("broadcast", tuple(ranks), ranks[0], nbytes, step, what, exact))
         nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
-        work = LocalWork(pickled_bytes=spec.tensor_bytes + nt) if replicas else LocalWork()
-        return Plan(cls.name, comms, leader=work, receiver=work, forwarder=LocalWork())
+        scope = "replica" if store == "transferqueue" else "node"
+        stores = [StoreFetch(store, tuple(r), spec.tensor_bytes + nt, scope) for r in replicas]
+        return Plan(cls.name, comms, stores=stores)
 
 
 REF_BYTES = 256

@@ -214,9 +214,11 @@ class TransferQueue(Strategy):
 
     @classmethod
     def plan(cls, layout, spec):
-        """As ``ray_object_store``'s (a small pickled signal, a barrier; the store's put and get
-        priced as a pickle on each side): TransferQueue's own α and β are not calibrated."""
-        plan = RayObjectStore.plan(layout, spec)
+        """As ``ray_object_store``'s (a small pickled signal, a barrier), with the batch put
+        into and fetched from the cluster's ``transferqueue`` store: one storage unit serves
+        every reader of the replica (they contend for it, and a remote reader fetches across
+        the network); the conversion back to the leader's batch is in its α and β."""
+        plan = RayObjectStore.plan(layout, spec, store="transferqueue")
         plan.strategy = cls.name
         return plan
 

@@ -23,7 +23,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from harness.commands.hydra_app import run_app
@@ -353,12 +353,22 @@ def calibrate(
     if verbose:
         print(report)
     if out is not None:
+        cluster = replace(cluster, stores=_kept_stores(Path(out)))
         write_cluster_yaml(cluster, Path(out), _file_header(world_size, group_sizes, len(sizes),
                                                             reps, report))  # fmt: skip
         load_cluster(Path(out))  # what was written must load and validate
         if verbose:
             print(f"wrote {out}")
     return cluster, fits, samples
+
+
+def _kept_stores(out: Path) -> dict:
+    """The stores ``out`` already holds (``bcastbench store-calibrate`` fits them from a pull
+    sweep, which this command does not run): a recalibration keeps them."""
+    try:
+        return load_cluster(out).stores if out.is_file() else {}
+    except ClusterError:  # an unreadable preset is replaced whole, as before
+        return {}
 
 
 @dataclass

@@ -8,6 +8,7 @@
     bcastbench ray-calibrate|ray-model [overrides]         Ray dispatch's cost model
     bcastbench emulated-table [overrides]                  the emulated-cluster table
     bcastbench report|collect|validate DIR                 read a run or sweep directory
+    bcastbench store-calibrate DIR         fit the pull stores' costs from a pull sweep
     bcastbench compare OLD NEW             two runs cell by cell (new/old, interval, verdict)
     bcastbench gpu-check                   the CUDA checks on a single-GPU machine
 
@@ -39,6 +40,10 @@ SUBCOMMANDS = {
     "predict": ("harness.commands.predict", "predict every strategy's time on a cluster"),
     "calibrate": ("harness.commands.calibrate", "fit the cost model to this cluster"),
     "extrapolate": ("harness.commands.extrapolate", "predicted latency from 8 to 16k GPUs"),
+    "store-calibrate": (
+        "harness.commands.store_calibrate",
+        "DIR: fit the pull stores' put/get costs into a cluster preset",
+    ),
     "schema": (
         "harness.payload.schema_command",
         "FILE -o schema.yaml: a recorded batch's shape, no data",

@@ -19,7 +19,14 @@ from strategies.core.formulas import tree_rounds
 from strategies.core.plan import plan_of
 from strategies.core.pricing import price
 
-PARTS = ("local work", "intra-node α", "intra-node β", "inter-node α", "inter-node β")
+PARTS = (
+    "local work",
+    "store put/get",
+    "intra-node α",
+    "intra-node β",
+    "inter-node α",
+    "inter-node β",
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -28,7 +35,8 @@ PARTS = ("local work", "intra-node α", "intra-node β", "inter-node α", "inter
 def breakdown_s(pred: Prediction) -> dict[str, float]:
     """Seconds per part, the same split ``Prediction.dominant`` names (local, link × α/β)."""
     parts = dict.fromkeys(PARTS, 0.0)
-    parts["local work"] = pred.local_s
+    parts["store put/get"] = sum(w.store_s for w in pred.local)
+    parts["local work"] = pred.local_s - parts["store put/get"]
     for s in pred.steps:
         c = s.critical
         if c.link in ("intra", "inter"):
@@ -70,7 +78,10 @@ def _one_replica_plan(cls, layout, spec, device: str = "cpu", **options):
     shared = [
         replace(h, ranks=tuple(move[r] for r in h.ranks)) for h in plan.shared if h.root in move
     ]
-    return replace(plan, comms=comms, shared=shared)
+    stores = [
+        replace(f, ranks=tuple(move[r] for r in f.ranks)) for f in plan.stores if f.writer in move
+    ]
+    return replace(plan, comms=comms, shared=shared, stores=stores)
 
 
 def price_strategy(name: str, layout, spec, cluster, **options) -> Prediction:
@@ -219,7 +230,8 @@ def to_json(preds: dict[str, Any]) -> dict[str, Any]:
 def predicted_cross_bytes(plan, ranks_per_node: int) -> int:
     """Payload bytes one call of ``plan`` sends between nodes, as gloo moves them: a broadcast
     along its binomial tree's edges, a scatter straight from the root, an all-gather around a
-    ring in group order; a shared-memory hand-off once to each other node of its replica."""
+    ring in group order; a shared-memory hand-off once to each other node of its replica; a
+    store fetch as ``store_pricing.crossing_s`` counts it."""
 
     def node(r: int) -> int:
         return r // ranks_per_node
@@ -237,4 +249,10 @@ def predicted_cross_bytes(plan, ranks_per_node: int) -> int:
             total += c.nbytes * (p - 1) // p * sum(node(a) != node(b) for a, b in ring)
     for h in plan.shared:
         total += h.nbytes * (len({node(r) for r in h.ranks}) - 1)
+    for f in plan.stores:
+        if f.crosses:  # a node store's copy per other node, a replica store's per remote reader
+            remote = [r for r in f.ranks if node(r) != node(f.writer)]
+            total += f.nbytes * (
+                len({node(r) for r in remote}) if f.scope == "node" else len(remote)
+            )
     return total

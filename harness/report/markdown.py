@@ -12,7 +12,7 @@ import pandas as pd
 
 from harness.files import write_atomic
 from harness.job.verdict import interval_text
-from harness.report import figures_sizes
+from harness.report import figures_pull, figures_sizes
 from harness.report.cost_section import cost_markdown
 from harness.report.figures import save_figures
 from harness.report.md_format import fenced_commands, is_missing, md_table, ratio_range
@@ -320,7 +320,7 @@ Regenerate this report with `bcastbench report {root}`.
 
 {recommendation_markdown(df)}
 
-{push_pull_markdown(df)}
+{_push_pull(df, root)}
 
 {_figures_and_checks(df, root)}
 
@@ -351,6 +351,14 @@ def _figures_and_checks(df: pd.DataFrame, root: Path) -> str:
     links = "\n\n".join(f"![{name}]({path.name})" for name, path in figures.items())
     checked = samples_markdown(check_samples(df))
     return f"## Figures\n\n{links}\n\n## Checked against the samples\n\n{checked}"
+
+
+def _push_pull(df: pd.DataFrame, root: Path) -> str:
+    """The "Push or pull" table with its figure (drawn into ``root``) below it; '' without a
+    cell that measured both kinds."""
+    section = push_pull_markdown(df)
+    figure = figures_pull.save(df, root) if section else None
+    return f"{section}\n\n![push vs pull]({figure.name})" if figure is not None else section
 
 
 def _failed_note(df: pd.DataFrame) -> str:

@@ -35,7 +35,16 @@ CONF_DIR = (Path(__file__).resolve().parents[2] / "harness" / "conf" / "cluster"
 (a link to the checkout's ``conf/``, package data in a wheel), which ``harness.paths.CONF_DIR``
 names for the harness; the strategies read it as files, without importing the harness."""
 
-__all__ = ["CONF_DIR", "GB", "ClusterConf", "ClusterError", "LinkConf", "load_cluster"]
+__all__ = [
+    "CONF_DIR",
+    "GB",
+    "STORES",
+    "ClusterConf",
+    "ClusterError",
+    "LinkConf",
+    "StoreConf",
+    "load_cluster",
+]
 
 
 def check_number(where: str, value: Any, allow_zero: bool = False) -> float:
@@ -75,6 +84,45 @@ class LinkConf:
     def check(self, where: str) -> None:
         check_number(f"{where}.alpha_us", self.alpha_us, allow_zero=True)
         check_number(f"{where}.bandwidth_gbytes_per_s", self.bandwidth_gbytes_per_s)
+
+
+STORES = ("node_shm", "ray_object", "transferqueue")
+"""The stores a pull strategy fetches from (``plan.StoreFetch.store``): ``independent_fetch``'s
+node-local shared-memory segment, Ray's object store (``ray_object_store``) and TransferQueue's
+storage unit (``transferqueue``)."""
+
+
+@dataclass(unsafe_hash=True)
+class StoreConf:
+    """What a store costs one replica per call: a put and one reader's get together take
+    ``call_us + n / gbytes_per_s``; each further reader fetching from the same store at the
+    same time adds ``fetch_contention`` of that (readers share the store's memory bandwidth,
+    its serving thread and, on a CPU host, the cores), so k readers of one store finish after
+    (α + n·β)·(1 + fetch_contention·(k − 1)) (``strategies.core.store_pricing``). Fitted from
+    a pull sweep's records by ``bcastbench store-calibrate``; all 0 = not measured (free)."""
+
+    call_us: float = 0.0
+    """α: fixed cost of one put and one get (the calls, their round trips, (de)serializing
+    the batch's structure), µs."""
+    gbytes_per_s: float = 0.0
+    """1/β: bytes of one put and one get per second, GB/s (0 = bytes not priced)."""
+    fetch_contention: float = 0.0
+    """Share of one reader's time each further concurrent reader adds: 0 = readers fetch in
+    parallel at full speed; 1 = the store serves them one after another; above 1, readers
+    also slow each other (time-slicing a loaded host)."""
+
+    @property
+    def call_s(self) -> float:
+        return self.call_us * US
+
+    @property
+    def beta_s_per_byte(self) -> float:
+        """Seconds per byte of a put and a get; 0 when the rate is not measured."""
+        return 1.0 / (self.gbytes_per_s * GB) if self.gbytes_per_s > 0 else 0.0
+
+    def check(self, where: str) -> None:
+        for name in ("call_us", "gbytes_per_s", "fetch_contention"):
+            check_number(f"{where}.{name}", getattr(self, name), allow_zero=True)
 
 
 _RATES = ("d2h", "h2d", "pickle", "unpickle", "memcpy")
@@ -145,6 +193,9 @@ class ClusterConf:
     cpu_cores: int = 0
     """Cores the ranks of one machine share (a CPU world time-slices them); 0 = every rank has
     its own device and host cores (GPU clusters): no oversubscription factor."""
+    stores: dict[str, StoreConf] = field(default_factory=dict)
+    """Per store a pull strategy fetches from (keys: ``STORES``), its put/get α, β and fetch
+    contention; a store not listed is priced as ``store`` says (not measured here)."""
     calibrated_ranks: int = 0
     """Ranks of the world the α/β and host figures were measured on (``harness.commands.calibrate``);
     0 = not calibrated here."""
@@ -185,6 +236,14 @@ class ClusterConf:
                 if not isinstance(link, LinkConf):
                     raise ClusterError(f"{where}: {name}.{kind} must be a LinkConf, got {link!r}")
                 link.check(f"{where}: {name}.{kind}")
+        for kind, store in self.stores.items():
+            if kind not in STORES:
+                raise ClusterError(
+                    f"{where}: stores has unknown store {kind!r}; valid stores are {list(STORES)}"
+                )
+            if not isinstance(store, StoreConf):
+                raise ClusterError(f"{where}: stores.{kind} must be a StoreConf, got {store!r}")
+            store.check(f"{where}: stores.{kind}")
 
     def __hash__(self) -> int:  # the by-kind dicts are not hashable; their items are
         return hash(
@@ -251,6 +310,17 @@ class ClusterConf:
         return self.signal_us * US
 
     # -- questions pricing asks -------------------------------------------------------------
+    def store(self, kind: str) -> StoreConf:
+        """The costs of store ``kind`` (``STORES``) as measured here. Not measured: a node store
+        is a copy out of host memory (into a rank's own buffer, or onto its device: the host's
+        memcpy or host-to-device rate, readers not contending), any other store is free."""
+        if kind in self.stores:
+            return self.stores[kind]
+        if kind == "node_shm":
+            rate = self.h2d_gbytes_per_s if self.device != "cpu" else self.memcpy_gbytes_per_s
+            return StoreConf(gbytes_per_s=rate)
+        return StoreConf()
+
     def link(self, kind: str, crosses_nodes: bool) -> LinkConf:
         """The α/β a collective of ``kind`` pays, inside a node or across nodes."""
         if crosses_nodes:

@@ -59,7 +59,16 @@ class StepCost:
         return self.critical.total_s
 
 
-LOCAL_TERMS = ("pickle_s", "unpickle_s", "memcpy_s", "d2h_s", "h2d_s", "calls_s", "signal_s")
+LOCAL_TERMS = (
+    "pickle_s",
+    "unpickle_s",
+    "memcpy_s",
+    "d2h_s",
+    "h2d_s",
+    "calls_s",
+    "signal_s",
+    "store_s",
+)
 """The terms of ``LocalCost``, each in seconds: what ``total_s`` adds up, and what CPU
 oversubscription scales."""
 
@@ -79,6 +88,9 @@ class LocalCost:
     """Fixed per-call host overhead (pickle/unpickle/pack/unpack calls, see ``host_calls``)."""
     signal_s: float = 0.0
     """Shared-memory signals on the critical path (``handoff_signals`` × ``signal_s``; leader)."""
+    store_s: float = 0.0
+    """A pull strategy's store put and contended gets on the critical path
+    (``strategies.core.store_pricing.store_s``; receiver)."""
 
     @property
     def total_s(self) -> float:
@@ -113,7 +125,8 @@ class Prediction:
         """One phrase for a report: which link and which term dominate the total."""
         if self.total_s <= 0:
             return "nothing to do"
-        parts = {"local work": self.local_s}
+        store = sum(w.store_s for w in self.local)
+        parts = {"local work": self.local_s - store, "store put/get": store}
         for link in ("intra", "inter"):
             steps = [s for s in self.steps if s.critical.link == link]
             parts[f"{link}-node α"] = sum(s.critical.alpha_s for s in steps)
@@ -137,7 +150,7 @@ class Prediction:
                 self._row(f"local {w.role}")
                 | dict(
                     kind="local",
-                    what="pickle/unpickle/copy/d2h/h2d/calls/signals",
+                    what="pickle/unpickle/copy/d2h/h2d/calls/signals/store",
                     link="host",
                     alpha_s=0.0,
                     beta_s=w.total_s,

@@ -1,5 +1,6 @@
 """The work each role of a plan does off the network, priced: fixed-cost host calls (pickle,
-unpickle, pack, unpack), bytes copied and pickled, and a shared-memory hand-off's signals.
+unpickle, pack, unpack), bytes copied and pickled, a shared-memory hand-off's signals and a
+pull plan's store fetches.
 
 ``strategies.core.pricing`` adds it to a plan's collectives. Pure: no process group, no torch.
 """
@@ -12,6 +13,7 @@ from strategies.core.cluster import ClusterConf
 from strategies.core.costs import LocalCost
 from strategies.core.groups import node_split, stripes
 from strategies.core.plan import Comm, LocalWork, Plan
+from strategies.core.store_pricing import store_s
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,8 @@ def price_local(
 
 def local_costs(plan: Plan, cluster: ClusterConf) -> tuple[LocalCost, ...]:
     """Leader, forwarder and receiver work; the forwarder's only when some rank forwards. The
-    leader's carries the shared-memory signals (``handoff_signals``)."""
+    leader's carries the shared-memory signals (``handoff_signals``), the receiver's the
+    store fetches of a pull plan (``store_pricing.store_s``: the put is on that path too)."""
     calls = host_calls(plan)
     forwarder = plan.forwarder if has_forwarder(plan) else LocalWork()
     if forwarder is not plan.forwarder:
@@ -122,6 +125,7 @@ def local_costs(plan: Plan, cluster: ClusterConf) -> tuple[LocalCost, ...]:
         )
     ]
     costs[0] = replace(costs[0], signal_s=handoff_signals(plan, cluster) * cluster.signal_s)
+    costs[2] = replace(costs[2], store_s=store_s(plan, cluster))
     return tuple(costs)
 
 

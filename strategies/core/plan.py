@@ -80,6 +80,32 @@ class Handoff:
         return self.ranks[0]
 
 
+@dataclass(frozen=True)
+class StoreFetch:
+    """One replica's batch put once into a store and fetched by its other ranks (the pull
+    strategies: ``independent_fetch``, ``ray_object_store``, ``transferqueue``). Not a
+    collective: ``strategies.core.store_pricing`` prices it from the cluster's ``stores``."""
+
+    store: str
+    """Which store (``cluster.STORES``): its put/get α, β and fetch contention."""
+    ranks: tuple[int, ...]
+    """Global ranks of the replica, the writer first; every other rank fetches."""
+    nbytes: int
+    """Bytes put once and fetched by each reader."""
+    scope: Literal["node", "replica"] = "node"
+    """'node': each node holds a copy its ranks fetch (``independent_fetch``'s node store, Ray's
+    object, copied once to each other node), so a node's readers contend; 'replica': one store
+    serves every reader of the replica (TransferQueue's storage unit), so all of them contend
+    and each remote reader fetches across the network."""
+    crosses: bool = True
+    """Whether the fetch's crossings of nodes are priced with it; False where the plan's
+    ``Handoff`` already carries them (``independent_fetch`` feeds each node's store so)."""
+
+    @property
+    def writer(self) -> int:
+        return self.ranks[0]
+
+
 @dataclass
 class Plan:
     """Everything one call of ``get_data_input`` does, for every replica of a layout."""
@@ -94,6 +120,8 @@ class Plan:
     """Work on a rank that receives and then sends on (stage-0 ranks in two-hop strategies)."""
     shared: list[Handoff] = field(default_factory=list)
     """Messages handed over through node-local shared memory after ``comms``, one per replica."""
+    stores: list[StoreFetch] = field(default_factory=list)
+    """Batches put into a store and fetched by every other rank, one per replica."""
 
     def for_rank(self, rank: int) -> list[Comm]:
         """The comms ``rank`` takes part in, in issue order."""

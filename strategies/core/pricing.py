@@ -229,7 +229,8 @@ def price(
     forwarder's only when the plan has one (``has_forwarder``), each with its fixed per-call
     host costs (``host_calls``). A plan's shared-memory hand-offs (``Plan.shared``) follow its
     comms: their crossings of nodes as point-to-point steps (``handoff_comms``) and their
-    signals as the leader's ``signal_s`` (``handoff_signals``). On a CPU cluster every term is then multiplied by
+    signals as the leader's ``signal_s`` (``handoff_signals``); its store fetches
+    (``Plan.stores``) as the receiver's ``store_s`` (``store_pricing``). On a CPU cluster every term is then multiplied by
     ``cluster.oversubscription(world)``, world = ``layout.world_size`` (or the highest rank the
     plan names, plus one). ``check`` verifies ranks fit ``layout`` and same-step groups are
     disjoint (cheap, O(ranks)).
@@ -242,6 +243,7 @@ def price(
         world = layout.world_size
     else:
         named = [r for c in plan.comms for r in c.ranks] + [r for h in plan.shared for r in h.ranks]
+        named += [r for f in plan.stores for r in f.ranks]
         world = 1 + max(named, default=0)
     over = cluster.oversubscription(world)
     steps, local = _oversubscribed(steps, local_costs(plan, cluster), over)

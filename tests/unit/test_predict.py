@@ -137,7 +137,7 @@ def test_a_gpu_cluster_prices_shm_with_its_staging_copies():
 
 
 def test_predict_prices_the_pull_strategy_and_every_pickled_serialization():
-    """independent_fetch is shm's hand-off plus one copy of the message per reader; pickled's
+    """independent_fetch is shm's hand-off plus each reader's fetch from the node store; pickled's
     out-of-band serializations pickle only the non-tensor part (cheaper than ROLL's torch.save
     archive), and verl's receivers copy each tensor that vLLM's view. None is an auto
     candidate, so auto still picks among its own."""
@@ -151,7 +151,7 @@ def test_predict_prices_the_pull_strategy_and_every_pickled_serialization():
     assert all(isinstance(preds[k], Prediction) for k in ("independent_fetch", p5, verl))
     assert preds["shm"].total_s < preds["independent_fetch"].total_s
     fetch = {w.role: w for w in preds["independent_fetch"].local}["receiver"]
-    assert fetch.memcpy_s > {w.role: w for w in preds["shm"].local}["receiver"].memcpy_s
+    assert fetch.store_s > {w.role: w for w in preds["shm"].local}["receiver"].store_s == 0
     assert preds[p5].total_s < preds["pickled"].total_s
     assert preds[p5].total_s < preds[verl].total_s
     assert auto_pick(preds) in CANDIDATES

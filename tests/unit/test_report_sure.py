@@ -259,3 +259,23 @@ def test_push_or_pull_sets_the_best_of_each_side_by_side(tmp_path):
     )
     _job(tmp_path / "push", "0_b3", CLEAR, _pairs(CLEAR, 0.05), payload_bytes=1000)
     assert push_pull_markdown(tables.load(tmp_path / "push")) == ""
+
+
+def test_push_or_pull_figure_draws_both_kinds_and_the_ratio(tmp_path):
+    """The figure beside the section: per layout a vs_floor panel (pull solid, push dashed)
+    and a pull-over-push panel whose point is the table's ratio; none without a pull record."""
+    from harness.report import figures_pull
+
+    p50s = {"shm": 120.0, "flat": 300.0, "independent_fetch": 180.0}
+    for i, size in enumerate((1000, 4000)):
+        _job(tmp_path / "mixed", f"{i}_b{i}", p50s, _pairs(p50s, 0.05), batch_size=i + 3,
+             payload_bytes=size)  # fmt: skip
+    fig = figures_pull.plot_push_pull(tables.load(tmp_path / "mixed"))
+    top, bottom = fig.axes  # one layout: its vs_floor panel above its ratio panel
+    styles = {line.get_label(): line.get_linestyle() for line in top.get_lines()}
+    assert styles["independent_fetch"] == "-" and styles["shm"] == "--"
+    ratio = next(line for line in bottom.get_lines() if line.get_label().startswith("best pull"))
+    assert list(ratio.get_ydata()) == pytest.approx([1.5, 1.5])
+    assert figures_pull.save(tables.load(tmp_path / "mixed"), tmp_path).name == "push_vs_pull.png"
+    _job(tmp_path / "push", "0_b3", CLEAR, _pairs(CLEAR, 0.05), payload_bytes=1000)
+    assert figures_pull.save(tables.load(tmp_path / "push"), tmp_path / "push") is None
