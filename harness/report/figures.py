@@ -17,6 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from harness.files import write_figure
+from harness.job.dispatch_modes import FLOORS
 from harness.report.styles import draw_order, emphasis
 from harness.report.styles import styles as strategy_styles
 from harness.report.tables import (
@@ -425,7 +426,7 @@ def dispatch_frame(records: list[dict]) -> pd.DataFrame:
     rows = []
     for rec in records:
         where = "local Ray"
-        if "emulate_nodes" in rec:
+        if rec.get("emulate_nodes") is not None:  # a local world's record carries nulls
             links = "node" if rec.get("emulate_links", "node") == "node" else "rank (rails)"
             where = (f"{rec['emulate_nodes']} nodes, one {rec['emulate_rate_mbit']} Mbit/s "
                      f"link per {links}")  # fmt: skip
@@ -459,7 +460,7 @@ def plot_ray_dispatch(records: list[dict]) -> Figure:
         sub = df[df["panel"] == panel]
         for mode, g in sub.groupby("mode", sort=True):
             g = g.sort_values("payload_bytes")
-            raw = mode in ("leader:floor", "all_ranks:raw")
+            raw = mode in FLOORS.values()
             ax.plot(g["payload_bytes"], g["p50_ms"], label=mode, ls="--" if raw else "-",
                     lw=2.2 if mode == "all_ranks" else 1.3, **styles[mode])  # fmt: skip
             ax.fill_between(g["payload_bytes"], g["p50_ms"], g["p90_ms"], alpha=0.08,
