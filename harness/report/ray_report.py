@@ -24,7 +24,7 @@ def _ray_winner(modes: dict[str, float]) -> str:
     each mode's own figures only), so the answer names the fastest and its lead, and says there
     is no interval instead of claiming a winner."""
     shipped = {m: p for m, p in modes.items() if m not in FLOORS.values()}
-    if "all_ranks" not in shipped or len(shipped) < 2:
+    if len(shipped) < 2:  # one mode (and its floor): nothing to rank
         return "n/a"
     verdict = decide(shipped, lambda mode: None)
     if verdict.kind != NO_INTERVAL:  # a paired interval: the rule's own words
