@@ -6,7 +6,9 @@ message; those ranks build their batch as views of the segment, with no copy and
 collective (``strategies.core.node_channel`` has the ring, the signal and the release
 protocol). While a receiver waits for the signal it maps the slot the message most likely
 lands in and views the last header's layout there; when the header bytes that arrive are the
-same (a stream of same-shaped batches), only the non-tensor blob is left to read. Across
+same (a stream of same-shaped batches), only the non-tensor blob is left to read. The leader
+replays its plan of a structure it packed into the same slot before (``_replay``): the leaves
+and the blob copied into the views made then, and the signal. Across
 nodes it is hierarchical: the leader sends the message to one rank per other node (its node
 leader, two point-to-point sends: the size, then the bytes straight from the segment), which
 receives it into its own node's segment and signals its node the same way; each node link
