@@ -239,6 +239,8 @@ class Shm(PackedStrategy):
             self._encoded = (batch, blob)
             return False
         self._checked = None
+        if last.out.data_ptr() != slot.segment.view.data_ptr():
+            raise ShmError(f"rank {self.groups.rank}: shm: the replayed plan is not of its slot")
         self.packer = slot.packer
         parts, total = checked[1], last.total
         sources = [parts[i][3] for i in last.views.src_index]
@@ -248,11 +250,13 @@ class Shm(PackedStrategy):
             self._write_early(slot, total, fill)
         else:
             before = CLOCK.switch("copy")
-            if sources:
-                torch._foreach_copy_(last.views.dst, sources)
-            if blob is not None:
-                write_blob(last.out, last.host, last.blob_at, blob, last.room)
-            CLOCK.switch(before)
+            try:
+                if sources:
+                    torch._foreach_copy_(last.views.dst, sources)
+                if blob is not None:
+                    write_blob(last.out, last.host, last.blob_at, blob, last.room)
+            finally:
+                CLOCK.switch(before)
             ch.publish(slot, total)
         self.agree(last.header, total)
         self.replayed += 1

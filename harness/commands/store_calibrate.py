@@ -4,7 +4,8 @@ them into a cluster preset: ``bcastbench store-calibrate <sweep dir> [--cluster 
 Each record of ``independent_fetch``, ``ray_object_store`` or ``transferqueue`` (``sweep=
 pull_calibrate`` on ``world=ray``) is priced with its store free; what it measured beyond that
 is its store's put and contended gets (``harness.model.store_fit``). The fit replaces the
-preset's ``stores`` (its other fields, and the header ``bcastbench calibrate`` wrote, stay);
+preset's entries of the stores it fitted (a store with no record keeps its entry; the other
+fields, and the header ``bcastbench calibrate`` wrote, stay);
 ``--dry-run`` prints it and writes nothing. Check it out of sample with ``bcastbench validate``
 on ``sweep=pull``, whose sizes the calibration sweep does not hold.
 """
@@ -75,7 +76,10 @@ def store_calibrate(sweep: Path, cluster_name: str = "local", dry_run: bool = Fa
     cluster = load_cluster(cluster_name)
     samples = samples_from(collect.load(sweep), cluster)
     if not samples:
-        raise SystemExit(f"no measured pull record ({', '.join(STORE_OF)}) under {sweep}")
+        raise SystemExit(
+            f"no measured pull record ({', '.join(STORE_OF)}) under {sweep}; record some with "
+            f"`bcastbench run -m sweep=pull_calibrate hydra.sweep.dir={sweep}` (world=ray)"
+        )
     fits = fit_all(samples)
     report = format_fits(fits)
     print(report)

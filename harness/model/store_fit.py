@@ -44,9 +44,14 @@ class StoreSample:
 
 @dataclass(frozen=True)
 class StoreFit:
+    """One store's fitted constants and how well they price the records they came from."""
+
     store: str
+    """The store kind (``STORE_OF``'s values: the node store, Ray's, TransferQueue's)."""
     conf: StoreConf
+    """Its fitted α, β and fetch contention."""
     samples: int
+    """Records the fit used."""
     median_abs_err: float
     """Median |predicted / measured − 1| of the whole call over the fitted samples."""
 

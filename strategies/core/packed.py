@@ -165,6 +165,8 @@ class PackedStrategy(Strategy):
         else:
             known = self._valid.get(shape)
             shape = known or shape
+            if known is not None:  # in use again: the most recent, the last to be forgotten
+                remember(self._valid, known, known)
         if known is None or not all(hasattr(batch, a) for a in PROTO_ATTRS):
             validate(batch, g.rank, g.device)
             remember(self._valid, shape, shape)

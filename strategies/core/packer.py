@@ -138,7 +138,7 @@ class _Replay:
     and blob room into the same buffer without looking anything up again (``Packer.pack``):
     the header is in the buffer already, the destination views are made."""
 
-    shape: tuple
+    shape: tuple | None
     direct: frozenset[int]
     room: int | None
     """The non-tensor blob's room (None: no blob)."""
@@ -217,7 +217,8 @@ class Packer:
         (``_keeps``: the growth and shrink rules of ``_room_for`` hold) and carries the same
         stamp: its views are made and its header is encoded (and rewritten only where another
         structure's pack wrote its own), so only the leaves and the blob are left to copy.
-        None otherwise (nothing written). Counts the message as packed."""
+        None otherwise (nothing written). Counts the message as packed when it hands the
+        record out: the caller copies the leaves and the blob next."""
         last = self._replays.get(id(shape))
         if (
             last is None
@@ -268,9 +269,11 @@ class Packer:
         host = memoryview(out.numpy()) if out.device.type == "cpu" else None
         blob_at = header_len + span[0] if blob is not None else total
         header = held.decoded(layout, batch, header_len)
-        last = _Replay(layout.signature[0], direct, span and span[1], out, host, total, held,
-                       header, views, blob_at)  # fmt: skip
-        if shape is not None:  # the caller's object: the next call of it may replay
+        # The record holds the caller's own structure object, the one its id keys (an equal
+        # object the layout was first made from would never match ``replay``'s identity test).
+        last = _Replay(shape, direct, span and span[1], out, host, total, held, header, views,
+                       blob_at)  # fmt: skip
+        if shape is not None:  # no structure object: nothing a later call could name
             remember(self._replays, id(shape), last)
         WORK["packed_bytes"] += total
         if blob is not None:
@@ -381,22 +384,26 @@ class Filler:
 
     def __call__(self, upto: int) -> None:
         before = CLOCK.switch("copy")
-        end = max(self.done, bisect_left(self.starts, upto))  # the leaves starting before upto
-        if end > self.done:
-            # One C++ call for these copies; non-contiguous sources copy only their elements.
-            torch._foreach_copy_(self.dst[self.done : end], self.sources[self.done : end])
-            self.done = end
-        if self._blob is not None and self.blob_at < upto:
-            self.blob()
-        CLOCK.switch(before)
+        try:
+            end = max(self.done, bisect_left(self.starts, upto))  # the leaves before upto
+            if end > self.done:
+                # One C++ call for these copies; non-contiguous sources copy only their elements.
+                torch._foreach_copy_(self.dst[self.done : end], self.sources[self.done : end])
+                self.done = end
+            if self._blob is not None and self.blob_at < upto:
+                self.blob()
+        finally:  # a failed copy: what follows (shipping the failure) is not copying
+            CLOCK.switch(before)
 
     def blob(self) -> None:
         blob, self._blob = self._blob, None
         if blob is None:
             return
         before = CLOCK.switch("copy")
-        write_blob(self.out, self.host, self.blob_at, blob, self.room)
-        CLOCK.switch(before)
+        try:
+            write_blob(self.out, self.host, self.blob_at, blob, self.room)
+        finally:
+            CLOCK.switch(before)
 
 
 def write_blob(out: torch.Tensor, host: memoryview | None, at: int, blob: bytes, room: int) -> None:

@@ -97,6 +97,20 @@ def test_a_repeated_structure_replays_and_its_message_is_a_fresh_packers():
     assert replays == [0, 0, 0, 1, 0, 1, 0, 1]
 
 
+def test_an_equal_structure_object_replays_from_its_second_pack():
+    """A structure validated again (it was forgotten, so its caller made a new object equal to
+    the old one) replays from its own second pack on, as the first object did."""
+    packer = Packer()
+    td, nt = batch(3, seed=0)
+    parts, first = parts_and_structure(td)
+    second = parts_and_structure(td)[1]
+    assert second == first and second is not first
+    for shape in (first, first, second, second):
+        buf, header, fill = packer.pack(td, nt, parts=parts, shape=shape)
+        fill(header.total_bytes)
+    assert packer.replays_done == 2
+
+
 def test_a_reallocated_buffer_forgets_every_replay():
     packer = Packer()
     small, nt = batch(2, seed=1)

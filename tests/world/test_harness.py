@@ -21,6 +21,7 @@ from cli_support import REPO, at_a_terminal, check_uneven_cycle_shapes, harness
 
 from harness.job.record_fields import FIELDS
 from harness.report.collect import load
+from strategies.core.phase_clock import PHASES
 
 FAST = ["iters=2", "warmup=1", "payload.batch_size=2", "payload.seq_len=64"]
 
@@ -278,12 +279,8 @@ def test_a_job_says_how_sure_it_is_and_a_delay_shows(tmp_path, monkeypatch, fork
         assert rec["references"]["pickled"]["vs_strategy_lo"] is not None
         assert rec["host_cores"] >= 1 and rec["ranks_on_node"] == 2
         assert rec["oversubscribed"] == (2 > rec["host_cores"]) and rec["cpu_us_per_call"] > 0
-        # header marks its phases: the leader's call splits into plan, copy and signal.
-        split = [
-            rec[f"leader_{p}_{u}"]
-            for p in ("plan", "encode", "copy", "signal")
-            for u in ("us", "cpu_us")
-        ]
+        # header marks its phases: the leader's call splits into plan, encode, copy and signal.
+        split = [rec[f"leader_{p}_{u}"] for p in PHASES for u in ("us", "cpu_us")]
         assert all(v is not None and v >= 0 for v in split) and rec["leader_plan_us"] > 0, split
         samples = pd.read_csv(
             tmp_path / ("plain" if rec is plain else "late") / rec["samples_file"]
