@@ -353,13 +353,26 @@ def calibrate(
     if verbose:
         print(report)
     if out is not None:
-        cluster = replace(cluster, stores=_kept_stores(Path(out)))
-        write_cluster_yaml(cluster, Path(out), _file_header(world_size, group_sizes, len(sizes),
-                                                            reps, report))  # fmt: skip
-        load_cluster(Path(out))  # what was written must load and validate
-        if verbose:
-            print(f"wrote {out}")
+        header = _file_header(world_size, group_sizes, len(sizes), reps, report)
+        cluster = _write_preset(cluster, Path(out), header, verbose)
     return cluster, fits, samples
+
+
+def _write_preset(cluster, out: Path, header: str, verbose: bool):
+    """Write the fitted ``cluster`` to ``out``, keeping the stores it holds (``_kept_stores``),
+    and read it back; returns what was written."""
+    kept = _kept_stores(out)
+    cluster = replace(cluster, stores=kept)
+    if kept:  # fitted against the constants just replaced: say so where they are read
+        header += ("\nStores kept from an earlier `bcastbench store-calibrate` fit, made against "
+                   "the previous constants: run it again on a pull sweep.")  # fmt: skip
+        if verbose:
+            print(f"{out}: stores kept from an earlier fit; run bcastbench store-calibrate again")
+    write_cluster_yaml(cluster, out, header)
+    load_cluster(out)  # what was written must load and validate
+    if verbose:
+        print(f"wrote {out}")
+    return cluster
 
 
 def _kept_stores(out: Path) -> dict:
