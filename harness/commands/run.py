@@ -178,6 +178,20 @@ def _hand_back_logging(level: int, handlers: list[logging.Handler]) -> None:
     logger.setLevel(level)
 
 
+def _table_of_done_jobs() -> None:
+    """After Ctrl-C, the sweep's table of the records written so far: a job's record is written
+    before its end's callback writes the table, and Ctrl-C may fall between the two."""
+    if STATE.records is None or not Path(STATE.records).is_dir():
+        return
+    # Deferred: the table needs pandas, which a command refused at config time never loads.
+    from harness.report.progress import write_table
+
+    try:
+        write_table(Path(STATE.records))
+    except Exception as exc:  # noqa: BLE001 -- the interrupt's own line still follows
+        print(f"bcastbench: no results.csv after the interrupt: {exc}", file=sys.stderr)
+
+
 def _run_app(decorated) -> int:
     """Hydra's app, its endings sorted into exit statuses."""
     try:
@@ -188,6 +202,7 @@ def _run_app(decorated) -> int:
         launcher.close_ray(
             kill=True
         )  # a Ray world's ranks may be mid-job: no clean leave to wait for
+        _table_of_done_jobs()
         print(
             f"\nbcastbench: interrupted; records written so far: {STATE.records}", file=sys.stderr
         )
