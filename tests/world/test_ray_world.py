@@ -263,11 +263,17 @@ def test_a_varying_workload_on_uneven_replicas_is_dispatched_call_by_call(ray_wo
 def test_the_limit_is_on_silence_not_on_the_job(ray_world):
     """timeout_s means what it means in a forked world: a job far longer than the limit passes
     while its ranks report progress."""
-    # 6 s: a rank actor on a loaded 2-core host can take 3 s to answer a status poll.
-    spec = JobSpec("header", TP2PP2, iters=200, warmup=0, references=("floor",), **SMALL)
+    # The limit follows how fast this host answers now (under another session's load a rank
+    # actor took over 6 s to answer a poll): a short job on warm ranks bounds an answer's time.
+    spec = JobSpec("header", TP2PP2, iters=400, warmup=0, references=("floor",), **SMALL)
+    ray_world.run(run_job_on_rank, replace(spec, iters=2))  # the ranks started and warm
     t0 = time.monotonic()
-    ray_world.run(run_job_on_rank, spec, timeout_s=6)
-    assert time.monotonic() - t0 > 6, "the job must outlast the limit to test it"
+    ray_world.run(run_job_on_rank, replace(spec, iters=2))
+    limit = max(6.0, 2 * (time.monotonic() - t0))
+    t0 = time.monotonic()
+    ray_world.run(run_job_on_rank, spec, timeout_s=limit)
+    took = time.monotonic() - t0
+    assert took > limit, f"the job ({took:.1f} s) must outlast the limit ({limit:.1f} s) to test it"
 
 
 def test_a_hung_rank_is_named_with_its_phase_and_the_next_job_revives_the_ranks(ray_world):
@@ -437,11 +443,12 @@ def plasma_objects() -> int:
     """Objects in the cluster's object store now (Ray's own memory summary)."""
     import re
 
+    import ray
     from ray._private.internal_api import memory_summary
 
-    found = re.search(
-        r"Plasma memory usage \d+ MiB, (\d+) objects", memory_summary(stats_only=True)
-    )
+    # This cluster's own: another test session's may run beside it.
+    summary = memory_summary(ray.get_runtime_context().gcs_address, stats_only=True)
+    found = re.search(r"Plasma memory usage \d+ MiB, (\d+) objects", summary)
     assert found, "Ray's memory summary no longer states the object count"
     return int(found.group(1))
 
@@ -455,7 +462,7 @@ def test_ray_object_store_leaves_no_object_behind(ray_world):
     record = run_job(ray_world, spec)
     assert record["correct"] and record["status"] == "ok", record
     assert record["payload_bytes"] > 16 << 20
-    deadline = time.monotonic() + 5  # the store deletes a freed object asynchronously
+    deadline = time.monotonic() + 60  # freed objects go asynchronously, slower under load
     while plasma_objects() > before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert plasma_objects() <= before
