@@ -107,8 +107,13 @@ local ports of outgoing connections) begin by default, so only another listener 
 def job_port(env) -> int:
     """The rendezvous port every task of a Slurm job step derives alike from the job and step
     ids (``SLURM_JOB_ID`` is an array task's own): jobs whose ids differ by less than 750, and
-    their steps, get different ports."""
-    key = env_int(env, "SLURM_JOB_ID", 0) * 16 + env_int(env, "SLURM_STEP_ID", 0)
+    their steps, get different ports. A job of submitit's local executor has no Slurm ids but
+    its controller's pid (``SUBMITIT_LOCAL_JOB_ID``): two such jobs at once on one host (two
+    test sessions' sweeps) met on one port and joined each other's world."""
+    if env.get("SUBMITIT_EXECUTOR") == "local":
+        key = env_int(env, "SUBMITIT_LOCAL_JOB_ID", 0)
+    else:
+        key = env_int(env, "SLURM_JOB_ID", 0) * 16 + env_int(env, "SLURM_STEP_ID", 0)
     return PORT_BASE + key % PORT_SPAN
 
 

@@ -280,6 +280,11 @@ def test_a_slurm_jobs_rendezvous_port_is_below_the_ephemeral_ports(monkeypatch):
         job_port({"SLURM_JOB_ID": str(j), "SLURM_STEP_ID": str(s)}) for j in (4, 5) for s in (0, 1)
     }
     assert len(ports) == 4 and all(PORT_BASE <= p < PORT_BASE + PORT_SPAN <= 32768 for p in ports)
+    # submitit's local executor: no Slurm ids; two local jobs at once (their controllers' pids)
+    # get ports of their own, in the same range.
+    local = {job_port({"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_JOB_ID": str(pid)})
+             for pid in (4242, 4243)}  # fmt: skip
+    assert len(local) == 2 and all(PORT_BASE <= p < PORT_BASE + PORT_SPAN for p in local)
     slurm = {"SLURM_JOB_ID": "5", "SLURM_ARRAY_JOB_ID": "3", "SLURM_ARRAY_TASK_ID": "1",
              "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
              "SLURM_JOB_NODELIST": "vm", "SLURM_STEP_NODELIST": "vm", "SLURM_JOB_NUM_NODES": "1",
