@@ -82,10 +82,11 @@ CASES = {
 }
 
 
-VARIANTS = {"shm:stage": ("shm", {"stage": True}), "shm:early": ("shm", {"early_min_bytes": 0})}
+VARIANTS = {"shm:stage": ("shm", {"stage": True}), "shm:whole": ("shm", {"early_min_bytes": None})}
 """Leader paths a strategy takes only under an option, run through the same cases: shm's
-staged (GPU) path packs into the leader's own buffer and copies it into the segment; its early
-signal (every message here: the threshold is 0) sends the header and blob before the leaves."""
+staged (GPU) path packs into the leader's own buffer and copies it into the segment; its
+``early_min_bytes=None`` signals every message once, whole (by default the header and blob go
+before the leaves)."""
 
 
 def build_strategy(name: str, groups):

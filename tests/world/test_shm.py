@@ -114,9 +114,10 @@ OWNERSHIP = [
     ((0, 0, 1, 1), {}),
     ((0, 1, 0, 1), {}),
     (None, {"views": False}),
-    # Every message signalled early: header and blob first, the leaves while readers decode.
-    (None, {"early_min_bytes": 0}),
-    (None, {"early_min_bytes": 0, "views": False}),
+    # Every message signalled once, whole (by default: header and blob first, the leaves
+    # while readers decode).
+    (None, {"early_min_bytes": None}),
+    (None, {"early_min_bytes": None, "views": False}),
     # The GPU path's staging (the leader's own packed buffer copied into the segment, every
     # receiver's copy out of it), run on host groups.
     (None, {"stage": True}),
@@ -240,11 +241,11 @@ def test_a_byte_count_option_that_is_not_one_is_refused_by_name(world4, option, 
         ), message
 
 
-def signal_fault_job(ctx, fail_at: int):
+def signal_fault_job(ctx, fail_at: int, options: dict):
     """A good call, then one where the leader's ``fail_at``-th signal send raises, then a
     call after it. (outcome per call, seconds of the faulty one) on this rank."""
     groups = ctx.groups_for(LAYOUT)
-    strategy = strategies.get("shm", groups)
+    strategy = strategies.get("shm", groups, **options)
     outcomes = []
     sent = 0
     real = shm_core.socket.send_fds
@@ -276,8 +277,13 @@ def signal_fault_job(ctx, fail_at: int):
     return outcomes, seconds, strategy.channel.readers
 
 
-def test_a_signal_that_cannot_be_sent_strands_no_rank(world4):
-    results = world4.run(signal_fault_job, 2, timeout_s=3 * FAIL_WITHIN_S)
+@pytest.mark.parametrize("early_min_bytes", [0, None], ids=["early", "whole"])
+def test_a_signal_that_cannot_be_sent_strands_no_rank(world4, early_min_bytes):
+    """The reader whose signal failed raises at once (its socket is closed); the readers that
+    were told get the whole message when it was signalled whole, and the leader's error when
+    it was signalled early (the leaves are never copied: the call is aborted for all)."""
+    options = {"early_min_bytes": early_min_bytes}
+    results = world4.run(signal_fault_job, 2, options, timeout_s=3 * FAIL_WITHIN_S)
     readers = list(results[0][2])
     missed = readers[1]  # the second signal of the call goes to the second reader
     leader_out = results[0][0]
@@ -291,8 +297,13 @@ def test_a_signal_that_cannot_be_sent_strands_no_rank(world4):
             assert outcomes[1].startswith(f"ShmError: rank {rank}: shm: node leader rank 0"), (
                 outcomes
             )
-        else:
+        elif early_min_bytes is None:
             assert outcomes[1] == "exact", (rank, outcomes)
+        else:
+            assert outcomes[1].startswith(f"LeaderFailed: rank {rank}: the replica leader"), (
+                outcomes
+            )
+            assert f"node-local rank {missed}" in outcomes[1], outcomes
     # The broken channel says so on every later call instead of waiting.
     assert results[missed][0][2].startswith("ShmError"), results[missed][0]
     assert f"rank {missed}" in leader_out[2], leader_out

@@ -75,7 +75,7 @@ def replay_job(ctx, options: dict):
     return outcomes, strategy.replayed
 
 
-@pytest.mark.parametrize("options", [{}, {"early_min_bytes": 0}], ids=str)
+@pytest.mark.parametrize("options", [{}, {"early_min_bytes": None}], ids=str)
 def test_a_repeated_structure_replays_its_plan_and_every_call_is_exact(world4, options):
     """The leader's plan per structure: batches of a structure seen before, in a slot that
     holds its plan, are copied and signalled with nothing else, bit-exact on every rank; a blob
