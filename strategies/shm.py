@@ -48,6 +48,12 @@ Options:
   it, so the second signal costs the leader a send and the receiver no wait; even the smallest
   batch gains (measured side by side against ``None``: the replay's fixed costs overlap).
   None: every message is signalled once, whole;
+- ``poll_us`` (2000): a receiver of a message signalled early that is done with the header and
+  the blob polls the slot's completion word (the node leader writes it right after the leaves,
+  before it sends the completion) for up to this long, yielding its core between looks, and
+  goes on the moment the word says so: no second wake-up on a socket. After that, or where the
+  node has fewer cores than ranks (a poll would take a core another rank needs), or off x86
+  (whose store order the word relies on), it waits on the socket; None or 0: always waits;
 - ``max_bytes`` (16 GiB): receivers refuse a header that claims more than this.
 """
 
@@ -68,7 +74,7 @@ from strategies.core.header_format import (
     host_bytes,
     read_header,
 )
-from strategies.core.node_channel import DEFAULT_STRIPE_MIN_BYTES, NodeChannel
+from strategies.core.node_channel import DEFAULT_POLL_US, DEFAULT_STRIPE_MIN_BYTES, NodeChannel
 from strategies.core.node_signals import ShmError, check_size_option
 from strategies.core.packed import PackedStrategy
 from strategies.core.packer import NO_DIRECT, Filler, write_blob
@@ -104,6 +110,7 @@ class Shm(PackedStrategy):
         stripe_min_bytes: int | None = DEFAULT_STRIPE_MIN_BYTES,
         max_bytes: int = DEFAULT_MAX_BYTES,
         early_min_bytes: int | None = DEFAULT_EARLY_MIN_BYTES,
+        poll_us: int | None = DEFAULT_POLL_US,
     ) -> None:
         check_size_option("early_min_bytes", early_min_bytes)
         on_device = groups.device.type != "cpu"
@@ -115,7 +122,7 @@ class Shm(PackedStrategy):
                 f"is host memory; groups on {groups.device} need stage=True (their default)"
             )
         super().__init__(groups, max_bytes=max_bytes)
-        self.channel = NodeChannel(groups, slots, stripe_min_bytes)
+        self.channel = NodeChannel(groups, slots, stripe_min_bytes, poll_us)
         self.views = views
         self.stage = stage
         self.early_min_bytes = early_min_bytes

@@ -17,6 +17,7 @@ group's timeout); a leader that dies closes its sockets, and its readers learn a
 
 from __future__ import annotations
 
+import mmap
 import os
 import secrets
 import select
@@ -30,14 +31,20 @@ import torch.distributed as dist
 from strategies.core.contract import Unsupported, settled
 from strategies.core.node_crossing import NodeCrossing
 from strategies.core.node_signals import (
+    COMPLETION_PAGE_BYTES,
+    CONTROL_MAGIC,
     HELLO,
     READ,
     RELEASE,
+    SIGNAL,
     ShmError,
     available,
+    check_poll_option,
     check_size_option,
     close_quietly,
+    completion_page,
     group_timeout_s,
+    polls,
 )
 from strategies.core.process_groups import ProcessGroups
 from strategies.core.ring_reader import RingReader
@@ -52,6 +59,17 @@ CLOSE_WAIT_S = 5.0
 """How long a closing writer waits for its readers to take the last signal."""
 CONNECT_TIMEOUT_S = 60.0
 """How long the node leader waits for its readers to connect while the channel is set up."""
+DEFAULT_POLL_US = 2000
+"""How long a reader polls the completion word of a message signalled early (``poll_us``)."""
+
+
+def ranks_on_node(groups: ProcessGroups) -> int:
+    """How many ranks of the world share this rank's node (every rank when the nodes are
+    unknown: one node)."""
+    if groups.node_of:
+        mine = groups.node_of[groups.rank]
+        return sum(1 for node in groups.node_of if node == mine)
+    return dist.get_world_size() if dist.is_initialized() else len(groups.replica_ranks)
 
 
 class NodeChannel(RingWriter, RingReader, NodeCrossing):
@@ -71,6 +89,7 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
         groups: ProcessGroups,
         slots: int = DEFAULT_SLOTS,
         stripe_min_bytes: int | None = DEFAULT_STRIPE_MIN_BYTES,
+        poll_us: int | None = DEFAULT_POLL_US,
     ) -> None:
         why = available()
         if why:
@@ -78,6 +97,7 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
         if slots < 1:
             raise ValueError(f"shm: slots must be >= 1, got {slots}")
         check_size_option("stripe_min_bytes", stripe_min_bytes)
+        check_poll_option(poll_us)
         self.groups = groups
         self.nodes = groups.replica_nodes
         self.stripe_min_bytes = stripe_min_bytes
@@ -86,8 +106,14 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
         self.is_node_leader = groups.rank == self.node_leader
         self.readers = tuple(r for r in self.local if r != self.node_leader)
         self.timeout_s = group_timeout_s(groups.cpu_replica_group)
+        self.poll_s = poll_us / 1e6 if polls(poll_us, ranks_on_node(groups)) else None
+        """How long a reader polls the completion word of a message signalled early before
+        it waits on its socket; None: it never polls (``node_signals.polls``)."""
         self.connected = False
         self.closed = False
+        self.completion: mmap.mmap | None = None
+        """The node leader's completion page (``node_signals.COMPLETED``): its shared mapping
+        on the node leader, read-only on a reader; None until ``connect``."""
         self._init_writer(slots)
         self._init_reader()
         self._init_crossing()
@@ -108,7 +134,9 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
             ))  # fmt: skip
         listener = None
         mine = None
+        page_fd = None
         if self.is_node_leader and self.readers:
+            page_fd, self.completion = completion_page()
             token = secrets.token_bytes(16)
             address = b"\0bcastbench-shm-" + secrets.token_hex(12).encode()
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -123,7 +151,7 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
         try:
             self._agree_on_stripes({rank: threshold for rank, _, threshold in offers})
             if listener is not None:
-                self._accept(listener, mine[1])
+                self._accept(listener, mine[1], page_fd)
             elif not self.is_node_leader:
                 self._dial(*by_rank[self.node_leader])
         except ShmError as exc:
@@ -133,6 +161,8 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
         finally:
             if listener is not None:
                 listener.close()
+            if page_fd is not None:  # every reader that connected holds it now
+                os.close(page_fd)
         self.connected = True
 
     def _agree_on_stripes(self, thresholds: dict[int, int | None]) -> None:
@@ -147,7 +177,7 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
                 f"({values}); build the strategy with the same options on every rank"
             )
 
-    def _accept(self, listener: socket.socket, token: bytes) -> None:
+    def _accept(self, listener: socket.socket, token: bytes, page_fd: int) -> None:
         listener.settimeout(CONNECT_TIMEOUT_S)
         while len(self.socks) < len(self.readers):
             try:
@@ -170,6 +200,8 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
                 conn.close()  # not one of ours: its connection is refused, ours still awaited
                 continue
             conn.setblocking(True)
+            # The answer to its hello: the completion page (``wait_complete`` polls it).
+            socket.send_fds(conn, [SIGNAL.pack(CONTROL_MAGIC, 0, 0, 0, 0)], [page_fd])
             self.socks[rank] = conn
 
     def _dial(self, address: bytes, token: bytes) -> None:
@@ -186,6 +218,30 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
         sock.sendall(HELLO.pack(token, self.groups.rank))
         sock.settimeout(self.timeout_s)
         self.sock = sock
+        self.completion = self._completion_page()
+
+    def _completion_page(self) -> mmap.mmap:
+        """A reader, once it said hello: the node leader's answer, its completion page, mapped
+        read-only."""
+        rank = self.groups.rank
+        try:
+            msg, fds, _, _ = socket.recv_fds(self.sock, SIGNAL.size, 1)
+        except OSError as exc:
+            raise ShmError(
+                f"rank {rank}: shm: node leader rank {self.node_leader} did not answer its "
+                f"hello ({type(exc).__name__}: {exc})"
+            ) from None
+        try:
+            if len(msg) != SIGNAL.size or msg[:4] != CONTROL_MAGIC or len(fds) != 1:
+                raise ShmError(
+                    f"rank {rank}: shm: node leader rank {self.node_leader} answered its hello "
+                    f"with {len(msg)} bytes (magic {msg[:4]!r}) and {len(fds)} fds; expected "
+                    f"{CONTROL_MAGIC!r} with its completion page"
+                )
+            return mmap.mmap(fds[0], COMPLETION_PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def close(self) -> None:
         if not self.closed:

@@ -8,7 +8,9 @@ the same socket: it took a signal, let go of a message, or wrote its stripe of o
 
 from __future__ import annotations
 
+import mmap
 import os
+import platform
 import socket
 import struct
 from datetime import timedelta
@@ -34,6 +36,18 @@ READ, RELEASED, STRIPED = 0, 1, 2
 """What a reader reports: it took the signal of a message, let go of the message, or wrote its
 stripe of the message into the slot."""
 HELLO = struct.Struct("<16sQ")  # the job's token, the reader's global rank
+CONTROL_MAGIC = b"BCBC"
+"""The node leader's answer to a reader's hello (same layout as a signal): its completion page's
+memfd travels with it."""
+COMPLETED = struct.Struct("<Q")
+"""The completion page's word: the sequence of the last message signalled early whose leaves are
+all in its slot, written by the node leader right before that message's ``DONE_MAGIC``."""
+COMPLETION_PAGE_BYTES = 4096
+POLL_STORE_ORDER = ("x86_64", "AMD64", "i386", "i686")
+"""Machines whose stores reach another core in program order (x86's total store order): a
+reader that sees the completion word there sees the leaves written before it. Elsewhere a
+reader never polls the word (a store fence from Python is not available) and waits for the
+socket's ``DONE_MAGIC``."""
 
 
 class ShmError(ContractError):
@@ -46,6 +60,36 @@ def check_size_option(name: str, value) -> None:
     if value is None or (type(value) is int and value >= 0):
         return
     raise ValueError(f"shm: {name} must be a byte count (an int >= 0) or None, got {value!r}")
+
+
+def check_poll_option(value) -> None:
+    """Refuse a ``poll_us`` that is not an int >= 0 or None, naming it and its value."""
+    if value is None or (type(value) is int and value >= 0):
+        return
+    raise ValueError(f"shm: poll_us must be microseconds (an int >= 0) or None, got {value!r}")
+
+
+def polls(poll_us: int | None, ranks_on_node: int) -> bool:
+    """Whether a reader polls the completion word for up to ``poll_us``: not None or 0, on a
+    machine of ``POLL_STORE_ORDER``, and where this node has a core for each of its
+    ``ranks_on_node`` ranks (a reader that polls a core another rank needs slows that rank)."""
+    return (
+        bool(poll_us)
+        and platform.machine() in POLL_STORE_ORDER
+        and len(os.sched_getaffinity(0)) >= ranks_on_node
+    )
+
+
+def completion_page() -> tuple[int, mmap.mmap]:
+    """The node leader's completion page: a memfd (sent to each reader as it connects) and
+    its shared mapping."""
+    fd = os.memfd_create("bcastbench-shm-done", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, COMPLETION_PAGE_BYTES)
+        return fd, mmap.mmap(fd, COMPLETION_PAGE_BYTES, flags=mmap.MAP_SHARED)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def available() -> str | None:

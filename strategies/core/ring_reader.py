@@ -11,7 +11,9 @@ while the writer copies; ``wait_complete`` waits for the rest, or raises the wri
 from __future__ import annotations
 
 import os
+import select
 import socket
+import time
 
 import torch
 
@@ -19,6 +21,7 @@ from strategies.core.contract import leader_failed, settled
 from strategies.core.node_signals import (
     ABORT_MAGIC,
     ABORT_TEXT_BYTES,
+    COMPLETED,
     DONE_MAGIC,
     EARLY_MAGIC,
     READ,
@@ -42,6 +45,10 @@ class RingReader:
         self.fds: dict[int, tuple[int, int]] = {}  # slot -> (generation, fd)
         self.last_index: int | None = None  # the slot of the last message it took
         self.pending: int | None = None  # a message signalled early, not complete yet
+        self.polled: int | None = None  # a message whose completion the word told: its DONE
+        self._sock_poll: select.poll | None = None  # the socket, for _polled_complete
+        self.polled_count = 0
+        """Messages signalled early whose completion this reader polled (no wait on its socket)."""
 
     def premap(self) -> Premap | None:
         """A reader, before it waits: a copy-on-write mapping of the slot the next message
@@ -102,6 +109,10 @@ class RingReader:
         sequence, self.pending = self.pending, None
         if sequence is None:
             return
+        if self._polled_complete(sequence):
+            self.polled = sequence  # its DONE_MAGIC is still in the socket: skipped when read
+            self.polled_count += 1
+            return
         magic, _, _, got, _ = self._next_message(DONE_MAGIC, ABORT_MAGIC)
         if magic == ABORT_MAGIC:
             try:
@@ -115,6 +126,29 @@ class RingReader:
                 f"rank {self.groups.rank}: shm: the completion of message {got} arrived while "
                 f"message {sequence} was awaited; the channel is closed"
             )
+
+    def _polled_complete(self, sequence: int) -> bool:
+        """Whether the completion word says message ``sequence`` is whole, polled for up to
+        ``poll_s`` (yielding the core between looks). False, and the socket says the rest,
+        when this reader does not poll, when the socket has something to read (the writer's
+        abort, its completion, its end), when the word moved past the message (a later one
+        completed: this one may have been aborted) and when the time is up."""
+        word = self.completion
+        if word is None or self.poll_s is None:
+            return False
+        if self._sock_poll is None:
+            self._sock_poll = select.poll()
+            self._sock_poll.register(self.sock, select.POLLIN)
+        deadline = time.perf_counter() + self.poll_s
+        while True:
+            done = COMPLETED.unpack_from(word, 0)[0]
+            if done == sequence:
+                return True
+            if self._sock_poll.poll(0):  # the word is written before the completion is sent
+                return COMPLETED.unpack_from(word, 0)[0] == sequence
+            if done > sequence or time.perf_counter() > deadline:
+                return False
+            os.sched_yield()
 
     def _next_message(self, *accept: bytes) -> tuple[bytes, int, int, int, int]:
         """A reader: the next message from the node leader, one of ``accept`` (by default a
@@ -145,6 +179,10 @@ class RingReader:
                 f"rank {rank}: shm: node leader rank {self.node_leader} closed its socket (it "
                 "ended or died)"
             )
+        if self.polled is not None and len(msg) == SIGNAL.size and msg[:4] == DONE_MAGIC:
+            if SIGNAL.unpack(msg)[3] == self.polled and DONE_MAGIC not in accept and not fds:
+                self.polled = None  # the completion polled already: the next message follows
+                return self._next_message(*accept)
         if len(msg) != SIGNAL.size or msg[:4] not in accept:
             for fd in fds:
                 os.close(fd)

@@ -17,6 +17,7 @@ from strategies.core.contract import settled
 from strategies.core.node_signals import (
     ABORT_MAGIC,
     ABORT_TEXT_BYTES,
+    COMPLETED,
     DONE_MAGIC,
     EARLY_MAGIC,
     READ,
@@ -112,9 +113,13 @@ class RingWriter:
             ))  # fmt: skip
 
     def complete(self, slot: Slot) -> None:
-        """Tell every reader of a message signalled early that all of it is in the slot."""
+        """Tell every reader of a message signalled early that all of it is in the slot: the
+        completion word first (a reader polling it goes on at once), then the socket's
+        ``DONE_MAGIC`` (what a reader that does not poll, or stopped polling, waits for)."""
         msg = SIGNAL.pack(DONE_MAGIC, slot.index, slot.segment.generation, slot.sequence, 0)
         before = CLOCK.switch("signal")
+        if self.completion is not None:
+            COMPLETED.pack_into(self.completion, 0, slot.sequence)
         failed = self._tell(slot, [msg])
         CLOCK.switch(before)
         if failed:

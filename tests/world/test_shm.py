@@ -309,11 +309,14 @@ def test_a_signal_that_cannot_be_sent_strands_no_rank(world4, early_min_bytes):
     assert f"rank {missed}" in leader_out[2], leader_out
 
 
-def early_fault_job(ctx):
+def early_fault_job(ctx, poll_s: float | None):
     """Three calls signalled early; in the second the leader's copy of the leaves raises after
-    the early signal went out. (outcome per call, seconds of the faulty one) on this rank."""
+    the early signal went out. (outcome per call, seconds of the faulty one) on this rank.
+    ``poll_s``: every reader polls the completion word that long (forced)."""
     groups = ctx.groups_for(LAYOUT)
     strategy = strategies.get("shm", groups, early_min_bytes=0)
+    if poll_s is not None:
+        strategy.channel.poll_s = poll_s
     outcomes, seconds = [], 0.0
     real = torch._foreach_copy_
 
@@ -341,11 +344,13 @@ def early_fault_job(ctx):
     return outcomes, seconds
 
 
-def test_a_leader_that_fails_after_its_early_signal_reaches_every_reader(world4):
+@pytest.mark.parametrize("poll_s", [None, 60.0], ids=["socket", "polled"])
+def test_a_leader_that_fails_after_its_early_signal_reaches_every_reader(world4, poll_s):
     """The readers took the early signal and decode the blob; the leader's copy of the leaves
-    fails: every reader raises the leader's error at once (not a timeout), and the next call
-    is exact everywhere (the channel stayed in step)."""
-    results = world4.run(early_fault_job, timeout_s=3 * FAIL_WITHIN_S)
+    fails: every reader raises the leader's error at once (not a timeout; a reader polling the
+    completion word stops at the abort in its socket), and the next call is exact everywhere
+    (the channel stayed in step)."""
+    results = world4.run(early_fault_job, poll_s, timeout_s=3 * FAIL_WITHIN_S)
     leader, _ = results[0]
     assert leader[0] == "exact" and "injected copy failure" in leader[1], leader
     for rank, (outcomes, seconds) in enumerate(results):
