@@ -77,9 +77,8 @@ from strategies.core.header_format import (
 from strategies.core.node_channel import DEFAULT_POLL_US, DEFAULT_STRIPE_MIN_BYTES, NodeChannel
 from strategies.core.node_signals import ShmError, check_size_option
 from strategies.core.packed import PackedStrategy
-from strategies.core.packer import NO_DIRECT, Filler, write_blob
+from strategies.core.packer import NO_DIRECT, Filler
 from strategies.core.parts import encode_non_tensor
-from strategies.core.phase_clock import CLOCK
 from strategies.core.plan import Handoff, LocalWork, PayloadSpec, Plan
 from strategies.core.segment_ring import Premap
 from strategies.core.unpacker import unpack_non_tensor, unpack_tensors
@@ -174,6 +173,11 @@ class Shm(PackedStrategy):
             td = td.clone()  # owned copies: the views (and the segment's hold) go with buf
         return deliver(batch, td, non_tensor)
 
+    def posts_collectives(self) -> bool:
+        """On one node, once connected, a call is socket messages and shared memory only."""
+        ch = self.channel
+        return not (ch.connected and len(ch.nodes) == 1)
+
     def _read(self, buf: torch.Tensor, guess: Guess | None):
         """A reader: (the header, the TensorDict or None, the non-tensor batch) of the message
         in ``buf``. Signalled early (``channel.pending``: the leader still copies the leaves),
@@ -253,19 +257,12 @@ class Shm(PackedStrategy):
         self.packer = slot.packer
         parts, total = checked[1], last.total
         sources = [parts[i][3] for i in last.views.src_index]
+        fill = Filler(last.out, last.views.dst, sources, last.views.starts, blob, last.blob_at,
+                      last.room, last.host)  # fmt: skip
         if self._early(total):
-            fill = Filler(last.out, last.views.dst, sources, last.views.starts, blob, last.blob_at,
-                          last.room, last.host)  # fmt: skip
             self._write_early(slot, total, fill)
         else:
-            before = CLOCK.switch("copy")
-            try:
-                if sources:
-                    torch._foreach_copy_(last.views.dst, sources)
-                if blob is not None:
-                    write_blob(last.out, last.host, last.blob_at, blob, last.room)
-            finally:
-                CLOCK.switch(before)
+            fill(total)
             ch.publish(slot, total)
         self.agree(last.header, total)
         self.replayed += 1

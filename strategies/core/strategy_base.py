@@ -125,7 +125,7 @@ class Strategy:
         except Exception as exc:  # noqa: BLE001 -- any type: it travels to the receivers
             self._ship(batch, exc)
             raise
-        watched = self._watched_groups()
+        watched = self._watched_groups() if self.posts_collectives() else ()
         before = marks(watched)
         try:
             self.transfer(sending)
@@ -140,6 +140,14 @@ class Strategy:
             settled(exc)
             raise
         return batch
+
+    def posts_collectives(self) -> bool:
+        """Leader, before ``transfer``: whether this call may post a collective on the groups.
+        The contract counts them (``completion.marks``) to finish a call that fails after its
+        first one; a strategy that knows its call posts none (shm on one node, once connected:
+        its signals are socket messages) answers False and the count is skipped: a failure is
+        then shipped in the batch's place, as one before any collective is."""
+        return True
 
     def leader_view(self, batch):
         """Leader, before any collective: validate ``batch`` (every leaf kind), run ``check``
