@@ -80,6 +80,7 @@ from strategies.core.packed import PackedStrategy
 from strategies.core.packer import NO_DIRECT, Filler
 from strategies.core.parts import encode_non_tensor
 from strategies.core.plan import Handoff, LocalWork, PayloadSpec, Plan
+from strategies.core.recent import remember
 from strategies.core.segment_ring import Premap
 from strategies.core.unpacker import unpack_non_tensor, unpack_tensors
 
@@ -127,6 +128,7 @@ class Shm(PackedStrategy):
         self.early_min_bytes = early_min_bytes
         self._headers: dict = {}  # read_header's cache: same-shaped batches decode once
         self._last = None  # a reader: (header bytes, header) of the last dense-only message
+        self._next_of: dict[bytes, tuple] = {}  # a reader: header bytes -> what followed them
         self.guessed = 0
         """A reader: calls whose batch was built while it waited (``_guess`` held)."""
         self.replayed = 0
@@ -201,15 +203,17 @@ class Shm(PackedStrategy):
     def _guess(self) -> Guess | None:
         """A reader, before it waits: the channel's ``premap`` of the segment the next message
         most likely arrives in and, when the last message's header was of dense leaves only,
-        the batch's tensors viewed in that mapping as that header lays them out. None when
-        there is no segment to guess."""
+        the batch's tensors viewed in that mapping as the next header most likely lays them
+        out: the one that followed the last header the last time it arrived (a job cycling
+        shapes, batch after batch), else the last header again. None when there is no segment
+        to guess."""
         premap = self.channel.premap()
         if premap is None:
             return None
         last = self._last
         if last is None or not self.views or self.stage:
             return Guess(premap)
-        raw, header = last
+        raw, header = self._next_of.get(last[0], last)
         if header.total_bytes > premap.view.numel():
             return Guess(premap)
         td = unpack_tensors(premap.view, header)
@@ -221,6 +225,7 @@ class Shm(PackedStrategy):
         (else None)."""
         g = self.groups
         if guess is not None and guess.td is not None and guess.holds(buf):
+            self._follow((guess.raw, guess.header))
             return guess.header, guess.td
         header = read_header(buf, self.wire.max_bytes, g.rank, cache=self._headers)
         total = header.total_bytes
@@ -229,8 +234,16 @@ class Shm(PackedStrategy):
                 f"rank {g.rank}: shm: the header claims {total} bytes, the segment holds "
                 f"{buf.numel()}"
             )
-        self._last = (host_bytes(buf, header.header_len), header) if dense_only(header) else None
+        self._follow((host_bytes(buf, header.header_len), header) if dense_only(header) else None)
         return header, None
+
+    def _follow(self, now: tuple[bytes, Header] | None) -> None:
+        """A reader: ``now`` (the header bytes and header of the message that arrived; None when
+        not every leaf is dense) follows the last message's, which ``_guess`` remembers."""
+        last = self._last
+        if last is not None and now is not None:
+            remember(self._next_of, last[0], now)
+        self._last = now
 
     def _replay(self, slot, batch: DataProto) -> bool:
         """Leader, the plan per structure: when the slot's last message was laid out as this

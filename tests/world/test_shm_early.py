@@ -1,12 +1,16 @@
-"""Tier 2 (real gloo worlds): shm's receivers poll the completion word of a message signalled
-early instead of waiting for a second signal on their socket (``RingReader.wait_complete``).
-Every call stays bit-exact on every rank whether a receiver polled, and a host with fewer cores
-than ranks (this one: 4 ranks) never polls unless a job forces it, as these tests do.
+"""Tier 2 (real gloo worlds): shm's early signal on one node. The leader signals once the header
+and the non-tensor blob are in, copies the leaves, writes its completion word and sends the
+completion; a receiver done before the leaves are in polls the word instead of waiting for a
+second wake-up on its socket (``RingReader.wait_complete``). Every call is bit-exact on every
+rank whether a receiver polled, a leader failure after the early signal reaches every reader
+at once, and a host with fewer cores than ranks (this one: 4 ranks) polls only where a job
+forces it, as these tests do.
 """
 
 from __future__ import annotations
 
 import gc
+import time
 import types
 
 import numpy as np
@@ -24,6 +28,7 @@ pytestmark = pytest.mark.world
 LAYOUT = Layout(tp=2, pp=2)
 SIZES = (1, 4, 64, 1, 300, 2)
 """Rows per call: messages from a page to a few hundred KiB, the structure changing with them."""
+FAIL_WITHIN_S = 5.0
 
 
 def sized(seed: int, b: int) -> strategies.DataProto:
@@ -31,6 +36,12 @@ def sized(seed: int, b: int) -> strategies.DataProto:
     td = TensorDict({"ids": torch.randint(0, 9, (b, 257), generator=gen)}, [b])
     texts = np.array([f"p {seed}-{i}" * (i % 7) for i in range(b)], dtype=object)
     return strategies.DataProto(td, {"prompt": texts}, {strategies.NON_TENSOR_FLAG: True})
+
+
+def exact(out, want) -> bool:
+    return all(torch.equal(out.batch[k], want.batch[k]) for k in want.batch.keys()) and list(
+        out.non_tensor_batch["prompt"]
+    ) == list(want.non_tensor_batch["prompt"])
 
 
 def poll_job(ctx, poll_s: float | None):
@@ -46,11 +57,7 @@ def poll_job(ctx, poll_s: float | None):
         entry = sized(seed, b) if strategy.groups.is_leader else want.entry_state(False)
         try:
             out = strategy.get_data_input(entry)
-            exact = all(torch.equal(out.batch[k], want.batch[k]) for k in want.batch.keys())
-            exact = exact and list(out.non_tensor_batch["prompt"]) == list(
-                want.non_tensor_batch["prompt"]
-            )
-            outcomes.append("exact" if exact else "wrong")
+            outcomes.append("exact" if exact(out, want) else "wrong")
         except Exception as exc:  # noqa: BLE001 -- the test reads every rank's outcome
             outcomes.append(f"{type(exc).__name__}: {exc}")
         out = entry = None
@@ -78,6 +85,58 @@ def test_a_node_with_fewer_cores_than_ranks_does_not_poll(world4):
         assert outcomes == ["exact"] * (len(SIZES) * 2), (rank, outcomes)
         if not polls(2000, 4):
             assert unforced is None and polled == 0, (rank, unforced, polled)
+
+
+def early_fault_job(ctx, poll_s: float | None):
+    """Three calls; in the second the leader's copy of the leaves raises after the early
+    signal went out. (outcome per call, seconds of the faulty one) on this rank. ``poll_s``:
+    every reader polls the completion word that long (forced)."""
+    groups = ctx.groups_for(LAYOUT)
+    strategy = strategies.get("shm", groups)
+    if poll_s is not None:
+        strategy.channel.poll_s = poll_s
+    outcomes, seconds = [], 0.0
+    real = torch._foreach_copy_
+
+    def faulty(*args, **kwargs):
+        raise RuntimeError("injected copy failure")
+
+    for seed in range(3):
+        want = sized(seed, 4)
+        entry = sized(seed, 4) if groups.is_leader else want.entry_state(False)
+        patch = seed == 1 and groups.is_leader
+        if patch:
+            torch._foreach_copy_ = faulty
+        t0 = time.monotonic()
+        try:
+            out = strategy.get_data_input(entry)
+            outcomes.append("exact" if exact(out, want) else "wrong")
+            del out
+        except Exception as exc:  # noqa: BLE001 -- the test looks at every rank's outcome
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            torch._foreach_copy_ = real
+        if seed == 1:
+            seconds = time.monotonic() - t0
+        torch.distributed.barrier()
+    return outcomes, seconds
+
+
+@pytest.mark.parametrize("poll_s", [None, 60.0], ids=["socket", "polled"])
+def test_a_leader_that_fails_after_its_early_signal_reaches_every_reader(world4, poll_s):
+    """The readers took the early signal and decode the blob; the leader's copy of the leaves
+    fails: every reader raises the leader's error at once (not a timeout; a reader polling the
+    completion word stops at the abort in its socket), and the next call is exact everywhere
+    (the channel stayed in step)."""
+    results = world4.run(early_fault_job, poll_s, timeout_s=3 * FAIL_WITHIN_S)
+    leader, _ = results[0]
+    assert leader[0] == "exact" and "injected copy failure" in leader[1], leader
+    for rank, (outcomes, seconds) in enumerate(results):
+        assert outcomes[0] == "exact" and outcomes[2] == "exact", (rank, outcomes)
+        assert seconds < FAIL_WITHIN_S, (rank, seconds)
+        if rank:
+            assert outcomes[1].startswith("LeaderFailed: "), (rank, outcomes)
+            assert "injected copy failure" in outcomes[1], (rank, outcomes)
 
 
 @pytest.mark.parametrize("value", ["2ms", -1, 1.5, True], ids=repr)
