@@ -205,6 +205,17 @@ def test_a_receiver_builds_a_repeated_shape_while_it_waits_and_never_a_wrong_one
             assert guessed >= 4, f"rank {rank}: only {guessed} of {len(sizes)} calls guessed"
 
 
+def test_a_receiver_guesses_the_next_shape_of_a_cycle(world4):
+    """Shapes in turn (4, 6, 4, 6, ...): each call's guess is the header that followed the last
+    one the last time (a guess of the last header again would fail on every call)."""
+    sizes = [4, 6] * 8
+    for rank, (exact, guessed) in enumerate(world4.run(guess_job, sizes, {}, timeout_s=60)):
+        assert all(exact), f"rank {rank}: calls {[i for i, e in enumerate(exact) if not e]} inexact"
+        if rank:
+            # 3 slots: no segment to guess in before call 3; every call from there on holds.
+            assert guessed >= len(sizes) - 5, f"rank {rank}: {guessed} of {len(sizes)} guessed"
+
+
 def refusal_job(ctx) -> str:
     """shm told not to stage on groups that live on a device: the error it raises."""
     groups = dataclasses.replace(ctx.groups_for(LAYOUT), device=torch.device("meta"))
