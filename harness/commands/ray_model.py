@@ -35,13 +35,11 @@ from harness.model.dispatch_prices import (
     price_hops,
     price_leader,
 )
+from harness.model.dispatch_ranks import HOPS
 from harness.model.prices import price_strategy
 from harness.report.dispatch_model import compare, format_compare
 from strategies.core.cluster import ClusterConf, ClusterError
 from strategies.core.layout import Layout
-
-HOP_MODES = ("edge_stages", "chain")
-"""The dispatch modes with hops of their own, priced beside the scan's two."""
 
 MODULE = "harness.commands.ray_model"
 """Where this command lives; its printed name comes from ``harness.errors.program``."""
@@ -71,7 +69,7 @@ def example_scan(cluster: ClusterConf, ray: RayCostConf, seq_len: int = 4096,
                 leader[name] = price_leader(layout, nbytes, cluster, ray, name, bcast_s).total_s
             best = min(leader, key=leader.get)
             all_s = price_all_ranks(layout, nbytes, cluster, ray).total_s
-            hops = {k: price_hops(k, layout, spec, cluster, ray).total_s for k in HOP_MODES}
+            hops = {k: price_hops(k, layout, spec, cluster, ray).total_s for k in HOPS}
             out.append({
                 "dp": dp, "nodes": layout.world_size // cluster.gpus_per_node,
                 "gpus": layout.world_size, "batch_size": batch, "payload_bytes": nbytes,

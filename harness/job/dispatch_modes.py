@@ -8,11 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import strategies
-
-LEADER, ALL_RANKS, EDGE_STAGES, CHAIN = "leader", "all_ranks", "edge_stages", "chain"
-HOPS = (EDGE_STAGES, CHAIN)
-"""The families whose in-group hops the dispatch itself runs (``harness.job.dispatch_hops``),
-no broadcast strategy."""
+from harness.model.dispatch_ranks import ALL_RANKS, CHAIN, EDGE_STAGES, HOPS, LEADER
 
 FLOORS = {
     LEADER: "leader:floor",

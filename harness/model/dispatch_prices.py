@@ -34,7 +34,7 @@ from pathlib import Path
 
 import strategies
 from harness import paths
-from harness.model.dispatch_ranks import hop_plan, ray_ranks
+from harness.model.dispatch_ranks import HOPS, hop_plan, ray_ranks
 from harness.model.prices import predicted_cross_bytes, price_strategy
 from strategies.core.cluster import GB, US, ClusterConf, ClusterError, check_number
 from strategies.core.pricing import price
@@ -267,7 +267,7 @@ def price_mode(mode: str, layout, spec, cluster: ClusterConf, ray: RayCostConf,
     kind, _, rest = mode.partition(":")
     if kind == "all_ranks" and rest in ("", "raw"):
         return price_all_ranks(layout, nbytes, cluster, ray, rest == "raw", host_cores)
-    if kind in ("edge_stages", "chain") and rest in ("", "raw"):
+    if kind in HOPS and rest in ("", "raw"):
         return price_hops(kind, layout, spec, cluster, ray, rest == "raw", host_cores)
     if kind != "leader" or not rest:
         raise ValueError(
@@ -321,7 +321,7 @@ def example_answer(rows: list[dict]) -> str:
 
 def format_scan(rows: list[dict]) -> str:
     """The scan, a line per cell; the hop modes' columns where the rows price them."""
-    hops = [k for k in ("edge_stages", "chain") if rows and f"{k}_ms" in rows[0]]
+    hops = [k for k in HOPS if rows and f"{k}_ms" in rows[0]]
     head = (
         f"{'nodes':>6}{'GPUs':>7}{'batch':>7}{'MiB':>10}{'all_ranks ms':>14}{'leader + best':>28}"
     ) + "".join(f"{k + ' ms':>16}" for k in hops)

@@ -17,7 +17,11 @@ from __future__ import annotations
 from strategies.core.layout import Layout
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 
-KINDS = ("leader", "all_ranks", "edge_stages", "chain")
+LEADER, ALL_RANKS, EDGE_STAGES, CHAIN = "leader", "all_ranks", "edge_stages", "chain"
+HOPS = (EDGE_STAGES, CHAIN)
+"""The families whose in-group hops the dispatch itself runs (``harness.job.dispatch_hops``),
+no broadcast strategy."""
+KINDS = (LEADER, ALL_RANKS, *HOPS)
 """Every dispatch mode's family (``harness.job.dispatch_modes.DispatchMode.kind``)."""
 
 
@@ -36,9 +40,9 @@ def ray_ranks(kind: str, layout: Layout) -> list[list[int]]:
     chunk's ObjectRef to, ascending."""
     _check(kind)
     replicas = layout.replica_groups()
-    if kind == "all_ranks":
+    if kind == ALL_RANKS:
         return [sorted(replica) for replica in replicas]
-    if kind != "edge_stages":
+    if kind != EDGE_STAGES:
         return [[replica[0]] for replica in replicas]
     # TP×CP rank 0 of a stage is its group's first rank (tp = cp = 0).
     sources = {g[0] for g in layout.groups("tp-cp") if edge_stage(layout, g[0])}
@@ -50,7 +54,7 @@ def holding_ranks(kind: str, layout: Layout) -> list[int]:
     every rank, but for ``edge_stages`` the ranks of the first and last pipeline stages only."""
     _check(kind)
     ranks = range(layout.world_size)
-    if kind == "edge_stages":
+    if kind == EDGE_STAGES:
         return [r for r in ranks if edge_stage(layout, r)]
     return list(ranks)
 
@@ -65,7 +69,7 @@ def _hop_groups(kind: str, layout: Layout) -> list[list[list[int]]]:
     TP×CP groups, then one hop per pair of neighbouring stages (each rank of stage k to its
     counterpart on stage k + 1, a group of two)."""
     edges = (0, layout.pp - 1)
-    if kind == "edge_stages":
+    if kind == EDGE_STAGES:
         groups = [g for g in layout.groups("tp-cp") if _stage_of(layout, g) in edges]
         return [groups] if layout.tp_cp > 1 else []
     hops = [layout.stage0_tp_cp_groups()] if layout.tp_cp > 1 else []
@@ -81,7 +85,7 @@ def hop_plan(kind: str, layout: Layout, spec: PayloadSpec, raw: bool) -> Plan:
     chunk pickled (``broadcast_object_list``, ``send_object_list``); its source pickles, its
     receivers unpickle, and a ``chain`` rank that passes the object on does both. The floor
     sends the flat bytes alone, with no host work."""
-    if kind not in ("edge_stages", "chain"):
+    if kind not in HOPS:
         raise ValueError(f"hop plan: {kind!r} is not one of ['edge_stages', 'chain']")
     name = f"{kind}:raw" if raw else kind
     hops = _hop_groups(kind, layout)
