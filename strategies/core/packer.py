@@ -208,10 +208,20 @@ class Packer:
         last = self.replay(shape, direct, blob, next_expect, min_capacity, device)
         if last is not None:
             return last.out, last.header, self._filler(last, parts, blob)
-        return self._pack_anew(batch, parts, blob, (next_expect, min_capacity), device, direct,
-                               rank, shape)  # fmt: skip
+        return self._pack_anew(
+            batch, parts, blob, device, direct, rank, shape,
+            next_expect=next_expect, min_capacity=min_capacity,
+        )  # fmt: skip
 
-    def replay(self, shape, direct, blob: bytes | None, next_expect, min_capacity, device):
+    def replay(
+        self,
+        shape: tuple | None,
+        direct: frozenset[int],
+        blob: bytes | None,
+        next_expect: int | Callable[[int], int],
+        min_capacity: int | Callable[[int], int],
+        device: torch.device,
+    ) -> _Replay | None:
         """The last pack of the structure object ``shape`` into this buffer, when this message
         is laid out as it was (the same ``direct`` leaves and blob room), still fits the buffer
         (``_keeps``: the growth and shrink rules of ``_room_for`` hold) and carries the same
@@ -245,11 +255,22 @@ class Packer:
         self.replays_done += 1
         return last
 
-    def _pack_anew(self, batch, parts, blob, expect, device, direct, rank, shape):
+    def _pack_anew(
+        self,
+        batch: TensorDict,
+        parts: list[Part],
+        blob: bytes | None,
+        device: torch.device,
+        direct: frozenset[int],
+        rank: int,
+        shape: tuple | None,
+        *,
+        next_expect: int | Callable[[int], int],
+        min_capacity: int | Callable[[int], int],
+    ) -> tuple[torch.Tensor, Header, Filler]:
         """``pack`` of a batch ``replay`` does not cover: the layout, header and views of its
         structure (made once while recent), the header written where the buffer does not hold
         it."""
-        next_expect, min_capacity = expect
         layout = self._laid_out(batch, parts, direct, rank, shape)
         span = None
         data_bytes = layout.tensor_end
