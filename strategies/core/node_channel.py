@@ -106,9 +106,13 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
         self.is_node_leader = groups.rank == self.node_leader
         self.readers = tuple(r for r in self.local if r != self.node_leader)
         self.timeout_s = group_timeout_s(groups.cpu_replica_group)
-        self.poll_s = poll_us / 1e6 if polls(poll_us, ranks_on_node(groups)) else None
-        """How long a reader polls the completion word of a message signalled early before
-        it waits on its socket; None: it never polls (``node_signals.polls``)."""
+        self.poll_us = poll_us if polls(poll_us, ranks_on_node(groups)) else None
+        """The node leader: how long its readers spin on the completion word of a message
+        signalled early before they poll it between sleeps; None: they wait for the
+        completion's socket message instead (``node_signals.polls``). The node leader's own
+        decides for its node: it sends it with its answer to each reader's hello."""
+        self.poll_s: float | None = None
+        """A reader: its node leader's ``poll_us`` in seconds, once connected."""
         self.connected = False
         self.closed = False
         self.completion: mmap.mmap | None = None
@@ -200,8 +204,9 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
                 conn.close()  # not one of ours: its connection is refused, ours still awaited
                 continue
             conn.setblocking(True)
-            # The answer to its hello: the completion page (``wait_complete`` polls it).
-            socket.send_fds(conn, [SIGNAL.pack(CONTROL_MAGIC, 0, 0, 0, 0)], [page_fd])
+            # The answer to its hello: the completion page, and whether to poll it.
+            answer = SIGNAL.pack(CONTROL_MAGIC, 0, 0, 0, self.poll_us or 0)
+            socket.send_fds(conn, [answer], [page_fd])
             self.socks[rank] = conn
 
     def _dial(self, address: bytes, token: bytes) -> None:
@@ -222,7 +227,7 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
 
     def _completion_page(self) -> mmap.mmap:
         """A reader, once it said hello: the node leader's answer, its completion page, mapped
-        read-only."""
+        read-only, and how long to spin on it (``poll_s``)."""
         rank = self.groups.rank
         try:
             msg, fds, _, _ = socket.recv_fds(self.sock, SIGNAL.size, 1)
@@ -238,6 +243,8 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
                     f"with {len(msg)} bytes (magic {msg[:4]!r}) and {len(fds)} fds; expected "
                     f"{CONTROL_MAGIC!r} with its completion page"
                 )
+            poll_us = SIGNAL.unpack(msg)[4]
+            self.poll_s = poll_us / 1e6 if poll_us else None
             return mmap.mmap(fds[0], COMPLETION_PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             for fd in fds:

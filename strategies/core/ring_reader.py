@@ -35,6 +35,9 @@ from strategies.core.node_signals import (
 )
 from strategies.core.segment_ring import Premap, map_private, release_claimed
 
+POLL_SLEEP_S = 50e-6
+"""A reader that spun ``poll_s`` on the completion word looks again after this long asleep."""
+
 
 class RingReader:
     """A reader's half of a ``NodeChannel``: ``premap`` before it waits, ``receive`` per
@@ -45,10 +48,9 @@ class RingReader:
         self.fds: dict[int, tuple[int, int]] = {}  # slot -> (generation, fd)
         self.last_index: int | None = None  # the slot of the last message it took
         self.pending: int | None = None  # a message signalled early, not complete yet
-        self.polled: int | None = None  # a message whose completion the word told: its DONE
         self._sock_poll: select.poll | None = None  # the socket, for _polled_complete
         self.polled_count = 0
-        """Messages signalled early whose completion this reader polled (no wait on its socket)."""
+        """Messages signalled early whose completion this reader read from the word."""
 
     def premap(self) -> Premap | None:
         """A reader, before it waits: a copy-on-write mapping of the slot the next message
@@ -110,7 +112,6 @@ class RingReader:
         if sequence is None:
             return
         if self._polled_complete(sequence):
-            self.polled = sequence  # its DONE_MAGIC is still in the socket: skipped when read
             self.polled_count += 1
             return
         magic, _, _, got, _ = self._next_message(DONE_MAGIC, ABORT_MAGIC)
@@ -128,27 +129,42 @@ class RingReader:
             )
 
     def _polled_complete(self, sequence: int) -> bool:
-        """Whether the completion word says message ``sequence`` is whole, polled for up to
-        ``poll_s`` (yielding the core between looks). False, and the socket says the rest,
-        when this reader does not poll, when the socket has something to read (the writer's
-        abort, its completion, its end), when the word moved past the message (a later one
-        completed: this one may have been aborted) and when the time is up."""
-        word = self.completion
-        if word is None or self.poll_s is None:
+        """A reader whose node leader writes the completion word (``poll_s``): True once the
+        word holds message ``sequence``; False when its socket holds the writer's abort or end
+        instead (``wait_complete`` reads it there). It spins, yielding its core, for
+        ``poll_s``, then looks between short sleeps, for as long as a gloo collective would
+        wait. A word past ``sequence`` means a later message completed: this one did unless its
+        abort is first in the socket."""
+        if self.poll_s is None:
             return False
+        word, sock = self.completion, self.sock
         if self._sock_poll is None:
             self._sock_poll = select.poll()
-            self._sock_poll.register(self.sock, select.POLLIN)
-        deadline = time.perf_counter() + self.poll_s
+            self._sock_poll.register(sock, select.POLLIN)
+        start = time.perf_counter()
+        spin_until, deadline = start + self.poll_s, start + self.timeout_s
         while True:
             done = COMPLETED.unpack_from(word, 0)[0]
             if done == sequence:
                 return True
-            if self._sock_poll.poll(0):  # the word is written before the completion is sent
-                return COMPLETED.unpack_from(word, 0)[0] == sequence
-            if done > sequence or time.perf_counter() > deadline:
-                return False
-            os.sched_yield()
+            readable = self._sock_poll.poll(0)
+            if done > sequence or readable:
+                if readable and _aborted_or_closed(sock):
+                    return False
+                # The writer signals a message only once the one before is complete; a later
+                # signal over an older word is out of step, which wait_complete raises.
+                return COMPLETED.unpack_from(word, 0)[0] >= sequence
+            now = time.perf_counter()
+            if now > deadline:
+                raise ShmError(
+                    f"rank {self.groups.rank}: shm: node leader rank {self.node_leader} did not "
+                    f"complete message {sequence} within {self.timeout_s:.0f} s (the replica's "
+                    "gloo timeout)"
+                )
+            if now < spin_until:
+                os.sched_yield()
+            else:
+                time.sleep(POLL_SLEEP_S)
 
     def _next_message(self, *accept: bytes) -> tuple[bytes, int, int, int, int]:
         """A reader: the next message from the node leader, one of ``accept`` (by default a
@@ -179,10 +195,6 @@ class RingReader:
                 f"rank {rank}: shm: node leader rank {self.node_leader} closed its socket (it "
                 "ended or died)"
             )
-        if self.polled is not None and len(msg) == SIGNAL.size and msg[:4] == DONE_MAGIC:
-            if SIGNAL.unpack(msg)[3] == self.polled and DONE_MAGIC not in accept and not fds:
-                self.polled = None  # the completion polled already: the next message follows
-                return self._next_message(*accept)
         if len(msg) != SIGNAL.size or msg[:4] not in accept:
             for fd in fds:
                 os.close(fd)
@@ -209,3 +221,15 @@ class RingReader:
                 "without its segment"
             )
         return held[1]
+
+
+def _aborted_or_closed(sock: socket.socket) -> bool:
+    """Whether the first message in ``sock`` (readable) is the writer's abort, or the socket is
+    closed or broken; it is left there for ``wait_complete`` to read."""
+    try:
+        first = sock.recv(SIGNAL.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+    return not first or first[:4] == ABORT_MAGIC

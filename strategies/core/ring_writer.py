@@ -113,13 +113,15 @@ class RingWriter:
             ))  # fmt: skip
 
     def complete(self, slot: Slot) -> None:
-        """Tell every reader of a message signalled early that all of it is in the slot: the
-        completion word first (a reader polling it goes on at once), then the socket's
-        ``DONE_MAGIC`` (what a reader that does not poll, or stopped polling, waits for)."""
-        msg = SIGNAL.pack(DONE_MAGIC, slot.index, slot.segment.generation, slot.sequence, 0)
+        """Tell every reader of a message signalled early that all of it is in the slot: where
+        they poll (``poll_us``), the completion word, which they read; else a ``DONE_MAGIC`` on
+        each reader's socket."""
         before = CLOCK.switch("signal")
-        if self.completion is not None:
+        if self.poll_us is not None:
             COMPLETED.pack_into(self.completion, 0, slot.sequence)
+            CLOCK.switch(before)
+            return
+        msg = SIGNAL.pack(DONE_MAGIC, slot.index, slot.segment.generation, slot.sequence, 0)
         failed = self._tell(slot, [msg])
         CLOCK.switch(before)
         if failed:

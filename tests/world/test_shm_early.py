@@ -1,10 +1,10 @@
 """Tier 2 (real gloo worlds): shm's early signal on one node. The leader signals once the header
-and the non-tensor blob are in, copies the leaves, writes its completion word and sends the
-completion; a receiver done before the leaves are in polls the word instead of waiting for a
-second wake-up on its socket (``RingReader.wait_complete``). Every call is bit-exact on every
-rank whether a receiver polled, a leader failure after the early signal reaches every reader
-at once, and a host with fewer cores than ranks (this one: 4 ranks) polls only where a job
-forces it, as these tests do.
+and the non-tensor blob are in, copies the leaves, then completes the message: where its node
+has a core per rank, by writing its completion word, which the receivers poll (no second
+wake-up on a socket, ``RingReader.wait_complete``); elsewhere by a socket message. Every call is
+bit-exact on every rank either way, a leader failure after the early signal reaches every
+reader at once, and a host with fewer cores than ranks (this one: 4 ranks) polls only where a
+test forces it (``forced_polls``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from tensordict import TensorDict
 
 import strategies
+import strategies.core.node_channel as node_channel
 from strategies.core.layout import Layout
 from strategies.core.node_channel import ranks_on_node
 from strategies.core.node_signals import check_poll_option, polls
@@ -44,13 +45,20 @@ def exact(out, want) -> bool:
     ) == list(want.non_tensor_batch["prompt"])
 
 
-def poll_job(ctx, poll_s: float | None):
-    """``SIZES`` twice on shm (``poll_s`` forced on every rank when given); per call "exact" or
-    what went wrong, this rank's count of polled completions, and whether it polls unforced."""
-    strategy = strategies.get("shm", ctx.groups_for(LAYOUT))
-    unforced = strategy.channel.poll_s
-    if poll_s is not None:
-        strategy.channel.poll_s = poll_s
+def forced_polls(force: bool) -> None:
+    """Make this rank's node leader have its readers poll (``force``), whatever the host's
+    cores, or restore the host's own rule (a world's ranks outlive the test)."""
+    node_channel.polls = (lambda poll_us, ranks: bool(poll_us)) if force else polls
+
+
+def poll_job(ctx, force: bool):
+    """``SIZES`` twice on shm (polling forced when ``force``); per call "exact" or what went
+    wrong, this rank's count of completions read from the word, and its ``poll_s``."""
+    forced_polls(force)
+    try:
+        strategy = strategies.get("shm", ctx.groups_for(LAYOUT))
+    finally:
+        forced_polls(False)
     outcomes = []
     for seed, b in enumerate(SIZES * 2):
         want = sized(seed, b)
@@ -63,14 +71,14 @@ def poll_job(ctx, poll_s: float | None):
         out = entry = None
         gc.collect()
         torch.distributed.barrier()
-    return outcomes, strategy.channel.polled_count, unforced
+    return outcomes, strategy.channel.polled_count, strategy.channel.poll_s
 
 
 def test_a_receiver_that_polls_goes_on_at_the_word_and_every_call_is_exact(world4):
-    """Forced to poll (for as long as it takes: the word or the socket ends it, not a clock),
-    every receiver takes every completion from the word, and the completions left in its
-    socket are skipped: every call is exact on every rank."""
-    results = world4.run(poll_job, 60.0, timeout_s=60)
+    """Polling (forced): every receiver takes every completion from the word (it polls until
+    the word or its socket says something: no clock decides), and every call is exact on
+    every rank."""
+    results = world4.run(poll_job, True, timeout_s=60)
     calls = len(SIZES) * 2
     for rank, (outcomes, polled, _) in enumerate(results):
         assert outcomes == ["exact"] * calls, (rank, outcomes)
@@ -80,21 +88,23 @@ def test_a_receiver_that_polls_goes_on_at_the_word_and_every_call_is_exact(world
 def test_a_node_with_fewer_cores_than_ranks_does_not_poll(world4):
     """Unforced, on a host with fewer cores than the world's 4 ranks: no receiver polls (a
     poll would take the core a rank needs), and the socket's completions keep every call exact."""
-    results = world4.run(poll_job, None, timeout_s=60)
-    for rank, (outcomes, polled, unforced) in enumerate(results):
+    results = world4.run(poll_job, False, timeout_s=60)
+    for rank, (outcomes, polled, poll_s) in enumerate(results):
         assert outcomes == ["exact"] * (len(SIZES) * 2), (rank, outcomes)
         if not polls(2000, 4):
-            assert unforced is None and polled == 0, (rank, unforced, polled)
+            assert poll_s is None and polled == 0, (rank, poll_s, polled)
 
 
-def early_fault_job(ctx, poll_s: float | None):
+def early_fault_job(ctx, force: bool):
     """Three calls; in the second the leader's copy of the leaves raises after the early
-    signal went out. (outcome per call, seconds of the faulty one) on this rank. ``poll_s``:
-    every reader polls the completion word that long (forced)."""
+    signal went out. (outcome per call, seconds of the faulty one) on this rank; polling
+    forced when ``force``."""
     groups = ctx.groups_for(LAYOUT)
-    strategy = strategies.get("shm", groups)
-    if poll_s is not None:
-        strategy.channel.poll_s = poll_s
+    forced_polls(force)
+    try:
+        strategy = strategies.get("shm", groups)
+    finally:
+        forced_polls(False)
     outcomes, seconds = [], 0.0
     real = torch._foreach_copy_
 
@@ -122,13 +132,13 @@ def early_fault_job(ctx, poll_s: float | None):
     return outcomes, seconds
 
 
-@pytest.mark.parametrize("poll_s", [None, 60.0], ids=["socket", "polled"])
-def test_a_leader_that_fails_after_its_early_signal_reaches_every_reader(world4, poll_s):
+@pytest.mark.parametrize("force", [False, True], ids=["socket", "polled"])
+def test_a_leader_that_fails_after_its_early_signal_reaches_every_reader(world4, force):
     """The readers took the early signal and decode the blob; the leader's copy of the leaves
     fails: every reader raises the leader's error at once (not a timeout; a reader polling the
     completion word stops at the abort in its socket), and the next call is exact everywhere
     (the channel stayed in step)."""
-    results = world4.run(early_fault_job, poll_s, timeout_s=3 * FAIL_WITHIN_S)
+    results = world4.run(early_fault_job, force, timeout_s=3 * FAIL_WITHIN_S)
     leader, _ = results[0]
     assert leader[0] == "exact" and "injected copy failure" in leader[1], leader
     for rank, (outcomes, seconds) in enumerate(results):
