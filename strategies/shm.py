@@ -48,12 +48,14 @@ Options:
   it, so the second signal costs the leader a send and the receiver no wait; even the smallest
   batch gains (measured side by side against ``None``: the replay's fixed costs overlap).
   None: every message is signalled once, whole;
-- ``poll_us`` (2000): a receiver of a message signalled early that is done with the header and
-  the blob polls the slot's completion word (the node leader writes it right after the leaves,
-  before it sends the completion) for up to this long, yielding its core between looks, and
-  goes on the moment the word says so: no second wake-up on a socket. After that, or where the
-  node has fewer cores than ranks (a poll would take a core another rank needs), or off x86
-  (whose store order the word relies on), it waits on the socket; None or 0: always waits;
+- ``poll_us`` (2000): where the node has a core per rank (a poll would take a core another rank
+  needs) and on x86 (whose store order the word relies on), the node leader completes a message
+  signalled early by writing its number into a shared completion word, and a receiver done
+  with the header and the blob polls it: it spins, yielding its core, for this long, then looks
+  between 50 µs sleeps (up to the gloo timeout), and goes on the moment the word says so, with
+  no second wake-up; an abort or the leader's end reaches it through its socket. Elsewhere, or
+  None or 0, the completion is a socket message each receiver waits for. The node leader's
+  option decides for its node;
 - ``max_bytes`` (16 GiB): receivers refuse a header that claims more than this.
 """
 
