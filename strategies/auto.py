@@ -51,7 +51,7 @@ from strategies.core.layout import Layout
 from strategies.core.packed import PackedStrategy
 from strategies.core.plan import PayloadSpec, Plan, bytes_per_dtype, plan_of
 from strategies.core.pricing import price
-from strategies.core.recent import remember
+from strategies.core.recent import NextShape, remember
 from strategies.core.strategy_base import Strategy
 
 CANDIDATES = ("flat", "direct", "header", "pp_first", "scatter_allgather", "shm")
@@ -137,26 +137,6 @@ class Auto(Strategy):
         chosen = strategies.get_class(choose(layout, spec, cluster, device=device))
         kwargs = {"expect": expect} if "expect" in inspect.signature(chosen.plan).parameters else {}
         return plan_of(chosen, layout, spec, device, **kwargs)
-
-
-class NextShape:
-    """The shape the next call will move, predicted from the shapes of the calls so far: the
-    one that followed the current shape the last time it was seen, else the current one again.
-    Pure bookkeeping over what every rank of a replica saw alike, so every rank predicts the
-    same; the last ``KEEP`` shapes are remembered (a stream of ever-new shapes stays bounded)."""
-
-    KEEP = 64
-
-    def __init__(self) -> None:
-        self.follows: OrderedDict[Hashable, Hashable] = OrderedDict()
-        self.previous: Hashable | None = None
-
-    def observe(self, key: Hashable) -> Hashable:
-        """Record that a call moved ``key``; return the prediction for the next call."""
-        if self.previous is not None:
-            remember(self.follows, self.previous, key, self.KEEP)
-        self.previous = key
-        return self.follows.get(key, key)
 
 
 def shape_key(header) -> tuple:

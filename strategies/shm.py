@@ -2,11 +2,13 @@
 
 The leader packs the batch once (the ``header`` family's message: binary header + one flat
 buffer) straight into a shared segment, and tells each rank of its node with one socket
-message; those ranks build their batch as views of the segment, with no copy and no
-collective (``strategies.core.node_channel`` has the ring, the signal and the release
-protocol). While a receiver waits for the signal it maps the slot the message most likely
-lands in and views the last header's layout there; when the header bytes that arrive are the
-same (a stream of same-shaped batches), only the non-tensor blob is left to read. The leader
+message once the header and the non-tensor blob are in, and again (a shared completion word,
+or a second message where ranks share cores) once the leaves are; those ranks build their
+batch as views of the segment, with no copy and no collective (``strategies.core.node_channel``
+has the ring, the signals and the release protocol). While a receiver waits for the signal it
+maps the slot the message most likely lands in and views there the header that most likely
+comes (``NextShape``); when the header bytes that arrive are those (a stream of same-shaped
+batches, or a cycle of shapes), only the non-tensor blob is left to read. The leader
 replays its plan of a structure it packed into the same slot before (``_replay``): the leaves
 and the blob copied into the views made then, and the signal. Across
 nodes it is hierarchical: the leader sends the message to one rank per other node (its node
@@ -42,12 +44,11 @@ Options:
   sends every message whole, leader to node leader;
 - ``early_min_bytes`` (0: every message): on one node, a message at least this large is
   signalled early: the leader writes the header and the non-tensor blob, signals, then copies
-  the leaves and signals their completion, so each receiver checks the header, unpickles the
-  blob and views the leaves while the leader copies; a failure meanwhile reaches every
-  receiver as the leader's. The completion is in the receiver's socket by the time it asks for
-  it, so the second signal costs the leader a send and the receiver no wait; even the smallest
-  batch gains (measured side by side against ``None``: the replay's fixed costs overlap).
-  None: every message is signalled once, whole;
+  the leaves and completes the message (``poll_us``), so each receiver checks the header,
+  unpickles the blob and views the leaves while the leader copies; a failure meanwhile reaches
+  every receiver as the leader's. Even the smallest batch gains (measured side by side against
+  ``None``: the receivers' work overlaps the leader's copy, and the completion is in by the
+  time they look for it). None: every message is signalled once, whole;
 - ``poll_us`` (2000): where the node has a core per rank (a poll would take a core another rank
   needs) and on x86 (whose store order the word relies on), the node leader completes a message
   signalled early by writing its number into a shared completion word, and a receiver done
@@ -82,7 +83,7 @@ from strategies.core.packed import PackedStrategy
 from strategies.core.packer import NO_DIRECT, Filler
 from strategies.core.parts import encode_non_tensor
 from strategies.core.plan import Handoff, LocalWork, PayloadSpec, Plan
-from strategies.core.recent import remember
+from strategies.core.recent import NextShape
 from strategies.core.segment_ring import Premap
 from strategies.core.unpacker import unpack_non_tensor, unpack_tensors
 
@@ -99,8 +100,9 @@ def dense_only(header: Header) -> bool:
 class Shm(PackedStrategy):
     name = "shm"
     claims = (
-        "no collective on a node: one socket message per node-local rank; two point-to-point "
-        "sends per other node of the replica"
+        "no collective on a node: one socket message per node-local rank, and the completion "
+        "word (a second message where ranks share cores); two point-to-point sends per other "
+        "node of the replica"
     )
 
     def __init__(
@@ -129,8 +131,10 @@ class Shm(PackedStrategy):
         self.stage = stage
         self.early_min_bytes = early_min_bytes
         self._headers: dict = {}  # read_header's cache: same-shaped batches decode once
-        self._last = None  # a reader: (header bytes, header) of the last dense-only message
-        self._next_of: dict[bytes, tuple] = {}  # a reader: header bytes -> what followed them
+        self._next = NextShape()  # a reader: the header bytes that followed each one
+        self._predicted: tuple[bytes, Header] | None = None
+        """A reader: the next message's most likely header bytes and header (``_follow``);
+        None after a message whose leaves are not all dense."""
         self.guessed = 0
         """A reader: calls whose batch was built while it waited (``_guess`` held)."""
         self.replayed = 0
@@ -212,10 +216,10 @@ class Shm(PackedStrategy):
         premap = self.channel.premap()
         if premap is None:
             return None
-        last = self._last
-        if last is None or not self.views or self.stage:
+        predicted = self._predicted
+        if predicted is None or not self.views or self.stage:
             return Guess(premap)
-        raw, header = self._next_of.get(last[0], last)
+        raw, header = predicted
         if header.total_bytes > premap.view.numel():
             return Guess(premap)
         td = unpack_tensors(premap.view, header)
@@ -241,11 +245,15 @@ class Shm(PackedStrategy):
 
     def _follow(self, now: tuple[bytes, Header] | None) -> None:
         """A reader: ``now`` (the header bytes and header of the message that arrived; None when
-        not every leaf is dense) follows the last message's, which ``_guess`` remembers."""
-        last = self._last
-        if last is not None and now is not None:
-            remember(self._next_of, last[0], now)
-        self._last = now
+        not every leaf is dense) follows the last one; the next message's most likely header is
+        what followed ``now`` the last time (``NextShape``), decoded already (``_headers``),
+        else ``now`` again."""
+        if now is None:
+            self._predicted = None
+            return
+        raw = self._next.observe(now[0])
+        header = now[1] if raw == now[0] else self._headers.get(raw)
+        self._predicted = (raw, header) if header is not None else now
 
     def _replay(self, slot, batch: DataProto) -> bool:
         """Leader, the plan per structure: when the slot's last message was laid out as this

@@ -140,7 +140,6 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
         mine = None
         page_fd = None
         if self.is_node_leader and self.readers:
-            page_fd, self.completion = completion_page()
             token = secrets.token_bytes(16)
             address = b"\0bcastbench-shm-" + secrets.token_hex(12).encode()
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -148,13 +147,14 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
             listener.listen(len(self.readers))
             mine = (address, token)
         offers: list = [None] * len(g.replica_ranks)
-        dist.all_gather_object(
-            offers, (g.rank, mine, self.stripe_min_bytes), group=g.cpu_replica_group
-        )
-        by_rank = {rank: offer for rank, offer, _ in offers}
-        try:
+        try:  # the listener is closed whatever happens from here, a failed gather included
+            dist.all_gather_object(
+                offers, (g.rank, mine, self.stripe_min_bytes), group=g.cpu_replica_group
+            )
+            by_rank = {rank: offer for rank, offer, _ in offers}
             self._agree_on_stripes({rank: threshold for rank, _, threshold in offers})
             if listener is not None:
+                page_fd, self.completion = completion_page()
                 self._accept(listener, mine[1], page_fd)
             elif not self.is_node_leader:
                 self._dial(*by_rank[self.node_leader])
@@ -206,7 +206,11 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
             conn.setblocking(True)
             # The answer to its hello: the completion page, and whether to poll it.
             answer = SIGNAL.pack(CONTROL_MAGIC, 0, 0, 0, self.poll_us or 0)
-            socket.send_fds(conn, [answer], [page_fd])
+            try:
+                socket.send_fds(conn, [answer], [page_fd])
+            except OSError:  # it went away after its hello: awaited like one not yet here
+                conn.close()
+                continue
             self.socks[rank] = conn
 
     def _dial(self, address: bytes, token: bytes) -> None:

@@ -2,7 +2,8 @@
 as fixed structs over a Unix socket; the channel's error, and its option and platform checks.
 
 The signal is one socket message per reader (slot, generation, sequence number, size), so a
-small message costs a syscall on each side instead of a collective. A reader reports back on
+small message costs a syscall on each side instead of a collective; a message signalled early
+is completed by a shared word the readers poll, or a second message. A reader reports back on
 the same socket: it took a signal, let go of a message, or wrote its stripe of one.
 """
 
@@ -23,9 +24,11 @@ SIGNAL = struct.Struct("<4sIIQQ")  # magic, slot, generation, sequence, message 
 SIGNAL_MAGIC = b"BCBS"
 EARLY_MAGIC = b"BCBE"
 """A signal sent once the header and the non-tensor blob are in the slot, before the leaves:
-the reader decodes while the writer copies, then waits for the message's ``DONE_MAGIC``."""
+the reader decodes while the writer copies, then waits for the message's completion (the
+``COMPLETED`` word where its node leader said to poll it, else ``DONE_MAGIC``)."""
 DONE_MAGIC = b"BCBD"
-"""The leaves of the message signalled early are in the slot too."""
+"""The leaves of the message signalled early are in the slot too (sent where readers do not
+poll the completion word)."""
 ABORT_MAGIC = b"BCBA"
 """The writer failed while writing the message signalled early; its error follows, as text."""
 ABORT_TEXT_BYTES = 4096
@@ -41,7 +44,8 @@ CONTROL_MAGIC = b"BCBC"
 memfd travels with it."""
 COMPLETED = struct.Struct("<Q")
 """The completion page's word: the sequence of the last message signalled early whose leaves are
-all in its slot, written by the node leader right before that message's ``DONE_MAGIC``."""
+all in its slot, written by the node leader once they are, where its readers poll it (no
+``DONE_MAGIC`` is sent to them)."""
 COMPLETION_PAGE_BYTES = 4096
 POLL_STORE_ORDER = ("x86_64", "AMD64", "i386", "i686")
 """Machines whose stores reach another core in program order (x86's total store order): a
@@ -72,12 +76,41 @@ def check_poll_option(value) -> None:
 def polls(poll_us: int | None, ranks_on_node: int) -> bool:
     """Whether a reader polls the completion word for up to ``poll_us``: not None or 0, on a
     machine of ``POLL_STORE_ORDER``, and where this node has a core for each of its
-    ``ranks_on_node`` ranks (a reader that polls a core another rank needs slows that rank)."""
+    ``ranks_on_node`` ranks (a reader that polls a core another rank needs slows that rank).
+    A job that pins each rank to a core of its own reads as one core here, and does not poll."""
     return (
-        bool(poll_us)
-        and platform.machine() in POLL_STORE_ORDER
-        and len(os.sched_getaffinity(0)) >= ranks_on_node
+        bool(poll_us) and platform.machine() in POLL_STORE_ORDER and usable_cores() >= ranks_on_node
     )
+
+
+def usable_cores() -> float:
+    """The cores this process may run on: its affinity, capped by its cgroup's CPU quota (a
+    container that sees every core of the host may be allowed a few of them)."""
+    cores = float(len(os.sched_getaffinity(0)))
+    for path, period_path in QUOTA_FILES:
+        try:
+            with open(path) as f:
+                fields = f.read().split()
+            if period_path is not None:
+                with open(period_path) as f:
+                    fields.append(f.read().strip())
+            quota, period = fields[0], fields[1]
+        except (OSError, IndexError):
+            continue
+        if quota not in ("max", "-1"):
+            try:
+                cores = min(cores, int(quota) / int(period))
+            except (ValueError, ZeroDivisionError):
+                pass
+        break
+    return cores
+
+
+QUOTA_FILES = (
+    ("/sys/fs/cgroup/cpu.max", None),  # cgroup v2: "<quota> <period>" or "max <period>"
+    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"),  # v1
+)
+"""Where a process's CPU quota is read (its own cgroup's, as a container mounts it)."""
 
 
 def completion_page() -> tuple[int, mmap.mmap]:

@@ -149,10 +149,13 @@ class RingReader:
                 return True
             readable = self._sock_poll.poll(0)
             if done > sequence or readable:
-                if readable and _aborted_or_closed(sock):
+                first = _first_in(sock) if readable else b"?"
+                if first[:4] == ABORT_MAGIC:
                     return False
-                # The writer signals a message only once the one before is complete; a later
-                # signal over an older word is out of step, which wait_complete raises.
+                # A closed socket after the word was written (a leader that completed this
+                # message and ended) is a whole message; the writer signals a message only once
+                # the one before is complete, so a later signal over an older word is out of
+                # step: wait_complete raises either.
                 return COMPLETED.unpack_from(word, 0)[0] >= sequence
             now = time.perf_counter()
             if now > deadline:
@@ -223,13 +226,12 @@ class RingReader:
         return held[1]
 
 
-def _aborted_or_closed(sock: socket.socket) -> bool:
-    """Whether the first message in ``sock`` (readable) is the writer's abort, or the socket is
-    closed or broken; it is left there for ``wait_complete`` to read."""
+def _first_in(sock: socket.socket) -> bytes:
+    """The first message in ``sock`` (readable), left there for ``wait_complete`` to read; b""
+    when the socket is closed or broken."""
     try:
-        first = sock.recv(SIGNAL.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        return sock.recv(SIGNAL.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except (BlockingIOError, InterruptedError):
-        return False
+        return b"?"  # nothing after all: the poll looks again
     except OSError:
-        return True
-    return not first or first[:4] == ABORT_MAGIC
+        return b""
