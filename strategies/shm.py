@@ -50,13 +50,15 @@ Options:
   ``None``: the receivers' work overlaps the leader's copy, and the completion is in by the
   time they look for it). None: every message is signalled once, whole;
 - ``poll_us`` (2000): where the node has a core per rank (a poll would take a core another rank
-  needs) and on x86 (whose store order the word relies on), the node leader completes a message
-  signalled early by writing its number into a shared completion word, and a receiver done
-  with the header and the blob polls it: it spins, yielding its core, for this long, then looks
-  between 50 µs sleeps (up to the gloo timeout), and goes on the moment the word says so, with
-  no second wake-up; an abort or the leader's end reaches it through its socket. Elsewhere, or
-  None or 0, the completion is a socket message each receiver waits for. The node leader's
-  option decides for its node;
+  needs) and on x86 (whose store order the word relies on), receivers poll instead of sleeping:
+  a receiver waiting for the signal spins on its socket, yielding its core, for up to this long
+  before it blocks; and the node leader completes a message signalled early by writing its
+  number into a shared completion word, which a receiver done with the header and the blob
+  spins on for this long, then looks at between 50 µs sleeps (up to the gloo timeout): no
+  wake-up through the scheduler for a signal or a completion that comes meanwhile. An abort or
+  the leader's end reaches it through its socket. Elsewhere, or None or 0, receivers block on
+  their socket and the completion is a socket message. The node leader's option decides for
+  its node (the floor's node-local method, built on the same channel, polls alike);
 - ``max_bytes`` (16 GiB): receivers refuse a header that claims more than this.
 """
 

@@ -107,10 +107,11 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
         self.readers = tuple(r for r in self.local if r != self.node_leader)
         self.timeout_s = group_timeout_s(groups.cpu_replica_group)
         self.poll_us = poll_us if polls(poll_us, ranks_on_node(groups)) else None
-        """The node leader: how long its readers spin on the completion word of a message
-        signalled early before they poll it between sleeps; None: they wait for the
-        completion's socket message instead (``node_signals.polls``). The node leader's own
-        decides for its node: it sends it with its answer to each reader's hello."""
+        """The node leader: how long its readers spin on their socket for a signal before they
+        block, and on the completion word of a message signalled early before they look at it
+        between sleeps; None: they block, and wait for the completion's socket message instead
+        (``node_signals.polls``). The node leader's own decides for its node: it sends it with
+        its answer to each reader's hello."""
         self.poll_s: float | None = None
         """A reader: its node leader's ``poll_us`` in seconds, once connected."""
         self.connected = False

@@ -48,7 +48,7 @@ class RingReader:
         self.fds: dict[int, tuple[int, int]] = {}  # slot -> (generation, fd)
         self.last_index: int | None = None  # the slot of the last message it took
         self.pending: int | None = None  # a message signalled early, not complete yet
-        self._sock_poll: select.poll | None = None  # the socket, for _polled_complete
+        self._sock_poll: select.poll | None = None  # the socket, for _sock_ready
         self.polled_count = 0
         """Messages signalled early whose completion this reader read from the word."""
 
@@ -76,8 +76,10 @@ class RingReader:
         release goes out when the last tensor viewing it dies): ``premap``'s view when the
         message is in its segment, else a new mapping. On the replica leader's node a
         stripe sender sends its stripes before it returns; on another node a stripe receiver
-        writes its stripe first, when its node leader asks."""
+        writes its stripe first, when its node leader asks. Where it polls (``poll_s``), it
+        spins on its socket first, so a signal within that time wakes no one."""
         while True:
+            self._spin_for_message()
             magic, index, generation, sequence, nbytes = self._next_message()
             if magic in (SIGNAL_MAGIC, EARLY_MAGIC):
                 break
@@ -128,6 +130,24 @@ class RingReader:
                 f"message {sequence} was awaited; the channel is closed"
             )
 
+    def _sock_ready(self) -> select.poll:
+        """A poll of this reader's socket (made once)."""
+        if self._sock_poll is None:
+            self._sock_poll = select.poll()
+            self._sock_poll.register(self.sock, select.POLLIN)
+        return self._sock_poll
+
+    def _spin_for_message(self) -> None:
+        """Where this reader polls (``poll_s``): look at its socket, yielding the core, until a
+        message is there or ``poll_s`` passed (then ``_next_message`` blocks as anywhere else).
+        A message that comes meanwhile is read without a wake-up through the scheduler."""
+        if self.poll_s is None or self.sock is None or self.sock.fileno() == -1:
+            return
+        ready = self._sock_ready()
+        until = time.perf_counter() + self.poll_s
+        while not ready.poll(0) and time.perf_counter() < until:
+            os.sched_yield()
+
     def _polled_complete(self, sequence: int) -> bool:
         """A reader whose node leader writes the completion word (``poll_s``): True once the
         word holds message ``sequence``; False when its socket holds the writer's abort or end
@@ -137,17 +157,14 @@ class RingReader:
         abort is first in the socket."""
         if self.poll_s is None:
             return False
-        word, sock = self.completion, self.sock
-        if self._sock_poll is None:
-            self._sock_poll = select.poll()
-            self._sock_poll.register(sock, select.POLLIN)
+        word, sock, ready = self.completion, self.sock, self._sock_ready()
         start = time.perf_counter()
         spin_until, deadline = start + self.poll_s, start + self.timeout_s
         while True:
             done = COMPLETED.unpack_from(word, 0)[0]
             if done == sequence:
                 return True
-            readable = self._sock_poll.poll(0)
+            readable = ready.poll(0)
             if done > sequence or readable:
                 first = _first_in(sock) if readable else b"?"
                 if first[:4] == ABORT_MAGIC:
