@@ -82,7 +82,7 @@ from strategies.core.header_format import (
 from strategies.core.node_channel import DEFAULT_POLL_US, DEFAULT_STRIPE_MIN_BYTES, NodeChannel
 from strategies.core.node_signals import ShmError, check_size_option
 from strategies.core.packed import PackedStrategy
-from strategies.core.packer import NO_DIRECT, Filler
+from strategies.core.packer import NO_DIRECT
 from strategies.core.parts import encode_non_tensor
 from strategies.core.plan import Handoff, LocalWork, PayloadSpec, Plan
 from strategies.core.recent import NextShape
@@ -185,8 +185,7 @@ class Shm(PackedStrategy):
 
     def posts_collectives(self) -> bool:
         """On one node, once connected, a call is socket messages and shared memory only."""
-        ch = self.channel
-        return not (ch.connected and len(ch.nodes) == 1)
+        return not self.channel.node_local
 
     def _read(self, buf: torch.Tensor, guess: Guess | None):
         """A reader: (the header, the TensorDict or None, the non-tensor batch) of the message
@@ -267,7 +266,7 @@ class Shm(PackedStrategy):
         if self.stage or checked is None or checked[0] is not batch.batch:
             return False
         ch = self.channel
-        if len(ch.nodes) != 1 or not ch.connected:
+        if not ch.node_local:
             return False
         blob = encode_non_tensor(batch.non_tensor_batch) if wants_non_tensor(batch) else None
         last = slot.packer.replay(
@@ -281,9 +280,7 @@ class Shm(PackedStrategy):
             raise ShmError(f"rank {self.groups.rank}: shm: the replayed plan is not of its slot")
         self.packer = slot.packer
         parts, total = checked[1], last.total
-        sources = [parts[i][3] for i in last.views.src_index]
-        fill = Filler(last.out, last.views.dst, sources, last.views.starts, blob, last.blob_at,
-                      last.room, last.host)  # fmt: skip
+        fill = slot.packer.filler(last, parts, blob)
         if self._early(total):
             self._write_early(slot, total, fill)
         else:

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 import strategies
-from harness.job.dispatch_hops import hops_call
+from harness.job.dispatch_hops import hops_call, on_device
 from harness.job.dispatch_modes import ALL_RANKS, EDGE_STAGES, HOPS, LEADER, DispatchMode
 from harness.job.phases import Timing, run_phases
 from harness.job.results import RankResult
@@ -169,12 +169,6 @@ def _tensor(arr: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(arr)
 
 
-def _on_device(dp: DataProto, device: torch.device) -> DataProto:
-    if device.type != "cpu" and dp.batch is not None:
-        dp.batch = dp.batch.to(device)
-    return dp
-
-
 def _setup_on_rank(ctx, spec: JobSpec, entry: DataProto) -> dict:
     """Build the groups and every leader mode's strategy, prepared on this rank's entry state
     (the floor packs its buffer here). A refusal is raised on every rank before any collective,
@@ -188,7 +182,7 @@ def _setup_on_rank(ctx, spec: JobSpec, entry: DataProto) -> dict:
         except strategies.Unsupported as exc:
             refused[name] = str(exc)
             continue
-        built[name].prepare(_on_device(entry, groups.device))
+        built[name].prepare(on_device(entry, groups.device))
     ctx.cache["dispatch"] = built
     ctx.cache["dispatch_groups"] = groups  # the hop modes' groups (harness.job.dispatch_hops)
     stage = {"pp": groups.pp_rank, "tp_cp": groups.tp_cp_rank}
@@ -200,7 +194,7 @@ def _prepare_raw_on_rank(ctx, entry: DataProto) -> None:
     a broadcast job's ranks do between rounds (``harness.job.broadcast.BroadcastJob.use``)."""
     for strategy in ctx.cache["dispatch"].values():
         if getattr(strategy, "raw_bytes", False):
-            strategy.prepare(_on_device(entry, strategy.groups.device))
+            strategy.prepare(on_device(entry, strategy.groups.device))
 
 
 def _leader_call(ctx, name: str, data, verify: bool):
@@ -214,7 +208,7 @@ def _leader_call(ctx, name: str, data, verify: bool):
         strategy.get_data_input(DataProto(None, {}, {}))
         end = time.time_ns()
         return end, (tensor_digest(strategy.received) if verify else None)
-    entry = _on_device(data, device) if isinstance(data, DataProto) else DataProto(None, {}, data)
+    entry = on_device(data, device) if isinstance(data, DataProto) else DataProto(None, {}, data)
     out = strategy.get_data_input(entry)
     end = time.time_ns()
     return end, ((digest(out, True), out.meta_info) if verify else None)
@@ -225,7 +219,7 @@ def _all_ranks_call(ctx, data, verify: bool):
     if isinstance(data, np.ndarray):
         end = time.time_ns()
         return end, (tensor_digest(_tensor(data)) if verify else None)
-    data = _on_device(data, ctx.device)
+    data = on_device(data, ctx.device)
     end = time.time_ns()
     return end, ((digest(data, True), data.meta_info) if verify else None)
 

@@ -43,7 +43,8 @@ def _edge(groups: ProcessGroups) -> bool:
     return groups.pp_rank in (0, groups.pp_size - 1)
 
 
-def _on_device(dp: DataProto, device: torch.device) -> DataProto:
+def on_device(dp: DataProto, device: torch.device) -> DataProto:
+    """``dp`` with its TensorDict on ``device`` (moved in place; host memory stays)."""
     if device.type != "cpu" and dp.batch is not None:
         dp.batch = dp.batch.to(device)
     return dp
@@ -80,7 +81,7 @@ def object_hops(kind: str, groups: ProcessGroups, data: DataProto | None) -> Dat
         _chain_object(groups, box)
     else:
         raise ValueError(f"dispatch hops: {kind!r} is not one of {[EDGE_STAGES, CHAIN]}")
-    return _on_device(box[0], groups.device)
+    return on_device(box[0], groups.device)
 
 
 # -- the floors: one flat uint8 tensor -------------------------------------------------------

@@ -59,18 +59,13 @@ def holding_ranks(kind: str, layout: Layout) -> list[int]:
     return list(ranks)
 
 
-def _stage_of(layout: Layout, group: list[int]) -> int:
-    return layout.coords(group[0])["pp"]
-
-
 def _hop_groups(kind: str, layout: Layout) -> list[list[list[int]]]:
     """The hops after Ray, in order, each as the groups that run it at once (every replica's):
     ``edge_stages`` the TP×CP groups of the first and last stages together; ``chain`` stage 0's
     TP×CP groups, then one hop per pair of neighbouring stages (each rank of stage k to its
     counterpart on stage k + 1, a group of two)."""
-    edges = (0, layout.pp - 1)
     if kind == EDGE_STAGES:
-        groups = [g for g in layout.groups("tp-cp") if _stage_of(layout, g) in edges]
+        groups = [g for g in layout.groups("tp-cp") if edge_stage(layout, g[0])]
         return [groups] if layout.tp_cp > 1 else []
     hops = [layout.stage0_tp_cp_groups()] if layout.tp_cp > 1 else []
     pipes = layout.groups("pp")

@@ -126,6 +126,12 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
             self, _close_all, self.socks, self.fds, self.slots, self.read_upto, self.published
         )
 
+    @property
+    def node_local(self) -> bool:
+        """Connected, with the whole replica on this node: a message is shared memory and
+        socket messages only (no point-to-point send, no stripe)."""
+        return self.connected and len(self.nodes) == 1
+
     # -- set-up ----------------------------------------------------------------------------
     def connect(self) -> None:
         """Every node leader listens on a fresh abstract address; the replica learns them in

@@ -25,10 +25,8 @@ from strategies.core.header_format import (
 )
 from strategies.core.packer import Packer
 from strategies.core.parts import (
-    message_parts,
     nbytes_of,
     parts_and_structure,
-    structure,
     transportable,
 )
 from strategies.core.phase_clock import CLOCK
@@ -180,8 +178,7 @@ class PackedStrategy(Strategy):
         if checked is not None and checked[0] is batch.batch:
             _, parts, shape = checked  # leader_view's, for this very batch
         else:  # a batch the protocol made (a failure batch): nothing to check
-            parts = message_parts(batch.batch, self.groups.rank)
-            shape = structure(batch.batch, parts)
+            parts, shape = parts_and_structure(batch.batch, self.groups.rank)
         nt = batch.non_tensor_batch if wants_non_tensor(batch) else None
         encoded, self._encoded = self._encoded, None
         blob = encoded[1] if encoded is not None and encoded[0] is batch else None

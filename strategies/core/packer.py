@@ -11,6 +11,7 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 
 import numpy as np
 import torch
@@ -207,7 +208,7 @@ class Packer:
         device = batch.device if batch.device is not None else _leaf_device(parts)
         last = self.replay(shape, direct, blob, next_expect, min_capacity, device)
         if last is not None:
-            return last.out, last.header, self._filler(last, parts, blob)
+            return last.out, last.header, self.filler(last, parts, blob)
         return self._pack_anew(
             batch, parts, blob, device, direct, rank, shape,
             next_expect=next_expect, min_capacity=min_capacity,
@@ -299,9 +300,9 @@ class Packer:
         WORK["packed_bytes"] += total
         if blob is not None:
             WORK["pickled_bytes"] += len(blob)
-        return out, header, self._filler(last, parts, blob)
+        return out, header, self.filler(last, parts, blob)
 
-    def _filler(self, last: _Replay, parts: list[Part], blob: bytes | None) -> Filler:
+    def filler(self, last: _Replay, parts: list[Part], blob: bytes | None) -> Filler:
         """The ``Filler`` of a message laid out as ``last`` with this batch's leaves and blob."""
         sources = [parts[i][3] for i in last.views.src_index]
         return Filler(last.out, last.views.dst, sources, last.views.starts, blob, last.blob_at,
@@ -339,8 +340,8 @@ class Packer:
         needs = self.recent_needs
         if not needs:
             return True
-        window = list(needs)[1:] if len(needs) == needs.maxlen else needs
-        return out.numel() <= SHRINK_ABOVE * max(capacity, *window)
+        window = islice(needs, 1 if len(needs) == needs.maxlen else 0, None)  # this one joins
+        return out.numel() <= SHRINK_ABOVE * max(capacity, max(window, default=0))
 
     def _laid_out(self, batch, parts: list[Part], direct, rank: int, shape) -> _Layout:
         """The layout of this structure (``shape``: the batch's ``structure``, when the caller
