@@ -61,23 +61,36 @@ def collect_answers(
 
 
 def _silent_ranks(ray, actors: list, ranks: list[int], limit: float, waited: float):
-    """(rank, phase, where) of each of ``ranks`` that has reported nothing for ``limit``
-    seconds; when some of them are outside any collective, only those (the rest wait for
-    them inside one). A rank that cannot even say where it is (its actor gone or wedged)
-    counts as silent since the task began."""
+    """(rank, phase, where) of the ranks to name among ``ranks`` (``culprits``). A rank that
+    cannot even say where it is (its actor gone or wedged) counts as silent since the task
+    began, outside any collective."""
     if waited < limit:
         return []
     asks = {r: actors[r].where.remote() for r in ranks if r < len(actors)}
-    silent = []
+    states = []
     for rank, ask in asks.items():
         try:
             phase, idle_s, at = ray.get(ask, timeout=PROGRESS_POLL_S)
         except Exception:
             phase, idle_s, at = "not answering", waited, "its actor does not answer"
-        if idle_s >= limit:
-            silent.append((rank, phase, at))
-    outside = [s for s in silent if not in_collective(s[2])]
-    return outside or silent
+        states.append((rank, phase, idle_s, at))
+    return culprits(states, limit)
+
+
+def culprits(states: list[tuple[int, str, float, str]], limit: float):
+    """(rank, phase, where) of the ranks to name, from each unfinished rank's (rank, phase,
+    seconds since its last report, where): none until one has been silent for ``limit``
+    seconds. A rank outside any collective is what the ranks inside one wait for, so while one
+    of those is within its limit (it reported after the ranks that wait for it) nobody is
+    named yet; silent ones outside are named alone; only when every unfinished rank waits in a
+    collective are the silent ones among them named."""
+    silent = [s for s in states if s[2] >= limit]
+    if not silent:
+        return []
+    outside = [s for s in states if not in_collective(s[3])]
+    if outside:
+        return [(r, phase, at) for r, phase, idle_s, at in outside if idle_s >= limit]
+    return [(r, phase, at) for r, phase, _, at in silent]
 
 
 def _root_failure(ray, rank: int, exc: Exception, pending: list, rank_of: dict):
