@@ -148,6 +148,11 @@ class Shm(PackedStrategy):
         if g.replica_ranks == (g.rank,):  # a replica of one: the leader holds what it sends
             return batch
         if g.is_leader:
+            if ch.closed:  # every reader's is closed too: each raises, nothing to ship
+                raise settled(ShmError(
+                    f"rank {g.rank}: shm: the channel closed on an earlier call "
+                    f"({ch.closed_why}); build the strategy again"
+                ))  # fmt: skip
             slot = ch.writer_slot()
             if self._replay(slot, batch):
                 return batch
@@ -182,6 +187,17 @@ class Shm(PackedStrategy):
         if not self.views:
             td = td.clone()  # owned copies: the views (and the segment's hold) go with buf
         return deliver(batch, td, non_tensor)
+
+    def abandon(self, text: str) -> bool:
+        """Leader, a failure it could not ship: on one node, its readers are told ``text``
+        through their sockets and the channel is closed (``NodeChannel.abandon``), connected
+        first if this was the first call (the readers wait in its set-up). Across nodes the
+        other node leaders wait in a point-to-point receive: False."""
+        ch = self.channel
+        if ch.closed or len(ch.nodes) > 1:
+            return False
+        self._connect()
+        return ch.abandon(text)
 
     def posts_collectives(self) -> bool:
         """On one node, once connected, a call is socket messages and shared memory only."""

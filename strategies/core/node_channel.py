@@ -116,6 +116,8 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
         """A reader: its node leader's ``poll_us`` in seconds, once connected."""
         self.connected = False
         self.closed = False
+        self.closed_why = ""
+        """Why the channel closed (``close``), for the error of a call made on it since."""
         self.completion: mmap.mmap | None = None
         """The node leader's completion page (``node_signals.COMPLETED``): its shared mapping
         on the node leader, read-only on a reader; None until ``connect``."""
@@ -140,8 +142,8 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
         g = self.groups
         if self.closed:  # a set-up that failed is not tried again: the others are not in it
             raise settled(ShmError(
-                f"rank {g.rank}: shm: the channel's set-up failed on an earlier call; build the "
-                "strategy again"
+                f"rank {g.rank}: shm: the channel closed on an earlier call ({self.closed_why}); "
+                "build the strategy again"
             ))  # fmt: skip
         listener = None
         mine = None
@@ -167,7 +169,7 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
                 self._dial(*by_rank[self.node_leader])
         except ShmError as exc:
             # Readers that did connect learn of it from their closed socket, not a timeout.
-            self.close()
+            self.close("its set-up failed")
             raise settled(exc) from None
         finally:
             if listener is not None:
@@ -261,9 +263,11 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
             for fd in fds:
                 os.close(fd)
 
-    def close(self) -> None:
+    def close(self, why: str = "it was closed") -> None:
+        """Close the channel for good; ``why`` is what a later call on it says."""
         if not self.closed:
             self.closed = True
+            self.closed_why = why
             if self.sock is not None:
                 self.sock.close()
             _close_all(self.socks, self.fds, self.slots, self.read_upto, self.published)

@@ -83,6 +83,10 @@ class RingReader:
             magic, index, generation, sequence, nbytes = self._next_message()
             if magic in (SIGNAL_MAGIC, EARLY_MAGIC):
                 break
+            if magic == ABORT_MAGIC:  # the writer gave up (``RingWriter.abandon``)
+                text = self._abort_text() or "it gave up its channel"
+                self.close(f"the leader's failure could not be shipped: {text}")
+                raise settled(leader_failed(self.groups, text))
             self._write_stripe(index, generation, sequence, nbytes)
         self.pending = sequence if magic == EARLY_MAGIC else None
         try:  # waits for room: the leader may be waiting for exactly this report
@@ -118,17 +122,22 @@ class RingReader:
             return
         magic, _, _, got, _ = self._next_message(DONE_MAGIC, ABORT_MAGIC)
         if magic == ABORT_MAGIC:
-            try:
-                text = self.sock.recv(ABORT_TEXT_BYTES).decode(errors="replace")
-            except OSError:
-                text = ""
-            raise settled(leader_failed(self.groups, text or "it failed while writing"))
+            raise settled(
+                leader_failed(self.groups, self._abort_text() or "it failed while writing")
+            )
         if got != sequence:
             self.close()
             raise ShmError(
                 f"rank {self.groups.rank}: shm: the completion of message {got} arrived while "
                 f"message {sequence} was awaited; the channel is closed"
             )
+
+    def _abort_text(self) -> str:
+        """The text that follows an abort in the socket ("" when it cannot be read)."""
+        try:
+            return self.sock.recv(ABORT_TEXT_BYTES).decode(errors="replace")
+        except OSError:
+            return ""
 
     def _sock_ready(self) -> select.poll:
         """A poll of this reader's socket (made once)."""
@@ -188,14 +197,15 @@ class RingReader:
 
     def _next_message(self, *accept: bytes) -> tuple[bytes, int, int, int, int]:
         """A reader: the next message from the node leader, one of ``accept`` (by default a
-        signal, early or not, or a stripe request); a segment's fd that comes with it is kept
-        for its slot."""
-        accept = accept or (SIGNAL_MAGIC, EARLY_MAGIC, STRIPE_MAGIC)
+        signal, early or not, a stripe request, or the writer's abort); a segment's fd that
+        comes with it is kept for its slot."""
+        accept = accept or (SIGNAL_MAGIC, EARLY_MAGIC, STRIPE_MAGIC, ABORT_MAGIC)
         rank = self.groups.rank
         if self.sock is None or self.sock.fileno() == -1:
             raise ShmError(
                 f"rank {rank}: shm: node leader rank {self.node_leader}: the channel closed on "
-                "an earlier call; build the strategy again"
+                f"an earlier call ({self.closed_why or 'its socket closed'}); build the strategy "
+                "again"
             )
         try:
             msg, fds, _, _ = socket.recv_fds(self.sock, SIGNAL.size, 1)

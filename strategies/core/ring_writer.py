@@ -135,6 +135,23 @@ class RingWriter:
         msg = SIGNAL.pack(ABORT_MAGIC, slot.index, slot.segment.generation, slot.sequence, 0)
         self._tell(slot, [msg, text.encode(errors="replace")[:ABORT_TEXT_BYTES]])
 
+    def abandon(self, text: str) -> bool:
+        """The writer cannot send its message (a failure it could not even ship): every
+        connected reader is told ``text`` (an abort outside any message, which its ``receive``
+        raises as the leader's failure) and the channel is closed. True when a reader was
+        told."""
+        msg = SIGNAL.pack(ABORT_MAGIC, 0, 0, 0, 0)
+        told = 0
+        for sock in list(self.socks.values()):
+            try:  # never waits: a reader whose queue is full learns from the close instead
+                sock.send(msg, socket.MSG_DONTWAIT)
+                sock.send(text.encode(errors="replace")[:ABORT_TEXT_BYTES], socket.MSG_DONTWAIT)
+                told += 1
+            except OSError:
+                pass
+        self.close(f"the leader's failure could not be shipped: {text}")
+        return told > 0
+
     def _tell(self, slot: Slot, messages: list[bytes]) -> list[str]:
         """Send ``messages`` to every live reader of the message in ``slot``; a reader whose
         socket fails is dropped (its socket closed: it raises at once). Returns the failures."""

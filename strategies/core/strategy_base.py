@@ -168,8 +168,8 @@ class Strategy:
             self.transfer(sent)
         except Exception as ship_exc:  # noqa: BLE001 -- reported with the leader's own error
             exc.add_note(
-                f"rank {g.rank}: shipping this failure to the replica failed too, so its "
-                f"receivers may still wait: {failure_text(ship_exc)}"
+                f"rank {g.rank}: shipping this failure to the replica failed too "
+                f"({failure_text(ship_exc)}); {self._abandoned(exc)}"
             )
         settled(exc)
 
@@ -182,8 +182,25 @@ class Strategy:
         except Exception as replay_exc:  # noqa: BLE001 -- reported with the leader's own error
             exc.add_note(
                 f"rank {self.groups.rank}: finishing the collectives announced before this "
-                f"failure failed too, so receivers may still wait: {failure_text(replay_exc)}"
+                f"failure failed too ({failure_text(replay_exc)}); {self._abandoned(exc)}"
             )
+
+    def abandon(self, text: str) -> bool:
+        """Leader: ``text`` (its failure) could not reach the receivers through ``transfer``
+        (shipping it failed too). Make them raise it instead of waiting, where this strategy
+        has a way besides its collectives, and return True; by default there is none (False:
+        they wait as long as their collective does, the group's timeout, and raise there)."""
+        return False
+
+    def _abandoned(self, exc: Exception) -> str:
+        """``abandon`` for ``exc``, in words for the leader's error."""
+        try:
+            told = self.abandon(failure_text(exc))
+        except Exception as abandon_exc:  # noqa: BLE001 -- reported with the leader's own error
+            return f"telling the receivers otherwise failed too: {failure_text(abandon_exc)}"
+        if told:
+            return "its receivers were told otherwise, and the strategy cannot be used again"
+        return "its receivers may still wait (up to the group's timeout)"
 
     def _watched_groups(self) -> tuple:
         watched = self.__dict__.get("_watched")

@@ -154,3 +154,64 @@ def test_a_leader_that_fails_after_its_early_signal_reaches_every_reader(world4,
         if rank:
             assert outcomes[1].startswith("LeaderFailed: "), (rank, outcomes)
             assert "injected copy failure" in outcomes[1], (rank, outcomes)
+
+
+def unshippable_job(ctx, early: int | None, fail_call: int):
+    """Three calls on shm (``early_min_bytes=early``); in call ``fail_call`` every copy the
+    leader makes raises, so the failure batch it ships in its batch's place cannot be copied
+    either. (outcome per call, seconds of the faulty one) on this rank."""
+    groups = ctx.groups_for(LAYOUT)
+    strategy = strategies.get("shm", groups, early_min_bytes=early)
+    outcomes, seconds = [], 0.0
+    real = torch._foreach_copy_
+
+    def faulty(*args, **kwargs):
+        raise RuntimeError("injected copy failure")
+
+    for seed in range(3):
+        want = sized(seed, 4)
+        entry = sized(seed, 4) if groups.is_leader else want.entry_state(False)
+        if seed == fail_call and groups.is_leader:
+            torch._foreach_copy_ = faulty
+        t0 = time.monotonic()
+        try:
+            out = strategy.get_data_input(entry)
+            problems = batch_problems(want, out, groups.is_leader, f"call {seed}")
+            outcomes.append("; ".join(problems) or "exact")
+            del out
+        except Exception as exc:  # noqa: BLE001 -- the test looks at every rank's outcome
+            notes = " | ".join(getattr(exc, "__notes__", ()))
+            outcomes.append(f"{type(exc).__name__}: {exc} | {notes}")
+        finally:
+            torch._foreach_copy_ = real
+        if seed == fail_call:
+            seconds = time.monotonic() - t0
+        torch.distributed.barrier()
+    return outcomes, seconds
+
+
+@pytest.mark.parametrize("fail_call", [0, 1], ids=["first-call", "later-call"])
+@pytest.mark.parametrize("early", [None, 0], ids=["whole", "early"])
+def test_a_failure_the_leader_cannot_ship_reaches_every_reader(world4, early, fail_call):
+    """The leader's copies fail for a whole call, the failure batch's too: a failure that is
+    not shipped leaves no reader waiting (for the gloo timeout): each raises the leader's
+    error at once, told through its socket (the channel is then closed, and every later call
+    says so on every rank) or, signalled early, by the abort of the message it was reading
+    (the channel stays in step: the next call is exact)."""
+    results = world4.run(unshippable_job, early, fail_call, timeout_s=6 * FAIL_WITHIN_S)
+    leader = results[0][0]
+    assert all(o == "exact" for o in leader[:fail_call]), leader
+    assert "injected copy failure" in leader[fail_call], leader
+    abandoned = "its receivers were told otherwise" in leader[fail_call]
+    for rank, (outcomes, seconds) in enumerate(results):
+        assert all(o == "exact" for o in outcomes[:fail_call]), (rank, outcomes)
+        assert seconds < FAIL_WITHIN_S, (rank, seconds)
+        if rank:
+            assert outcomes[fail_call].startswith("LeaderFailed: "), (rank, outcomes)
+            assert "injected copy failure" in outcomes[fail_call], (rank, outcomes)
+        for later in outcomes[fail_call + 1 :]:
+            if abandoned:
+                assert "closed on an earlier call" in later, (rank, outcomes)
+                assert "could not be shipped: RuntimeError: injected copy failure" in later
+            else:
+                assert later == "exact", (rank, outcomes)
