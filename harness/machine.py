@@ -9,9 +9,12 @@ and steal are left out.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
+
+from strategies.core.node_signals import usable_cores
 
 
 @dataclass(frozen=True)
@@ -74,14 +77,11 @@ class HostBeforeJob:
 
 
 def host_before_job() -> HostBeforeJob:
-    """The cores this process may run on (``os.sched_getaffinity``, a container's or a
-    taskset's share, not the machine's count) and the 1-minute load average (None where the
-    platform has none). A VM's load average can mislead; the record keeps it beside the cores
-    so a reader can judge."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
+    """The whole cores this process may run on (``usable_cores``: a container's or a taskset's
+    share, capped by its CPU quota, not the machine's count; the same count decides whether shm
+    readers poll) and the 1-minute load average (None where the platform has none). A VM's load
+    average can mislead; the record keeps it beside the cores so a reader can judge."""
+    cores = max(1, math.floor(usable_cores()))
     try:
         load = round(os.getloadavg()[0], 2)
     except OSError:

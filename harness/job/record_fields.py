@@ -249,7 +249,10 @@ class Record(TypedDict, total=False):
     tensordict_version: Annotated[str, "tensordict"]
     hostname: Annotated[str, "the machine that wrote the record"]
     cpu_count: Annotated[int | None, "its CPUs"]
-    host_cores: Annotated[int | None, "the CPUs this job's process could run on (affinity)"]
+    host_cores: Annotated[
+        int | None,
+        "the whole CPUs this job's process could run on (affinity, capped by its cgroup's CPU quota)",
+    ]
     ranks_on_node: Annotated[int | None, "the most ranks of the world on one node"]
     oversubscribed: Annotated[
         bool | None,

@@ -86,7 +86,10 @@ def polls(poll_us: int | None, ranks_on_node: int) -> bool:
 def usable_cores() -> float:
     """The cores this process may run on: its affinity, capped by its cgroup's CPU quota (a
     container that sees every core of the host may be allowed a few of them)."""
-    cores = float(len(os.sched_getaffinity(0)))
+    try:
+        cores = float(len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity on this platform: every core
+        cores = float(os.cpu_count() or 1)
     for path, period_path in QUOTA_FILES:
         try:
             with open(path) as f:
