@@ -408,7 +408,7 @@ class Guess:
         return (
             buf.data_ptr() == self.premap.view.data_ptr()
             and buf.numel() >= max(n, self.header.total_bytes)
-            and self.host[:n] == self.raw
+            and self.host[:n].tobytes() == self.raw  # one memcmp, not a compare per byte
         )
 
 
