@@ -190,11 +190,14 @@ class Shm(PackedStrategy):
 
     def abandon(self, text: str) -> bool:
         """Leader, a failure it could not ship: on one node, its readers are told ``text``
-        through their sockets and the channel is closed (``NodeChannel.abandon``), connected
-        first if this was the first call (the readers wait in its set-up). Across nodes the
+        through their sockets and the channel is closed (``RingWriter.abandon``), connected
+        first if this was the first call (the readers wait in its set-up). A channel closed
+        already keeps nobody waiting (each reader's is closed too): True. Across nodes the
         other node leaders wait in a point-to-point receive: False."""
         ch = self.channel
-        if ch.closed or len(ch.nodes) > 1:
+        if ch.closed:
+            return True
+        if len(ch.nodes) > 1:
             return False
         self._connect()
         return ch.abandon(text)

@@ -154,8 +154,14 @@ def send_report(sock: socket.socket, kind: int, index: int, generation: int, seq
 
 
 def close_quietly(sock: socket.socket) -> None:
-    # A Unix socket closed with unread data resets its peer, which then loses a signal it has
-    # not read yet: take the releases first.
+    # A Unix socket closed with unread data resets its peer, whose next receive then fails
+    # before the messages still queued for it (a signal, an abort): take the reports first.
+    # Shut for reading before that, so a report sent meanwhile fails on its sender (which
+    # expects it to) instead of arriving between the drain and the close.
+    try:
+        sock.shutdown(socket.SHUT_RD)
+    except OSError:
+        pass
     try:
         while sock.recv(RELEASE.size, socket.MSG_DONTWAIT):
             pass

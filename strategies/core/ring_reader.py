@@ -77,7 +77,9 @@ class RingReader:
         message is in its segment, else a new mapping. On the replica leader's node a
         stripe sender sends its stripes before it returns; on another node a stripe receiver
         writes its stripe first, when its node leader asks. Where it polls (``poll_s``), it
-        spins on its socket first, so a signal within that time wakes no one."""
+        spins on its socket first, so a signal within that time wakes no one. A writer that
+        gave up its channel (``RingWriter.abandon``) is raised here as the leader's failure,
+        and the channel is closed."""
         while True:
             self._spin_for_message()
             magic, index, generation, sequence, nbytes = self._next_message()
@@ -122,9 +124,10 @@ class RingReader:
             return
         magic, _, _, got, _ = self._next_message(DONE_MAGIC, ABORT_MAGIC)
         if magic == ABORT_MAGIC:
-            raise settled(
-                leader_failed(self.groups, self._abort_text() or "it failed while writing")
-            )
+            text = self._abort_text() or "it failed while writing"
+            if got != sequence:  # not this message's: the writer gave up its channel
+                self.close(f"the leader's failure could not be shipped: {text}")
+            raise settled(leader_failed(self.groups, text))
         if got != sequence:
             self.close()
             raise ShmError(
@@ -177,7 +180,11 @@ class RingReader:
             if done > sequence or readable:
                 first = _first_in(sock) if readable else b"?"
                 if first[:4] == ABORT_MAGIC:
-                    return False
+                    if len(first) != SIGNAL.size or SIGNAL.unpack(first)[3] == sequence:
+                        return False  # this message's abort
+                    # Another's (the writer gave up its channel, ``abandon``): this message
+                    # is whole if the word says so, and the abort is left for the next call.
+                    return COMPLETED.unpack_from(word, 0)[0] >= sequence
                 # A closed socket after the word was written (a leader that completed this
                 # message and ended) is a whole message; the writer signals a message only once
                 # the one before is complete, so a later signal over an older word is out of

@@ -35,7 +35,8 @@ from strategies.core.segment_ring import Slot, map_private
 
 class RingWriter:
     """The node leader's half of a ``NodeChannel``: ``writer_slot`` + ``publish`` (or, signalled
-    early, ``publish(early=True)`` then ``complete`` or ``abort``) per message."""
+    early, ``publish(early=True)`` then ``complete`` or ``abort``) per message; ``abandon``
+    when the leader cannot send a message at all."""
 
     def _init_writer(self, slots: int) -> None:
         self.slots = [Slot(i) for i in range(slots)]

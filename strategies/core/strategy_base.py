@@ -188,8 +188,9 @@ class Strategy:
     def abandon(self, text: str) -> bool:
         """Leader: ``text`` (its failure) could not reach the receivers through ``transfer``
         (shipping it failed too). Make them raise it instead of waiting, where this strategy
-        has a way besides its collectives, and return True; by default there is none (False:
-        they wait as long as their collective does, the group's timeout, and raise there)."""
+        has a way besides its collectives, and return whether no receiver is left waiting; by
+        default there is none (False: they wait as long as their collective does, the group's
+        timeout, and raise there)."""
         return False
 
     def _abandoned(self, exc: Exception) -> str:
@@ -199,7 +200,7 @@ class Strategy:
         except Exception as abandon_exc:  # noqa: BLE001 -- reported with the leader's own error
             return f"telling the receivers otherwise failed too: {failure_text(abandon_exc)}"
         if told:
-            return "its receivers were told otherwise, and the strategy cannot be used again"
+            return "no receiver is left waiting for it, and the strategy cannot be used again"
         return "its receivers may still wait (up to the group's timeout)"
 
     def _watched_groups(self) -> tuple:

@@ -57,3 +57,45 @@ def test_usable_cores_is_the_affinity_capped_by_the_cgroup_quota(
 def test_ranks_on_node_counts_the_world_on_this_node():
     groups = types.SimpleNamespace(rank=2, replica_ranks=(0, 1, 2, 3), node_of=(0, 0, 1, 1, 1))
     assert ranks_on_node(groups) == 3
+
+
+def polling_reader(awaited_word: int):
+    """A node channel's reader half on one end of a socket pair, polling a completion page
+    that holds ``awaited_word``; returns (reader, the writer's end)."""
+    import mmap
+    import socket
+
+    from strategies.core.node_channel import NodeChannel
+
+    writer, mine = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    reader = object.__new__(NodeChannel)  # only the reader's state: no process group
+    reader.groups = types.SimpleNamespace(rank=1, leader=0)
+    reader.node_leader, reader.sock, reader._sock_poll = 0, mine, None
+    reader.poll_s, reader.timeout_s = 0.001, 5.0
+    reader.completion = mmap.mmap(-1, ns.COMPLETION_PAGE_BYTES)
+    ns.COMPLETED.pack_into(reader.completion, 0, awaited_word)
+    reader.closed, reader.closed_why = False, ""
+    reader.socks, reader.fds, reader.slots, reader.read_upto, reader.published = {}, {}, [], {}, [0]
+    return reader, writer
+
+
+def test_a_polling_reader_tells_its_message_abort_from_a_channel_given_up():
+    """Message 7 awaited, its abort first in the socket: 7 was aborted, whatever later message
+    the word holds. An abort of no message (the writer gave up its channel, ``abandon``) over a
+    word that holds 7 or later: 7 is whole, the abort left for the next call; over an older
+    word 7 never completes: the reader raises the leader's text and closes the channel."""
+    from strategies.core.contract import LeaderFailed
+
+    reader, writer = polling_reader(8)
+    writer.send(ns.SIGNAL.pack(ns.ABORT_MAGIC, 0, 0, 7, 0))
+    assert reader._polled_complete(7) is False
+    reader, writer = polling_reader(8)
+    writer.send(ns.SIGNAL.pack(ns.ABORT_MAGIC, 0, 0, 0, 0))
+    assert reader._polled_complete(7) is True
+    reader, writer = polling_reader(6)
+    writer.send(ns.SIGNAL.pack(ns.ABORT_MAGIC, 0, 0, 0, 0))
+    writer.send(b"RuntimeError: boom")
+    reader.pending = 7
+    with pytest.raises(LeaderFailed, match="failed to send its batch: RuntimeError: boom"):
+        reader.wait_complete()
+    assert reader.closed and "could not be shipped: RuntimeError: boom" in reader.closed_why

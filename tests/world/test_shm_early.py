@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import platform
-import time
 
 import numpy as np
 import pytest
@@ -29,7 +28,10 @@ pytestmark = pytest.mark.world
 LAYOUT = Layout(tp=2, pp=2)
 SIZES = (1, 4, 64, 1, 300, 2)
 """Rows per call: messages from a page to a few hundred KiB, the structure changing with them."""
-FAIL_WITHIN_S = 5.0
+HANG_S = 60.0
+"""A fault test's world reports a rank silent this long as hung. No test reads a clock: a reader
+that learnt of the leader's failure raises its text (``LeaderFailed``), one that waited raises a
+timeout of its own."""
 
 
 def sized(seed: int, b: int) -> strategies.DataProto:
@@ -101,7 +103,7 @@ def test_a_node_polls_only_where_each_of_its_ranks_has_a_core(world4):
 
 def early_fault_job(ctx, force: bool):
     """Three calls; in the second the leader's copy of the leaves raises after the early
-    signal went out. (outcome per call, seconds of the faulty one) on this rank; polling
+    signal went out. The outcome of each call on this rank; polling
     forced when ``force``."""
     groups = ctx.groups_for(LAYOUT)
     forced_polls(force)
@@ -109,7 +111,7 @@ def early_fault_job(ctx, force: bool):
         strategy = strategies.get("shm", groups)
     finally:
         forced_polls(False)
-    outcomes, seconds = [], 0.0
+    outcomes = []
     real = torch._foreach_copy_
 
     def faulty(*args, **kwargs):
@@ -121,7 +123,6 @@ def early_fault_job(ctx, force: bool):
         patch = seed == 1 and groups.is_leader
         if patch:
             torch._foreach_copy_ = faulty
-        t0 = time.monotonic()
         try:
             out = strategy.get_data_input(entry)
             problems = batch_problems(want, out, groups.is_leader, f"call {seed}")
@@ -131,10 +132,8 @@ def early_fault_job(ctx, force: bool):
             outcomes.append(f"{type(exc).__name__}: {exc}")
         finally:
             torch._foreach_copy_ = real
-        if seed == 1:
-            seconds = time.monotonic() - t0
         torch.distributed.barrier()
-    return outcomes, seconds
+    return outcomes
 
 
 @pytest.mark.parametrize(
@@ -145,12 +144,11 @@ def test_a_leader_that_fails_after_its_early_signal_reaches_every_reader(world4,
     fails: every reader raises the leader's error at once (not a timeout; a reader polling the
     completion word stops at the abort in its socket), and the next call is exact everywhere
     (the channel stayed in step)."""
-    results = world4.run(early_fault_job, force, timeout_s=3 * FAIL_WITHIN_S)
-    leader, _ = results[0]
+    results = world4.run(early_fault_job, force, timeout_s=HANG_S)
+    leader = results[0]
     assert leader[0] == "exact" and "injected copy failure" in leader[1], leader
-    for rank, (outcomes, seconds) in enumerate(results):
+    for rank, outcomes in enumerate(results):
         assert outcomes[0] == "exact" and outcomes[2] == "exact", (rank, outcomes)
-        assert seconds < FAIL_WITHIN_S, (rank, seconds)
         if rank:
             assert outcomes[1].startswith("LeaderFailed: "), (rank, outcomes)
             assert "injected copy failure" in outcomes[1], (rank, outcomes)
@@ -159,10 +157,10 @@ def test_a_leader_that_fails_after_its_early_signal_reaches_every_reader(world4,
 def unshippable_job(ctx, early: int | None, fail_call: int):
     """Three calls on shm (``early_min_bytes=early``); in call ``fail_call`` every copy the
     leader makes raises, so the failure batch it ships in its batch's place cannot be copied
-    either. (outcome per call, seconds of the faulty one) on this rank."""
+    either. The outcome of each call on this rank."""
     groups = ctx.groups_for(LAYOUT)
     strategy = strategies.get("shm", groups, early_min_bytes=early)
-    outcomes, seconds = [], 0.0
+    outcomes = []
     real = torch._foreach_copy_
 
     def faulty(*args, **kwargs):
@@ -173,7 +171,6 @@ def unshippable_job(ctx, early: int | None, fail_call: int):
         entry = sized(seed, 4) if groups.is_leader else want.entry_state(False)
         if seed == fail_call and groups.is_leader:
             torch._foreach_copy_ = faulty
-        t0 = time.monotonic()
         try:
             out = strategy.get_data_input(entry)
             problems = batch_problems(want, out, groups.is_leader, f"call {seed}")
@@ -184,10 +181,8 @@ def unshippable_job(ctx, early: int | None, fail_call: int):
             outcomes.append(f"{type(exc).__name__}: {exc} | {notes}")
         finally:
             torch._foreach_copy_ = real
-        if seed == fail_call:
-            seconds = time.monotonic() - t0
         torch.distributed.barrier()
-    return outcomes, seconds
+    return outcomes
 
 
 @pytest.mark.parametrize("fail_call", [0, 1], ids=["first-call", "later-call"])
@@ -198,14 +193,13 @@ def test_a_failure_the_leader_cannot_ship_reaches_every_reader(world4, early, fa
     error at once, told through its socket (the channel is then closed, and every later call
     says so on every rank) or, signalled early, by the abort of the message it was reading
     (the channel stays in step: the next call is exact)."""
-    results = world4.run(unshippable_job, early, fail_call, timeout_s=6 * FAIL_WITHIN_S)
-    leader = results[0][0]
+    results = world4.run(unshippable_job, early, fail_call, timeout_s=HANG_S)
+    leader = results[0]
     assert all(o == "exact" for o in leader[:fail_call]), leader
     assert "injected copy failure" in leader[fail_call], leader
-    abandoned = "its receivers were told otherwise" in leader[fail_call]
-    for rank, (outcomes, seconds) in enumerate(results):
+    abandoned = "no receiver is left waiting" in leader[fail_call]
+    for rank, outcomes in enumerate(results):
         assert all(o == "exact" for o in outcomes[:fail_call]), (rank, outcomes)
-        assert seconds < FAIL_WITHIN_S, (rank, seconds)
         if rank:
             assert outcomes[fail_call].startswith("LeaderFailed: "), (rank, outcomes)
             assert "injected copy failure" in outcomes[fail_call], (rank, outcomes)
