@@ -76,12 +76,18 @@ class HostBeforeJob:
         }
 
 
+def host_cores() -> int:
+    """The whole cores this process may run on: ``usable_cores`` (its affinity, capped by its
+    cgroup's CPU quota), rounded down, at least one."""
+    return max(1, math.floor(usable_cores()))
+
+
 def host_before_job() -> HostBeforeJob:
     """The whole cores this process may run on (``usable_cores``: a container's or a taskset's
     share, capped by its CPU quota, not the machine's count; the same count decides whether shm
     readers poll) and the 1-minute load average (None where the platform has none). A VM's load
     average can mislead; the record keeps it beside the cores so a reader can judge."""
-    cores = max(1, math.floor(usable_cores()))
+    cores = host_cores()
     try:
         load = round(os.getloadavg()[0], 2)
     except OSError:

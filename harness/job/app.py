@@ -17,7 +17,6 @@ leaves no record.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -29,6 +28,7 @@ from harness.job.config import validate
 from harness.job.execute import JOB_FAILURES, run_job, world_spec
 from harness.job.records import job_line
 from harness.job.verdict import records_beside
+from harness.machine import host_cores
 from harness.worlds import launcher as launchers
 
 log = logging.getLogger("bcastbench")
@@ -41,7 +41,7 @@ _WARNED: set[int] = set()
 def _warn_oversubscribed(layout) -> None:
     """Once per world size: more than two ranks per CPU time the CPUs' sharing as much as the
     transport (at up to two, ranks mostly wait on each other's messages in turn)."""
-    cpus = os.cpu_count() or 1
+    cpus = host_cores()
     if layout.world_size <= 2 * cpus or layout.world_size in _WARNED:
         return
     _WARNED.add(layout.world_size)

@@ -19,6 +19,9 @@ PROGRESS_POLL_S = 2.0
 """How often the driver asks waiting ranks where they are."""
 WAIT_SLICE_S = 0.2
 """The longest one wait on Ray lasts before the driver looks for a Ctrl-C (``ctrl_c_as_a_flag``)."""
+LONG_WAIT = 2
+"""A rank waiting in a collective this many limits while a rank outside any collective still
+reports progress is named all the same (``culprits``)."""
 DROPPED = "the Ray world's ranks were torn down (a next job starts new ones on the same cluster)"
 """What a failed task's error says happened to the world (``RayWorld.revive``)."""
 
@@ -27,9 +30,10 @@ def collect_answers(
     ray, actors: list, refs: list, what: str, limit: float, drop_ranks: Callable[[], None]
 ) -> list[Any]:
     """Every rank's answer in rank order, ``refs`` holding one task per rank (the actors', in
-    rank order). A rank that fails or dies, or that reports no progress for ``limit`` seconds,
-    has the ranks dropped (``drop_ranks``) and raises WorldError naming it and its phase. A
-    Ctrl-C while it waits raises KeyboardInterrupt within ``WAIT_SLICE_S``."""
+    rank order). A rank that fails or dies, or that reports no progress for ``limit`` seconds
+    (``culprits`` says which of the silent ranks are named), has the ranks dropped
+    (``drop_ranks``) and raises WorldError naming it and its phase. A Ctrl-C while it waits
+    raises KeyboardInterrupt within ``WAIT_SLICE_S``."""
     rank_of = {ref: r for r, ref in enumerate(refs)}
     pending, results = list(refs), {}
     started = time.monotonic()
@@ -80,17 +84,21 @@ def _silent_ranks(ray, actors: list, ranks: list[int], limit: float, waited: flo
 def culprits(states: list[tuple[int, str, float, str]], limit: float):
     """(rank, phase, where) of the ranks to name, from each unfinished rank's (rank, phase,
     seconds since its last report, where): none until one has been silent for ``limit``
-    seconds. A rank outside any collective is what the ranks inside one wait for, so while one
-    of those is within its limit (it reported after the ranks that wait for it) nobody is
-    named yet; silent ones outside are named alone; only when every unfinished rank waits in a
-    collective are the silent ones among them named."""
+    seconds. A rank outside any collective is what the ranks inside one wait for, so silent
+    ones outside are named alone, and while one outside is within its limit (it reported
+    after the ranks that wait for it) nobody is named yet, unless a rank has waited in a
+    collective for ``LONG_WAIT`` limits while it went on (a collective nobody else will
+    post). When every unfinished rank waits in a collective the silent ones are named."""
     silent = [s for s in states if s[2] >= limit]
     if not silent:
         return []
     outside = [s for s in states if not in_collective(s[3])]
-    if outside:
-        return [(r, phase, at) for r, phase, idle_s, at in outside if idle_s >= limit]
-    return [(r, phase, at) for r, phase, _, at in silent]
+    named = [s for s in outside if s[2] >= limit]
+    if not outside:
+        named = silent
+    elif not named:
+        named = [s for s in silent if s[2] >= LONG_WAIT * limit]
+    return [(r, phase, at) for r, phase, _, at in named]
 
 
 def _root_failure(ray, rank: int, exc: Exception, pending: list, rank_of: dict):

@@ -222,7 +222,7 @@ def test_a_world_of_more_than_two_ranks_per_cpu_is_warned_about_once(caplog, mon
     from harness.job import app
     from strategies.core.layout import Layout
 
-    monkeypatch.setattr(app.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(app, "host_cores", lambda: 2)
     monkeypatch.setattr(app, "_WARNED", set())
     with caplog.at_level(logging.WARNING, logger="bcastbench"):
         app._warn_oversubscribed(Layout(tp=2, pp=2))  # 2 per CPU: fine
