@@ -19,7 +19,7 @@ PROGRESS_POLL_S = 2.0
 """How often the driver asks waiting ranks where they are."""
 WAIT_SLICE_S = 0.2
 """The longest one wait on Ray lasts before the driver looks for a Ctrl-C (``ctrl_c_as_a_flag``)."""
-LONG_WAIT = 2
+LONG_WAIT = 3
 """A rank waiting in a collective this many limits while a rank outside any collective still
 reports progress is named all the same (``culprits``)."""
 DROPPED = "the Ray world's ranks were torn down (a next job starts new ones on the same cluster)"

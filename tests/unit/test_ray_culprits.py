@@ -25,11 +25,11 @@ def test_a_waiting_rank_past_the_limit_waits_for_the_rank_outside_to_cross_it():
     assert culprits(later, 4.0) == [(1, PHASE, OUTSIDE)]
 
 
-def test_a_rank_waiting_twice_the_limit_is_named_while_the_rank_outside_goes_on():
+def test_a_rank_waiting_three_limits_is_named_while_the_rank_outside_goes_on():
     """The rank outside keeps reporting (it does not hang) while rank 0 waits in a collective
     it will never leave: after ``LONG_WAIT`` limits rank 0 is named, not kept waiting."""
-    assert culprits([(0, PHASE, 7.9, BARRIER), (1, PHASE, 0.5, OUTSIDE)], 4.0) == []
-    assert culprits([(0, PHASE, 8.0, BARRIER), (1, PHASE, 0.5, OUTSIDE)], 4.0) == [
+    assert culprits([(0, PHASE, 11.9, BARRIER), (1, PHASE, 0.5, OUTSIDE)], 4.0) == []
+    assert culprits([(0, PHASE, 12.0, BARRIER), (1, PHASE, 0.5, OUTSIDE)], 4.0) == [
         (0, PHASE, BARRIER)
     ]
 
