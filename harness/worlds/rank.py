@@ -199,17 +199,39 @@ def where(frame) -> str:
     at = f"{os.path.basename(ours.f_code.co_filename)}:{ours.f_lineno} {ours.f_code.co_name}"
     if inner_dist is not None:
         return f"{IN_COLLECTIVE} torch.distributed.{inner_dist.f_code.co_name} (from {at})"
+    peer = next((f for f in stack if _peer_wait(f.f_code)), None)
+    if peer is not None:
+        return f"{WAITING_FOR_PEER} in shm's node channel, {peer.f_code.co_name} (from {at})"
     return f"outside any collective, at {stack[0].f_code.co_name} (from {at})"
 
 
 IN_COLLECTIVE = "in collective"
 """How ``where`` begins for a thread blocked inside a torch.distributed call."""
+WAITING_FOR_PEER = "waiting for a node-local peer"
+"""How ``where`` begins for a thread blocked in one of the ``PEER_WAITS``."""
+PEER_WAITS = frozenset(
+    {
+        ("strategies/core/ring_reader.py", "_next_message"),
+        ("strategies/core/ring_reader.py", "_spin_for_message"),
+        ("strategies/core/ring_reader.py", "_polled_complete"),
+        ("strategies/core/ring_writer.py", "_wait_behind"),
+        ("strategies/core/node_crossing.py", "_wait_striped"),
+    }
+)
+"""(file, function) of the shm node channel's waits for a node-local peer (a socket message or
+a shared word): a rank blocked there waits for its peers as one in a collective does, so a hung
+world names the rank it waits for, not it."""
+
+
+def _peer_wait(code) -> bool:
+    path = code.co_filename.replace(os.sep, "/")
+    return any(path.endswith(f) and code.co_name == name for f, name in PEER_WAITS)
 
 
 def in_collective(place: str) -> bool:
-    """Whether ``place`` (a ``where``) is inside a collective: a rank there waits for its
-    peers, so a hung world's culprit is a rank that is not."""
-    return place.startswith(IN_COLLECTIVE)
+    """Whether ``place`` (a ``where``) is inside a collective or a node channel's wait for a
+    peer: a rank there waits for its peers, so a hung world's culprit is a rank that is not."""
+    return place.startswith((IN_COLLECTIVE, WAITING_FOR_PEER))
 
 
 def rendezvous_store(
