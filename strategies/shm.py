@@ -195,10 +195,10 @@ class Shm(PackedStrategy):
         already keeps nobody waiting (each reader's is closed too): True. Across nodes the
         other node leaders wait in a point-to-point receive: False."""
         ch = self.channel
-        if ch.closed:
-            return True
         if len(ch.nodes) > 1:
             return False
+        if ch.closed:
+            return True
         self._connect()
         return ch.abandon(text)
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from harness.worlds.emulated import adopt_worker_env, link_counter
 from harness.worlds.launcher import Launch, env_int
 from harness.worlds.protocol import NodesFoundAtStart, RankFn, WorldError, group_by_node
-from harness.worlds.rank import RankContext, device_for, in_collective, where
+from harness.worlds.rank import IN_COLLECTIVE, RankContext, device_for, where
 
 SILENT_EXIT = 124
 """Exit status of a joined rank that stopped responding outside any collective."""
@@ -151,8 +151,11 @@ class _Watchdog:
                 flush=True,
             )
             self.said = True
-            if not in_collective(at):
-                os._exit(SILENT_EXIT)  # the main thread is stuck; the launcher ends the rest
+            # Only a torch.distributed call is bounded by the world's own timeout: a rank stuck
+            # anywhere else, a wait on shm's node channel included (its bound is the replica
+            # group's timeout, which can be far longer), ends itself and the launcher the rest.
+            if not at.startswith(IN_COLLECTIVE):
+                os._exit(SILENT_EXIT)
 
 
 class JoinedWorld(NodesFoundAtStart):

@@ -215,6 +215,10 @@ PEER_WAITS = frozenset(
         ("strategies/core/ring_reader.py", "_spin_for_message"),
         ("strategies/core/ring_reader.py", "_polled_complete"),
         ("strategies/core/ring_writer.py", "_wait_behind"),
+        ("strategies/core/ring_writer.py", "publish"),
+        ("strategies/core/ring_writer.py", "_tell"),
+        ("strategies/core/node_channel.py", "_accept"),
+        ("strategies/core/node_channel.py", "_completion_page"),
         ("strategies/core/node_crossing.py", "_wait_striped"),
     }
 )

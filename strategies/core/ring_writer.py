@@ -139,19 +139,17 @@ class RingWriter:
     def abandon(self, text: str) -> bool:
         """The writer cannot send its message (a failure it could not even ship): every
         connected reader is told ``text`` (an abort outside any message, which its ``receive``
-        raises as the leader's failure) and the channel is closed. True when a reader was
-        told."""
+        raises as the leader's failure) and the channel is closed; a reader the abort did not
+        reach finds its socket closed. True: no reader is left waiting."""
         msg = SIGNAL.pack(ABORT_MAGIC, 0, 0, 0, 0)
-        told = 0
         for sock in list(self.socks.values()):
             try:  # never waits: a reader whose queue is full learns from the close instead
                 sock.send(msg, socket.MSG_DONTWAIT)
                 sock.send(text.encode(errors="replace")[:ABORT_TEXT_BYTES], socket.MSG_DONTWAIT)
-                told += 1
             except OSError:
                 pass
         self.close(f"the leader's failure could not be shipped: {text}")
-        return told > 0
+        return True
 
     def _tell(self, slot: Slot, messages: list[bytes]) -> list[str]:
         """Send ``messages`` to every live reader of the message in ``slot``; a reader whose

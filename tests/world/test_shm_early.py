@@ -3,8 +3,8 @@ and the non-tensor blob are in, copies the leaves, then completes the message: w
 has a core per rank, by writing its completion word, which the receivers poll (no second
 wake-up on a socket, ``RingReader.wait_complete``); elsewhere by a socket message. Every call is
 bit-exact on every rank either way, a leader failure after the early signal reaches every
-reader at once, and a host with fewer cores than ranks (this one: 4 ranks) polls only where a
-test forces it (``forced_polls``).
+reader (not a timeout), and a host with fewer cores than ranks (this one: 4 ranks) polls only
+where a test forces it (``forced_polls``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ SIZES = (1, 4, 64, 1, 300, 2)
 """Rows per call: messages from a page to a few hundred KiB, the structure changing with them."""
 HANG_S = 60.0
 """A fault test's world reports a rank silent this long as hung. No test reads a clock: a reader
-that learnt of the leader's failure raises its text (``LeaderFailed``), one that waited raises a
-timeout of its own."""
+that learnt of the leader's failure raises its text (``LeaderFailed``); one that would wait for
+its channel's timeout (the replica group's, far longer) fails the test as hung instead."""
 
 
 def sized(seed: int, b: int) -> strategies.DataProto:
@@ -141,7 +141,7 @@ def early_fault_job(ctx, force: bool):
 )
 def test_a_leader_that_fails_after_its_early_signal_reaches_every_reader(world4, force):
     """The readers took the early signal and decode the blob; the leader's copy of the leaves
-    fails: every reader raises the leader's error at once (not a timeout; a reader polling the
+    fails: every reader raises the leader's error (not a timeout; a reader polling the
     completion word stops at the abort in its socket), and the next call is exact everywhere
     (the channel stayed in step)."""
     results = world4.run(early_fault_job, force, timeout_s=HANG_S)
@@ -190,7 +190,7 @@ def unshippable_job(ctx, early: int | None, fail_call: int):
 def test_a_failure_the_leader_cannot_ship_reaches_every_reader(world4, early, fail_call):
     """The leader's copies fail for a whole call, the failure batch's too: a failure that is
     not shipped leaves no reader waiting (for the gloo timeout): each raises the leader's
-    error at once, told through its socket (the channel is then closed, and every later call
+    error, told through its socket (the channel is then closed, and every later call
     says so on every rank) or, signalled early, by the abort of the message it was reading
     (the channel stays in step: the next call is exact)."""
     results = world4.run(unshippable_job, early, fail_call, timeout_s=HANG_S)
