@@ -153,6 +153,12 @@ def send_report(sock: socket.socket, kind: int, index: int, generation: int, seq
         pass
 
 
+def given_up(text: str) -> str:
+    """Why a channel closed when its writer gave it up over a failure it could not ship (what
+    every later call on either end says)."""
+    return f"the leader's failure could not be shipped: {text}"
+
+
 def close_quietly(sock: socket.socket) -> None:
     # A Unix socket closed with unread data resets its peer, whose next receive then fails
     # before the messages still queued for it (a signal, an abort): take the reports first.

@@ -31,6 +31,7 @@ from strategies.core.node_signals import (
     SIGNAL_MAGIC,
     STRIPE_MAGIC,
     ShmError,
+    given_up,
     send_report,
 )
 from strategies.core.segment_ring import Premap, map_private, release_claimed
@@ -86,9 +87,7 @@ class RingReader:
             if magic in (SIGNAL_MAGIC, EARLY_MAGIC):
                 break
             if magic == ABORT_MAGIC:  # the writer gave up (``RingWriter.abandon``)
-                text = self._abort_text() or "it gave up its channel"
-                self.close(f"the leader's failure could not be shipped: {text}")
-                raise settled(leader_failed(self.groups, text))
+                self._given_up(self._abort_text() or "it gave up its channel")
             self._write_stripe(index, generation, sequence, nbytes)
         self.pending = sequence if magic == EARLY_MAGIC else None
         try:  # waits for room: the leader may be waiting for exactly this report
@@ -126,7 +125,7 @@ class RingReader:
         if magic == ABORT_MAGIC:
             text = self._abort_text() or "it failed while writing"
             if got != sequence:  # not this message's: the writer gave up its channel
-                self.close(f"the leader's failure could not be shipped: {text}")
+                self._given_up(text)
             raise settled(leader_failed(self.groups, text))
         if got != sequence:
             self.close()
@@ -134,6 +133,12 @@ class RingReader:
                 f"rank {self.groups.rank}: shm: the completion of message {got} arrived while "
                 f"message {sequence} was awaited; the channel is closed"
             )
+
+    def _given_up(self, text: str) -> None:
+        """The writer gave up its channel (``RingWriter.abandon``) with its failure ``text``:
+        close this end with the same reason, and raise it as the leader's failure."""
+        self.close(given_up(text))
+        raise settled(leader_failed(self.groups, text))
 
     def _abort_text(self) -> str:
         """The text that follows an abort in the socket ("" when it cannot be read)."""
@@ -179,16 +184,15 @@ class RingReader:
             readable = ready.poll(0)
             if done > sequence or readable:
                 first = _first_in(sock) if readable else b"?"
-                if first[:4] == ABORT_MAGIC:
-                    if len(first) != SIGNAL.size or SIGNAL.unpack(first)[3] == sequence:
-                        return False  # this message's abort
-                    # Another's (the writer gave up its channel, ``abandon``): this message
-                    # is whole if the word says so, and the abort is left for the next call.
-                    return COMPLETED.unpack_from(word, 0)[0] >= sequence
-                # A closed socket after the word was written (a leader that completed this
-                # message and ended) is a whole message; the writer signals a message only once
-                # the one before is complete, so a later signal over an older word is out of
-                # step: wait_complete raises either.
+                if first[:4] == ABORT_MAGIC and (
+                    len(first) != SIGNAL.size or SIGNAL.unpack(first)[3] == sequence
+                ):
+                    return False  # this message's abort
+                # Another message's abort (the writer gave up its channel, ``abandon``: left for
+                # the next call) or a closed socket (a leader that completed this message and
+                # ended) after the word was written: a whole message. The writer signals a
+                # message only once the one before is complete, so a later signal over an older
+                # word is out of step: wait_complete raises either.
                 return COMPLETED.unpack_from(word, 0)[0] >= sequence
             now = time.perf_counter()
             if now > deadline:

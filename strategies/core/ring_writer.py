@@ -28,6 +28,7 @@ from strategies.core.node_signals import (
     STRIPED,
     ShmError,
     close_quietly,
+    given_up,
 )
 from strategies.core.phase_clock import CLOCK
 from strategies.core.segment_ring import Slot, map_private
@@ -148,7 +149,7 @@ class RingWriter:
                 sock.send(text.encode(errors="replace")[:ABORT_TEXT_BYTES], socket.MSG_DONTWAIT)
             except OSError:
                 pass
-        self.close(f"the leader's failure could not be shipped: {text}")
+        self.close(given_up(text))
         return True
 
     def _tell(self, slot: Slot, messages: list[bytes]) -> list[str]:

@@ -103,14 +103,20 @@ def test_a_node_polls_only_where_each_of_its_ranks_has_a_core(world4):
 
 def early_fault_job(ctx, force: bool):
     """Three calls; in the second the leader's copy of the leaves raises after the early
-    signal went out. The outcome of each call on this rank; polling
-    forced when ``force``."""
+    signal went out. The outcome of each call on this rank; polling forced when ``force``."""
     groups = ctx.groups_for(LAYOUT)
     forced_polls(force)
     try:
         strategy = strategies.get("shm", groups)
     finally:
         forced_polls(False)
+    return copy_fault_calls(strategy, fail_call=1)
+
+
+def copy_fault_calls(strategy, fail_call: int) -> list[str]:
+    """Three calls on ``strategy``; in call ``fail_call`` every copy the leader makes raises.
+    Per call on this rank: "exact", what differs, or the error raised (with its notes)."""
+    groups = strategy.groups
     outcomes = []
     real = torch._foreach_copy_
 
@@ -120,8 +126,7 @@ def early_fault_job(ctx, force: bool):
     for seed in range(3):
         want = sized(seed, 4)
         entry = sized(seed, 4) if groups.is_leader else want.entry_state(False)
-        patch = seed == 1 and groups.is_leader
-        if patch:
+        if seed == fail_call and groups.is_leader:
             torch._foreach_copy_ = faulty
         try:
             out = strategy.get_data_input(entry)
@@ -129,7 +134,8 @@ def early_fault_job(ctx, force: bool):
             outcomes.append("; ".join(problems) or "exact")
             del out
         except Exception as exc:  # noqa: BLE001 -- the test looks at every rank's outcome
-            outcomes.append(f"{type(exc).__name__}: {exc}")
+            notes = " | ".join(getattr(exc, "__notes__", ()))
+            outcomes.append(f"{type(exc).__name__}: {exc} | {notes}")
         finally:
             torch._foreach_copy_ = real
         torch.distributed.barrier()
@@ -158,31 +164,8 @@ def unshippable_job(ctx, early: int | None, fail_call: int):
     """Three calls on shm (``early_min_bytes=early``); in call ``fail_call`` every copy the
     leader makes raises, so the failure batch it ships in its batch's place cannot be copied
     either. The outcome of each call on this rank."""
-    groups = ctx.groups_for(LAYOUT)
-    strategy = strategies.get("shm", groups, early_min_bytes=early)
-    outcomes = []
-    real = torch._foreach_copy_
-
-    def faulty(*args, **kwargs):
-        raise RuntimeError("injected copy failure")
-
-    for seed in range(3):
-        want = sized(seed, 4)
-        entry = sized(seed, 4) if groups.is_leader else want.entry_state(False)
-        if seed == fail_call and groups.is_leader:
-            torch._foreach_copy_ = faulty
-        try:
-            out = strategy.get_data_input(entry)
-            problems = batch_problems(want, out, groups.is_leader, f"call {seed}")
-            outcomes.append("; ".join(problems) or "exact")
-            del out
-        except Exception as exc:  # noqa: BLE001 -- the test looks at every rank's outcome
-            notes = " | ".join(getattr(exc, "__notes__", ()))
-            outcomes.append(f"{type(exc).__name__}: {exc} | {notes}")
-        finally:
-            torch._foreach_copy_ = real
-        torch.distributed.barrier()
-    return outcomes
+    strategy = strategies.get("shm", ctx.groups_for(LAYOUT), early_min_bytes=early)
+    return copy_fault_calls(strategy, fail_call)
 
 
 @pytest.mark.parametrize("fail_call", [0, 1], ids=["first-call", "later-call"])
