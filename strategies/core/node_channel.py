@@ -2,8 +2,8 @@
 leader and its node-local readers share, its set-up, and its closing.
 
 The channel is a ring of segments the node leader writes and its node-local ranks map
-(``strategies.core.segment_ring``), a Unix socket per reader for the signal and the releases
-(``strategies.core.node_signals``), and (across nodes) point-to-point sends from the replica
+(``strategies.core.segment_ring``), a Unix socket per reader for the signal, a shared page for
+the completion word and the readers' reports (``strategies.core.node_signals``), and (across nodes) point-to-point sends from the replica
 leader to each node leader (``strategies.core.node_crossing``). The writer's and a reader's
 halves are ``strategies.core.ring_writer`` and ``strategies.core.ring_reader``.
 
@@ -31,24 +31,28 @@ import torch.distributed as dist
 from strategies.core.contract import Unsupported, settled
 from strategies.core.node_crossing import NodeCrossing
 from strategies.core.node_signals import (
-    COMPLETION_PAGE_BYTES,
     CONTROL_MAGIC,
     HELLO,
     READ,
     RELEASE,
+    REPORT,
     SIGNAL,
+    ReportWords,
     ShmError,
     available,
     check_poll_option,
     check_size_option,
     close_quietly,
     completion_page,
+    completion_page_bytes,
     group_timeout_s,
     polls,
+    report_at,
+    report_words_allowed,
 )
 from strategies.core.process_groups import ProcessGroups
 from strategies.core.ring_reader import RingReader
-from strategies.core.ring_writer import RingWriter
+from strategies.core.ring_writer import WORD_WAIT_S, RingWriter
 
 DEFAULT_STRIPE_MIN_BYTES = 1 << 20
 """Messages from this size on cross nodes in stripes (``groups.stripes``); below it the extra
@@ -119,14 +123,16 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
         self.closed_why = ""
         """Why the channel closed (``close``), for the error of a call made on it since."""
         self.completion: mmap.mmap | None = None
-        """The node leader's completion page (``node_signals.COMPLETED``): its shared mapping
-        on the node leader, read-only on a reader; None until ``connect``."""
+        """The node leader's completion page (``node_signals.COMPLETED``, and the readers'
+        report words where they keep them, ``ReportWords``): its shared mapping on every rank
+        of the node; None until ``connect``."""
         self._init_writer(slots)
         self._init_reader()
         self._init_crossing()
         weakref.finalize(
-            self, _close_all, self.socks, self.fds, self.slots, self.read_upto, self.published
-        )
+            self, _close_all, self.socks, self.fds, self.slots, self.read_upto, self.published,
+            self.words,
+        )  # fmt: skip
 
     @property
     def node_local(self) -> bool:
@@ -163,7 +169,14 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
             by_rank = {rank: offer for rank, offer, _ in offers}
             self._agree_on_stripes({rank: threshold for rank, _, threshold in offers})
             if listener is not None:
-                page_fd, self.completion = completion_page()
+                page_fd, self.completion = completion_page(
+                    completion_page_bytes(len(self.readers), len(self.slots))
+                )
+                if report_words_allowed():
+                    self.words.page = self.completion
+                    self.words.at = {
+                        rank: report_at(i, len(self.slots)) for i, rank in enumerate(self.readers)
+                    }
                 self._accept(listener, mine[1], page_fd)
             elif not self.is_node_leader:
                 self._dial(*by_rank[self.node_leader])
@@ -213,8 +226,10 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
                 conn.close()  # not one of ours: its connection is refused, ours still awaited
                 continue
             conn.setblocking(True)
-            # The answer to its hello: the completion page, and whether to poll it.
-            answer = SIGNAL.pack(CONTROL_MAGIC, 0, 0, 0, self.poll_us or 0)
+            # The answer to its hello: the completion page, whether to poll it, and where on it
+            # the reader's report words are (0: it reports on its socket) for how many slots.
+            at = self.words.at.get(rank, 0)
+            answer = SIGNAL.pack(CONTROL_MAGIC, len(self.slots), 0, at, self.poll_us or 0)
             try:
                 socket.send_fds(conn, [answer], [page_fd])
             except OSError:  # it went away after its hello: awaited like one not yet here
@@ -240,7 +255,8 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
 
     def _completion_page(self) -> mmap.mmap:
         """A reader, once it said hello: the node leader's answer, its completion page, mapped
-        read-only, and how long to spin on it (``poll_s``)."""
+        shared, how long to spin on it (``poll_s``), and where on it this reader's report
+        words are (``report_at``; None: it reports on its socket)."""
         rank = self.groups.rank
         try:
             msg, fds, _, _ = socket.recv_fds(self.sock, SIGNAL.size, 1)
@@ -256,9 +272,16 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
                     f"with {len(msg)} bytes (magic {msg[:4]!r}) and {len(fds)} fds; expected "
                     f"{CONTROL_MAGIC!r} with its completion page"
                 )
-            poll_us = SIGNAL.unpack(msg)[4]
+            _, slots, _, at, poll_us = SIGNAL.unpack(msg)
             self.poll_s = poll_us / 1e6 if poll_us else None
-            return mmap.mmap(fds[0], COMPLETION_PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
+            size = os.fstat(fds[0]).st_size
+            if at and at + REPORT.size * (1 + slots) > size:
+                raise ShmError(
+                    f"rank {rank}: shm: node leader rank {self.node_leader} placed this rank's "
+                    f"report words at byte {at} for {slots} slots of a {size}-byte page"
+                )
+            self.report_at = at or None
+            return mmap.mmap(fds[0], size, mmap.MAP_SHARED)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -270,11 +293,17 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
             self.closed_why = why
             if self.sock is not None:
                 self.sock.close()
-            _close_all(self.socks, self.fds, self.slots, self.read_upto, self.published)
+            _close_all(self.socks, self.fds, self.slots, self.read_upto, self.published, self.words)
 
 
-def _take_reports(sock: socket.socket, rank: int, read_upto: dict) -> None:
-    """A closing writer's drain: only the read reports matter now."""
+def _take_reports(sock: socket.socket, rank: int, read_upto: dict, words: ReportWords) -> None:
+    """A closing writer's drain: only the read reports matter now (a reader's word, or what
+    its socket holds)."""
+    if words.page is not None and rank in words.at:
+        try:
+            read_upto[rank] = words.read(rank)
+        except ValueError:  # the page is closed: nothing tells any more
+            read_upto[rank] = 1 << 62
     try:
         while raw := sock.recv(RELEASE.size, socket.MSG_DONTWAIT):
             if len(raw) == RELEASE.size:
@@ -288,19 +317,28 @@ def _take_reports(sock: socket.socket, rank: int, read_upto: dict) -> None:
         read_upto[rank] = 1 << 62
 
 
-def _close_all(socks: dict, fds: dict, slots: list, read_upto: dict, published: list) -> None:
+def _close_all(
+    socks: dict, fds: dict, slots: list, read_upto: dict, published: list, words: ReportWords
+) -> None:
     # A reader that has not taken the last signal yet would lose it to the reset a close with
     # unread data sends (a release can arrive after any drain): wait, briefly, until every
-    # reader has reported it read the last signal.
+    # reader has reported it read the last signal. Readers that report in words are looked at
+    # again after short waits (a word wakes nobody); the others' sockets wake the wait.
     deadline = time.monotonic() + CLOSE_WAIT_S
     while socks and time.monotonic() < deadline:
-        behind = [s for r, s in socks.items() if read_upto.get(r, 0) < published[0]]
+        for rank, sock in socks.items():
+            if rank in words.at:
+                _take_reports(sock, rank, read_upto, words)
+        behind = {r: s for r, s in socks.items() if read_upto.get(r, 0) < published[0]}
         if not behind:
             break
-        ready, _, _ = select.select(behind, [], [], max(deadline - time.monotonic(), 0))
-        for rank, sock in socks.items():
+        wait = max(deadline - time.monotonic(), 0)
+        if any(r in words.at for r in behind):
+            wait = min(wait, WORD_WAIT_S)
+        ready, _, _ = select.select(list(behind.values()), [], [], wait)
+        for rank, sock in behind.items():
             if sock in ready:
-                _take_reports(sock, rank, read_upto)
+                _take_reports(sock, rank, read_upto, words)
     for sock in socks.values():
         close_quietly(sock)
     socks.clear()

@@ -3,8 +3,10 @@ as fixed structs over a Unix socket; the channel's error, and its option and pla
 
 The signal is one socket message per reader (slot, generation, sequence number, size), so a
 small message costs a syscall on each side instead of a collective; a message signalled early
-is completed by a shared word the readers poll, or a second message. A reader reports back on
-the same socket: it took a signal, let go of a message, or wrote its stripe of one.
+is completed by a shared word the readers poll, or a second message. A reader reports back
+that it took a signal or let go of a message in words of its own on the same shared page
+(``ReportWords``: no message for the node leader to receive), or, on a machine whose store
+order does not make that safe, on its socket; a stripe written always goes on the socket.
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ COMPLETED = struct.Struct("<Q")
 all in its slot, written by the node leader once they are, where its readers poll it (no
 ``DONE_MAGIC`` is sent to them)."""
 COMPLETION_PAGE_BYTES = 4096
+"""The least completion page (a memory page); one with more report words is a whole number of
+them (``completion_page_bytes``)."""
+REPORT = struct.Struct("<Q")
+"""A report word: the sequence of the last signal a reader took, or of the last message in one
+slot it let go of (``ReportWords``)."""
 POLL_STORE_ORDER = ("x86_64", "AMD64", "i386", "i686")
 """Machines whose stores reach another core in program order (x86's total store order): a
 reader that sees the completion word there sees the leaves written before it. Elsewhere a
@@ -116,16 +123,70 @@ QUOTA_FILES = (
 """Where a process's CPU quota is read (its own cgroup's, as a container mounts it)."""
 
 
-def completion_page() -> tuple[int, mmap.mmap]:
-    """The node leader's completion page: a memfd (sent to each reader as it connects) and
-    its shared mapping."""
+def report_words_allowed() -> bool:
+    """Whether readers may report in words (``ReportWords``): a reader's release word must not
+    reach the node leader before the reader's last reads of the segment are done, which x86's
+    store order guarantees (``POLL_STORE_ORDER``) and Python cannot fence elsewhere."""
+    return platform.machine() in POLL_STORE_ORDER
+
+
+def report_at(index: int, slots: int) -> int:
+    """The byte offset of reader ``index``'s read word on the completion page of a ring of
+    ``slots``; its release word for slot ``i`` follows at ``+ REPORT.size * (1 + i)``. Word 0
+    is the completion word."""
+    return REPORT.size * (1 + index * (1 + slots))
+
+
+def completion_page_bytes(readers: int, slots: int) -> int:
+    """The completion page of ``readers`` readers' report words on a ring of ``slots``."""
+    need = report_at(readers, slots)
+    return max(COMPLETION_PAGE_BYTES, -(-need // COMPLETION_PAGE_BYTES) * COMPLETION_PAGE_BYTES)
+
+
+def completion_page(nbytes: int = COMPLETION_PAGE_BYTES) -> tuple[int, mmap.mmap]:
+    """The node leader's completion page of ``nbytes``: a memfd (sent to each reader as it
+    connects) and its shared mapping."""
     fd = os.memfd_create("bcastbench-shm-done", os.MFD_CLOEXEC)
     try:
-        os.ftruncate(fd, COMPLETION_PAGE_BYTES)
-        return fd, mmap.mmap(fd, COMPLETION_PAGE_BYTES, flags=mmap.MAP_SHARED)
+        os.ftruncate(fd, nbytes)
+        return fd, mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
     except BaseException:
         os.close(fd)
         raise
+
+
+class ReportWords:
+    """The node leader's reading of its readers' report words on the completion page: each
+    reader writes, at its own ``report_at``, the sequence of the last signal it took, then one
+    word per slot, the highest sequence of a message in that slot whose every view died. A
+    slot's current message is the latest written into it, so the reader let go of it exactly
+    when the word holds its sequence. Reading a word costs no system call, where a report on
+    the socket costs the reader a send and the node leader a poll and a receive. Empty
+    (``page`` None) where readers report on their sockets."""
+
+    def __init__(self) -> None:
+        self.page: mmap.mmap | None = None
+        self.at: dict[int, int] = {}
+        """Reader rank -> the offset of its read word."""
+
+    def read(self, rank: int) -> int:
+        """The sequence of the last signal ``rank`` took (0 before any)."""
+        return REPORT.unpack_from(self.page, self.at[rank])[0]
+
+    def released(self, rank: int, index: int) -> int:
+        """The sequence of the last message in slot ``index`` that ``rank`` let go of."""
+        return REPORT.unpack_from(self.page, self.at[rank] + REPORT.size * (1 + index))[0]
+
+
+def write_report(page: mmap.mmap, at: int, sequence: int) -> None:
+    """A reader's report word at ``at`` raised to ``sequence`` (never lowered: a message
+    released after a later one of its slot leaves the later one's word). A finalizer's too, so
+    it never raises: on a closed page the channel is gone and nothing waits for the word."""
+    try:
+        if REPORT.unpack_from(page, at)[0] < sequence:
+            REPORT.pack_into(page, at, sequence)
+    except (ValueError, TypeError):
+        pass
 
 
 def available() -> str | None:

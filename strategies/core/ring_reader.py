@@ -1,5 +1,6 @@
 """A reader's side of the node channel: it waits for its node leader's signal, maps the
-message's segment copy-on-write and reports the signal taken and, later, the message released.
+message's segment copy-on-write and reports the signal taken and, later, the message released
+(in its report words on the completion page, ``node_signals.ReportWords``, else on its socket).
 
 A part of ``NodeChannel`` (``strategies.core.node_channel``), which sets the state every part
 reads (``groups``, ``node_leader``, ``timeout_s``); this part keeps its own (``_init_reader``).
@@ -27,12 +28,14 @@ from strategies.core.node_signals import (
     READ,
     RELEASE,
     RELEASED,
+    REPORT,
     SIGNAL,
     SIGNAL_MAGIC,
     STRIPE_MAGIC,
     ShmError,
     given_up,
     send_report,
+    write_report,
 )
 from strategies.core.segment_ring import Premap, map_private, release_claimed
 
@@ -50,6 +53,9 @@ class RingReader:
         self.last_index: int | None = None  # the slot of the last message it took
         self.pending: int | None = None  # a message signalled early, not complete yet
         self._sock_poll: select.poll | None = None  # the socket, for _sock_ready
+        self.report_at: int | None = None
+        """Where on the completion page this reader's report words are (``report_at``), once
+        connected; None: it reports on its socket."""
         self.polled_count = 0
         """Messages signalled early whose completion this reader read from the word."""
 
@@ -68,7 +74,7 @@ class RingReader:
         generation, fd = held
         claim: list[int] = []
         view = map_private(
-            fd, None, self.groups.rank, release_claimed, self.sock, claim, index, generation
+            fd, None, self.groups.rank, release_claimed, claim, *self._release(index, generation)
         )
         return Premap(index, generation, view, claim)
 
@@ -90,10 +96,13 @@ class RingReader:
                 self._given_up(self._abort_text() or "it gave up its channel")
             self._write_stripe(index, generation, sequence, nbytes)
         self.pending = sequence if magic == EARLY_MAGIC else None
-        try:  # waits for room: the leader may be waiting for exactly this report
-            self.sock.send(RELEASE.pack(READ, index, generation, sequence))
-        except OSError:  # the leader is gone: this message is whole all the same
-            pass
+        if self.report_at is not None:
+            write_report(self.completion, self.report_at, sequence)
+        else:
+            try:  # waits for room: the leader may be waiting for exactly this report
+                self.sock.send(RELEASE.pack(READ, index, generation, sequence))
+            except OSError:  # the leader is gone: this message is whole all the same
+                pass
         self.last_index = index
         if (
             premap is not None
@@ -104,13 +113,21 @@ class RingReader:
             view = premap.view[:nbytes]
         else:
             view = map_private(
-                self._fd(index, generation), nbytes, self.groups.rank, send_report, self.sock,
-                RELEASED, index, generation, sequence,
+                self._fd(index, generation), nbytes, self.groups.rank,
+                *self._release(index, generation), sequence,
             )  # fmt: skip
         if self.groups.rank in self.nodes[0]:
             for handle in self._send_stripes(view, nbytes):
                 handle.wait()
         return view
+
+    def _release(self, index: int, generation: int) -> tuple:
+        """How this reader reports that it let go of a message in slot ``index`` (``generation``
+        of its segment): a function and its arguments, the message's sequence to come last.
+        Its release word for the slot, else a ``RELEASED`` report on its socket."""
+        if self.report_at is not None:
+            return write_report, self.completion, self.report_at + REPORT.size * (1 + index)
+        return send_report, self.sock, RELEASED, index, generation
 
     def wait_complete(self) -> None:
         """A reader of a message signalled early (``pending``): wait until all of it is in the

@@ -26,12 +26,17 @@ from strategies.core.node_signals import (
     SIGNAL,
     SIGNAL_MAGIC,
     STRIPED,
+    ReportWords,
     ShmError,
     close_quietly,
     given_up,
 )
 from strategies.core.phase_clock import CLOCK
 from strategies.core.segment_ring import Slot, map_private
+
+WORD_WAIT_S = 1e-3
+"""How long a node leader waiting for a reader's report word sleeps between looks (a word wakes
+nobody; the reader's socket, which wakes the wait, still tells of its end)."""
 
 
 class RingWriter:
@@ -51,6 +56,8 @@ class RingWriter:
         self.published = [0]  # the last sequence signalled (shared with the finalizer)
         self._ready: select.poll | None = None  # the readers' sockets, polled by _drain
         self._polled: dict[int, int] = {}  # fd -> reader rank, what _ready holds
+        self.words = ReportWords()
+        """The readers' report words, where they keep them (set at ``connect``)."""
 
     def writer_slot(self) -> Slot:
         """The slot to write next: the next free one in turn, or the next one retired."""
@@ -170,10 +177,13 @@ class RingWriter:
         return failed
 
     def _drain(self) -> None:
-        """Take every report the readers have sent since the last call, without waiting. A
-        reader whose socket closed is dropped (``publish`` names it, after telling the rest).
-        Polled, one report per ready socket per poll until none is ready: a receive tried on
-        a socket with nothing to read costs a failed system call and an exception."""
+        """Take every report the readers have made since the last call, without waiting: their
+        report words (``ReportWords``), then what their sockets hold. A reader whose socket
+        closed is dropped (``publish`` names it, after telling the rest). Polled, one report
+        per ready socket per poll until none is ready: a receive tried on a socket with
+        nothing to read costs a failed system call and an exception."""
+        if self.words.page is not None:
+            self._read_words()
         while self.socks:
             ready = self._poller().poll(0)
             if not ready:
@@ -184,6 +194,18 @@ class RingWriter:
                     self._take(rank, self.socks[rank])
         while self.local_releases:
             self._report(self.groups.rank, RELEASED, *self.local_releases.pop())
+
+    def _read_words(self) -> None:
+        """The report words of every connected reader: the signals it took, and each slot's
+        message it let go of."""
+        words, socks = self.words, self.socks
+        for rank in words.at:
+            if rank in socks:
+                self.read_upto[rank] = words.read(rank)
+        for slot in self.slots:
+            for rank in [r for r in slot.holders if r in words.at]:
+                if words.released(rank, slot.index) >= slot.sequence:
+                    slot.holders.discard(rank)
 
     def _poller(self) -> select.poll:
         """``_ready``, made again whenever the set of sockets changed (a reader connected or
@@ -214,7 +236,8 @@ class RingWriter:
     def _wait_behind(self, n: int) -> None:
         """Block while some reader has not taken the signals of the last ``n`` messages: a
         leader that ran that far ahead would otherwise make a segment per call. It waits as
-        long as a gloo collective would; a reader that dies meanwhile is dropped."""
+        long as a gloo collective would; a reader that dies meanwhile is dropped. Readers that
+        report in words are looked at again every ``WORD_WAIT_S`` (a word wakes nobody)."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             behind = [r for r in self.socks if self.sequence - self.read_upto.get(r, 0) >= n]
@@ -226,6 +249,8 @@ class RingWriter:
                     f"rank {self.groups.rank}: shm: node-local ranks {sorted(behind)} took no "
                     f"signal for {self.timeout_s:.0f} s (the replica's gloo timeout)"
                 )
+            if any(r in self.words.at for r in behind):
+                left = min(left, WORD_WAIT_S)
             select.select([self.socks[r] for r in behind], [], [], left)
             self._drain()
 

@@ -8,7 +8,7 @@ that holds it. Python's resource tracker never sees them (no ``multiprocessing.s
 The ring: ``slots`` segments used in turn. A reader maps the segment copy-on-write
 (``MAP_PRIVATE``) for every message, so the batch it returns is its own (writing to it never
 reaches the other ranks or the segment) while no byte is copied, and it holds that mapping
-for as long as any tensor of the batch lives; when the last one dies, a finalizer sends the
+for as long as any tensor of the batch lives; when the last one dies, a finalizer reports the
 release. The leader writes into a slot only when every reader has released the message it
 held; a slot some reader still holds is retired instead (the leader drops its mapping and
 makes a new segment for the slot; the holder keeps the old one until it lets go), so the
@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import mmap
 import os
-import socket
 import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from strategies.core.node_signals import RELEASED, ShmError, send_report
+from strategies.core.node_signals import ShmError
 from strategies.core.packer import Packer
 
 
@@ -137,7 +136,8 @@ class Premap:
     """The sequence of the message that took this mapping, once one has: its release."""
 
 
-def release_claimed(sock: socket.socket, claim: list[int], index: int, generation: int) -> None:
-    # A premap no message took held nothing the writer waits for.
+def release_claimed(claim: list[int], report, *args) -> None:
+    # A premap no message took held nothing the writer waits for; one that a message took is
+    # released as that message (``report(*args, its sequence)``, the reader's ``_release``).
     if claim:
-        send_report(sock, RELEASED, index, generation, claim[0])
+        report(*args, claim[0])

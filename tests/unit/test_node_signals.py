@@ -1,5 +1,6 @@
 """Tier 1: the node channel's option and platform rules (``strategies.core.node_signals``):
-when readers poll the completion word, and the cores a process may use."""
+when readers poll the completion word, the cores a process may use, and the readers' report
+words on the completion page."""
 
 from __future__ import annotations
 
@@ -28,6 +29,45 @@ def test_polling_needs_a_machine_whose_stores_keep_their_order(monkeypatch):
     monkeypatch.setattr(ns, "usable_cores", lambda: 64.0)
     monkeypatch.setattr(ns.platform, "machine", lambda: "aarch64")
     assert not ns.polls(2000, 2)
+
+
+def test_report_words_need_a_machine_whose_stores_keep_their_order(monkeypatch):
+    monkeypatch.setattr(ns.platform, "machine", lambda: "aarch64")
+    assert not ns.report_words_allowed()
+    monkeypatch.setattr(ns.platform, "machine", lambda: "x86_64")
+    assert ns.report_words_allowed()
+
+
+@pytest.mark.parametrize("readers,slots", [(1, 1), (3, 3), (127, 3), (128, 3), (511, 7)])
+def test_every_readers_report_words_have_a_place_of_their_own_on_the_page(readers, slots):
+    """The completion word, then each reader's read word and a release word per slot, none
+    shared, all on a page of whole memory pages."""
+    size = ns.completion_page_bytes(readers, slots)
+    assert size % ns.COMPLETION_PAGE_BYTES == 0
+    taken = {0}
+    for i in range(readers):
+        at = ns.report_at(i, slots)
+        words = {at + ns.REPORT.size * k for k in range(1 + slots)}
+        assert not words & taken
+        taken |= words
+    assert max(taken) + ns.REPORT.size <= size
+
+
+def test_a_report_word_only_rises_and_a_closed_page_is_no_error():
+    """A message released after a later one of its slot leaves the later one's word (the
+    writer compares the word with the slot's current message); a finalizer that reports
+    after the channel's page closed does nothing."""
+    import mmap
+
+    page = mmap.mmap(-1, ns.COMPLETION_PAGE_BYTES)
+    words = ns.ReportWords()
+    words.page, words.at = page, {5: ns.report_at(0, 3)}
+    ns.write_report(page, words.at[5], 4)
+    ns.write_report(page, words.at[5] + ns.REPORT.size * 3, 9)
+    ns.write_report(page, words.at[5] + ns.REPORT.size * 3, 6)
+    assert words.read(5) == 4 and words.released(5, 2) == 9 and words.released(5, 0) == 0
+    page.close()
+    ns.write_report(page, words.at[5], 10)
 
 
 @pytest.mark.parametrize(
@@ -76,6 +116,7 @@ def polling_reader(awaited_word: int):
     ns.COMPLETED.pack_into(reader.completion, 0, awaited_word)
     reader.closed, reader.closed_why = False, ""
     reader.socks, reader.fds, reader.slots, reader.read_upto, reader.published = {}, {}, [], {}, [0]
+    reader.words, reader.report_at = ns.ReportWords(), None
     return reader, writer
 
 

@@ -74,11 +74,24 @@ def views_shared_memory(out) -> bool:
     return any(lo <= p < hi for p in ptrs for lo, hi in ranges)
 
 
-def ownership_job(ctx, node_of, calls: int, options: dict, name: str = "shm"):
-    """``calls`` calls; every rank keeps the first batch, rank 2 writes into every later one.
-    Returns (every call exact, the held batch still exact, fds opened meanwhile, segments
-    the leader made, stripes written per reader as this rank's channel counted them, calls
-    whose batch viewed shared memory on a receiver)."""
+def ownership_job(ctx, node_of, calls: int, options: dict, name: str = "shm", words: bool = True):
+    """``calls`` calls; every rank keeps the first batch, rank 2 writes into every later one;
+    ``words`` False: readers report on their sockets (as on a machine whose store order does
+    not allow report words). Returns (every call exact, the held batch still exact, fds opened
+    meanwhile, segments the leader made, stripes written per reader as this rank's channel
+    counted them, calls whose batch viewed shared memory on a receiver)."""
+    if not words:
+        shm_core.report_words_allowed = lambda: False
+    try:
+        return ownership_calls(ctx, node_of, calls, options, name)
+    finally:  # a world's ranks outlive the test
+        shm_core.report_words_allowed = REPORT_WORDS_ALLOWED
+
+
+REPORT_WORDS_ALLOWED = shm_core.report_words_allowed
+
+
+def ownership_calls(ctx, node_of, calls: int, options: dict, name: str):
     groups = ctx.groups_for(LAYOUT)
     if node_of is not None:
         groups = dataclasses.replace(groups, node_of=tuple(node_of))
@@ -130,10 +143,17 @@ OWNERSHIP = [
 ]
 
 
-@pytest.mark.parametrize("node_of,options", OWNERSHIP, ids=str)
-def test_a_receivers_batch_is_its_own_and_a_held_one_is_never_overwritten(world4, node_of, options):
+@pytest.mark.parametrize(
+    "node_of,options,words",
+    [(*case, True) for case in OWNERSHIP] + [(None, {}, False), ((0, 0, 1, 1), {}, False)],
+    ids=str,
+)
+def test_a_receivers_batch_is_its_own_and_a_held_one_is_never_overwritten(
+    world4, node_of, options, words
+):
+    """Readers report in words (where the machine allows) and, forced, on their sockets."""
     calls = 12
-    results = world4.run(ownership_job, node_of, calls, options, timeout_s=60)
+    results = world4.run(ownership_job, node_of, calls, options, "shm", words, timeout_s=60)
     for rank, (exact, held_exact, grew, *_) in enumerate(results):
         assert exact, f"rank {rank}: a call was not exact"
         assert held_exact, f"rank {rank}: the batch held since the first call changed"
