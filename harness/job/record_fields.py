@@ -165,6 +165,11 @@ class Record(TypedDict, total=False):
         float | None,
         "the leader's wall time per call handing the message over (signal, send, collective)",
     ]
+    leader_clock_us: Annotated[
+        float | None,
+        "the phase clock's own wall time per call (its reads, calibrated per process), which "
+        "the four phases above leave out: an untimed call does not pay it",
+    ]
     leader_plan_cpu_us: Annotated[float | None, "leader_plan_us in the leader thread's CPU"]
     leader_encode_cpu_us: Annotated[float | None, "leader_encode_us in the leader thread's CPU"]
     leader_copy_cpu_us: Annotated[float | None, "leader_copy_us in the leader thread's CPU"]
@@ -173,6 +178,7 @@ class Record(TypedDict, total=False):
         "leader_signal_us in the leader thread's CPU (a collective library's own threads are "
         "not in it)",
     ]
+    leader_clock_cpu_us: Annotated[float | None, "leader_clock_us in the leader thread's CPU"]
     auto_choice: Annotated[
         str | None, "the strategy auto served the job with; null for any other strategy"
     ]

@@ -96,11 +96,13 @@ class TimingFigures:
     leader_encode_us: float | None = None
     leader_copy_us: float | None = None
     leader_signal_us: float | None = None
+    leader_clock_us: float | None = None
     leader_plan_cpu_us: float | None = None
     """The leader's thread-CPU microseconds per phase of a call."""
     leader_encode_cpu_us: float | None = None
     leader_copy_cpu_us: float | None = None
     leader_signal_cpu_us: float | None = None
+    leader_clock_cpu_us: float | None = None
 
 
 @dataclass(frozen=True)
