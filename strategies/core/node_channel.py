@@ -3,9 +3,10 @@ leader and its node-local readers share, its set-up, and its closing.
 
 The channel is a ring of segments the node leader writes and its node-local ranks map
 (``strategies.core.segment_ring``), a Unix socket per reader for the signal, a shared page for
-the completion word and the readers' reports (``strategies.core.node_signals``), and (across nodes) point-to-point sends from the replica
-leader to each node leader (``strategies.core.node_crossing``). The writer's and a reader's
-halves are ``strategies.core.ring_writer`` and ``strategies.core.ring_reader``.
+the completion word and the readers' reports (``strategies.core.node_signals``), and (across
+nodes) point-to-point sends from the replica leader to each node leader
+(``strategies.core.node_crossing``). The writer's and a reader's halves are
+``strategies.core.ring_writer`` and ``strategies.core.ring_reader``.
 
 A segment's fd is handed to each reader once per segment over its socket (``SCM_RIGHTS``). The
 sockets live in the abstract namespace (no file), so nothing is left behind by any ending,
