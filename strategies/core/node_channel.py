@@ -237,6 +237,7 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
                 conn.close()
                 continue
             self.socks[rank] = conn
+            self._ready = None  # the drain's poll holds every reader's socket
 
     def _dial(self, address: bytes, token: bytes) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)

@@ -208,9 +208,9 @@ class RingWriter:
                     slot.holders.discard(rank)
 
     def _poller(self) -> select.poll:
-        """``_ready``, made again whenever the set of sockets changed (a reader connected or
-        was dropped)."""
-        if self._ready is None or len(self._polled) != len(self.socks):
+        """``_ready``, made again after the set of sockets changed (whatever adds or drops a
+        reader's socket forgets it)."""
+        if self._ready is None:
             self._ready = select.poll()
             self._polled = {}
             for rank, sock in self.socks.items():
