@@ -76,8 +76,7 @@ from strategies.core.header_format import (
     KIND_DENSE,
     Header,
     HeaderError,
-    host_bytes,
-    read_header,
+    read_header_bytes,
 )
 from strategies.core.node_channel import DEFAULT_POLL_US, DEFAULT_STRIPE_MIN_BYTES, NodeChannel
 from strategies.core.node_signals import ShmError, check_size_option
@@ -253,14 +252,14 @@ class Shm(PackedStrategy):
         if guess is not None and guess.td is not None and guess.holds(buf):
             self._follow((guess.raw, guess.header))
             return guess.header, guess.td
-        header = read_header(buf, self.wire.max_bytes, g.rank, cache=self._headers)
+        raw, header = read_header_bytes(buf, self.wire.max_bytes, g.rank, cache=self._headers)
         total = header.total_bytes
         if total > buf.numel():
             raise HeaderError(
                 f"rank {g.rank}: shm: the header claims {total} bytes, the segment holds "
                 f"{buf.numel()}"
             )
-        self._follow((host_bytes(buf, header.header_len), header) if dense_only(header) else None)
+        self._follow((raw, header) if dense_only(header) else None)
         return header, None
 
     def _follow(self, now: tuple[bytes, Header] | None) -> None:

@@ -293,6 +293,18 @@ def read_header(
     holds the headers of the last ``RECENT_SHAPES`` shapes decoded, by their bytes: batches of
     a shape seen recently send the same header bytes again, and only those are ever returned
     from it."""
+    return read_header_bytes(buf, max_bytes, rank, cache, prefix)[1]
+
+
+def read_header_bytes(
+    buf: torch.Tensor,
+    max_bytes: int,
+    rank: int,
+    cache: dict | None = None,
+    prefix: Prefix | None = None,
+) -> tuple[bytes, Header]:
+    """``read_header``, with the header's bytes as they arrived (a caller that keeps them
+    reads them once)."""
     if prefix is None:
         prefix = read_prefix(buf, max_bytes, rank)
     header_len = prefix.header_len
@@ -302,12 +314,12 @@ def read_header(
         )
     raw = host_bytes(buf, header_len)
     if cache is None:
-        return decode_header(raw, max_bytes, rank)
+        return raw, decode_header(raw, max_bytes, rank)
     hit = cache.get(raw)
     if hit is None:
         hit = decode_header(raw, max_bytes, rank)
         remember(cache, raw, hit)
-    return hit
+    return raw, hit
 
 
 def host_bytes(buf: torch.Tensor, n: int) -> bytes:
