@@ -5,7 +5,7 @@ buffer) straight into a shared segment, and tells each rank of its node with one
 message once the header and the non-tensor blob are in, and again (a shared completion word,
 or a second message where ranks share cores) once the leaves are; those ranks build their
 batch as views of the segment, with no copy and no collective (``strategies.core.node_channel``
-has the ring, the signals and the release protocol). While a receiver waits for the signal it
+has the ring, the signals and the readers' reports of what they took and let go of). While a receiver waits for the signal it
 maps the slot the message most likely lands in and views there the header that most likely
 comes (``NextShape``); when the header bytes that arrive are those (a stream of same-shaped
 batches, or a cycle of shapes), only the non-tensor blob is left to read. The leader
@@ -131,7 +131,7 @@ class Shm(PackedStrategy):
         self.views = views
         self.stage = stage
         self.early_min_bytes = early_min_bytes
-        self._headers: dict = {}  # read_header's cache: same-shaped batches decode once
+        self._headers: dict = {}  # read_header_bytes' cache: same-shaped batches decode once
         self._next = NextShape()  # a reader: the header bytes that followed each one
         self._predicted: tuple[bytes, Header] | None = None
         """A reader: the next message's most likely header bytes and header (``_follow``);

@@ -38,6 +38,7 @@ from strategies.core.node_signals import (
     RELEASE,
     REPORT,
     SIGNAL,
+    WORD_WAIT_S,
     ReportWords,
     ShmError,
     available,
@@ -48,12 +49,13 @@ from strategies.core.node_signals import (
     completion_page_bytes,
     group_timeout_s,
     polls,
+    release_at,
     report_at,
     report_words_allowed,
 )
 from strategies.core.process_groups import ProcessGroups
 from strategies.core.ring_reader import RingReader
-from strategies.core.ring_writer import WORD_WAIT_S, RingWriter
+from strategies.core.ring_writer import RingWriter
 
 DEFAULT_STRIPE_MIN_BYTES = 1 << 20
 """Messages from this size on cross nodes in stripes (``groups.stripes``); below it the extra
@@ -277,13 +279,15 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
             _, slots, _, at, poll_us = SIGNAL.unpack(msg)
             self.poll_s = poll_us / 1e6 if poll_us else None
             size = os.fstat(fds[0]).st_size
-            if at and at + REPORT.size * (1 + slots) > size:
+            if at and (at % REPORT.size or slots < 1 or release_at(at, slots) > size):
                 raise ShmError(
                     f"rank {rank}: shm: node leader rank {self.node_leader} placed this rank's "
-                    f"report words at byte {at} for {slots} slots of a {size}-byte page"
+                    f"report words at byte {at} for {slots} slots of a {size}-byte page; "
+                    f"expected {REPORT.size}-byte aligned words inside the page"
                 )
-            self.report_at = at or None
-            return mmap.mmap(fds[0], size, mmap.MAP_SHARED)
+            self.report_at, self.report_slots = (at, slots) if at else (None, 0)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if at else 0)
+            return mmap.mmap(fds[0], size, mmap.MAP_SHARED, prot)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -298,14 +302,8 @@ class NodeChannel(RingWriter, RingReader, NodeCrossing):
             _close_all(self.socks, self.fds, self.slots, self.read_upto, self.published, self.words)
 
 
-def _take_reports(sock: socket.socket, rank: int, read_upto: dict, words: ReportWords) -> None:
-    """A closing writer's drain: only the read reports matter now (a reader's word, or what
-    its socket holds)."""
-    if words.page is not None and rank in words.at:
-        try:
-            read_upto[rank] = words.read(rank)
-        except ValueError:  # the page is closed: nothing tells any more
-            read_upto[rank] = 1 << 62
+def _take_reports(sock: socket.socket, rank: int, read_upto: dict) -> None:
+    """A closing writer's drain of a socket: only the read reports matter now."""
     try:
         while raw := sock.recv(RELEASE.size, socket.MSG_DONTWAIT):
             if len(raw) == RELEASE.size:
@@ -323,14 +321,15 @@ def _close_all(
     socks: dict, fds: dict, slots: list, read_upto: dict, published: list, words: ReportWords
 ) -> None:
     # A reader that has not taken the last signal yet would lose it to the reset a close with
-    # unread data sends (a release can arrive after any drain): wait, briefly, until every
-    # reader has reported it read the last signal. Readers that report in words are looked at
-    # again after short waits (a word wakes nobody); the others' sockets wake the wait.
+    # unread data sends: wait, briefly, until every reader has said it took the last signal
+    # (a read word, or a report on its socket). A word wakes nobody, so readers that report in
+    # words are looked at again every WORD_WAIT_S; a socket that has something (a report, or
+    # the reader's end) wakes the wait.
     deadline = time.monotonic() + CLOSE_WAIT_S
     while socks and time.monotonic() < deadline:
-        for rank, sock in socks.items():
+        for rank in socks:
             if rank in words.at:
-                _take_reports(sock, rank, read_upto, words)
+                read_upto[rank] = max(read_upto.get(rank, 0), words.read(rank))
         behind = {r: s for r, s in socks.items() if read_upto.get(r, 0) < published[0]}
         if not behind:
             break
@@ -340,7 +339,7 @@ def _close_all(
         ready, _, _ = select.select(list(behind.values()), [], [], wait)
         for rank, sock in behind.items():
             if sock in ready:
-                _take_reports(sock, rank, read_upto, words)
+                _take_reports(sock, rank, read_upto)
     for sock in socks.values():
         close_quietly(sock)
     socks.clear()

@@ -44,16 +44,26 @@ HELLO = struct.Struct("<16sQ")  # the job's token, the reader's global rank
 CONTROL_MAGIC = b"BCBC"
 """The node leader's answer to a reader's hello (same layout as a signal): its completion page's
 memfd travels with it."""
-COMPLETED = struct.Struct("<Q")
+COMPLETED = struct.Struct("Q")
 """The completion page's word: the sequence of the last message signalled early whose leaves are
 all in its slot, written by the node leader once they are, where its readers poll it (no
-``DONE_MAGIC`` is sent to them)."""
+``DONE_MAGIC`` is sent to them). Native, so it is read and written as one aligned 8-byte
+access (a standard-size format may go byte by byte, and a reader could see half a word)."""
 COMPLETION_PAGE_BYTES = 4096
 """The least completion page (a memory page); one with more report words is a whole number of
 them (``completion_page_bytes``)."""
-REPORT = struct.Struct("<Q")
+REPORT = struct.Struct("Q")
 """A report word: the sequence of the last signal a reader took, or of the last message in one
-slot it let go of (``ReportWords``)."""
+slot it let go of (``ReportWords``); native, as ``COMPLETED``."""
+CACHE_LINE_BYTES = 64
+"""Each reader's report words start a cache line of their own, and the first a line past the
+completion word: a word one rank writes every call shares no line another rank spins on."""
+POLL_SLEEP_S = 50e-6
+"""A reader that spun ``poll_s`` on the completion word looks again after this long asleep; a
+node leader waiting for a report word starts its pauses there."""
+WORD_WAIT_S = 1e-3
+"""The longest a node leader waiting for a reader's report word sleeps between looks (a word
+wakes nobody; the reader's socket, which wakes the wait, still tells of its end)."""
 POLL_STORE_ORDER = ("x86_64", "AMD64", "i386", "i686")
 """Machines whose stores reach another core in program order (x86's total store order): a
 reader that sees the completion word there sees the leaves written before it. Elsewhere a
@@ -132,9 +142,16 @@ def report_words_allowed() -> bool:
 
 def report_at(index: int, slots: int) -> int:
     """The byte offset of reader ``index``'s read word on the completion page of a ring of
-    ``slots``; its release word for slot ``i`` follows at ``+ REPORT.size * (1 + i)``. Word 0
-    is the completion word."""
-    return REPORT.size * (1 + index * (1 + slots))
+    ``slots``; its release words follow (``release_at``). The first cache line holds the
+    completion word."""
+    stride = -(-REPORT.size * (1 + slots) // CACHE_LINE_BYTES) * CACHE_LINE_BYTES
+    return CACHE_LINE_BYTES + index * stride
+
+
+def release_at(at: int, index: int) -> int:
+    """The offset of the release word for slot ``index`` of the reader whose read word is at
+    ``at``."""
+    return at + REPORT.size * (1 + index)
 
 
 def completion_page_bytes(readers: int, slots: int) -> int:
@@ -175,18 +192,16 @@ class ReportWords:
 
     def released(self, rank: int, index: int) -> int:
         """The sequence of the last message in slot ``index`` that ``rank`` let go of."""
-        return REPORT.unpack_from(self.page, self.at[rank] + REPORT.size * (1 + index))[0]
+        return REPORT.unpack_from(self.page, release_at(self.at[rank], index))[0]
 
 
 def write_report(page: mmap.mmap, at: int, sequence: int) -> None:
-    """A reader's report word at ``at`` raised to ``sequence`` (never lowered: a message
-    released after a later one of its slot leaves the later one's word). A finalizer's too, so
-    it never raises: on a closed page the channel is gone and nothing waits for the word."""
-    try:
-        if REPORT.unpack_from(page, at)[0] < sequence:
-            REPORT.pack_into(page, at, sequence)
-    except (ValueError, TypeError):
-        pass
+    """A reader's report word at ``at`` raised to ``sequence``: a message released after a later
+    one of its slot leaves the later one's word. Two finalizers of one reader racing in two
+    threads may lower it, which costs the slot a new segment, never a release too early: a
+    word only ever holds the sequence of a message that was let go of."""
+    if REPORT.unpack_from(page, at)[0] < sequence:
+        REPORT.pack_into(page, at, sequence)
 
 
 def available() -> str | None:

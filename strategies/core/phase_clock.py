@@ -47,7 +47,6 @@ class PhaseClock:
 
     def calibrate(self) -> tuple[int, int]:
         """Measure ``own_ns`` (outside any timed call; ``begin`` does it once)."""
-        self.own_ns = (0, 0)
         best: tuple[int, int] | None = None
         for _ in range(CALIBRATION_ROUNDS):
             self._start()

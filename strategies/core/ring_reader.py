@@ -25,22 +25,20 @@ from strategies.core.node_signals import (
     COMPLETED,
     DONE_MAGIC,
     EARLY_MAGIC,
+    POLL_SLEEP_S,
     READ,
     RELEASE,
     RELEASED,
-    REPORT,
     SIGNAL,
     SIGNAL_MAGIC,
     STRIPE_MAGIC,
     ShmError,
     given_up,
+    release_at,
     send_report,
     write_report,
 )
 from strategies.core.segment_ring import Premap, map_private, release_claimed
-
-POLL_SLEEP_S = 50e-6
-"""A reader that spun ``poll_s`` on the completion word looks again after this long asleep."""
 
 
 class RingReader:
@@ -56,6 +54,8 @@ class RingReader:
         self.report_at: int | None = None
         """Where on the completion page this reader's report words are (``report_at``), once
         connected; None: it reports on its socket."""
+        self.report_slots = 0
+        """The node leader's slots, which have a release word each (with ``report_at``)."""
         self.polled_count = 0
         """Messages signalled early whose completion this reader read from the word."""
 
@@ -126,7 +126,7 @@ class RingReader:
         of its segment): a function and its arguments, the message's sequence to come last.
         Its release word for the slot, else a ``RELEASED`` report on its socket."""
         if self.report_at is not None:
-            return write_report, self.completion, self.report_at + REPORT.size * (1 + index)
+            return write_report, self.completion, release_at(self.report_at, index)
         return send_report, self.sock, RELEASED, index, generation
 
     def wait_complete(self) -> None:
@@ -253,13 +253,18 @@ class RingReader:
                 f"rank {rank}: shm: node leader rank {self.node_leader} closed its socket (it "
                 "ended or died)"
             )
-        if len(msg) != SIGNAL.size or msg[:4] not in accept:
+        if (
+            len(msg) != SIGNAL.size
+            or msg[:4] not in accept
+            or (self.report_at is not None and SIGNAL.unpack(msg)[1] >= self.report_slots)
+        ):
             for fd in fds:
                 os.close(fd)
             self.sock.close()  # out of step with the writer: nothing after it can be trusted
             raise ShmError(
                 f"rank {rank}: shm: a malformed signal of {len(msg)} bytes (magic "
-                f"{msg[:4]!r}; expected one of {b', '.join(accept).decode()}); the channel is closed"
+                f"{msg[:4]!r}; expected one of {b', '.join(accept).decode()}, for one of the "
+                f"node leader's slots); the channel is closed"
             )
         magic, index, generation, sequence, nbytes = SIGNAL.unpack(msg)
         if fds:

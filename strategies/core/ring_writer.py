@@ -20,12 +20,14 @@ from strategies.core.node_signals import (
     COMPLETED,
     DONE_MAGIC,
     EARLY_MAGIC,
+    POLL_SLEEP_S,
     READ,
     RELEASE,
     RELEASED,
     SIGNAL,
     SIGNAL_MAGIC,
     STRIPED,
+    WORD_WAIT_S,
     ReportWords,
     ShmError,
     close_quietly,
@@ -33,10 +35,6 @@ from strategies.core.node_signals import (
 )
 from strategies.core.phase_clock import CLOCK
 from strategies.core.segment_ring import Slot, map_private
-
-WORD_WAIT_S = 1e-3
-"""How long a node leader waiting for a reader's report word sleeps between looks (a word wakes
-nobody; the reader's socket, which wakes the wait, still tells of its end)."""
 
 
 class RingWriter:
@@ -236,9 +234,11 @@ class RingWriter:
     def _wait_behind(self, n: int) -> None:
         """Block while some reader has not taken the signals of the last ``n`` messages: a
         leader that ran that far ahead would otherwise make a segment per call. It waits as
-        long as a gloo collective would; a reader that dies meanwhile is dropped. Readers that
-        report in words are looked at again every ``WORD_WAIT_S`` (a word wakes nobody)."""
+        long as a gloo collective would; a reader that dies meanwhile is dropped. A word wakes
+        nobody: readers that report in words are looked at again after a pause that doubles
+        from ``POLL_SLEEP_S`` to ``WORD_WAIT_S``."""
         deadline = time.monotonic() + self.timeout_s
+        pause = POLL_SLEEP_S
         while True:
             behind = [r for r in self.socks if self.sequence - self.read_upto.get(r, 0) >= n]
             if not behind:
@@ -250,7 +250,7 @@ class RingWriter:
                     f"signal for {self.timeout_s:.0f} s (the replica's gloo timeout)"
                 )
             if any(r in self.words.at for r in behind):
-                left = min(left, WORD_WAIT_S)
+                left, pause = min(left, pause), min(2 * pause, WORD_WAIT_S)
             select.select([self.socks[r] for r in behind], [], [], left)
             self._drain()
 

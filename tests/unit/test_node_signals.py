@@ -38,36 +38,60 @@ def test_report_words_need_a_machine_whose_stores_keep_their_order(monkeypatch):
     assert ns.report_words_allowed()
 
 
-@pytest.mark.parametrize("readers,slots", [(1, 1), (3, 3), (127, 3), (128, 3), (511, 7)])
-def test_every_readers_report_words_have_a_place_of_their_own_on_the_page(readers, slots):
-    """The completion word, then each reader's read word and a release word per slot, none
-    shared, all on a page of whole memory pages."""
+@pytest.mark.parametrize("readers,slots", [(1, 1), (3, 3), (63, 3), (64, 3), (511, 7), (9, 40)])
+def test_every_readers_report_words_have_cache_lines_of_their_own_on_the_page(readers, slots):
+    """The completion word's line, then each reader's read word and a release word per slot on
+    lines no other rank writes, all on a page of whole memory pages."""
     size = ns.completion_page_bytes(readers, slots)
     assert size % ns.COMPLETION_PAGE_BYTES == 0
-    taken = {0}
+    lines = {0: "completion"}
     for i in range(readers):
         at = ns.report_at(i, slots)
-        words = {at + ns.REPORT.size * k for k in range(1 + slots)}
-        assert not words & taken
-        taken |= words
-    assert max(taken) + ns.REPORT.size <= size
+        for word in [at] + [ns.release_at(at, k) for k in range(slots)]:
+            assert lines.setdefault(word // ns.CACHE_LINE_BYTES, i) == i, (i, word)
+            assert word % ns.REPORT.size == 0 and word + ns.REPORT.size <= size
 
 
-def test_a_report_word_only_rises_and_a_closed_page_is_no_error():
+def test_a_report_word_only_rises():
     """A message released after a later one of its slot leaves the later one's word (the
-    writer compares the word with the slot's current message); a finalizer that reports
-    after the channel's page closed does nothing."""
+    writer compares the word with the slot's current message)."""
     import mmap
 
     page = mmap.mmap(-1, ns.COMPLETION_PAGE_BYTES)
     words = ns.ReportWords()
     words.page, words.at = page, {5: ns.report_at(0, 3)}
     ns.write_report(page, words.at[5], 4)
-    ns.write_report(page, words.at[5] + ns.REPORT.size * 3, 9)
-    ns.write_report(page, words.at[5] + ns.REPORT.size * 3, 6)
+    ns.write_report(page, ns.release_at(words.at[5], 2), 9)
+    ns.write_report(page, ns.release_at(words.at[5], 2), 6)
     assert words.read(5) == 4 and words.released(5, 2) == 9 and words.released(5, 0) == 0
-    page.close()
-    ns.write_report(page, words.at[5], 10)
+
+
+def test_the_writer_frees_a_slot_only_for_a_reader_whose_word_reached_its_message():
+    """``RingWriter._read_words``: a holder whose release word is below the slot's current
+    message (it let go of an older one of that slot) keeps holding; one whose word reached it
+    lets go; the node leader's own hold (not a reader: no words) is left to its own report;
+    the read words become ``read_upto``."""
+    import mmap
+
+    from strategies.core.node_channel import NodeChannel
+    from strategies.core.segment_ring import Slot
+
+    writer = object.__new__(NodeChannel)  # only the writer's state: no process group
+    writer.slots = [Slot(0), Slot(1)]
+    writer.words = ns.ReportWords()
+    writer.words.page = mmap.mmap(-1, ns.completion_page_bytes(2, 2))
+    writer.words.at = {3: ns.report_at(0, 2), 4: ns.report_at(1, 2)}
+    writer.socks, writer.read_upto = {3: None, 4: None}, {}
+    writer.slots[0].sequence, writer.slots[0].holders = 7, {0, 3, 4}
+    writer.slots[1].sequence, writer.slots[1].holders = 8, {3, 4}
+    page = writer.words.page
+    ns.write_report(page, ns.release_at(writer.words.at[3], 0), 7)
+    ns.write_report(page, ns.release_at(writer.words.at[4], 0), 4)  # an older message of slot 0
+    ns.write_report(page, ns.release_at(writer.words.at[4], 1), 8)
+    ns.write_report(page, writer.words.at[3], 8)
+    writer._read_words()
+    assert writer.slots[0].holders == {0, 4} and writer.slots[1].holders == {3}
+    assert writer.read_upto == {3: 8, 4: 0}
 
 
 @pytest.mark.parametrize(

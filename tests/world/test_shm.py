@@ -112,7 +112,7 @@ def ownership_calls(ctx, node_of, calls: int, options: dict, name: str):
             out.batch["x"].add_(1.0)  # the rank's own copy: nobody else may see it
             out.batch["nested", "mask"].logical_not_()
         del out
-        # Every release is sent before the leader's next turn (the leader never waits for
+        # Every release is reported before the leader's next turn (the leader never waits for
         # one), so the segments it makes are the ring's count, not the scheduler's.
         torch.distributed.barrier()
     held_exact = same(held, batch(0))
@@ -208,6 +208,43 @@ def guess_job(ctx, sizes: list[int], options: dict):
         del out
         torch.distributed.barrier()  # the releases are in before the leader's next turn
     return exact, strategy.guessed
+
+
+def run_ahead_job(ctx, calls: int, words: bool):
+    """The leader calls ``calls`` times in a row with no barrier; every reader takes each batch
+    a few milliseconds late, so the leader runs a ring ahead and waits for the slowest read
+    (``_wait_behind``). Returns (calls exact, the leader's segments made)."""
+    if not words:
+        shm_core.report_words_allowed = lambda: False
+    try:
+        strategy = strategies.get("shm", ctx.groups_for(LAYOUT))
+        exact = 0
+        for seed in range(calls):
+            want = batch(seed)
+            entry = batch(seed) if strategy.groups.is_leader else want.entry_state(False)
+            if not strategy.groups.is_leader:
+                time.sleep(0.005)  # pacing only: no verdict reads a clock
+            out = strategy.get_data_input(entry)
+            exact += same(out, want)
+            del out
+        torch.distributed.barrier()
+        return exact, strategy.channel.segments_made
+    finally:  # a world's ranks outlive the test
+        shm_core.report_words_allowed = REPORT_WORDS_ALLOWED
+
+
+@pytest.mark.parametrize("words", [True, False], ids=["words", "sockets"])
+def test_a_leader_that_runs_a_ring_ahead_waits_for_its_readers_and_every_call_is_exact(
+    world4, words
+):
+    """Readers that report in words wake no waiting leader: it looks again after short pauses;
+    a leader left waiting for a word it cannot see would hang the world (its limit fails the
+    test)."""
+    calls = 12
+    results = world4.run(run_ahead_job, calls, words, timeout_s=60)
+    assert [exact for exact, _ in results] == [calls] * 4, results
+    # Held slots are retired, never overwritten: at most a segment per call past the ring's.
+    assert results[0][1] <= 3 + calls, results[0][1]
 
 
 @pytest.mark.parametrize("options", [{}, {"early_min_bytes": 0}], ids=str)
