@@ -265,13 +265,19 @@ def test_the_limit_is_on_silence_not_on_the_job(ray_world):
     while its ranks report progress."""
     # The limit follows how fast this host answers now (under another session's load a rank
     # actor took over 6 s to answer a poll): a short job on warm ranks bounds an answer's time.
-    spec = JobSpec("header", TP2PP2, iters=400, warmup=0, references=("floor",), **SMALL)
-    ray_world.run(run_job_on_rank, replace(spec, iters=2))  # the ranks started and warm
+    spec = JobSpec("header", TP2PP2, iters=2, warmup=0, references=("floor",), **SMALL)
+    ray_world.run(run_job_on_rank, spec)  # the ranks started and warm
     t0 = time.monotonic()
-    ray_world.run(run_job_on_rank, replace(spec, iters=2))
+    ray_world.run(run_job_on_rank, spec)
     limit = max(6.0, 2 * (time.monotonic() - t0))
+    # The job outlasts the limit by construction, whatever the load: rank 0 adds an eighth of
+    # the limit to each of its 24 timed calls, which every rank's next call waits for, while
+    # every rank reports each call.
+    long = replace(
+        spec, iters=24, fault_kind="delay", fault_rank=0, fault_delay_us=int(limit / 8 * 1e6)
+    )
     t0 = time.monotonic()
-    ray_world.run(run_job_on_rank, spec, timeout_s=limit)
+    ray_world.run(run_job_on_rank, long, timeout_s=limit)
     took = time.monotonic() - t0
     assert took > limit, f"the job ({took:.1f} s) must outlast the limit ({limit:.1f} s) to test it"
 
