@@ -5,11 +5,11 @@ buffer) straight into a shared segment, and tells each rank of its node with one
 message once the header and the non-tensor blob are in, and again (a shared completion word,
 or a second message where ranks share cores) once the leaves are; those ranks build their
 batch as views of the segment, with no copy and no collective (``strategies.core.node_channel``
-has the ring, the signals and the readers' reports of what they took and let go of). While a receiver waits for the signal it
-maps the slot the message most likely lands in and views there the header that most likely
-comes (``NextShape``); when the header bytes that arrive are those (a stream of same-shaped
-batches, or a cycle of shapes), only the non-tensor blob is left to read. The leader
-replays its plan of a structure it packed into the same slot before (``_replay``): the leaves
+has the ring, the signals and the readers' reports of what they took and let go of). While a
+receiver waits for the signal it maps the slot the message most likely lands in and views there
+the header that most likely comes (``NextShape``); when the header bytes that arrive are those
+(a stream of same-shaped batches, or a cycle of shapes), only the non-tensor blob is left to
+read. The leader replays its plan of a structure it packed into the same slot before (``_replay``): the leaves
 and the blob copied into the views made then, and the signal. Across
 nodes it is hierarchical: the leader sends the message to one rank per other node (its node
 leader, two point-to-point sends: the size, then the bytes straight from the segment), which

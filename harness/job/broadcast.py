@@ -87,8 +87,8 @@ class BroadcastJob:
         entry = self.full.entry_state(self.groups.is_leader)
         delay_s = self.delay_s if name == self.order[0] else 0.0
         split = self.groups.is_leader and getattr(strategy, "phased", False)
-        if split and CLOCK.own_ns is None:
-            CLOCK.calibrate()  # once per process, before any clock runs
+        if split:
+            CLOCK.calibrated()  # once per process, before any clock runs
         start_line(self.groups)
         c0, t0 = time.process_time(), time.perf_counter()
         if split:

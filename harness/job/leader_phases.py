@@ -1,8 +1,8 @@
 """What a call costs in CPU, and where the leader's call spends its time: the replica's CPU per
 call and the leader's alone (every strategy), and the leader's wall and thread-CPU time per
-phase of a call, plan, encode, copy and signal, and the clock's own reads (the strategies that
-mark their phases on ``strategies.core.phase_clock.CLOCK``: the header family and shm). Medians over the timed
-calls; None where nothing was measured (a dispatch job's driver clock, an unmarked strategy).
+phase of a call, plan, encode, copy and signal, and the clock's own reads (the strategies
+that mark their phases on ``strategies.core.phase_clock.CLOCK``: the header family and shm).
+Medians over the timed calls; None where nothing was measured (a dispatch job's driver clock, an unmarked strategy).
 """
 
 from __future__ import annotations

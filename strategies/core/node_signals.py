@@ -144,8 +144,7 @@ def report_at(index: int, slots: int) -> int:
     """The byte offset of reader ``index``'s read word on the completion page of a ring of
     ``slots``; its release words follow (``release_at``). The first cache line holds the
     completion word."""
-    stride = -(-REPORT.size * (1 + slots) // CACHE_LINE_BYTES) * CACHE_LINE_BYTES
-    return CACHE_LINE_BYTES + index * stride
+    return CACHE_LINE_BYTES + index * _round_up(REPORT.size * (1 + slots), CACHE_LINE_BYTES)
 
 
 def release_at(at: int, index: int) -> int:
@@ -156,8 +155,11 @@ def release_at(at: int, index: int) -> int:
 
 def completion_page_bytes(readers: int, slots: int) -> int:
     """The completion page of ``readers`` readers' report words on a ring of ``slots``."""
-    need = report_at(readers, slots)
-    return max(COMPLETION_PAGE_BYTES, -(-need // COMPLETION_PAGE_BYTES) * COMPLETION_PAGE_BYTES)
+    return max(COMPLETION_PAGE_BYTES, _round_up(report_at(readers, slots), COMPLETION_PAGE_BYTES))
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
 
 
 def completion_page(nbytes: int = COMPLETION_PAGE_BYTES) -> tuple[int, mmap.mmap]:

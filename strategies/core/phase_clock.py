@@ -45,8 +45,13 @@ class PhaseClock:
         """(wall, thread CPU) nanoseconds of one switch's own work, between its reads and the
         next switch's (``calibrate``); None until the first ``begin``."""
 
+    def calibrated(self) -> tuple[int, int]:
+        """``own_ns``, measured first if it never was (outside any timed call: a harness calls
+        this before it starts its own clock; ``begin`` does otherwise)."""
+        return self.own_ns if self.own_ns is not None else self.calibrate()
+
     def calibrate(self) -> tuple[int, int]:
-        """Measure ``own_ns`` (outside any timed call; ``begin`` does it once)."""
+        """Measure ``own_ns``."""
         best: tuple[int, int] | None = None
         for _ in range(CALIBRATION_ROUNDS):
             self._start()
@@ -62,10 +67,8 @@ class PhaseClock:
         return best
 
     def begin(self) -> None:
-        """A timed call starts, in its plan (calibrated first if it never was: a harness
-        calibrates before it starts its own clock)."""
-        if self.own_ns is None:
-            self.calibrate()
+        """A timed call starts, in its plan (``calibrated`` first)."""
+        self.calibrated()
         self._start()
 
     def _start(self) -> None:

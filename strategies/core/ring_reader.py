@@ -253,10 +253,11 @@ class RingReader:
                 f"rank {rank}: shm: node leader rank {self.node_leader} closed its socket (it "
                 "ended or died)"
             )
+        fields = SIGNAL.unpack(msg) if len(msg) == SIGNAL.size else None
         if (
-            len(msg) != SIGNAL.size
-            or msg[:4] not in accept
-            or (self.report_at is not None and SIGNAL.unpack(msg)[1] >= self.report_slots)
+            fields is None
+            or fields[0] not in accept
+            or (self.report_at is not None and fields[1] >= self.report_slots)
         ):
             for fd in fds:
                 os.close(fd)
@@ -266,7 +267,7 @@ class RingReader:
                 f"{msg[:4]!r}; expected one of {b', '.join(accept).decode()}, for one of the "
                 f"node leader's slots); the channel is closed"
             )
-        magic, index, generation, sequence, nbytes = SIGNAL.unpack(msg)
+        magic, index, generation, sequence, nbytes = fields
         if fds:
             old = self.fds.pop(index, None)
             if old is not None:
