@@ -38,7 +38,7 @@ from strategies.core.node_signals import (
     send_report,
     write_report,
 )
-from strategies.core.segment_ring import Premap, map_private, release_claimed
+from strategies.core.segment_ring import Premap, map_private, release_claimed, reuses
 
 
 class RingReader:
@@ -49,6 +49,7 @@ class RingReader:
         self.sock: socket.socket | None = None  # the socket to the node leader
         self.fds: dict[int, tuple[int, int]] = {}  # slot -> (generation, fd)
         self.last_index: int | None = None  # the slot of the last message it took
+        self.last_nbytes = 0  # its size: after a large one the writer reuses the slot
         self.pending: int | None = None  # a message signalled early, not complete yet
         self._sock_poll: select.poll | None = None  # the socket, for _sock_ready
         self.report_at: int | None = None
@@ -61,13 +62,15 @@ class RingReader:
 
     def premap(self) -> Premap | None:
         """A reader, before it waits: a copy-on-write mapping of the slot the next message
-        most likely arrives in (the one after the last, as the writer takes them in turn),
-        made while the writer still packs; None until this reader holds that slot's segment.
+        most likely arrives in (the one after the last, as the writer takes them in turn; the
+        last one again after a large message, ``segment_ring.reuses``), made while the writer
+        still packs; None until this reader holds that slot's segment.
         ``receive`` uses it when the signal names that very segment; otherwise it is dropped
         unused and releases nothing."""
         if self.last_index is None:
             return None
-        index = (self.last_index + 1) % len(self.slots)
+        step = 0 if reuses(self.last_nbytes) else 1
+        index = (self.last_index + step) % len(self.slots)
         held = self.fds.get(index)
         if held is None:
             return None
@@ -103,7 +106,7 @@ class RingReader:
                 self.sock.send(RELEASE.pack(READ, index, generation, sequence))
             except OSError:  # the leader is gone: this message is whole all the same
                 pass
-        self.last_index = index
+        self.last_index, self.last_nbytes = index, nbytes
         if (
             premap is not None
             and (premap.index, premap.generation) == (index, generation)

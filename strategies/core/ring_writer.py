@@ -34,7 +34,7 @@ from strategies.core.node_signals import (
     given_up,
 )
 from strategies.core.phase_clock import CLOCK
-from strategies.core.segment_ring import Slot, map_private
+from strategies.core.segment_ring import Slot, map_private, reuses
 
 
 class RingWriter:
@@ -46,6 +46,7 @@ class RingWriter:
         self.slots = [Slot(i) for i in range(slots)]
         self.turn = 0
         self.sequence = 0
+        self.last_nbytes = 0  # the last message's size: a large one's slot is reused (reuses)
         self.socks: dict[int, socket.socket] = {}  # reader rank -> its socket
         self.broken: dict[int, str] = {}  # reader rank -> why its socket was dropped
         self.read_upto: dict[int, int] = {}  # reader rank -> last sequence it took
@@ -58,10 +59,15 @@ class RingWriter:
         """The readers' report words, where they keep them (set at ``connect``)."""
 
     def writer_slot(self) -> Slot:
-        """The slot to write next: the next free one in turn, or the next one retired."""
+        """The slot to write next: after a large message (``segment_ring.reuses``) its own
+        slot again when every reader let it go; otherwise the next free one in turn, or the
+        next one retired."""
         self._drain()
         n = len(self.slots)
         self._wait_behind(n)
+        last = self.slots[(self.turn - 1) % n]
+        if reuses(self.last_nbytes) and not last.holders and last.segment is not None:
+            return last
         for step in range(n):
             slot = self.slots[(self.turn + step) % n]
             if not slot.holders:
@@ -85,6 +91,7 @@ class RingWriter:
             raise ShmError(f"rank {self.groups.rank}: shm: {nbytes} bytes do not fit the slot")
         self.sequence += 1
         self.published[0] = self.sequence
+        self.last_nbytes = nbytes
         slot.sequence = self.sequence
         slot.holders = set(self.readers)
         magic = EARLY_MAGIC if early else SIGNAL_MAGIC

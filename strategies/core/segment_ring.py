@@ -28,6 +28,18 @@ import torch
 from strategies.core.node_signals import ShmError
 from strategies.core.packer import Packer
 
+REUSE_MIN_BYTES = 32 * 2**20
+"""From a message this large on, the writer writes the next one into the same slot when its
+readers have let it go, instead of taking the next slot in turn: a ring of large slots keeps
+one copy of the batch resident instead of one per slot (three), and a slot's pages are faulted
+in once. Below it the turn stays (readers map the next slot while they wait); readers guess the
+same rule from the last message's size."""
+
+
+def reuses(last_nbytes: int) -> bool:
+    """Whether the message after one of ``last_nbytes`` goes into the same slot when free."""
+    return last_nbytes >= REUSE_MIN_BYTES
+
 
 @dataclass
 class Segment:

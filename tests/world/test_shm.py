@@ -23,6 +23,7 @@ from tensordict import TensorDict
 import strategies
 import strategies.core.node_channel as shm_core
 from strategies.core.layout import Layout
+from strategies.core.segment_ring import REUSE_MIN_BYTES
 
 pytestmark = pytest.mark.world
 
@@ -534,3 +535,40 @@ def test_kill_9_of_the_leader_reaches_every_reader_at_once_and_leaves_no_segment
     assert [n for n in named if n in set(during) | set(after)] == []
     # Nor is any other name of ours left (multiprocessing.shared_memory's prefix, and ours).
     assert [n for n in after if n not in before and n.startswith(("psm_", "bcastbench"))] == []
+
+
+LARGE_ROWS = REUSE_MIN_BYTES // 4000 + 64  # batch(): ≈ 4.15 kB a row
+
+
+def large_reuse_job(ctx, name: str, calls: int, hold_first: bool):
+    """``calls`` calls of a batch past ``REUSE_MIN_BYTES``, each let go before the next
+    (``hold_first``: a reader keeps the first one to the end). Returns (calls exact, the first
+    batch still exact, segments the leader made)."""
+    strategy = strategies.get(name, ctx.groups_for(LAYOUT))
+    exact, held = 0, None
+    for seed in range(calls):
+        want = batch(seed, LARGE_ROWS)
+        entry = want if strategy.groups.is_leader else want.entry_state(False)
+        out = strategy.get_data_input(entry)
+        exact += same(out, batch(seed, LARGE_ROWS))
+        if seed == 0 and hold_first and ctx.rank == 3:
+            held = out
+        del out, entry
+        torch.distributed.barrier()  # every release is in before the leader's next turn
+    still = held is None or same(held, batch(0, LARGE_ROWS))
+    made = strategy.channel.segments_made if strategy.groups.is_leader else None
+    return exact, still, made
+
+
+@pytest.mark.parametrize("name", ["shm", "independent_fetch"])
+@pytest.mark.parametrize("hold_first", [False, True], ids=["let-go", "held"])
+def test_a_large_message_reuses_its_slot_once_let_go(world4, name, hold_first):
+    """Past REUSE_MIN_BYTES the leader writes the next message into the same slot when every
+    reader let it go: one segment (one copy of the batch) on the node, not one per slot. A shm
+    reader still holding the first batch keeps it whole: its slot is not written while held
+    (independent_fetch's readers copy theirs out, so they hold no slot)."""
+    calls = 5
+    results = world4.run(large_reuse_job, name, calls, hold_first, timeout_s=120)
+    assert [r[:2] for r in results] == [(calls, True)] * 4, results
+    made = results[0][2]
+    assert made == (2 if hold_first and name == "shm" else 1), made
