@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from strategies.core.contract import DataProto, Unsupported, wants_non_tensor
+from strategies.core.footprint import Footprint
 from strategies.core.formulas import chunk_bounds
 from strategies.core.node_channel import DEFAULT_STRIPE_MIN_BYTES, NodeChannel
 from strategies.core.parts import as_bytes, encode_non_tensor, message_parts
@@ -65,6 +66,16 @@ class Floor(Strategy):
         self.sent: torch.Tensor | None = None
         self.received: torch.Tensor | None = None
 
+    footprint = Footprint(leader=1, receiver=1, leader_kept=1)
+    """The packed buffer (one for every raw method of a job: the harness shares it) and the
+    received bytes; method shm holds the segment's slots instead of received bytes."""
+
+    @classmethod
+    def footprint_for(cls, **options) -> Footprint:
+        if options.get("method") == "shm":
+            return Footprint(leader=1, receiver=0, node=2, leader_kept=1)
+        return cls.footprint
+
     @staticmethod
     def variants(layout, device: str = "cpu") -> dict[str, dict]:
         """Label -> options of every raw method ``layout`` allows on ``device``; ``floor`` is
@@ -80,12 +91,18 @@ class Floor(Strategy):
             out["floor:pp_first"] = {"method": "pp_first"}
         return out
 
-    def prepare(self, batch: DataProto) -> None:
+    def prepare(self, batch: DataProto, sent: torch.Tensor | None = None) -> None:
+        """Pack the leader's buffer (untimed) and tell every receiver its size. ``sent``: the
+        packed bytes another raw method already made of this batch, on the leader: every
+        method moves the same bytes, so the harness packs them once for all of them instead
+        of keeping one copy of the batch per method."""
         g = self.groups
         size = torch.zeros(1, dtype=torch.int64)
         if g.is_leader:
-            parts = raw_parts(batch)
-            self.sent = torch.cat([p.to(g.device) for p in parts]) if parts else torch.empty(0)
+            if sent is None:
+                parts = raw_parts(batch)
+                sent = torch.cat([p.to(g.device) for p in parts]) if parts else torch.empty(0)
+            self.sent = sent
             size[0] = self.sent.numel()
         dist.broadcast(size, src=g.leader, group=g.cpu_replica_group)
         self.nbytes = int(size[0])
