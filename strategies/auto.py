@@ -46,6 +46,7 @@ from functools import cache, lru_cache
 import strategies
 from strategies.core.cluster import load_cluster
 from strategies.core.contract import DataProto, Unsupported, failure_in
+from strategies.core.footprint import Footprint
 from strategies.core.header_format import align
 from strategies.core.layout import Layout
 from strategies.core.packed import PackedStrategy
@@ -71,6 +72,9 @@ band handed to direct sizes where the model itself priced it above flat)."""
 
 class Auto(Strategy):
     name = "auto"
+    footprint = Footprint(leader=1, receiver=1, node=1, leader_kept=1)
+    """Measured by the node memory phase (serves shm: its slot, and the header family's pack
+    buffer beside it; a receiver rebuilds what it got)."""
     claims = "the chosen strategy's collectives (priced per batch shape by the cost model)"
 
     def __init__(

@@ -17,6 +17,7 @@ it from sending many small collectives. Options: ``direct_min_bytes`` (1 MiB), p
 
 from __future__ import annotations
 
+from strategies.core.footprint import Footprint
 from strategies.flat import Flat
 
 DIRECT_MIN_BYTES = 1 << 20
@@ -24,6 +25,9 @@ DIRECT_MIN_BYTES = 1 << 20
 
 class Direct(Flat):
     name = "direct"
+    footprint = Footprint(leader=0, receiver=1.5)
+    """Measured by the node memory phase (large leaves straight from the leader's tensors: no
+    pack copy; receivers hold what arrived)."""
     claims = (
         "1 broadcast over the replica for the message (2 when it outgrows the announced size) "
         "+ 1 per contiguous leaf of >= direct_min_bytes"

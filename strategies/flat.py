@@ -9,6 +9,7 @@ TP-then-PP order. Options: see ``strategies.core.packed.PackedStrategy``.
 from __future__ import annotations
 
 from strategies.core.contract import DataProto
+from strategies.core.footprint import Footprint
 from strategies.core.header_format import align
 from strategies.core.packed import PackedStrategy
 from strategies.core.plan import Comm, PayloadSpec, Plan
@@ -20,6 +21,9 @@ OWN_THRESHOLD = object()
 
 class Flat(PackedStrategy):
     name = "flat"
+    footprint = Footprint(leader=1, receiver=1.3, leader_kept=1)
+    """Measured by the node memory phase (the pack buffer, kept for the next call; receivers
+    view what arrived)."""
     claims = "1 broadcast over the replica in steady state (2 when the batch outgrows it)"
 
     def transfer(self, batch: DataProto) -> DataProto:

@@ -66,14 +66,14 @@ class Floor(Strategy):
         self.sent: torch.Tensor | None = None
         self.received: torch.Tensor | None = None
 
-    footprint = Footprint(leader=1, receiver=1, leader_kept=1)
+    footprint = Footprint(leader=1, receiver=1.2, leader_kept=1)
     """The packed buffer (one for every raw method of a job: the harness shares it) and the
     received bytes; method shm holds the segment's slots instead of received bytes."""
 
     @classmethod
     def footprint_for(cls, **options) -> Footprint:
         if options.get("method") == "shm":
-            return Footprint(leader=1, receiver=0, node=2, leader_kept=1)
+            return Footprint(leader=1, receiver=0, node=1, leader_kept=1)
         return cls.footprint
 
     @staticmethod

@@ -13,6 +13,7 @@ Options: see ``strategies.core.packed.PackedStrategy``.
 from __future__ import annotations
 
 from strategies.core.contract import DataProto
+from strategies.core.footprint import Footprint
 from strategies.core.packed import PackedStrategy
 from strategies.core.plan import PayloadSpec, Plan
 from strategies.core.relay_plan import hop_comms, relay_work, steady_expect
@@ -20,6 +21,9 @@ from strategies.core.relay_plan import hop_comms, relay_work, steady_expect
 
 class HeaderStrategy(PackedStrategy):
     name = "header"
+    footprint = Footprint(leader=1, receiver=1.3, leader_kept=1)
+    """Measured by the node memory phase (the pack buffer, kept for the next call; receivers
+    view what arrived)."""
     claims = "1 broadcast per hop in steady state (2 when the batch outgrows the announced size)"
 
     def transfer(self, batch: DataProto) -> DataProto:

@@ -52,6 +52,7 @@ from contextlib import contextmanager
 import torch
 
 from strategies.core.contract import DataProto, deliver, is_settled, settled
+from strategies.core.footprint import Footprint
 from strategies.core.header_format import DEFAULT_MAX_BYTES, HeaderError, read_header
 from strategies.core.node_channel import DEFAULT_SLOTS, DEFAULT_STRIPE_MIN_BYTES, NodeChannel
 from strategies.core.node_signals import ShmError
@@ -63,6 +64,9 @@ from strategies.core.unpacker import unpack_non_tensor, unpack_tensors
 
 class IndependentFetch(PackedStrategy):
     name = "independent_fetch"
+    footprint = Footprint(leader=0, receiver=1.8, node=1)
+    """Measured by the node memory phase (the node store's slot; every reader copies its own
+    batch out)."""
     claims = (
         "no collective carries the data on a node: one socket message per node-local rank, "
         "each of which copies the batch out of the store; two point-to-point sends per other "

@@ -57,6 +57,7 @@ from strategies.core.contract import (
     raise_failure,
     wants_non_tensor,
 )
+from strategies.core.footprint import Footprint
 from strategies.core.parts import transportable
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.strategy_base import Strategy
@@ -162,6 +163,9 @@ def _rebuild(entries: dict) -> tuple[TensorDict, Any]:
 
 class NemoRlLeaderBroadcast(Strategy):
     name = "nemo_rl_leader_broadcast"
+    footprint = Footprint(leader=0, receiver=1.1)
+    """Measured by the node memory phase (one broadcast per tensor from the leader's own
+    tensors)."""
     claims = (
         "one hop over the TP×CP×PP replica group: 2 (descriptor sizes, pickled descriptor) "
         "+ 1 broadcast per tensor leaf; none when the replica is one rank"

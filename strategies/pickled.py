@@ -69,6 +69,7 @@ from strategies.core.contract import (
     raise_failure,
     wants_non_tensor,
 )
+from strategies.core.footprint import Footprint
 from strategies.core.header_format import DEFAULT_MAX_BYTES
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.roll_proto import RollBatchProxy, RollDataProto
@@ -117,6 +118,9 @@ def loads_back(dtype: torch.dtype, torch_save: bool) -> bool:
 
 class Pickled(Strategy):
     name = "pickled"
+    footprint = Footprint(leader=2.2, receiver=5.5, leader_kept=0.2)
+    """Measured by the node memory phase (a pickle per hop on the leader; a receiver holds the
+    pickled bytes, their tensor and the unpickled batch)."""
     claims = "2 collectives per hop (sizes, pickled bytes): 2 on stage 0 with tp·cp>1, +2 for pp>1"
 
     def __init__(self, groups, serialization: str = "roll") -> None:

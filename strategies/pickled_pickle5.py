@@ -10,11 +10,15 @@ A strategy of its own rather than ``pickled``'s option only so that one job can 
 
 from __future__ import annotations
 
+from strategies.core.footprint import Footprint
 from strategies.pickled import FixedSerialization
 
 
 class PickledPickle5(FixedSerialization):
     name = "pickled_pickle5"
+    footprint = Footprint(leader=1, receiver=1.7)
+    """Measured by the node memory phase (the out-of-band buffers joined once; receivers view
+    them (a forwarder holds two))."""
     fixed = "pickle5"
 
 

@@ -11,11 +11,14 @@ A strategy of its own rather than ``pickled``'s option only so that one job can 
 
 from __future__ import annotations
 
+from strategies.core.footprint import Footprint
 from strategies.pickled import FixedSerialization
 
 
 class PickledVerlNumpy(FixedSerialization):
     name = "pickled_verl_numpy"
+    footprint = Footprint(leader=1, receiver=2)
+    """Measured by the node memory phase (receivers copy each array out of the received bytes)."""
     fixed = "verl_numpy"
 
 

@@ -15,6 +15,7 @@ same buffer) only when flagged. Options: see ``strategies.core.packed.PackedStra
 from __future__ import annotations
 
 from strategies.core.contract import DataProto
+from strategies.core.footprint import Footprint
 from strategies.core.packed import PackedStrategy
 from strategies.core.plan import PayloadSpec, Plan
 from strategies.core.relay_plan import hop_comms, relay_work, steady_expect
@@ -28,6 +29,9 @@ def leader_pp_groups(layout) -> list[list[int]]:
 
 class PpFirst(PackedStrategy):
     name = "pp_first"
+    footprint = Footprint(leader=1, receiver=1.3, leader_kept=1)
+    """Measured by the node memory phase (the pack buffer, kept for the next call; receivers
+    view what arrived)."""
     claims = (
         "1 broadcast per hop in steady state (2 when the batch outgrows the announced size): "
         "the leader's PP group if pp>1, then every stage's TP×CP group if tp·cp>1"

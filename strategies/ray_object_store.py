@@ -55,6 +55,7 @@ from strategies.core.contract import (
     raise_failure,
     wants_non_tensor,
 )
+from strategies.core.footprint import Footprint
 from strategies.core.plan import Comm, PayloadSpec, Plan, StoreFetch
 from strategies.core.strategy_base import Strategy
 from strategies.pickled import loads_back
@@ -85,6 +86,9 @@ class RayObjectStore(Strategy):
     """The leader ``ray.put``s, the reference goes over the replica, every rank ``ray.get``s."""
 
     name = "ray_object_store"
+    footprint = Footprint(leader=1, receiver=1, node=1)
+    """Not measured yet (the node memory phase runs on forked worlds): the object in the
+    node's plasma store, every rank's own copy out."""
     world = "ray"
     claims = "3 over the replica (reference sizes, bytes, barrier) + a ray.put and a ray.get each"
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from strategies.core.contract import DataProto, deliver, wants_non_tensor
+from strategies.core.footprint import Footprint
 from strategies.core.header_format import (
     DEFAULT_MAX_BYTES,
     PREFIX_BYTES,
@@ -44,6 +45,9 @@ def chunk_bytes(total: int, n: int) -> int:
 
 class ScatterAllgather(Strategy):
     name = "scatter_allgather"
+    footprint = Footprint(leader=2.5, receiver=2.7, leader_kept=1)
+    """Measured by the node memory phase (the packed message and its chunks on the leader; a
+    chunk, the gathered buffer and its copy on a receiver)."""
     claims = "header broadcast + scatter (stage 0) + chunk broadcast (pp>1) + all-gather (tp·cp>1)"
 
     def __init__(self, groups, header_bytes: int = 4096, max_bytes: int = DEFAULT_MAX_BYTES):

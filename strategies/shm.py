@@ -70,6 +70,7 @@ import torch
 from tensordict import TensorDict
 
 from strategies.core.contract import DataProto, deliver, failure_text, settled, wants_non_tensor
+from strategies.core.footprint import Footprint
 from strategies.core.header_format import (
     DEFAULT_MAX_BYTES,
     DIRECT,
@@ -100,6 +101,9 @@ def dense_only(header: Header) -> bool:
 
 class Shm(PackedStrategy):
     name = "shm"
+    footprint = Footprint(leader=0, receiver=0, node=1)
+    """Measured by the node memory phase (one slot of the segment: a large message reuses its
+    slot once let go (a ring of small ones holds up to three); receivers view it)."""
     claims = (
         "no collective on a node: one socket message per node-local rank, and the completion "
         "word (a second message where ranks share cores); two point-to-point sends per other "

@@ -72,6 +72,7 @@ from strategies.core.contract import (
     wants_non_tensor,
 )
 from strategies.core.contract import leaves as all_leaves
+from strategies.core.footprint import Footprint
 from strategies.core.header_format import KIND_OBJECT
 from strategies.core.parts import message_parts, nbytes_of
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
@@ -132,6 +133,8 @@ def refusal(world_size: int, replica_size: int, leader: int | None = None) -> st
 
 class TensorDictBroadcast(Strategy):
     name = "tensordict_broadcast"
+    footprint = Footprint(leader=3, receiver=3, leader_kept=3)
+    """Measured by the node memory phase (tensordict keeps its own buffers on every rank)."""
     claims = (
         "1 hop over the replica: 2 (pickled metadata) + 1 storage broadcast, +2 when "
         "non_tensor_batch travels; refuses DP > 1 (library bug)"

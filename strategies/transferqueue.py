@@ -69,6 +69,7 @@ from strategies.core.contract import (
     raise_failure,
     wants_non_tensor,
 )
+from strategies.core.footprint import Footprint
 from strategies.core.strategy_base import Strategy
 from strategies.ray_object_store import RayObjectStore, ray_actor_module
 
@@ -108,6 +109,9 @@ class TransferQueue(Strategy):
     """The leader puts, signals the replica, every rank gets; the leader clears."""
 
     name = "transferqueue"
+    footprint = Footprint(leader=1, receiver=1, node=1)
+    """Not measured yet (the node memory phase runs on forked worlds): the batch in the
+    storage unit, every rank's own copy."""
     world = "ray"
     claims = "3 over the replica (signal sizes, bytes, barrier) + a put and clear, a get each"
 

@@ -53,6 +53,7 @@ from strategies.core.contract import (
     raise_failure,
     wants_non_tensor,
 )
+from strategies.core.footprint import Footprint
 from strategies.core.parts import transportable
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.strategy_base import Strategy
@@ -196,6 +197,9 @@ def leaf_nbytes(spec: PayloadSpec, leaf_bytes: tuple[int, ...] | None) -> tuple[
 
 class VllmTensorDict(Strategy):
     name = "vllm_tensor_dict"
+    footprint = Footprint(leader=0, receiver=1.3)
+    """Measured by the node memory phase (one broadcast per tensor from the leader's own
+    tensors)."""
     claims = (
         "per hop: 2 (pickled metadata over gloo) + 1 async broadcast per non-empty tensor; "
         "hops: TP×CP on stage 0 if tp·cp>1, then PP if pp>1"

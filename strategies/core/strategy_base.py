@@ -19,6 +19,7 @@ from strategies.core.contract import (
     validate,
     wants_non_tensor,
 )
+from strategies.core.footprint import Footprint
 from strategies.core.process_groups import ProcessGroups
 
 
@@ -60,6 +61,10 @@ class Strategy:
     """The world a strategy needs when it cannot run on every torch.distributed world:
     ``"ray"`` (its ranks are connected Ray actors, ``world=ray``). Elsewhere it raises
     ``Unsupported`` at construction, on every rank; a job naming it is refused at config time."""
+    footprint: ClassVar[Footprint] = Footprint()
+    """Copies of the batch one call holds at its peak, by where they live
+    (``strategies.core.footprint``): what a harness predicts a node's memory from before a job
+    allocates anything; the node memory phase measures it."""
     phased: ClassVar[bool] = False
     """True where the leader's call marks its copy and its hand-over on
     ``strategies.core.phase_clock.CLOCK``, so a harness can split the call into plan, copy and
@@ -85,6 +90,11 @@ class Strategy:
                 f"strategy {self.name!r} takes no options {sorted(options)}; "
                 "see its module docstring for the options it has"
             )
+
+    @classmethod
+    def footprint_for(cls, **options) -> Footprint:
+        """The footprint of an instance built with ``options`` (most strategies have one)."""
+        return cls.footprint
 
     @classmethod
     def unavailable(cls) -> str | None:
