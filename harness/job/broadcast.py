@@ -1,5 +1,5 @@
 """The broadcast job, on one rank: prepare (groups, every shape's batch, the strategies built:
-a ``BroadcastJob``, this scope's ``harness.job.phases.Job``), then run the measured phases
+a ``BroadcastJob``, this scope's ``harness.job.phase_base.Job``), then run the measured phases
 (``harness.job.phases.run_phases``) into this rank's ``RankResult``. ``run_job_on_rank`` runs
 identically in every world (``harness.worlds.protocol``); the dispatch job beside it
 (``harness.job.dispatch``) runs the same phases on a Ray driver.
@@ -7,13 +7,17 @@ identically in every world (``harness.worlds.protocol``); the dispatch job besid
 
 from __future__ import annotations
 
+import inspect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 import strategies
-from harness.job.phases import Timing, run_phases, start_line, sync
+from harness.job.node_memory import release_free_heap, resident
+from harness.job.phase_base import Timing
+from harness.job.phases import run_phases, start_line, sync
 from harness.job.probes import build_probe, is_probe
 from harness.job.results import RankResult
 from harness.job.spec import JobSpec, Scope
@@ -66,7 +70,24 @@ class BroadcastJob:
     on this rank)."""
     refused: dict = field(default_factory=dict)
     """References that refused the layout or batch (on every rank), with why."""
+    build: Callable[[str], object] | None = None
+    """Builds strategy ``name`` anew on this rank (``rebuild``)."""
+    base_pss: int | None = None
+    """This rank's PSS before any batch of the job existed (``harness.job.node_memory``)."""
     scope = Scope.BROADCAST
+
+    def release(self) -> None:
+        """Drop every built strategy, and with it whatever it keeps between calls (buffers,
+        segments, received bytes), then hand the free heap back: what stays is the job's
+        batches and the harness."""
+        self.built = {}
+        release_free_heap(full=True)
+
+    def rebuild(self, name: str) -> None:
+        """Strategy ``name`` built anew and prepared for the current batch (every rank calls
+        it in the same order: building may set up a channel)."""
+        self.built[name] = self.build(name)
+        prepare_all(self.built, [name], self.full, self.groups.is_leader)
 
     def call(self, name: str):
         """One call of ``name`` from the entry state ROLL's dispatcher leaves, its device work
@@ -102,9 +123,15 @@ class BroadcastJob:
             time.sleep(delay_s)
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         del out, entry
+        self.let_go(name)
+        return Timing(elapsed, cpu, phases)
+
+    def let_go(self, name: str) -> None:
+        """Drop what a raw method (the floor) received in its last call: a caller keeps the
+        batch it got, the floor keeps its bytes for verification until told."""
+        strategy = self.built[name]
         if getattr(strategy, "raw_bytes", False):
             strategy.let_go()
-        return Timing(elapsed, cpu, phases)
 
     def fence(self) -> None:
         """A barrier over the world."""
@@ -144,9 +171,7 @@ class BroadcastJob:
         if shape == self.current:
             return
         self.full, self.current, self.leader_digest = self.batches[shape], shape, None
-        for name in self.order:
-            if getattr(self.built[name], "raw_bytes", False):
-                self.built[name].prepare(self.full.entry_state(self.groups.is_leader))
+        prepare_all(self.built, self.order, self.full, self.groups.is_leader, raw_only=True)
 
 
 def _batches(spec: JobSpec, groups) -> dict:
@@ -168,12 +193,14 @@ def prepare(ctx, spec: JobSpec) -> BroadcastJob | RankResult:
     result's ``refused``."""
     ctx.report("building groups")
     groups = ctx.groups_for(spec.layout)
+    release_free_heap(full=False)
+    before = resident()
     ctx.report("generating the payload")
     batches = _batches(spec, groups)
     first = spec.period()[0]
     full = batches[first]
     order, options = _order(spec)
-    built, refused = {}, {}
+    built, refused = {}, dict(spec.left_out)
     for name in order:
         try:
             built[name] = _build(ctx, groups, name, options[name])
@@ -181,12 +208,33 @@ def prepare(ctx, spec: JobSpec) -> BroadcastJob | RankResult:
             if name == spec.strategy:
                 return RankResult(ctx.rank, groups.is_leader, unsupported=f"{name}: {exc}")
             refused[name] = str(exc)
-            continue
-        built[name].prepare(full.entry_state(groups.is_leader))
+    prepare_all(built, list(built), full, groups.is_leader)
     delay_s = spec.fault_delay_us / 1e6 if _delays(spec, ctx.rank) else 0.0
     order = [name for name in order if name in built]
-    return BroadcastJob(groups, full, order, built, batches, first, delay_s=delay_s,
-                        refused=refused)  # fmt: skip
+    return BroadcastJob(
+        groups, full, order, built, batches, first, delay_s=delay_s, refused=refused,
+        build=lambda name: _build(ctx, groups, name, options[name]),
+        base_pss=before.pss if before is not None else None,
+    )  # fmt: skip
+
+
+def prepare_all(built: dict, order, full, is_leader: bool, raw_only: bool = False) -> None:
+    """Each strategy's untimed ``prepare`` for ``full`` (``raw_only``: the raw-bytes ones, the
+    floor's methods, which move an already packed buffer). The raw methods share one packed
+    buffer: they move the same bytes, and a copy of the batch per method would be the
+    harness's memory, not theirs (a 1 GiB batch with five floor methods held five more)."""
+    sent = None
+    for name in order:
+        strategy = built[name]
+        raw = getattr(strategy, "raw_bytes", False)
+        if raw_only and not raw:
+            continue
+        entry = full.entry_state(is_leader)
+        if raw and "sent" in inspect.signature(strategy.prepare).parameters:
+            strategy.prepare(entry, sent=sent)
+            sent = strategy.sent if sent is None else sent
+        else:
+            strategy.prepare(entry)
 
 
 def _delays(spec: JobSpec, rank: int) -> bool:
@@ -231,6 +279,7 @@ def run_job_on_rank(ctx, spec: JobSpec) -> RankResult:
         if leader
         else None,
         refused=job.refused,
+        base_pss_bytes=job.base_pss,
     )
     return run_phases(ctx, spec, job, result)
 

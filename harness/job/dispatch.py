@@ -43,7 +43,8 @@ import torch
 import strategies
 from harness.job.dispatch_hops import hops_call, on_device
 from harness.job.dispatch_modes import ALL_RANKS, EDGE_STAGES, HOPS, LEADER, DispatchMode
-from harness.job.phases import Timing, run_phases
+from harness.job.phase_base import Timing
+from harness.job.phases import run_phases
 from harness.job.results import RankResult
 from harness.job.spec import JobSpec, Scope
 from harness.job.verification import batch_problems, bytes_problems, digest, tensor_digest
@@ -336,7 +337,7 @@ class DriverContext:
 
 @dataclass
 class DispatchJob:
-    """The dispatch scope's ``harness.job.phases.Job``: one call is one dispatch of the global
+    """The dispatch scope's ``harness.job.phase_base.Job``: one call is one dispatch of the global
     batch to every rank of every replica, timed on the driver."""
 
     world: object

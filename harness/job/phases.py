@@ -20,18 +20,23 @@ fields in ``harness.job.results`` and their documentation.
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import os
-import resource
 import time
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from harness.job.leader_phases import PHASE_FIELDS, cpu_figures, phase_figures
+from harness.job.node_memory import (
+    NodeMemory,
+    release_free_heap,
+    rss_now,
+    rss_peak,
+    rss_peak_reset,
+)
+from harness.job.phase_base import BOTH, Job, Phase
 from harness.job.results import (
     ChoiceFigures,
     CollectiveFigures,
@@ -45,75 +50,6 @@ from harness.job.spec import Scope
 from harness.job.stats import p50_interval
 from harness.job.verification import verdict
 from strategies.core.trace import Recorder
-
-
-class Timing(NamedTuple):
-    """One timed call: wall seconds, the CPU seconds of this process inside them, and on a
-    leader the call's (wall, CPU) seconds per phase (``strategies.core.phase_clock``)."""
-
-    wall_s: float
-    cpu_s: float | None = None
-    phases: dict | None = None
-
-
-class Job(Protocol):
-    """What a phase measures through: one job's strategies (or dispatch modes) and its calls."""
-
-    scope: Scope
-    order: list[str]
-    """The strategy (or mode) under test first, then what it is compared with."""
-
-    def use(self, shape) -> None:
-        """Make ``shape`` (a ``harness.payload.workload.CallShape``) the one calls move."""
-
-    def call(self, name: str) -> Any:
-        """One untimed call of ``name``, finished (device work included) when it returns."""
-
-    def timed(self, name: str) -> Timing:
-        """One call of ``name``: its seconds, the clock where the scope puts it, and the CPU
-        seconds this process spent in it (None where the clock is a driver's)."""
-
-    def fence(self) -> None:
-        """Separate what came before from what comes next (a barrier over the world where the
-        phase runs on every rank; nothing on a driver, whose calls end when every rank has)."""
-
-    def verify(self, name: str) -> list[str]:
-        """One call of ``name`` checked bit for bit: each problem names its rank and key."""
-
-
-BOTH = frozenset(Scope)
-"""Every scope: a phase that measures a broadcast job and a dispatch job alike."""
-
-
-class Phase:
-    """One measured phase (see the module docstring)."""
-
-    scopes: frozenset[Scope] = frozenset({Scope.BROADCAST})
-    """The scopes whose jobs run it; a rank-side measurement (collectives, memory) only runs
-    where the phase runs on the ranks."""
-
-    def applies(self, ctx, spec) -> bool:
-        """Whether the phase runs in this job on this context (the same on every rank)."""
-        return True
-
-    part: str | None = None
-    """The ``StrategyFigures`` field ``fold`` fills (None: the phase folds nothing)."""
-
-    def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
-        """What this rank (or a dispatch job's driver) measured: ``RankResult`` fields, taken
-        into its result (picklable)."""
-        raise NotImplementedError
-
-    def check(self, spec, results: list[RankResult]) -> None:
-        """Raise if the ranks' answers fail the job (verification); nothing by default."""
-
-    def fold(self, spec, name: str, results: list[RankResult]) -> Any:
-        """Strategy ``name``'s part (``part``) from every rank's result (rank order); None
-        where the phase measured nothing for it."""
-        return None
-
-    record_fields: tuple[str, ...] = ()
-    """The summary fields of the strategy under test a record carries as they are."""
 
 
 def sync(device: torch.device) -> None:
@@ -382,55 +318,6 @@ class PeakMemory(Phase):
         )
 
 
-def rss_peak_reset() -> bool:
-    """Reset this process's VmHWM (peak RSS); False where the kernel does not let it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def release_free_heap(full: bool = True) -> bool:
-    """Hand the heap's free pages back to the kernel (glibc ``malloc_trim``), so that what the
-    next call allocates has to fault in fresh pages and shows up in VmHWM. Without it the
-    earlier rounds' freed buffers stay resident, the call reuses them and its high-water growth
-    reads 0 whatever it allocates. False where there is no glibc to ask.
-
-    Objects in reference cycles hold memory until the collector runs: ``full`` collects every
-    generation (slow in a rank that imported torch and megatron-core, so once per job);
-    otherwise only the young ones, where one call's cycles are."""
-    gc.collect(2 if full else 1)
-    try:
-        # The process's own symbols: glibc's malloc_trim where the C library is glibc.
-        ctypes.CDLL(None).malloc_trim(0)  # 0: keep no padding at the top of the heap
-        return True
-    except (OSError, AttributeError):
-        return False
-
-
-def rss_peak() -> int:
-    """This process's VmHWM in bytes (the lifetime peak where /proc has none)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def rss_now() -> int:
-    """This process's resident set in bytes (0 where /proc has none)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
-
-
 class AutoChoice(Phase):
     """Which strategy a choosing strategy (``auto``) serves its next call with, on each rank."""
 
@@ -475,9 +362,11 @@ PHASES: tuple[Phase, ...] = (
     PeakMemory(),
     Verification(),
     AutoChoice(),
+    NodeMemory(),
 )
 """Every measured phase, in the order a job runs them; every phase but the rounds starts on
-the period's first shape (auto's choice is read last: the one its last call left)."""
+the period's first shape (auto's choice is read after the calls; the node's memory last, since
+it rebuilds every strategy from nothing)."""
 
 
 def run_phases(ctx, spec, job: Job, result: RankResult) -> RankResult:

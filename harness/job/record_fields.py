@@ -209,6 +209,41 @@ class Record(TypedDict, total=False):
     peak_cuda_bytes: Annotated[
         int | None, "torch.cuda.max_memory_allocated over ranks (null on CPU)"
     ]
+    rank_peak_bytes: Annotated[
+        int | None,
+        "the highest resident set (VmHWM, shared pages counted whole) of a rank over the "
+        "strategy's calls from nothing (the node memory phase)",
+    ]
+    node_peak_bytes: Annotated[
+        int | None,
+        "the busiest node's peak: the sum of its ranks' peak proportional sets (PSS, a shared "
+        "page split among its mappers, so a segment counts once), sampled every "
+        "memory_sample_ms during the strategy's calls, with every other strategy dropped",
+    ]
+    node_idle_bytes: Annotated[
+        int | None, "that node's PSS just before: the batch held, no strategy built"
+    ]
+    node_kept_bytes: Annotated[
+        int | None,
+        "what the strategy still holds on that node once its calls returned and their "
+        "results were dropped (buffers, segments kept for the next call): the part that "
+        "adds up when a job interleaves several strategies",
+    ]
+    node_shm_bytes: Annotated[int | None, "the shared-memory part of node_peak_bytes"]
+    node_copies: Annotated[
+        float | None,
+        "copies of the batch resident on that node at the peak: the leaders' own batches "
+        "plus (node_peak_bytes - node_idle_bytes) / payload_bytes",
+    ]
+    harness_copies: Annotated[
+        float | None,
+        "the harness's own footprint on that node, in batches: (node_idle_bytes - its PSS "
+        "before any batch existed) / payload_bytes",
+    ]
+    node_ranks: Annotated[int | None, "ranks on that node"]
+    memory_sample_ms: Annotated[
+        float | None, "milliseconds between two PSS samples: a shorter peak can be missed"
+    ]
     cross_node_bytes_per_call: Annotated[
         float | None, "emulated cluster: bytes the node links carried per call"
     ]

@@ -61,6 +61,11 @@ class RankResult:
     """What verification found wrong, by strategy, each naming rank and key (``Verification``)."""
     choices: dict[str, str] | None = None
     """The strategy a choosing strategy (``auto``) serves its next call with (``AutoChoice``)."""
+    node_memory: dict[str, dict] | None = None
+    """By strategy: this rank's host, its idle PSS, its sampled peak PSS (and that sample's
+    shared-memory part) and its VmHWM over the strategy's calls from nothing (``NodeMemory``)."""
+    base_pss_bytes: int | None = None
+    """This rank's PSS before any batch of the job existed: the harness's own floor."""
 
     def taking(self, measured: dict[str, Any]) -> RankResult:
         """This result with a phase's measurements added (names must be fields: a phase that
@@ -135,6 +140,22 @@ class MemoryFigures:
 
 
 @dataclass(frozen=True)
+class NodeMemoryFigures:
+    """What one strategy keeps resident on its busiest node, measured from nothing
+    (``harness.job.node_memory.NodeMemory``)."""
+
+    rank_peak_bytes: int
+    node_peak_bytes: int
+    node_idle_bytes: int
+    node_kept_bytes: int
+    node_shm_bytes: int
+    node_copies: float
+    harness_copies: float | None
+    node_ranks: int
+    memory_sample_ms: float
+
+
+@dataclass(frozen=True)
 class ChoiceFigures:
     """The strategy ``auto`` served its last call with (``AutoChoice``)."""
 
@@ -151,6 +172,7 @@ class StrategyFigures:
     collectives: CollectiveFigures | None = None
     memory: MemoryFigures | None = None
     choice: ChoiceFigures | None = None
+    node_memory: NodeMemoryFigures | None = None
 
     def flat(self) -> dict[str, Any]:
         """Every measured figure by its record name (the parts that ran, in order)."""

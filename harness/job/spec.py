@@ -75,6 +75,12 @@ class JobSpec:
     steady_iters: int = 0
     """A varying workload: after the sequence, this many interleaved rounds of each distinct
     shape alone (after one untimed round of it), for each shape's steady-state p50."""
+    left_out: tuple[tuple[str, str], ...] = ()
+    """References the driver left out before the job started, with why (they would not fit
+    this host's memory beside the others: ``harness.job.fits``); recorded as refused."""
+    node_memory: bool = True
+    """Measure each strategy's memory on the node from nothing (``NodeMemory``: two more
+    calls per strategy, every strategy built anew)."""
     timeout_s: float = 120.0
     """No progress on a rank for this long fails the job (every world; ``harness.worlds``)."""
     source: PayloadSource | None = field(default=None, compare=False, repr=False)

@@ -1,0 +1,223 @@
+"""How much of a node's memory each way of moving a batch keeps alive at its peak: this
+process's resident set read from ``/proc`` (the high-water mark, ``smaps_rollup``'s
+proportional set), a sampler that follows it during a call, and the ``NodeMemory`` phase that
+measures every strategy from nothing and folds the ranks of each node into the node's figures.
+
+Why proportional (PSS): a shared segment mapped by four ranks is one copy on the node, but each
+rank's resident set counts it whole; PSS splits a shared page among its mappers, so the sum over
+a node's ranks counts it once. Why sampled: no counter keeps a PSS high-water mark, so a thread
+reads ``smaps_rollup`` every ``SAMPLE_S`` and a peak shorter than that can be missed; each rank's
+exact resident high-water mark (VmHWM, shared pages counted whole) is kept beside it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import resource
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from harness.job.phase_base import Job, Phase
+from harness.job.results import NodeMemoryFigures, RankResult
+
+SAMPLE_S = 0.002
+"""Seconds between two reads of ``smaps_rollup`` while a call runs (one read of a rank holding
+a gigabyte batch takes well under this)."""
+
+CALLS = 3
+"""Calls per strategy while the sampler runs: the first allocates what the strategy keeps
+between calls, the later ones are steady calls beside it (a full turn of a node channel's
+default ring: a slot taken in turn instead of reused shows there)."""
+
+
+@dataclass(frozen=True)
+class Resident:
+    """This process's resident memory at one instant, in bytes (``/proc/self/smaps_rollup``)."""
+
+    pss: int
+    """Proportional set: every page, a shared one split among the processes mapping it."""
+    rss: int
+    """Resident set: shared pages counted whole."""
+    pss_shmem: int
+    """The part of ``pss`` in shared memory (segments in /dev/shm, shared anonymous maps)."""
+
+
+_KEYS = {"Pss:": "pss", "Rss:": "rss", "Pss_Shmem:": "pss_shmem"}
+
+
+def resident() -> Resident | None:
+    """This process's ``Resident`` now; None where the kernel has no ``smaps_rollup``."""
+    found = dict.fromkeys(_KEYS.values(), 0)
+    try:
+        with open("/proc/self/smaps_rollup", "rb") as f:
+            for line in f.read().decode().splitlines():
+                key, _, rest = line.partition(" ")
+                if key in _KEYS:
+                    found[_KEYS[key]] = int(rest.split()[0]) * 1024
+    except OSError:
+        return None
+    return Resident(**found)
+
+
+class Sampler:
+    """A thread reading ``resident()`` every ``SAMPLE_S`` while a ``with`` block runs; ``peak``
+    is the sample with the largest PSS (the reads at entry and exit included)."""
+
+    def __init__(self, interval_s: float = SAMPLE_S) -> None:
+        self.interval_s = interval_s
+        self.peak: Resident | None = None
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bcastbench-memory", daemon=True)
+
+    def _take(self) -> None:
+        now = resident()
+        if now is None:
+            return
+        self.samples += 1
+        if self.peak is None or now.pss > self.peak.pss:
+            self.peak = now
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._take()
+
+    def __enter__(self) -> Sampler:
+        self._take()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._take()
+        self._stop.set()
+        self._thread.join()
+
+
+class NodeMemory(Phase):
+    """Each strategy's memory on its node, measured from nothing: every strategy of the job is
+    dropped (what it keeps between calls goes with it) and the free heap handed back, each rank
+    reads its idle PSS, then the strategy alone is built anew and called ``CALLS`` times while
+    a ``Sampler`` follows every rank. A node's peak is the sum of its ranks' sampled peaks (an
+    upper bound on their sum at one instant: the ranks of a broadcast peak together, when the
+    batch has arrived). Last in ``PHASES``: it leaves the job's strategies dropped."""
+
+    part = "node_memory"
+    record_fields = (
+        "rank_peak_bytes", "node_peak_bytes", "node_idle_bytes", "node_kept_bytes", "node_shm_bytes",
+        "node_copies",
+        "harness_copies", "node_ranks", "memory_sample_ms",
+    )  # fmt: skip
+
+    def applies(self, ctx, spec) -> bool:
+        return spec.node_memory and resident() is not None
+
+    def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
+        host = socket.gethostname()
+        out: dict[str, dict] = {}
+        for name in list(job.order):
+            ctx.report(f"measuring the node's memory of {name}")
+            # Every rank holds what the last call sent before anything is dropped: a sender
+            # whose socket closes with a message still queued loses it (vllm_shm_broadcast).
+            job.fence()
+            job.release()
+            job.fence()
+            idle = resident()
+            rss_peak_reset()
+            job.rebuild(name)
+            with Sampler() as sampler:
+                for _ in range(CALLS):
+                    job.fence()
+                    job.call(name)  # its result dropped at once: the next call starts clean
+                    job.let_go(name)
+            job.fence()
+            kept = resident()
+            out[name] = {
+                "host": host, "idle_pss": idle.pss, "peak_pss": sampler.peak.pss,
+                "peak_shm": sampler.peak.pss_shmem, "hwm": rss_peak(), "kept_pss": kept.pss,
+            }  # fmt: skip
+        job.fence()
+        job.release()
+        return {"node_memory": out}
+
+    def fold(self, spec, name: str, results: list[RankResult]) -> NodeMemoryFigures | None:
+        measured = [r for r in results if r.node_memory and name in r.node_memory]
+        leaders = [r for r in results if r.is_leader]
+        if len(measured) != len(results) or not leaders[0].payload_bytes:
+            return None
+        payload = leaders[0].payload_bytes
+        by_host: dict[str, list[RankResult]] = {}
+        for r in results:
+            by_host.setdefault(r.node_memory[name]["host"], []).append(r)
+
+        def total(ranks, key) -> int:
+            return sum(r.node_memory[name][key] for r in ranks)
+
+        busiest = max(by_host.values(), key=lambda ranks: total(ranks, "peak_pss"))
+        peak, idle = total(busiest, "peak_pss"), total(busiest, "idle_pss")
+        base = sum(r.base_pss_bytes or 0 for r in busiest)
+        on_node = sum(r.is_leader for r in busiest)
+        return NodeMemoryFigures(
+            rank_peak_bytes=max(r.node_memory[name]["hwm"] for r in results),
+            node_peak_bytes=peak,
+            node_idle_bytes=idle,
+            node_kept_bytes=max(0, total(busiest, "kept_pss") - idle),
+            node_shm_bytes=total(busiest, "peak_shm"),
+            # The leaders' own batches are resident before any call: one copy each.
+            node_copies=round(on_node + max(0, peak - idle) / payload, 3),
+            harness_copies=round(max(0, idle - base) / payload, 3) if base else None,
+            node_ranks=len(busiest),
+            memory_sample_ms=SAMPLE_S * 1e3,
+        )
+
+
+def rss_peak_reset() -> bool:
+    """Reset this process's VmHWM (peak RSS); False where the kernel does not let it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def release_free_heap(full: bool = True) -> bool:
+    """Hand the heap's free pages back to the kernel (glibc ``malloc_trim``), so that what the
+    next call allocates has to fault in fresh pages and shows up in VmHWM. Without it the
+    earlier rounds' freed buffers stay resident, the call reuses them and its high-water growth
+    reads 0 whatever it allocates. False where there is no glibc to ask.
+
+    Objects in reference cycles hold memory until the collector runs: ``full`` collects every
+    generation (slow in a rank that imported torch and megatron-core, so once per job);
+    otherwise only the young ones, where one call's cycles are."""
+    gc.collect(2 if full else 1)
+    try:
+        # The process's own symbols: glibc's malloc_trim where the C library is glibc.
+        ctypes.CDLL(None).malloc_trim(0)  # 0: keep no padding at the top of the heap
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def rss_peak() -> int:
+    """This process's VmHWM in bytes (the lifetime peak where /proc has none)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_now() -> int:
+    """This process's resident set in bytes (0 where /proc has none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0

@@ -1,0 +1,79 @@
+"""What every measured phase is: the ``Job`` a phase measures through, one timed call's
+``Timing``, and the ``Phase`` base class. The phases themselves are ``harness.job.phases`` (and
+``harness.job.node_memory``); their order is ``harness.job.phases.PHASES``."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+from harness.job.results import RankResult
+from harness.job.spec import Scope
+
+
+class Timing(NamedTuple):
+    """One timed call: wall seconds, the CPU seconds of this process inside them, and on a
+    leader the call's (wall, CPU) seconds per phase (``strategies.core.phase_clock``)."""
+
+    wall_s: float
+    cpu_s: float | None = None
+    phases: dict | None = None
+
+
+class Job(Protocol):
+    """What a phase measures through: one job's strategies (or dispatch modes) and its calls."""
+
+    scope: Scope
+    order: list[str]
+    """The strategy (or mode) under test first, then what it is compared with."""
+
+    def use(self, shape) -> None:
+        """Make ``shape`` (a ``harness.payload.workload.CallShape``) the one calls move."""
+
+    def call(self, name: str) -> Any:
+        """One untimed call of ``name``, finished (device work included) when it returns."""
+
+    def timed(self, name: str) -> Timing:
+        """One call of ``name``: its seconds, the clock where the scope puts it, and the CPU
+        seconds this process spent in it (None where the clock is a driver's)."""
+
+    def fence(self) -> None:
+        """Separate what came before from what comes next (a barrier over the world where the
+        phase runs on every rank; nothing on a driver, whose calls end when every rank has)."""
+
+    def verify(self, name: str) -> list[str]:
+        """One call of ``name`` checked bit for bit: each problem names its rank and key."""
+
+
+BOTH = frozenset(Scope)
+"""Every scope: a phase that measures a broadcast job and a dispatch job alike."""
+
+
+class Phase:
+    """One measured phase (see the module docstring)."""
+
+    scopes: frozenset[Scope] = frozenset({Scope.BROADCAST})
+    """The scopes whose jobs run it; a rank-side measurement (collectives, memory) only runs
+    where the phase runs on the ranks."""
+
+    def applies(self, ctx, spec) -> bool:
+        """Whether the phase runs in this job on this context (the same on every rank)."""
+        return True
+
+    part: str | None = None
+    """The ``StrategyFigures`` field ``fold`` fills (None: the phase folds nothing)."""
+
+    def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
+        """What this rank (or a dispatch job's driver) measured: ``RankResult`` fields, taken
+        into its result (picklable)."""
+        raise NotImplementedError
+
+    def check(self, spec, results: list[RankResult]) -> None:
+        """Raise if the ranks' answers fail the job (verification); nothing by default."""
+
+    def fold(self, spec, name: str, results: list[RankResult]) -> Any:
+        """Strategy ``name``'s part (``part``) from every rank's result (rank order); None
+        where the phase measured nothing for it."""
+        return None
+
+    record_fields: tuple[str, ...] = ()
+    """The summary fields of the strategy under test a record carries as they are."""

@@ -1,0 +1,35 @@
+"""Each strategy's memory on the node, measured in a real 4-rank world: every record carries
+the node's figures, the shared segment counts once, and the copies agree with each strategy's
+declared footprint (``strategies.core.footprint``) within what sampling and the heap allow."""
+
+from __future__ import annotations
+
+import strategies
+from harness.job.execute import run_job
+from harness.job.spec import JobSpec
+from harness.model import memory
+from strategies.core.layout import Layout
+
+
+def test_every_record_carries_the_nodes_memory_and_the_copies_match_the_footprints(world4):
+    spec = JobSpec(
+        strategy="shm", layout=Layout(tp=2, pp=2), batch_size=512, seq_len=2048,  # ≈ 46 MiB
+        iters=1, warmup=0, references=("floor", "flat", "direct"),
+    )  # fmt: skip
+    record = run_job(world4, spec)
+    node = memory.busiest_node(spec.layout)
+    assert record["node_ranks"] == 4 and record["memory_sample_ms"] > 0
+    for name, figures in [("shm", record), *record["references"].items()]:
+        assert figures["node_peak_bytes"] >= figures["node_idle_bytes"] > 0, name
+        assert figures["rank_peak_bytes"] > 0, name
+        # The harness's own footprint is the batch and little else (fingerprints, meta).
+        assert 0.8 <= figures["harness_copies"] <= 2.0, (name, figures["harness_copies"])
+        label = name.split(":")
+        cls = strategies.get_class(label[0])
+        options = {"method": label[1]} if len(label) > 1 and label[1] == "shm" else {}
+        declared = cls.footprint_for(**options).node_copies(node.leaders, node.receivers)
+        assert abs(figures["node_copies"] - declared) <= 0.35 * declared + 0.5, (
+            name, figures["node_copies"], declared
+        )  # fmt: skip
+    # shm's readers view the segment: its slots are counted once on the node, not per reader.
+    assert record["node_shm_bytes"] <= 2.5 * record["payload_bytes"]
