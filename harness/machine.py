@@ -93,3 +93,38 @@ def host_before_job() -> HostBeforeJob:
     except OSError:
         load = None
     return HostBeforeJob(cores, load)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def mem_available() -> int:
+    """Bytes this host can still give the job: the kernel's MemAvailable, or less where this
+    process's memory cgroup (v2, else v1) allows less (its limit minus its usage); read, never
+    changed. 0 where /proc has no meminfo."""
+    available = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ):
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and usage is not None and limit < 2**60:
+            available = min(available, max(0, limit - usage))
+            break
+    return available

@@ -26,8 +26,11 @@ from harness.commands.hydra_app import run_app, store_schema
 from harness.errors import ConfigError
 from harness.files import write_json
 from harness.job.config_schema import LayoutConf, PayloadConf
+from harness.machine import mem_available
+from harness.model import memory
 from harness.model.prices import auto_pick, explain, parse_label, predict_all, report, to_json
 from harness.payload import generated
+from harness.units import human_bytes
 from strategies.core.cluster import ClusterConf
 from strategies.core.header_format import Entry, align, encode_header
 from strategies.core.layout import Layout
@@ -67,6 +70,9 @@ class PredictConf:
     (``strategies.names()``)."""
     quiet: bool = False
     """Print only the winner line (sweeps)."""
+    host_memory_bytes: int | None = None
+    """A node's host memory the memory table checks each strategy against (e.g. 2 TiB for an
+    8-GPU node); null: what this machine has available now."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,6 +228,7 @@ def run(cfg) -> dict[str, Any]:
         print(f"auto would pick: {auto} (strategy=auto, cluster={cluster.name})")
         if winner is not None:
             print(preds[winner].summary())
+        print(memory_report(layout, spec, cluster, preds, cfg.get("host_memory_bytes")))
     return dict(
         kind="prediction",
         cluster=cluster.name,
@@ -237,6 +244,28 @@ def run(cfg) -> dict[str, Any]:
         spec_s=t_spec - t0,
         elapsed_s=elapsed,
     )
+
+
+def memory_report(layout, spec, cluster, preds, host_memory_bytes: int | None) -> str:
+    """Each strategy's predicted peak on the layout's busiest node (``harness.model.memory``),
+    and whether it fits ``host_memory_bytes`` (null: this machine's available memory)."""
+    payload = spec.tensor_bytes + (spec.non_tensor_bytes if spec.broadcast_non_tensor else 0)
+    node = memory.busiest_node(layout, cluster.gpus_per_node)
+    host = int(host_memory_bytes) if host_memory_bytes else mem_available()
+    lines = [
+        f"memory on the busiest node ({node.ranks} ranks, {node.leaders} leader(s) holding "
+        f"{human_bytes(payload)}) against {human_bytes(host)} of host memory:",
+        f"{'strategy':26} {'copies':>7} {'node_peak':>10}  fits",
+    ]
+    names = [n for n in preds if n in strategies.names(include_floor=True)]
+    for name in sorted(names, key=lambda n: memory.strategy_need(
+            strategies.get_class(n).footprint, node, payload)):  # fmt: skip
+        fp = strategies.get_class(name).footprint
+        need = memory.strategy_need(fp, node, payload)
+        copies = fp.node_copies(node.leaders, node.receivers)
+        lines.append(f"{name:26} {copies:7.2f} {human_bytes(need):>10}  "
+                     f"{'yes' if need <= host else 'NO'}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def task(cfg) -> None:

@@ -23,10 +23,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
 from harness.errors import VerificationError
+from harness.job import records
 from harness.job.build import from_run_config
 from harness.job.config import validate
-from harness.job.execute import JOB_FAILURES, run_job, world_spec
+from harness.job.execute import JOB_FAILURES, RESULT_FILE, run_job, world_spec
+from harness.job.fits import fitted
 from harness.job.records import job_line
+from harness.job.results import Refusal
 from harness.job.verdict import records_beside
 from harness.machine import host_cores
 from harness.worlds import launcher as launchers
@@ -72,6 +75,18 @@ def _recorded_failures(launch: launchers.Launch, multirun: bool) -> tuple[type[B
     return (VerificationError,) if launch.kind == launchers.JOINED else JOB_FAILURES
 
 
+def _refused(spec, why: str, out_dir: Path, multirun: bool) -> dict:
+    """A job refused before any rank started (it would not fit this host's memory): its one
+    line on the terminal and in the log, and a record saying so (``status: unsupported``)."""
+    record = records.complete(records.build(spec, Refusal(why)))
+    records.write_atomic(out_dir / RESULT_FILE, record)
+    line = job_line(record, records_beside(out_dir))
+    (_to_job_log if multirun else log.info)(
+        line if multirun else f"{line}\nrecord: {out_dir / RESULT_FILE}"
+    )
+    return record
+
+
 def run(cfg) -> dict | None:
     """Run one job; returns its record (None on ranks other than a joined world's rank 0)."""
     hydra_cfg = HydraConfig.get()
@@ -83,6 +98,10 @@ def run(cfg) -> dict | None:
     if launch.kind != launchers.JOINED:
         _warn_oversubscribed(layout)
     spec = from_run_config(cfg, layout)
+    fits = fitted(spec, on_this_host=launch.kind in (launchers.FORKED, launchers.EMULATED))
+    if isinstance(fits, str):
+        return _refused(spec, fits, out_dir, multirun)
+    spec = fits
     world = world_spec(cfg, layout, launch, out_dir)
     record = run_job(world, spec, out_dir, _recorded_failures(launch, multirun))
     if record is None:

@@ -4,12 +4,15 @@ failed, died or stopped responding named with its phase and where it is."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from harness.machine import mem_available
+from harness.units import human_bytes
 from harness.worlds.forked_rank import STACK_SIGNAL, PhaseBoard
 from harness.worlds.protocol import WorldError
 from harness.worlds.rank import in_collective
@@ -106,7 +109,7 @@ class Collector:
         phase = self._last[rank][1]
         self._teardown()
         raise WorldError(
-            f"rank {rank} exited with code {code} while {phase!r} ({what}); the world was torn down"
+            f"rank {rank} {exit_reason(code)} while {phase!r} ({what}); the world was torn down"
         )
 
     def _raise_hung(self, answers: _Answers, what: str, timeout_s: float) -> None:
@@ -202,3 +205,23 @@ class _Answers:
     @property
     def complete(self) -> bool:
         return len(self.results) + len(self.errors) >= self.world_size
+
+
+def exit_reason(code: int | None) -> str:
+    """How a rank's process ended, in words: a signal by name, and for SIGKILL, which nothing
+    in the rank sends itself, what sends it on a host out of memory."""
+    if code is None or code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    said = f"was killed by signal {-code} ({name})"
+    if -code == signal.SIGKILL:
+        said += (
+            ": most likely the kernel's OOM killer, the host out of memory (its log, `dmesg`, "
+            f"names the process; MemAvailable now {human_bytes(mem_available())}); lower "
+            "payload.batch_size or the references, or see `bcastbench predict` for the memory "
+            "each strategy needs"
+        )
+    return said

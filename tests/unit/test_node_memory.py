@@ -1,0 +1,150 @@
+"""The node's memory, without a process group: what /proc says of a known allocation, the
+sampler, the phase's fold into node figures, each strategy's footprint, the memory model's
+arithmetic and the refusal it makes before a job starts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import strategies
+from harness.job.fits import fitted, footprints
+from harness.job.node_memory import NodeMemory, Sampler, resident
+from harness.job.results import RankResult
+from harness.job.spec import JobSpec
+from harness.model import memory
+from harness.worlds.forked_answers import exit_reason
+from strategies.core.footprint import Footprint
+from strategies.core.layout import Layout
+
+MIB = 2**20
+
+
+def test_resident_counts_a_known_allocation():
+    before = resident()
+    block = np.ones(64 * MIB, dtype=np.uint8)  # written: every page resident
+    after = resident()
+    assert after.pss - before.pss >= 0.9 * block.nbytes
+    assert after.rss - before.rss >= 0.9 * block.nbytes
+    del block
+
+
+def test_the_sampler_sees_a_peak_that_is_gone_by_the_end():
+    """A block allocated and freed inside the window: the samples taken while it lived (the
+    wait is for samples, not for a clock) hold it."""
+    with Sampler(interval_s=0.001) as sampler:
+        base = sampler.peak.pss
+        block = np.ones(32 * MIB, dtype=np.uint8)
+        seen = sampler.samples
+        while sampler.samples < seen + 3:
+            np.add(block[:4096], 0, out=block[:4096])  # keep the block alive meanwhile
+        del block
+    assert sampler.peak.pss - base >= 0.9 * 32 * MIB
+
+
+def _rank(rank: int, leader: bool, idle: int, peak: int, kept: int, host="h", shm=0):
+    memory = {"s": {"host": host, "idle_pss": idle, "peak_pss": peak, "peak_shm": shm,
+                    "hwm": peak + 7, "kept_pss": kept}}  # fmt: skip
+    return RankResult(rank, leader, payload_bytes=100 * MIB if leader else None,
+                      node_memory=memory, base_pss_bytes=idle - (100 * MIB if leader else 0))  # fmt: skip
+
+
+def test_the_fold_sums_a_node_and_counts_copies_in_batches():
+    """Leader: idle 150 MiB (its batch in it), peak 350 (a 200 MiB segment); receiver idle
+    50, peak 150 (its own copy): 1 + (500 - 200) / 100 = 4 copies; the harness holds the batch."""
+    results = [
+        _rank(0, True, 150 * MIB, 350 * MIB, 350 * MIB, shm=200 * MIB),
+        _rank(1, False, 50 * MIB, 150 * MIB, 50 * MIB),
+    ]
+    figures = NodeMemory().fold(None, "s", results)
+    assert figures.node_peak_bytes == 500 * MIB and figures.node_idle_bytes == 200 * MIB
+    assert figures.node_copies == 4.0 and figures.harness_copies == 1.0
+    assert figures.node_kept_bytes == 200 * MIB and figures.node_shm_bytes == 200 * MIB
+    assert figures.rank_peak_bytes == 350 * MIB + 7 and figures.node_ranks == 2
+
+
+def test_the_fold_takes_the_busiest_node():
+    results = [
+        _rank(0, True, 150 * MIB, 250 * MIB, 150 * MIB, host="a"),
+        _rank(1, False, 50 * MIB, 60 * MIB, 50 * MIB, host="a"),
+        _rank(2, False, 50 * MIB, 400 * MIB, 50 * MIB, host="b"),
+    ]
+    figures = NodeMemory().fold(None, "s", results)
+    assert figures.node_ranks == 1 and figures.node_peak_bytes == 400 * MIB
+    assert figures.node_copies == 3.5  # no leader there: (400 - 50) / 100
+
+
+def test_a_footprint_counts_shared_memory_once_per_node():
+    shm = Footprint(leader=0, receiver=0, node=2)
+    assert shm.node_copies(leaders=1, receivers=7) == 3  # the batch and two slots
+    assert shm.node_copies(leaders=1, receivers=0) == 1  # a replica of one maps nothing
+    flat = Footprint(leader=1, receiver=1, leader_kept=1)
+    assert flat.node_copies(1, 7) == 9 and flat.kept_copies(1, 7) == 1
+    with pytest.raises(ValueError, match=r"leader_kept \(2\) > leader \(1\)"):
+        Footprint(leader=1, leader_kept=2)
+    with pytest.raises(ValueError, match="receiver must be >= 0"):
+        Footprint(receiver=-1)
+
+
+def test_every_strategy_declares_a_footprint():
+    for name in strategies.names(include_floor=True):
+        assert isinstance(strategies.get_class(name).footprint, Footprint), name
+
+
+def test_the_busiest_node_of_a_large_layout():
+    """16k ranks, 8 a node, TP 8: every node holds one leader and seven receivers."""
+    layout = Layout(dp=2048, tp=8)
+    assert memory.busiest_node(layout, 8) == memory.NodeShare(1, 7)
+    assert memory.busiest_node(Layout(tp=2, pp=2)) == memory.NodeShare(1, 3)
+
+
+def test_a_job_holds_every_kept_part_and_one_peak():
+    node = memory.NodeShare(1, 1)
+    fps = {"a": Footprint(leader=1, receiver=1, leader_kept=1), "b": Footprint(0, 3)}
+    base = memory.base_bytes(node, 100 * MIB)
+    assert base == 2 * memory.RANK_BASE_BYTES + int(1.5 * 100 * MIB)
+    # kept: a's buffer (1); the largest peak above what it keeps: b's receiver (3)
+    assert memory.job_need(fps, node, 100 * MIB) == base + 4 * 100 * MIB
+    assert memory.strategy_need(fps["a"], node, 100 * MIB) == base + 2 * 100 * MIB
+
+
+def test_a_job_that_does_not_fit_is_refused_in_one_line_with_its_bytes():
+    node = memory.NodeShare(1, 1)
+    fps = {"pickled": strategies.get_class("pickled").footprint}
+    assert memory.refusal("job x", fps, node, MIB, 64 * 2**30) is None
+    line = memory.refusal("job x", fps, node, 2**30, 4 * 2**30)
+    assert line.startswith("memory: job x needs ") and "\n" not in line
+    assert "this host has available" in line and "pickled" in line and "batch_size" in line
+
+
+def _spec(**kw) -> JobSpec:
+    refs = tuple(strategies.names_for_world("forked")) + ("floor",)
+    return JobSpec(strategy="shm", layout=Layout(tp=2), references=refs, **kw)
+
+
+def test_the_floors_methods_keep_one_buffer_between_them():
+    fps = footprints(_spec())
+    floors = [fp for name, fp in fps.items() if name.split(":")[0] == "floor"]
+    assert len(floors) > 1 and sum(fp.leader_kept for fp in floors) == 1
+
+
+def test_a_job_too_large_leaves_references_out_and_a_cell_too_large_is_refused():
+    spec = _spec(batch_size=5689, seq_len=4096)  # 1 GiB
+    fits = fitted(spec, True, available=16 * 2**30)
+    assert isinstance(fits, JobSpec) and fits.left_out
+    assert "shm" not in dict(fits.left_out) and "floor" in fits.references
+    for name, line in fits.left_out:
+        assert name not in fits.references and line.startswith(
+            f"memory: job shm on tp2 with {name}"
+        )
+    assert fitted(spec, True, available=64 * 2**30) == spec  # room for all
+    assert fitted(spec, False, available=1) == spec  # ranks elsewhere: not priced here
+    refused = fitted(spec, True, available=2 * 2**30)
+    assert isinstance(refused, str) and refused.startswith("memory: job shm on tp2 needs")
+
+
+def test_a_rank_killed_by_sigkill_is_named_as_the_oom_killers():
+    said = exit_reason(-9)
+    assert "signal 9 (SIGKILL)" in said and "OOM killer" in said and "MemAvailable" in said
+    assert exit_reason(-15) == "was killed by signal 15 (SIGTERM)"
+    assert exit_reason(3) == "exited with code 3"
