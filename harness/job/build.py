@@ -49,6 +49,7 @@ def from_run_config(cfg, layout) -> JobSpec:
         seed=int(cfg.payload.seed),
         iters=int(cfg.iters),
         warmup=int(cfg.warmup),
+        time_budget_s=None if cfg.get("time_budget_s") is None else float(cfg.time_budget_s),
         references=tuple(cfg.references),
         record_each=bool(cfg.record_each),
         options=OmegaConf.to_container(cfg.strategy.options, resolve=True) or {},

@@ -154,6 +154,19 @@ def _validate_payload(cfg, layout: Layout) -> None:
         _validate_generated_size(cfg.payload, work)
     if cfg.steady_iters < 0:
         raise ConfigError(f"steady_iters must be >= 0, got {cfg.steady_iters}")
+    budget = cfg.get("time_budget_s")
+    if budget is not None and budget <= 0:
+        raise ConfigError(f"time_budget_s must be positive seconds (or null), got {budget}")
+    if budget is not None and cfg.warmup < 1:
+        raise ConfigError(
+            "time_budget_s sizes each strategy's rounds from its warm-up calls: set warmup >= 1 "
+            f"(got warmup={cfg.warmup})"
+        )
+    if budget is not None and work.varying:
+        raise ConfigError(
+            "time_budget_s times each strategy's own rounds, which a varying workload "
+            "(payload.cycle, draws, dp_split) needs whole for every strategy: drop one of them"
+        )
     step = 2 * layout.cp
     for where, seq_len in _seq_lens(cfg, work):
         if seq_len % step:

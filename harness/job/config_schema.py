@@ -181,6 +181,13 @@ class BenchConf:
     covers the spread between the blocks as well as the rounds inside them."""
     warmup: int = 3
     """Untimed rounds first (allocations, the wire's first-call size, caches)."""
+    time_budget_s: float | None = None
+    """Seconds of timed calls each strategy may take in a job (pytest-benchmark's max_time):
+    from its warm-up calls (the slowest rank's), a strategy gets budget / seconds per call
+    timed rounds, at least ``MIN_ROUNDS`` (an interval needs them) and at most iters·repeats;
+    a strategy whose rounds are spent sits out the rounds left, so its figures and ratios pair
+    the rounds it shared with each other. null: every strategy every round. Constant
+    workloads only."""
     steady_iters: int = 0
     """A varying workload (payload.cycle, draws, dp_split): after the sequence, this many
     interleaved rounds of each distinct shape alone, for each shape's steady-state p50 in the

@@ -28,10 +28,10 @@ SAMPLE_S = 0.002
 """Seconds between two reads of ``smaps_rollup`` while a call runs (one read of a rank holding
 a gigabyte batch takes well under this)."""
 
-CALLS = 3
+CALLS = 2
 """Calls per strategy while the sampler runs: the first allocates what the strategy keeps
-between calls, the later ones are steady calls beside it (a full turn of a node channel's
-default ring: a slot taken in turn instead of reused shows there)."""
+between calls, the second is a steady call beside it (a node channel's slot taken in turn
+instead of reused shows there as a second segment)."""
 
 
 @dataclass(frozen=True)

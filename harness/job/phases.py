@@ -45,9 +45,9 @@ from harness.job.results import (
     RankResult,
     TimingFigures,
 )
-from harness.job.rounds import TIMING_FIELDS, interleaved, timing_stats
+from harness.job.rounds import TIMING_FIELDS, budget_rounds, interleaved, timing_stats
 from harness.job.spec import Scope
-from harness.job.stats import p50_interval
+from harness.job.stats import MIN_SAMPLES, p50_interval
 from harness.job.verification import verdict
 from strategies.core.trace import Recorder
 
@@ -128,7 +128,13 @@ class TimedRounds(Phase):
         def round_start(c: int, timed: bool) -> None:
             job.use(spec.shape_of_call(c))
 
-        times = interleaved(job.order, spec.warmup, spec.timed_rounds, call, round_start)
+        budget = None
+        if spec.time_budget_s is not None:
+
+            def budget(warm: dict[str, float]) -> dict[str, int]:
+                return _agreed_rounds(spec, job, warm)
+
+        times = interleaved(job.order, spec.warmup, spec.timed_rounds, call, round_start, budget)
         phased = {name: calls for name, calls in split.items() if any(calls)}
         return {"times_s": times, "cpu_s": cpu, "phases_s": phased or None}
 
@@ -147,6 +153,20 @@ class TimedRounds(Phase):
             **cpu_figures(name, results),
             **phase_figures(name, results),
         )
+
+
+def _agreed_rounds(spec, job: Job, warm: dict[str, float]) -> dict[str, int]:
+    """Each strategy's timed rounds under ``time_budget_s``, the same on every rank: from its
+    slowest rank's warm-up seconds per call (a driver's own where the clock is a driver's)."""
+    seconds = torch.tensor([warm[name] for name in job.order], dtype=torch.float64)
+    if job.scope is Scope.BROADCAST:
+        seconds = seconds.to(job.groups.device)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    least = min(spec.timed_rounds, MIN_SAMPLES)
+    return {
+        name: budget_rounds(spec.time_budget_s, s, spec.timed_rounds, least)
+        for name, s in zip(job.order, seconds.cpu().tolist())
+    }
 
 
 class SteadyRounds(Phase):

@@ -10,6 +10,7 @@ order, and how its times become a record's p50 is the same.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -28,6 +29,7 @@ def interleaved(
     iters: int,
     call: Callable[[str, int, bool], float | None],
     round_start: Callable[[int, bool], None] | None = None,
+    budget: Callable[[dict[str, float]], dict[str, int]] | None = None,
 ) -> dict[str, list[float]]:
     """``warmup`` untimed rounds of every strategy in ``order``, then ``iters`` timed rounds
     with the first one rotating; seconds per call, by strategy.
@@ -35,19 +37,36 @@ def interleaved(
     ``call(name, it, timed)`` makes one call (``it`` counts the timed rounds from 0, the
     warm-up rounds from ``-warmup``) and returns its seconds when ``timed``;
     ``round_start(c, timed)``, where given, runs before round ``c`` of the whole sequence
-    (warm-up rounds first): the job moves call c's shape there."""
+    (warm-up rounds first): the job moves call c's shape there. ``budget``, where given (and
+    warm-up rounds ran), takes each strategy's warm-up seconds per call and returns how many
+    timed rounds it takes part in: one whose rounds are spent sits out the rest, so any two
+    strategies share their first rounds."""
+    warm = dict.fromkeys(order, 0.0)
     for c in range(warmup):
         if round_start is not None:
             round_start(c, False)
         for name in order:
+            t0 = time.perf_counter()
             call(name, c - warmup, False)
+            warm[name] += time.perf_counter() - t0
+    rounds = dict.fromkeys(order, iters)
+    if budget is not None and warmup > 0:
+        rounds = budget({name: seconds / warmup for name, seconds in warm.items()})
     times: dict[str, list[float]] = {name: [] for name in order}
     for it in range(iters):
         if round_start is not None:
             round_start(warmup + it, True)
         for name in rotated(order, it):
-            times[name].append(call(name, it, True))
+            if it < rounds[name]:
+                times[name].append(call(name, it, True))
     return times
+
+
+def budget_rounds(budget_s: float, per_call_s: float, most: int, least: int) -> int:
+    """Timed rounds for a strategy whose calls take ``per_call_s``: as many as ``budget_s``
+    pays for, at least ``least`` and at most ``most``."""
+    affordable = int(budget_s / per_call_s) if per_call_s > 0 else most
+    return min(most, max(least, affordable))
 
 
 TIMING_FIELDS = ("p50_us", "p90_us", "p99_us", "min_us", "max_us", "mean_us")

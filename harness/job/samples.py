@@ -31,7 +31,7 @@ def rows(results, blocks: list[int]) -> list[tuple]:
     for name in results[0].times_s:
         times = np.array([r.times_s[name] for r in results]) * 1e6
         cpus = [(r.cpu_s or {}).get(name) or [None] * times.shape[1] for r in results]
-        for it, block in enumerate(blocks):
+        for it, block in enumerate(blocks[: times.shape[1]]):  # its rounds may stop short
             if per_rank:
                 for k, result in enumerate(results):
                     cpu = cpus[k][it]

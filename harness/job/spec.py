@@ -44,6 +44,8 @@ class JobSpec:
     seed: int = 0
     iters: int = 20
     warmup: int = 3
+    time_budget_s: float | None = None
+    """Seconds of timed calls each strategy may take (``JobConf.time_budget_s``)."""
     repeats: int = 1
     """Blocks of ``iters`` timed rounds, one after another (``harness.job.stats`` widens each
     interval to cover the spread between them)."""

@@ -71,16 +71,19 @@ def ratio_interval(
     estimates part: a point figure outside its own interval would read as a contradiction.
     None when too few rounds (or a time is not positive)."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    if len(a) != len(b) or len(a) < MIN_SAMPLES or (a <= 0).any() or (b <= 0).any():
+    # A strategy that spent its time budget sat out the last rounds: the two share the first.
+    shared = min(len(a), len(b))
+    point = math.log(float(np.median(a)) / float(np.median(b))) if shared else 0.0
+    a, b = a[:shared], b[:shared]
+    if shared < MIN_SAMPLES or (a <= 0).any() or (b <= 0).any():
         return None
     d = np.log(a / b)
     lo, hi = median_interval(d, level)
     if blocks is not None:
-        blocks = np.asarray(blocks)
+        blocks = np.asarray(blocks)[:shared]
         for block in np.unique(blocks):
             own = float(np.median(d[blocks == block]))
             lo, hi = min(lo, own), max(hi, own)
-    point = math.log(float(np.median(a)) / float(np.median(b)))
     return math.exp(min(lo, point)), math.exp(max(hi, point))
 
 
@@ -92,7 +95,8 @@ def p50_interval(
     if interval is None or blocks is None:
         return interval
     lo, hi = interval
-    samples, blocks = np.asarray(samples, dtype=float), np.asarray(blocks)
+    samples = np.asarray(samples, dtype=float)
+    blocks = np.asarray(blocks)[: len(samples)]  # a strategy's rounds may stop short (budget)
     for block in np.unique(blocks):
         own = float(np.median(samples[blocks == block]))
         lo, hi = min(lo, own), max(hi, own)

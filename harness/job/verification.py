@@ -20,8 +20,10 @@ from strategies.core.parts import as_bytes
 
 
 def tensor_digest(t: torch.Tensor) -> str:
-    raw = as_bytes(t.detach())
-    return hashlib.blake2b(raw.cpu().numpy().tobytes(), digest_size=16).hexdigest()
+    """A fingerprint of the tensor's bytes, hashed where they lie (no copy of a host tensor:
+    a copy per leaf was a gigabyte batch's worth of transient memory on every rank)."""
+    raw = as_bytes(t.detach()).cpu()
+    return hashlib.blake2b(memoryview(raw.numpy()), digest_size=16).hexdigest()
 
 
 def _data(x) -> str:

@@ -70,13 +70,19 @@ def strategy_need(footprint: Footprint, node: NodeShare, payload_bytes: int) -> 
 def job_need(footprints: dict[str, Footprint], node: NodeShare, payload_bytes: int) -> int:
     """The node's predicted peak for a job interleaving ``footprints`` (every strategy it
     builds, by name): what each keeps between calls, all at once, plus the largest call's
-    peak above what that strategy keeps."""
+    peak above what that strategy keeps. A receiver's heap keeps what its largest call
+    allocated once it has let the batch go (measured: a receiver's resident set stays near
+    its largest call's), so that is counted as kept too when the job holds several
+    strategies."""
     kept = {name: fp.kept_copies(node.leaders, node.receivers) for name, fp in footprints.items()}
     peaks = [
         fp.node_copies(node.leaders, node.receivers) - node.leaders - kept[name]
         for name, fp in footprints.items()
     ]
+    heap = max((fp.receiver for fp in footprints.values()), default=0.0) * node.receivers
     copies = sum(kept.values()) + max(peaks, default=0.0)
+    if len(footprints) > 1:
+        copies += heap
     return base_bytes(node, payload_bytes) + int(copies * payload_bytes)
 
 

@@ -12,10 +12,11 @@ import pandas as pd
 
 from harness.files import write_atomic
 from harness.job.verdict import interval_text
-from harness.report import figures_pull, figures_sizes
+from harness.report import figures_memory, figures_pull, figures_sizes
 from harness.report.cost_section import cost_markdown
 from harness.report.figures import save_figures
 from harness.report.md_format import fenced_commands, is_missing, md_table, ratio_range
+from harness.report.memory_section import memory_markdown
 from harness.report.pull_section import push_pull_markdown
 from harness.report.sure import (
     MARK,
@@ -322,6 +323,8 @@ Regenerate this report with `bcastbench report {root}`.
 
 {_push_pull(df, root)}
 
+{_memory(df, root)}
+
 {_figures_and_checks(df, root)}
 
 ## Results per layout
@@ -359,6 +362,14 @@ def _push_pull(df: pd.DataFrame, root: Path) -> str:
     section = push_pull_markdown(df)
     figure = figures_pull.save(df, root) if section else None
     return f"{section}\n\n![push vs pull]({figure.name})" if figure is not None else section
+
+
+def _memory(df: pd.DataFrame, root: Path) -> str:
+    """The "Memory on the node" tables with their figure (drawn into ``root``) below them; ''
+    without node memory in the records."""
+    section = memory_markdown(df)
+    figure = figures_memory.save(df, root) if section else None
+    return f"{section}\n\n![copies per node]({figure.name})" if figure is not None else section
 
 
 def _failed_note(df: pd.DataFrame) -> str:

@@ -103,8 +103,9 @@ def test_a_job_holds_every_kept_part_and_one_peak():
     fps = {"a": Footprint(leader=1, receiver=1, leader_kept=1), "b": Footprint(0, 3)}
     base = memory.base_bytes(node, 100 * MIB)
     assert base == 2 * memory.RANK_BASE_BYTES + int(1.5 * 100 * MIB)
-    # kept: a's buffer (1); the largest peak above what it keeps: b's receiver (3)
-    assert memory.job_need(fps, node, 100 * MIB) == base + 4 * 100 * MIB
+    # kept: a's buffer (1) and a receiver's heap after its largest call (b's 3); the largest
+    # peak above what its strategy keeps: b's receiver (3)
+    assert memory.job_need(fps, node, 100 * MIB) == base + 7 * 100 * MIB
     assert memory.strategy_need(fps["a"], node, 100 * MIB) == base + 2 * 100 * MIB
 
 
@@ -148,3 +149,45 @@ def test_a_rank_killed_by_sigkill_is_named_as_the_oom_killers():
     assert "signal 9 (SIGKILL)" in said and "OOM killer" in said and "MemAvailable" in said
     assert exit_reason(-15) == "was killed by signal 15 (SIGTERM)"
     assert exit_reason(3) == "exited with code 3"
+
+
+def _records(copies: dict[str, float], payload: int = 256 * MIB):
+    import pandas as pd
+
+    node = memory.busiest_node(Layout(tp=2))
+    rows = []
+    for name, c in copies.items():
+        measured = memory.base_bytes(node, payload) + (c - 1) * payload
+        rows.append(dict(status="ok", layout="tp2", dp=1, pp=1, tp=2, cp=1, world_size=2,
+                         payload_bytes=payload, strategy=name, node_copies=c,
+                         node_peak_bytes=measured, harness_copies=1.0, node_ranks=2))  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_the_report_lists_copies_and_the_models_error():
+    from harness.report.memory_section import memory_markdown, memory_table
+
+    # shm's footprint says 2 copies on two ranks, flat's 1 + 1 + 1.3: measured exactly so.
+    df = _records({"shm": 2.0, "flat": 3.3})
+    table = memory_table(df)
+    assert list(table["model_error"].round(6)) == [0.0, 0.0]
+    text = memory_markdown(df)
+    assert "## Memory on the node" in text and "| shm | 2.00 |" in text
+    assert "median error of 0% over 2 points (within the 15% target)" in text
+
+
+def test_the_report_has_no_memory_section_without_node_memory():
+    import pandas as pd
+
+    from harness.report.memory_section import memory_markdown
+
+    assert memory_markdown(pd.DataFrame([{"status": "ok", "strategy": "shm"}])) == ""
+
+
+def test_the_largest_batch_a_host_holds():
+    from harness.report.memory_section import largest_batch_bytes
+
+    host = 100 * 2**30
+    room = 0.8 * host - 2 * memory.RANK_BASE_BYTES
+    assert largest_batch_bytes(2.0, 2, host) == int(room / (2.0 + memory.HARNESS_COPIES))
+    assert largest_batch_bytes(2.0, 2, 1) == 0

@@ -1,0 +1,74 @@
+"""The time budget per strategy (``time_budget_s``): each strategy's timed rounds from its
+warm-up calls, strategies that spent theirs sitting out the rounds left, and every figure and
+ratio over the rounds each took part in. No process group: the rounds run on fake calls."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.errors import ConfigError
+from harness.job.rounds import budget_rounds, interleaved
+from harness.job.samples import rows
+from harness.job.stats import p50_interval, ratio_interval
+
+
+def test_the_rounds_a_budget_pays_for_are_bounded_both_ways():
+    assert budget_rounds(4.0, 0.1, most=12, least=6) == 12
+    assert budget_rounds(4.0, 0.5, most=12, least=6) == 8
+    assert budget_rounds(4.0, 9.0, most=12, least=6) == 6  # an interval needs six
+    assert budget_rounds(4.0, 0.0, most=12, least=6) == 12
+
+
+def test_a_slow_strategy_sits_out_the_last_rounds_and_shares_the_first():
+    made = []
+
+    def call(name, it, timed):
+        made.append((name, it, timed))
+        return {"fast": 0.01, "slow": 1.0}[name] if timed else None
+
+    def budget(warm):
+        assert set(warm) == {"fast", "slow"}  # each strategy's warm-up seconds per call
+        return {"fast": 10, "slow": 6}
+
+    times = interleaved(["fast", "slow"], 2, 10, call, budget=budget)
+    assert len(times["fast"]) == 10 and len(times["slow"]) == 6
+    timed_slow = [it for name, it, timed in made if name == "slow" and timed]
+    assert timed_slow == list(range(6))  # the first rounds, so pairs are round for round
+
+
+def test_without_warm_up_no_budget_is_taken():
+    times = interleaved(["a"], 0, 3, lambda n, it, t: 1.0, budget=lambda warm: {"a": 1})
+    assert len(times["a"]) == 3
+
+
+def test_figures_of_unequal_rounds_pair_the_shared_ones():
+    a = [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0, 1.0]
+    b = [2.0, 2.2, 1.8, 2.0, 2.1, 1.9]  # sat out the last two rounds
+    blocks = [0] * 8
+    lo, hi = ratio_interval(a, b, blocks)
+    assert lo <= 0.5 <= hi and hi < 0.6
+    assert p50_interval(b, blocks) is not None  # blocks longer than the samples
+    assert ratio_interval(a, b[:5]) is None  # five shared rounds: too few for an interval
+
+
+def test_the_samples_file_holds_each_strategys_own_rounds():
+    from harness.job.results import RankResult
+
+    results = [RankResult(r, r == 0, times_s={"a": [1.0] * 4, "b": [2.0] * 2}) for r in (0, 1)]
+    counted = [row for row in rows(results, [0, 0, 0, 0]) if row[3] == -1]
+    assert [row[0] for row in counted] == ["a"] * 4 + ["b"] * 2
+
+
+def test_a_budget_needs_warm_up_and_a_constant_workload():
+    from cli_support import cfg_of
+
+    from harness.job.config import validate
+
+    validate(cfg_of("time_budget_s=4", "layout=tp2"))
+    for extra, match in (
+        ("warmup=0", "set warmup >= 1"),
+        ("time_budget_s=-1", "must be positive"),
+        ("payload.cycle=[{batch_size:4},{batch_size:8}]", "varying workload"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            validate(cfg_of("time_budget_s=4", "layout=tp2", extra))
