@@ -146,7 +146,7 @@ class BackendConf:
     """Where tensors live: cpu, or cuda (one GPU per rank for nccl; shared for gloo)."""
 
 
-FAULT_KINDS = ("crash", "hang", "raise", "delay")
+FAULT_KINDS = ("crash", "hang", "raise", "delay", "oom")
 """What ``fault.rank`` does at ``fault.at_iter``."""
 
 
@@ -159,7 +159,9 @@ class FaultConf:
     kind: str = "crash"
     """crash (the process exits) | hang (it stops answering) | raise (it raises, as a bug
     would) | delay (it spends ``delay_us`` more in every call of the strategy under test, from
-    the first: a known regression, to prove a gate catches one)."""
+    the first: a known regression, to prove a gate catches one) | oom (its address space is
+    capped just above what it holds, so its next large allocation fails as on a host out of
+    memory)."""
     delay_us: int = 0
     """fault.kind=delay: microseconds added to each of that rank's calls."""
 

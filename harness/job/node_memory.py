@@ -221,3 +221,21 @@ def rss_now() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0
+
+
+OOM_ROOM_BYTES = 2**20
+"""What a rank capped by ``cap_address_space`` may still map: enough for a small object, never
+for a batch."""
+
+
+def cap_address_space() -> None:
+    """Limit this process's address space to what it maps now plus ``OOM_ROOM_BYTES``
+    (``RLIMIT_AS``): its next large allocation fails as on a host out of memory, and nothing
+    else on the host is touched (``fault.kind=oom``)."""
+    size = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                size = int(line.split()[1]) * 1024
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (size + OOM_ROOM_BYTES, hard))

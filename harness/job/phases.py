@@ -31,6 +31,7 @@ import torch.distributed as dist
 from harness.job.leader_phases import PHASE_FIELDS, cpu_figures, phase_figures
 from harness.job.node_memory import (
     NodeMemory,
+    cap_address_space,
     release_free_heap,
     rss_now,
     rss_peak,
@@ -90,6 +91,9 @@ def _fault(spec, job: Job, rank: int, it: int) -> None:
             os._exit(17)
         if spec.fault_kind == "raise":
             raise RuntimeError(f"fault.kind=raise: rank {rank} at timed iteration {it}")
+        if spec.fault_kind == "oom":
+            cap_address_space()  # the call that follows fails where it allocates
+            return
         while True:  # hang: never return, never answer
             time.sleep(3600)
 

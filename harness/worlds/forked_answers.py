@@ -13,7 +13,7 @@ from typing import Any
 
 from harness.machine import mem_available
 from harness.units import human_bytes
-from harness.worlds.forked_rank import STACK_SIGNAL, PhaseBoard
+from harness.worlds.forked_rank import OUT_OF_MEMORY, STACK_SIGNAL, PhaseBoard
 from harness.worlds.protocol import WorldError
 from harness.worlds.rank import in_collective
 
@@ -130,7 +130,10 @@ class Collector:
         )
 
     def _raise_failed(self, answers: _Answers, what: str) -> None:
-        rank = min(answers.errors)
+        # A rank whose allocation failed first: its peers fail after it, in a collective it
+        # left, and would be named instead.
+        starved = [r for r, e in answers.errors.items() if e.startswith(OUT_OF_MEMORY)]
+        rank = min(starved or answers.errors)
         # Tear down even if every rank answered: a root's broadcast can complete while a
         # failed receiver never took part, leaving the ranks' collective sequences out of
         # step, and the next job would hang or read the wrong bytes. A fresh world is cheap.
@@ -138,8 +141,10 @@ class Collector:
             self._teardown()
         error = answers.errors[rank]
         first_line = error.strip().splitlines()[0]
+        said = "ran out of memory" if error.startswith(OUT_OF_MEMORY) else "failed"
+        first_line = first_line.removeprefix(f"{OUT_OF_MEMORY}: ")
         raise WorldError(
-            f"rank {rank} failed in {what}: {first_line}\n--- traceback of rank {rank} ---\n{error}"
+            f"rank {rank} {said} in {what}: {first_line}\n--- traceback of rank {rank} ---\n{error}"
         )
 
     def _where(self, ranks: list[int]) -> dict[int, str]:

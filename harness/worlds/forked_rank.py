@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import errno
 import faulthandler
 import gc
 import os
@@ -203,7 +204,23 @@ def _serve(ctx: RankContext, conn: Connection) -> None:
             # An Unsupported refusal is raised on every rank before any collective, so the
             # world stays in step; anything else may have left collectives half done.
             kind = "refused" if isinstance(exc, Unsupported) else "error"
-            ctx.send(kind, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            said = f"{type(exc).__name__}: {exc}"
+            if out_of_memory(exc):
+                said = f"{OUT_OF_MEMORY}: {said}"
+            ctx.send(kind, f"{said}\n{traceback.format_exc()}")
+
+
+OUT_OF_MEMORY = "ran out of memory"
+"""How a rank's error begins when an allocation failed (``out_of_memory``)."""
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation the host (or the rank's limit) refused: Python's
+    MemoryError, an OS call's ENOMEM (a mapping, a thread), or torch's allocator saying it
+    cannot allocate."""
+    if isinstance(exc, MemoryError) or "can't allocate memory" in str(exc):
+        return True
+    return isinstance(exc, OSError) and exc.errno == errno.ENOMEM
 
 
 STACK_SIGNAL = signal.SIGUSR1

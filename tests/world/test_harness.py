@@ -299,3 +299,23 @@ def test_a_job_says_how_sure_it_is_and_a_delay_shows(tmp_path, monkeypatch, fork
     floor = slowest[slowest.strategy == ("floor" if method == "one" else f"floor:{method}")]
     if floor.wall_us.max() < 3000:
         assert late["vs_floor_lo"] > 1, late
+
+
+@pytest.mark.world
+def test_a_rank_out_of_memory_is_named_and_the_sweep_keeps_its_records(tmp_path):
+    """fault.kind=oom caps rank 1's address space just above what it holds: its next
+    allocation fails as on a host out of memory. The job fails naming that rank as out of
+    memory (not a peer that failed after it), and the job before it keeps its record."""
+    sweep = tmp_path / "oom"
+    res = harness(
+        "-m", "fault.rank=-1,1", "fault.kind=oom", "fault.at_iter=1", "layout=tp2",
+        "iters=2", "warmup=1", "payload.batch_size=128", "payload.seq_len=512", "timeout_s=30",
+        f"hydra.sweep.dir={sweep}",
+    )  # fmt: skip
+    assert res.returncode == 1, res.stderr[-3000:]
+    records = [json.loads(p.read_text()) for p in sweep.rglob("result.json")]
+    by_status = {rec["status"]: rec for rec in records}
+    assert sorted(by_status) == ["failed", "ok"] and by_status["ok"]["correct"] is True
+    error = by_status["failed"]["error"]
+    assert error.startswith("rank 1 ran out of memory in job header on tp2"), error
+    assert our_ranks(tmp_path) == []
