@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pandas as pd
 
+import strategies
 from harness import paths
 from harness.commands import emulated_table as table
 from harness.commands.hydra_app import run_app
@@ -39,7 +40,9 @@ from harness.commands.predict import scaled_spec
 from harness.errors import ConfigError, program
 from harness.files import write_atomic, write_csv, write_figure
 from harness.job.config_schema import LayoutConf, PayloadConf
+from harness.model import memory
 from harness.model.prices import predict_all
+from harness.units import human_bytes
 from strategies.core.cluster import ClusterConf, load_cluster
 from strategies.core.layout import Layout
 
@@ -70,10 +73,13 @@ def layouts(tp: int, cp: int, pps: list[int], max_world: int = MAX_WORLD):
 def sweep(cluster, spec, tp: int, cp: int, pps: list[int], max_world: int) -> pd.DataFrame:
     """One row per (world, pp, strategy) with predicted seconds and the dominant term."""
     rows = []
+    payload = spec.tensor_bytes + (spec.non_tensor_bytes if spec.broadcast_non_tensor else 0)
     for world, layout in layouts(tp, cp, pps, max_world):
+        node = memory.busiest_node(layout, cluster.gpus_per_node)
         for name, p in predict_all(layout, spec, cluster).items():
             if isinstance(p, str):
                 continue  # unsupported (tensordict_broadcast at dp > 1)
+            footprint = strategies.get_class(name).footprint
             rows.append(
                 dict(
                     world_size=world,
@@ -87,6 +93,8 @@ def sweep(cluster, spec, tp: int, cp: int, pps: list[int], max_world: int) -> pd
                     predicted_local_ms=p.local_s * 1e3,
                     predicted_inter_ms=p.inter_s * 1e3,
                     dominant=p.dominant(),
+                    node_copies=footprint.node_copies(node.leaders, node.receivers),
+                    node_peak_bytes=memory.strategy_need(footprint, node, payload),
                 )
             )
     return pd.DataFrame(rows)
@@ -290,8 +298,32 @@ def _markdown(cluster: ClusterConf, title: str, sentences, sizes, spec_args, df)
             "",
             *recommendation(df),
             "",
+            "## Host memory on a node (PREDICTED)",
+            "",
+            *memory_lines(df, cluster),
+            "",
         ]
     )
+
+
+def memory_lines(df: pd.DataFrame, cluster: ClusterConf) -> list[str]:
+    """Each strategy's copies of the batch and bytes on the busiest node of the largest world
+    (``harness.model.memory``): what a node's host memory must hold for it."""
+    top = df[df["world_size"] == df["world_size"].max()]
+    top = top.sort_values("node_peak_bytes").drop_duplicates("strategy")
+    lines = [
+        f"Copies of one replica's batch on a node of {cluster.gpus_per_node} ranks at a call's "
+        "peak (the leader's own included; shared memory once), from each strategy's measured "
+        "footprint:",
+        "",
+        "| strategy | copies | node peak |",
+        "| :--- | ---: | ---: |",
+    ]
+    lines += [
+        f"| {r.strategy} | {r.node_copies:.1f} | {human_bytes(r.node_peak_bytes)} |"
+        for r in top.itertuples()
+    ]
+    return lines
 
 
 def run(
