@@ -91,7 +91,11 @@ class BroadcastJob:
 
     def call(self, name: str):
         """One call of ``name`` from the entry state ROLL's dispatcher leaves, its device work
-        done."""
+        done. Whatever a raw method received in an earlier untimed call is let go first: a
+        receiver would otherwise keep one batch per floor method between warm-up calls."""
+        for other in self.order:
+            if other in self.built:
+                self.let_go(other)
         out = self.built[name].get_data_input(self.full.entry_state(self.groups.is_leader))
         sync(self.groups.device)
         return out
