@@ -25,7 +25,7 @@ DIRECT_MIN_BYTES = 1 << 20
 
 class Direct(Flat):
     name = "direct"
-    footprint = Footprint(leader=0, receiver=1.5)
+    footprint = Footprint(leader=0, receiver=1)
     """Measured by the node memory phase (large leaves straight from the leader's tensors: no
     pack copy; receivers hold what arrived)."""
     claims = (

@@ -21,7 +21,7 @@ OWN_THRESHOLD = object()
 
 class Flat(PackedStrategy):
     name = "flat"
-    footprint = Footprint(leader=1, receiver=1.3, leader_kept=1)
+    footprint = Footprint(leader=1, receiver=1, leader_kept=1)
     """Measured by the node memory phase (the pack buffer, kept for the next call; receivers
     view what arrived)."""
     claims = "1 broadcast over the replica in steady state (2 when the batch outgrows it)"

@@ -21,7 +21,7 @@ from strategies.core.relay_plan import hop_comms, relay_work, steady_expect
 
 class HeaderStrategy(PackedStrategy):
     name = "header"
-    footprint = Footprint(leader=1, receiver=1.3, leader_kept=1)
+    footprint = Footprint(leader=1, receiver=1, leader_kept=1)
     """Measured by the node memory phase (the pack buffer, kept for the next call; receivers
     view what arrived)."""
     claims = "1 broadcast per hop in steady state (2 when the batch outgrows the announced size)"

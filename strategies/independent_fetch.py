@@ -64,7 +64,7 @@ from strategies.core.unpacker import unpack_non_tensor, unpack_tensors
 
 class IndependentFetch(PackedStrategy):
     name = "independent_fetch"
-    footprint = Footprint(leader=0, receiver=1.8, node=1)
+    footprint = Footprint(leader=0.15, receiver=1.3, node=1)
     """Measured by the node memory phase (the node store's slot; every reader copies its own
     batch out)."""
     claims = (

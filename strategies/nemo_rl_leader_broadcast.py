@@ -163,7 +163,7 @@ def _rebuild(entries: dict) -> tuple[TensorDict, Any]:
 
 class NemoRlLeaderBroadcast(Strategy):
     name = "nemo_rl_leader_broadcast"
-    footprint = Footprint(leader=0, receiver=1.1)
+    footprint = Footprint(leader=0, receiver=1.05)
     """Measured by the node memory phase (one broadcast per tensor from the leader's own
     tensors)."""
     claims = (

@@ -16,7 +16,7 @@ from strategies.pickled import FixedSerialization
 
 class PickledPickle5(FixedSerialization):
     name = "pickled_pickle5"
-    footprint = Footprint(leader=1, receiver=1.7)
+    footprint = Footprint(leader=0.5, receiver=1.5)
     """Measured by the node memory phase (the out-of-band buffers joined once; receivers view
     them (a forwarder holds two))."""
     fixed = "pickle5"

@@ -29,7 +29,7 @@ def leader_pp_groups(layout) -> list[list[int]]:
 
 class PpFirst(PackedStrategy):
     name = "pp_first"
-    footprint = Footprint(leader=1, receiver=1.3, leader_kept=1)
+    footprint = Footprint(leader=1, receiver=1, leader_kept=1)
     """Measured by the node memory phase (the pack buffer, kept for the next call; receivers
     view what arrived)."""
     claims = (

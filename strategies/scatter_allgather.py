@@ -45,7 +45,7 @@ def chunk_bytes(total: int, n: int) -> int:
 
 class ScatterAllgather(Strategy):
     name = "scatter_allgather"
-    footprint = Footprint(leader=2.5, receiver=2.7, leader_kept=1)
+    footprint = Footprint(leader=2.7, receiver=2.5, leader_kept=1)
     """Measured by the node memory phase (the packed message and its chunks on the leader; a
     chunk, the gathered buffer and its copy on a receiver)."""
     claims = "header broadcast + scatter (stage 0) + chunk broadcast (pp>1) + all-gather (tp·cp>1)"

@@ -133,7 +133,7 @@ def refusal(world_size: int, replica_size: int, leader: int | None = None) -> st
 
 class TensorDictBroadcast(Strategy):
     name = "tensordict_broadcast"
-    footprint = Footprint(leader=3, receiver=3, leader_kept=3)
+    footprint = Footprint(leader=2, receiver=2, leader_kept=2)
     """Measured by the node memory phase (tensordict keeps its own buffers on every rank)."""
     claims = (
         "1 hop over the replica: 2 (pickled metadata) + 1 storage broadcast, +2 when "

@@ -113,7 +113,7 @@ class Ring:
 
 class VllmShmBroadcast(Strategy):
     name = "vllm_shm_broadcast"
-    footprint = Footprint(leader=1.9, receiver=3.2, leader_kept=0.35)
+    footprint = Footprint(leader=1.55, receiver=3.15, leader_kept=0.35)
     """Measured by the node memory phase (the pickle (and its ZMQ copy past the ring) on the
     leader; the message, its bytes and the unpickled batch on a reader)."""
     claims = (

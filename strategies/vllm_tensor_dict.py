@@ -197,7 +197,7 @@ def leaf_nbytes(spec: PayloadSpec, leaf_bytes: tuple[int, ...] | None) -> tuple[
 
 class VllmTensorDict(Strategy):
     name = "vllm_tensor_dict"
-    footprint = Footprint(leader=0, receiver=1.3)
+    footprint = Footprint(leader=0, receiver=1)
     """Measured by the node memory phase (one broadcast per tensor from the leader's own
     tensors)."""
     claims = (

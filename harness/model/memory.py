@@ -15,13 +15,19 @@ from dataclasses import dataclass
 from harness.units import human_bytes
 from strategies.core.footprint import Footprint
 
-RANK_BASE_BYTES = 120 * 2**20
+RANK_BASE_BYTES = 115 * 2**20
 """One rank's proportional set with torch, megatron-core and its gloo groups up and no batch
-(the node memory phase's idle figure less the batch, per rank, rounded up)."""
+(the node memory phase's idle figure less the harness's copies, per rank: the median over
+results/large_reference)."""
 
-HARNESS_COPIES = 0.5
-"""What the harness adds on a leader's node beyond the batch itself, in batches (generation's
-left-overs, fingerprints, the meta data): the phase's ``harness_copies`` less one, rounded up."""
+HARNESS_COPIES = 0.05
+"""What the harness keeps on a leader's node beyond the batch itself, in batches (fingerprints,
+the meta data): the phase's ``harness_copies`` less one, rounded up."""
+
+JOB_SLACK_COPIES = 0.5
+"""What a running job may hold beyond its strategies' footprints, per leader, in batches
+(generation's and verification's transients, pages the heap has not handed back): counted
+when a job is priced against the host, not in one strategy's need."""
 
 MARGIN = 0.20
 """The part of the host's available memory a job leaves free (page cache, the driver, a
@@ -80,7 +86,7 @@ def job_need(footprints: dict[str, Footprint], node: NodeShare, payload_bytes: i
         for name, fp in footprints.items()
     ]
     heap = max((fp.receiver for fp in footprints.values()), default=0.0) * node.receivers
-    copies = sum(kept.values()) + max(peaks, default=0.0)
+    copies = sum(kept.values()) + max(peaks, default=0.0) + node.leaders * JOB_SLACK_COPIES
     if len(footprints) > 1:
         copies += heap
     return base_bytes(node, payload_bytes) + int(copies * payload_bytes)
