@@ -76,12 +76,14 @@ class BroadcastJob:
     """This rank's PSS before any batch of the job existed (``harness.job.node_memory``)."""
     scope = Scope.BROADCAST
 
-    def release(self) -> None:
+    def release(self, full: bool = True) -> None:
         """Drop every built strategy, and with it whatever it keeps between calls (buffers,
         segments, received bytes), then hand the free heap back: what stays is the job's
-        batches and the harness."""
+        batches and the harness. ``full``: collect every generation too (slow in a rank that
+        imported torch: once per job; a strategy only a full collection frees then stays in
+        the next one's idle figure and peak alike, which its copies subtract)."""
         self.built = {}
-        release_free_heap(full=True)
+        release_free_heap(full=full)
 
     def rebuild(self, name: str) -> None:
         """Strategy ``name`` built anew and prepared for the current batch (every rank calls

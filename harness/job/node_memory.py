@@ -18,20 +18,39 @@ import os
 import resource
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from harness.job.phase_base import Job, Phase
 from harness.job.results import NodeMemoryFigures, RankResult
+from harness.payload import sizes
+from strategies.core.segment_ring import REUSE_MIN_BYTES
 
 SAMPLE_S = 0.002
-"""Seconds between two reads of ``smaps_rollup`` while a call runs (one read of a rank holding
-a gigabyte batch takes well under this)."""
+"""The shortest pause between two reads of ``smaps_rollup`` while a call runs."""
 
-CALLS = 2
-"""Calls per strategy while the sampler runs: the first allocates what the strategy keeps
-between calls, the second is a steady call beside it (a node channel's slot taken in turn
-instead of reused shows there as a second segment)."""
+READ_SHARE = 0.2
+"""At most this share of a core goes to the reads: one read walks every mapping of the process
+(several milliseconds in a rank that imported torch), so the pause is at least four reads'
+time; the record's ``memory_sample_ms`` says the interval the reads kept."""
+
+
+def calls_for(payload_bytes: int | None) -> int:
+    """Calls per strategy while the sampler runs: the first allocates what the strategy keeps
+    between calls; from ``REUSE_MIN_BYTES`` on a second, steady call beside it (a node
+    channel's slot taken in turn instead of reused shows there as a second segment). Below it
+    one: a node channel's small slots are taken in turn by design, and the rank's base, not the
+    batch, is most of the node's memory there."""
+    return 1 if payload_bytes is not None and payload_bytes < REUSE_MIN_BYTES else 2
+
+
+def batch_bytes(spec) -> int | None:
+    """A generated payload's bytes, from its shapes (the same on every rank); None otherwise."""
+    if spec.payload not in sizes.GENERATED:
+        return None
+    shape = spec.period()[0]
+    return sizes.payload_bytes(spec.payload, max(shape.rows), shape.seq_len or spec.seq_len)
 
 
 @dataclass(frozen=True)
@@ -64,17 +83,27 @@ def resident() -> Resident | None:
 
 
 class Sampler:
-    """A thread reading ``resident()`` every ``SAMPLE_S`` while a ``with`` block runs; ``peak``
-    is the sample with the largest PSS (the reads at entry and exit included)."""
+    """A thread reading ``resident()`` while a ``with`` block runs, every ``interval_s`` or
+    every ``1 / READ_SHARE`` reads' time if longer; ``peak`` is the sample with the largest PSS
+    (any ``take`` the block makes included: a block takes one where it knows a peak)."""
 
     def __init__(self, interval_s: float = SAMPLE_S) -> None:
         self.interval_s = interval_s
         self.peak: Resident | None = None
         self.samples = 0
+        self.taken = 0
+        """Reads the block asked for (``take``)."""
+        self.waited_s = 0.0
+        """The pauses between the thread's reads, added up (``mean_interval_s``)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bcastbench-memory", daemon=True)
 
-    def _take(self) -> None:
+    def take(self) -> None:
+        """One read now (a block's own, where it knows a peak: a call's result still held)."""
+        self.taken += 1
+        self._read()
+
+    def _read(self) -> None:
         now = resident()
         if now is None:
             return
@@ -83,16 +112,24 @@ class Sampler:
             self.peak = now
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._take()
+        pause = self.interval_s
+        while not self._stop.wait(pause):
+            t0 = time.perf_counter()
+            self._read()
+            pause = max(self.interval_s, (time.perf_counter() - t0) / READ_SHARE)
+            self.waited_s += pause
+
+    @property
+    def mean_interval_s(self) -> float:
+        """The mean pause between the thread's reads (the shortest if it made none)."""
+        reads = self.samples - self.taken
+        return self.waited_s / reads if reads > 0 else self.interval_s
 
     def __enter__(self) -> Sampler:
-        self._take()
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._take()
         self._stop.set()
         self._thread.join()
 
@@ -100,7 +137,7 @@ class Sampler:
 class NodeMemory(Phase):
     """Each strategy's memory on its node, measured from nothing: every strategy of the job is
     dropped (what it keeps between calls goes with it) and the free heap handed back, each rank
-    reads its idle PSS, then the strategy alone is built anew and called ``CALLS`` times while
+    reads its idle PSS, then the strategy alone is built anew and called (``calls_for``) while
     a ``Sampler`` follows every rank. A node's peak is the sum of its ranks' sampled peaks (an
     upper bound on their sum at one instant: the ranks of a broadcast peak together, when the
     batch has arrived). Last in ``PHASES``: it leaves the job's strategies dropped."""
@@ -119,29 +156,32 @@ class NodeMemory(Phase):
     def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
         host = socket.gethostname()
         out: dict[str, dict] = {}
-        for name in list(job.order):
+        for k, name in enumerate(list(job.order)):
             ctx.report(f"measuring the node's memory of {name}")
             # Every rank holds what the last call sent before anything is dropped: a sender
             # whose socket closes with a message still queued loses it (vllm_shm_broadcast).
             job.fence()
-            job.release()
+            job.release(full=k == 0)
             job.fence()
             idle = resident()
             rss_peak_reset()
             job.rebuild(name)
             with Sampler() as sampler:
-                for _ in range(CALLS):
+                for _ in range(calls_for(batch_bytes(spec))):
                     job.fence()
-                    job.call(name)  # its result dropped at once: the next call starts clean
+                    received = job.call(name)
+                    sampler.take()  # the result still held: a receiver's peak
+                    del received  # the next call starts clean
                     job.let_go(name)
             job.fence()
             kept = resident()
             out[name] = {
                 "host": host, "idle_pss": idle.pss, "peak_pss": sampler.peak.pss,
                 "peak_shm": sampler.peak.pss_shmem, "hwm": rss_peak(), "kept_pss": kept.pss,
+                "interval_s": sampler.mean_interval_s,
             }  # fmt: skip
         job.fence()
-        job.release()
+        job.release(full=False)
         return {"node_memory": out}
 
     def fold(self, spec, name: str, results: list[RankResult]) -> NodeMemoryFigures | None:
@@ -171,7 +211,9 @@ class NodeMemory(Phase):
             node_copies=round(on_node + max(0, peak - idle) / payload, 3),
             harness_copies=round(max(0, idle - base) / payload, 3) if base else None,
             node_ranks=len(busiest),
-            memory_sample_ms=SAMPLE_S * 1e3,
+            memory_sample_ms=round(
+                max(r.node_memory[name].get("interval_s", SAMPLE_S) for r in busiest) * 1e3, 2
+            ),
         )
 
 

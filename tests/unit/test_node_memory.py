@@ -32,14 +32,24 @@ def test_resident_counts_a_known_allocation():
 def test_the_sampler_sees_a_peak_that_is_gone_by_the_end():
     """A block allocated and freed inside the window: the samples taken while it lived (the
     wait is for samples, not for a clock) hold it."""
+    base = resident().pss
     with Sampler(interval_s=0.001) as sampler:
-        base = sampler.peak.pss
         block = np.ones(32 * MIB, dtype=np.uint8)
         seen = sampler.samples
         while sampler.samples < seen + 3:
             np.add(block[:4096], 0, out=block[:4096])  # keep the block alive meanwhile
         del block
     assert sampler.peak.pss - base >= 0.9 * 32 * MIB
+    assert sampler.taken == 0 and sampler.mean_interval_s >= 0.001
+
+
+def test_a_block_takes_a_read_where_it_knows_the_peak():
+    base = resident().pss
+    with Sampler(interval_s=3600) as sampler:  # the thread never reads in time
+        block = np.ones(16 * MIB, dtype=np.uint8)
+        sampler.take()
+        del block
+    assert sampler.taken == 1 and sampler.peak.pss - base >= 0.9 * 16 * MIB
 
 
 def _rank(rank: int, leader: bool, idle: int, peak: int, kept: int, host="h", shm=0):
