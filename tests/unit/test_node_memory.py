@@ -4,6 +4,8 @@ arithmetic and the refusal it makes before a job starts."""
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import pytest
 
@@ -20,13 +22,24 @@ from strategies.core.layout import Layout
 MIB = 2**20
 
 
+def fresh_pages(nbytes: int):
+    """``nbytes`` of anonymous memory mapped anew and written (every page resident), never
+    pages the heap already holds (a freed block reused would add nothing to the resident set);
+    the mapping and an array over it."""
+    mapping = mmap.mmap(-1, nbytes)
+    block = np.frombuffer(mapping, dtype=np.uint8)
+    block[:] = 1
+    return mapping, block
+
+
 def test_resident_counts_a_known_allocation():
     before = resident()
-    block = np.ones(64 * MIB, dtype=np.uint8)  # written: every page resident
+    mapping, block = fresh_pages(64 * MIB)
     after = resident()
     assert after.pss - before.pss >= 0.9 * block.nbytes
     assert after.rss - before.rss >= 0.9 * block.nbytes
     del block
+    mapping.close()
 
 
 def test_the_sampler_sees_a_peak_that_is_gone_by_the_end():
@@ -34,11 +47,12 @@ def test_the_sampler_sees_a_peak_that_is_gone_by_the_end():
     wait is for samples, not for a clock) hold it."""
     base = resident().pss
     with Sampler(interval_s=0.001) as sampler:
-        block = np.ones(32 * MIB, dtype=np.uint8)
+        mapping, block = fresh_pages(32 * MIB)
         seen = sampler.samples
         while sampler.samples < seen + 3:
             np.add(block[:4096], 0, out=block[:4096])  # keep the block alive meanwhile
         del block
+        mapping.close()
     assert sampler.peak.pss - base >= 0.9 * 32 * MIB
     assert sampler.taken == 0 and sampler.mean_interval_s >= 0.001
 
@@ -46,9 +60,10 @@ def test_the_sampler_sees_a_peak_that_is_gone_by_the_end():
 def test_a_block_takes_a_read_where_it_knows_the_peak():
     base = resident().pss
     with Sampler(interval_s=3600) as sampler:  # the thread never reads in time
-        block = np.ones(16 * MIB, dtype=np.uint8)
+        mapping, block = fresh_pages(16 * MIB)
         sampler.take()
         del block
+        mapping.close()
     assert sampler.taken == 1 and sampler.peak.pss - base >= 0.9 * 16 * MIB
 
 
