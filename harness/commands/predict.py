@@ -168,6 +168,12 @@ def check(cfg) -> None:
     for key in ("batch_size", "seq_len"):
         if cfg.payload[key] < 1:
             raise ConfigError(f"payload.{key} must be positive, got {cfg.payload[key]}")
+    host = cfg.get("host_memory_bytes")
+    if host is not None and host < 1:
+        raise ConfigError(
+            f"host_memory_bytes must be a positive number of bytes (e.g. 1099511627776 for "
+            f"1 TiB) or null for this machine's available memory, got {host}"
+        )
     try:
         asked = [parse_label(label) for label in cfg.get("strategies") or ()]
     except ValueError as exc:
@@ -251,7 +257,7 @@ def memory_report(layout, spec, cluster, preds, host_memory_bytes: int | None) -
     and whether it fits ``host_memory_bytes`` (null: this machine's available memory)."""
     payload = spec.tensor_bytes + (spec.non_tensor_bytes if spec.broadcast_non_tensor else 0)
     node = memory.busiest_node(layout, cluster.gpus_per_node)
-    host = int(host_memory_bytes) if host_memory_bytes else mem_available()
+    host = mem_available() if host_memory_bytes is None else int(host_memory_bytes)
     lines = [
         f"memory on the busiest node ({node.ranks} ranks, {node.leaders} leader(s) holding "
         f"{human_bytes(payload)}) against {human_bytes(host)} of host memory:",

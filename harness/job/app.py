@@ -81,9 +81,10 @@ def _refused(spec, why: str, out_dir: Path, multirun: bool) -> dict:
     record = records.complete(records.build(spec, Refusal(why)))
     records.write_atomic(out_dir / RESULT_FILE, record)
     line = job_line(record, records_beside(out_dir))
-    (_to_job_log if multirun else log.info)(
-        line if multirun else f"{line}\nrecord: {out_dir / RESULT_FILE}"
-    )
+    if multirun:
+        _to_job_log(line)  # the sweep prints its own line for it
+    else:
+        log.info(f"{line}\nrecord: {out_dir / RESULT_FILE}")
     return record
 
 

@@ -205,7 +205,7 @@ def prepare(ctx, spec: JobSpec) -> BroadcastJob | RankResult:
     batches = _batches(spec, groups)
     first = spec.period()[0]
     full = batches[first]
-    order, options = _order(spec)
+    order, options = job_order(spec)
     built, refused = {}, dict(spec.left_out)
     for name in order:
         try:
@@ -256,7 +256,7 @@ def _build(ctx, groups, name: str, options: dict):
     return strategies.get(name.split(":")[0], groups, **options)
 
 
-def _order(spec: JobSpec) -> tuple[list[str], dict[str, dict]]:
+def job_order(spec: JobSpec) -> tuple[list[str], dict[str, dict]]:
     """The strategy under test, then its references; a ``floor`` reference stands for every
     raw method the layout allows (``Floor.variants``: ``floor`` is one broadcast, the others
     are labelled ``floor:<method>``), all timed in the same rounds so the fastest is the floor."""

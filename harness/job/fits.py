@@ -8,43 +8,34 @@ from __future__ import annotations
 from dataclasses import replace
 
 import strategies
+from harness.job.broadcast import job_order
 from harness.job.config_schema import layout_name
 from harness.job.spec import JobSpec, Scope
 from harness.machine import mem_available
 from harness.model import memory
-from harness.payload import sizes
 from strategies.core.footprint import Footprint
-from strategies.floor import Floor
 from strategies.registry import resolve_target
 
 
 def footprints(spec: JobSpec) -> dict[str, Footprint]:
-    """Each strategy the job builds, by the name the job times it under, with its footprint;
-    the floor's methods keep one packed buffer between them, so it is kept by the first only."""
+    """Each strategy the job builds (``broadcast.job_order``: the floor as each of its raw
+    methods), by the name the job times it under, with its footprint; the floor's methods keep
+    one packed buffer between them (``broadcast.prepare_all``), so the first keeps it only."""
     out: dict[str, Footprint] = {}
-    names = [spec.strategy, *(n for n in spec.references if n != spec.strategy)]
-    for name in names:
-        if name == "floor" and spec.strategy != "floor":
-            for label, options in Floor.variants(spec.layout, spec.device).items():
-                fp = Floor.footprint_for(**options)
-                if any(n.split(":")[0] == "floor" for n in out):
-                    fp = Footprint(fp.leader, fp.receiver, fp.node, leader_kept=0)
-                out[label] = fp
-        elif name in strategies.names(include_floor=True) or "." in name:
-            cls = strategies.get_class(name) if "." not in name else resolve_target(name)
-            options = spec.options if name == spec.strategy else {}
-            out[name] = cls.footprint_for(**options)
+    order, options = job_order(spec)
+    for name in order:
+        base = name.split(":")[0]
+        if "." in name:
+            cls = resolve_target(name)
+        elif base in strategies.names(include_floor=True):
+            cls = strategies.get_class(base)
+        else:
+            continue  # a calibration probe: no batch of its own
+        footprint = cls.footprint_for(**options[name])
+        if base == "floor" and any(n.split(":")[0] == "floor" for n in out):
+            footprint = replace(footprint, leader_kept=0)
+        out[name] = footprint
     return out
-
-
-def largest_batch_bytes(spec: JobSpec) -> int | None:
-    """The bytes of the largest batch a leader moves (a generated payload; None otherwise)."""
-    if spec.payload not in sizes.GENERATED:
-        return None
-    return max(
-        sizes.payload_bytes(spec.payload, max(shape.rows), shape.seq_len or spec.seq_len)
-        for shape in spec.distinct_shapes()
-    )
 
 
 def fitted(spec: JobSpec, on_this_host: bool, available: int | None = None) -> JobSpec | str:
@@ -53,7 +44,7 @@ def fitted(spec: JobSpec, on_this_host: bool, available: int | None = None) -> J
     would not fit beside the others left out, each with its one line (``left_out``), the
     smallest kept first; or, where the strategy under test and the floor alone do not fit,
     the one line that refuses the job."""
-    payload_bytes = largest_batch_bytes(spec)
+    payload_bytes = spec.largest_generated_bytes()
     if not on_this_host or spec.scope is not Scope.BROADCAST or payload_bytes is None:
         return spec
     node = memory.busiest_node(spec.layout)

@@ -24,7 +24,6 @@ from typing import Any
 
 from harness.job.phase_base import Job, Phase
 from harness.job.results import NodeMemoryFigures, RankResult
-from harness.payload import sizes
 from strategies.core.segment_ring import REUSE_MIN_BYTES
 
 SAMPLE_S = 0.002
@@ -43,14 +42,6 @@ def calls_for(payload_bytes: int | None) -> int:
     one: a node channel's small slots are taken in turn by design, and the rank's base, not the
     batch, is most of the node's memory there."""
     return 1 if payload_bytes is not None and payload_bytes < REUSE_MIN_BYTES else 2
-
-
-def batch_bytes(spec) -> int | None:
-    """A generated payload's bytes, from its shapes (the same on every rank); None otherwise."""
-    if spec.payload not in sizes.GENERATED:
-        return None
-    shape = spec.period()[0]
-    return sizes.payload_bytes(spec.payload, max(shape.rows), shape.seq_len or spec.seq_len)
 
 
 @dataclass(frozen=True)
@@ -167,7 +158,7 @@ class NodeMemory(Phase):
             rss_peak_reset()
             job.rebuild(name)
             with Sampler() as sampler:
-                for _ in range(calls_for(batch_bytes(spec))):
+                for _ in range(calls_for(spec.largest_generated_bytes())):
                     job.fence()
                     received = job.call(name)
                     sampler.take()  # the result still held: a receiver's peak

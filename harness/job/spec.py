@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from harness.job.dispatch_modes import FLOORS, DispatchMode, under_test, with_floors
+from harness.payload import sizes
 from harness.payload.source import PayloadSource, open_payload
 from harness.payload.workload import CallShape, Workload, constant
 from strategies.core.layout import Layout
@@ -149,6 +150,16 @@ class JobSpec:
         if self.workload is not None:
             return self.workload.period
         return constant(self.batch_size, self.seq_len, self.layout.dp).period
+
+    def largest_generated_bytes(self) -> int | None:
+        """The bytes of the largest batch a leader builds, from its shapes alone (nothing
+        allocated; the same on every rank); None for a payload that is not generated."""
+        if self.payload not in sizes.GENERATED:
+            return None
+        return max(
+            sizes.payload_bytes(self.payload, max(shape.rows), shape.seq_len or self.seq_len)
+            for shape in self.distinct_shapes()
+        )
 
     def distinct_shapes(self) -> list[CallShape]:
         """The period's shapes, each once, in the order they first appear."""

@@ -304,3 +304,13 @@ def test_extrapolate_is_a_hydra_app(tmp_path):
         "extrapolation.md",
         "extrapolation.png",
     }
+
+
+def test_a_host_memory_that_is_no_size_is_refused_in_one_line():
+    from harness.commands.predict import check
+    from harness.errors import ConfigError
+
+    for bad in ("0", "-5"):
+        with pytest.raises(ConfigError, match="host_memory_bytes must be a positive number"):
+            check(compose([f"host_memory_bytes={bad}"]))
+    check(compose(["host_memory_bytes=1099511627776"]))

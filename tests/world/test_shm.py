@@ -572,3 +572,48 @@ def test_a_large_message_reuses_its_slot_once_let_go(world4, name, hold_first):
     assert [r[:2] for r in results] == [(calls, True)] * 4, results
     made = results[0][2]
     assert made == (2 if hold_first and name == "shm" else 1), made
+
+
+class Foreign:
+    """A leaf no framework's batch holds and no strategy can carry: the leader refuses it."""
+
+    def __reduce__(self):
+        raise TypeError("Foreign leaves do not pickle")
+
+
+def foreign_after_large_job(ctx, name: str):
+    """A large call (its slot reused from then on), then the leader is handed a batch the
+    project did not make (a non-tensor batch entry that cannot be encoded), then a large call
+    again. Returns each call's outcome on this rank and the failed call's seconds."""
+    strategy = strategies.get(name, ctx.groups_for(LAYOUT))
+    leader = strategy.groups.is_leader
+    outcomes, seconds = [], None
+    for call in range(3):
+        want = batch(call, LARGE_ROWS)
+        if call == 1 and leader:
+            want.non_tensor_batch["prompt"][0] = Foreign()
+        entry = want if leader else want.entry_state(False)
+        t0 = time.monotonic()
+        try:
+            out = strategy.get_data_input(entry)
+            outcomes.append("exact" if same(out, batch(call, LARGE_ROWS)) else "wrong")
+            del out
+        except Exception as exc:  # noqa: BLE001 -- the test looks at every rank's outcome
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+        if call == 1:
+            seconds = time.monotonic() - t0
+        del entry
+        torch.distributed.barrier()
+    return outcomes, seconds
+
+
+@pytest.mark.parametrize("name", ["shm", "independent_fetch"])
+def test_a_foreign_batch_after_a_reused_slot_fails_every_rank_at_once(world4, name):
+    """The leader's failure on a batch it cannot encode, after a large message whose slot it
+    reuses, reaches every reader within seconds (none waits for a message that will not come),
+    and the next large call is exact on every rank."""
+    results = world4.run(foreign_after_large_job, name, timeout_s=3 * FAIL_WITHIN_S + 60)
+    for rank, (outcomes, seconds) in enumerate(results):
+        assert outcomes[0] == "exact" and outcomes[2] == "exact", (rank, outcomes)
+        assert outcomes[1] != "exact" and "Foreign" in outcomes[1], (rank, outcomes)
+        assert seconds < FAIL_WITHIN_S, (rank, seconds)
