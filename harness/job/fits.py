@@ -69,5 +69,6 @@ def fitted(spec: JobSpec, on_this_host: bool, available: int | None = None) -> J
             core[name] = every[name]
         else:
             left_out.append((name, line))
-    kept = tuple(n for n in spec.references if n in core or n == "floor")
+    dropped = {name for name, _ in left_out}
+    kept = tuple(n for n in spec.references if n not in dropped)  # unpriced ones stay too
     return replace(spec, references=kept, left_out=spec.left_out + tuple(left_out))
