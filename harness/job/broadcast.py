@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -76,14 +77,15 @@ class BroadcastJob:
     """This rank's PSS before any batch of the job existed (``harness.job.node_memory``)."""
     scope = Scope.BROADCAST
 
-    def release(self, full: bool = True) -> None:
+    def release(self, full: bool = True) -> bool:
         """Drop every built strategy, and with it whatever it keeps between calls (buffers,
         segments, received bytes), then hand the free heap back: what stays is the job's
         batches and the harness. ``full``: collect every generation too (slow in a rank that
         imported torch: once per job; a strategy only a full collection frees then stays in
-        the next one's idle figure and peak alike, which its copies subtract)."""
+        the next one's idle figure and peak alike, which its copies subtract). False where the
+        free heap could not be handed back (``release_free_heap``)."""
         self.built = {}
-        release_free_heap(full=full)
+        return release_free_heap(full=full)
 
     def rebuild(self, name: str) -> None:
         """Strategy ``name`` built anew and prepared for the current batch (every rank calls
@@ -143,14 +145,15 @@ class BroadcastJob:
         """A barrier over the world."""
         dist.barrier()
 
-    def verify(self, name: str) -> list[str]:
-        """One call of ``name``, this rank's result compared with the leader's batch (a raw
-        method's received bytes with the leader's sent ones), its fingerprint sent over the
-        replica's host group."""
+    def verify(self, name: str, during: AbstractContextManager | None = None) -> list[str]:
+        """One call of ``name`` (in ``during``, when given), this rank's result compared with
+        the leader's batch (a raw method's received bytes with the leader's sent ones), its
+        fingerprint sent over the replica's host group."""
         groups, strategy = self.groups, self.built[name]
         if groups.is_leader and self.leader_digest is None:
             self.leader_digest = digest(self.full, True)
-        out = self.call(name)
+        with during or nullcontext():
+            out = self.call(name)
         if hasattr(strategy, "expected_received"):  # a probe knows what each rank must hold
             expected = tensor_digest(strategy.expected_received())
             return bytes_problems(name, groups.rank, expected, tensor_digest(strategy.received))

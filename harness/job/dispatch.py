@@ -35,6 +35,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -382,8 +383,10 @@ class DispatchJob:
     def fence(self) -> None:
         """Nothing: a dispatch returns when every rank has its chunk."""
 
-    def verify(self, name: str) -> list[str]:
-        return _verify(self.drv, self.modes[name], self._dispatch(name, True)[1])
+    def verify(self, name: str, during: AbstractContextManager | None = None) -> list[str]:
+        with during or nullcontext():
+            out = self._dispatch(name, True)[1]
+        return _verify(self.drv, self.modes[name], out)
 
 
 def run_dispatch(world, spec: JobSpec) -> RankResult:

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from harness.job.phase_base import Job, Phase
 from harness.job.results import NodeMemoryFigures, RankResult
 from strategies.core.segment_ring import REUSE_MIN_BYTES
@@ -131,7 +133,9 @@ class NodeMemory(Phase):
     reads its idle PSS, then the strategy alone is built anew and called (``calls_for``) while
     a ``Sampler`` follows every rank. A node's peak is the sum of its ranks' sampled peaks (an
     upper bound on their sum at one instant: the ranks of a broadcast peak together, when the
-    batch has arrived). Last in ``PHASES``: it leaves the job's strategies dropped."""
+    batch has arrived). Where it runs it also gives ``PeakMemory``'s figures, of these calls
+    (each rank's VmHWM reset before the rebuild): one set of calls answers both. Last in
+    ``PHASES``: it leaves the job's strategies dropped."""
 
     part = "node_memory"
     record_fields = (
@@ -147,15 +151,20 @@ class NodeMemory(Phase):
     def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
         host = socket.gethostname()
         out: dict[str, dict] = {}
+        peaks: dict[str, dict] = {  # ``PeakMemory``'s figures, of these calls
+            k: {} for k in ("peak_rss_bytes", "peak_rss_delta_bytes", "peak_cuda_bytes")
+        }
         for k, name in enumerate(list(job.order)):
             ctx.report(f"measuring the node's memory of {name}")
             # Every rank holds what the last call sent before anything is dropped: a sender
             # whose socket closes with a message still queued loses it (vllm_shm_broadcast).
             job.fence()
-            job.release(full=k == 0)
+            released = job.release(full=k == 0)
             job.fence()
             idle = resident()
-            rss_peak_reset()
+            base = rss_now()
+            honest = rss_peak_reset() and released
+            cuda_base = _cuda_reset(job.groups.device)
             job.rebuild(name)
             with Sampler() as sampler:
                 for _ in range(calls_for(spec.largest_generated_bytes())):
@@ -166,14 +175,21 @@ class NodeMemory(Phase):
                     job.let_go(name)
             job.fence()
             kept = resident()
+            hwm = rss_peak()
+            peaks["peak_rss_bytes"][name] = hwm
+            # None where VmHWM could not be reset or the free heap not released: the growth
+            # would then be the process's lifetime peak or the reused pages' 0, neither the
+            # strategy's.
+            peaks["peak_rss_delta_bytes"][name] = max(0, hwm - base) if honest else None
+            peaks["peak_cuda_bytes"][name] = _cuda_peak(job.groups.device, cuda_base)
             out[name] = {
                 "host": host, "idle_pss": idle.pss, "peak_pss": sampler.peak.pss,
-                "peak_shm": sampler.peak.pss_shmem, "hwm": rss_peak(), "kept_pss": kept.pss,
+                "peak_shm": sampler.peak.pss_shmem, "hwm": hwm, "kept_pss": kept.pss,
                 "interval_s": sampler.mean_interval_s,
             }  # fmt: skip
         job.fence()
         job.release(full=False)
-        return {"node_memory": out}
+        return {"node_memory": out, **peaks}
 
     def fold(self, spec, name: str, results: list[RankResult]) -> NodeMemoryFigures | None:
         measured = [r for r in results if r.node_memory and name in r.node_memory]
@@ -206,6 +222,19 @@ class NodeMemory(Phase):
                 max(r.node_memory[name].get("interval_s", SAMPLE_S) for r in busiest) * 1e3, 2
             ),
         )
+
+
+def _cuda_reset(device) -> int:
+    """On a CUDA device: its peak statistics reset, and what is allocated now (0 elsewhere)."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _cuda_peak(device, base: int) -> int:
+    """CUDA's peak allocation since ``_cuda_reset`` above ``base`` (0 off a CUDA device)."""
+    return torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else 0
 
 
 def rss_peak_reset() -> bool:

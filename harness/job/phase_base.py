@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any, NamedTuple, Protocol
 
 from harness.job.results import RankResult
@@ -40,8 +41,10 @@ class Job(Protocol):
         """Separate what came before from what comes next (a barrier over the world where the
         phase runs on every rank; nothing on a driver, whose calls end when every rank has)."""
 
-    def verify(self, name: str) -> list[str]:
-        """One call of ``name`` checked bit for bit: each problem names its rank and key."""
+    def verify(self, name: str, during: AbstractContextManager | None = None) -> list[str]:
+        """One call of ``name`` checked bit for bit: each problem names its rank and key.
+        ``during``: a context the call alone runs in (a recorder of what it does), not the
+        check after it."""
 
 
 BOTH = frozenset(Scope)

@@ -235,46 +235,6 @@ class LinkBytes(Phase):
         return LinkFigures(counted[name]) if name in counted else None
 
 
-class Collectives(Phase):
-    """One recorded, untimed call per strategy: the collectives it made (kind, ranks, root,
-    bytes) and its local work (bytes packed, pickled, copied), from ``strategies.core.trace``."""
-
-    part = "collectives"
-    record_fields = (
-        "collectives_per_call", "collectives_leader", "comm_bytes_leader", "collectives_unavailable"
-    )  # fmt: skip
-
-    def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
-        out: dict[str, dict] = {"collectives": {}, "collectives_unavailable": {}, "work": {}}
-        for name in job.order:
-            ctx.report(f"counting collectives of {name}")
-            job.fence()
-            with Recorder() as rec:
-                job.call(name)
-            # None: the recorder could not see every path to a collective (rec.unavailable
-            # says why), so no count is reported rather than a short one.
-            out["collectives"][name] = (
-                None
-                if rec.unavailable
-                else [(c.kind, c.ranks, c.root, c.nbytes) for c in rec.comms]
-            )
-            out["collectives_unavailable"][name] = rec.unavailable
-            out["work"][name] = dict(rec.work)
-        return out
-
-    def fold(self, spec, name: str, results: list[RankResult]) -> CollectiveFigures:
-        leader = next(r for r in results if r.is_leader)
-        receivers = [r.work[name] for r in results if not r.is_leader]
-        return CollectiveFigures(
-            **_collective_counts(name, results, leader),
-            work_leader=leader.work[name],
-            work_receiver_max={
-                k: max(w.get(k, 0) for w in receivers)
-                for k in dict.fromkeys(k for w in receivers for k in w)  # first-seen order
-            },
-        )
-
-
 def _collective_counts(name: str, results: list[RankResult], leader: RankResult) -> dict:
     """Collectives per call (max over ranks) and the leader's count and bytes; None with the
     reason where a rank's count could not be established."""
@@ -297,12 +257,16 @@ def _collective_counts(name: str, results: list[RankResult], leader: RankResult)
 class PeakMemory(Phase):
     """One untimed call per strategy between a reset of the process's peak RSS (VmHWM) and a
     read of it, after the free heap is handed back, so the growth is this call's; CUDA's peak
-    allocation beside it on a GPU."""
+    allocation beside it on a GPU. Where ``NodeMemory`` runs, its calls give these figures
+    (each strategy rebuilt alone) and this phase spends none of its own."""
 
     part = "memory"
     record_fields = (
         "peak_rss_bytes", "peak_rss_delta_bytes", "peak_cuda_bytes", "peak_rss_heap_released"
     )  # fmt: skip
+
+    def applies(self, ctx, spec) -> bool:
+        return not NodeMemory().applies(ctx, spec)
 
     def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
         device = job.groups.device
@@ -359,30 +323,69 @@ class AutoChoice(Phase):
 class Verification(Phase):
     """Calls of every strategy compared bit for bit with what the leader (or the driver)
     holds: one per shape of the period, in the workload's order (so a small call after a large
-    one is checked too); any difference fails the job naming the rank and the key."""
+    one is checked too); any difference fails the job naming the rank and the key. On the
+    ranks the first checked call of each strategy is also recorded (``strategies.core.trace``):
+    the collectives it made (kind, ranks, root, bytes) and its local work (bytes packed,
+    pickled, copied), the call alone (not the fingerprints' exchange), so no call is spent on
+    counting alone."""
 
     scopes = BOTH
+    part = "collectives"
+    record_fields = (
+        "collectives_per_call", "collectives_leader", "comm_bytes_leader", "collectives_unavailable"
+    )  # fmt: skip
 
     def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
         problems: dict[str, list[str]] = {name: [] for name in job.order}
+        counted = job.scope is Scope.BROADCAST
+        out: dict[str, dict] = {"collectives": {}, "collectives_unavailable": {}, "work": {}}
         for k, shape in enumerate(spec.period()):
             job.use(shape)
             for name in job.order:
                 ctx.report(f"verifying {name}" + (f" on call {k} of the period" if k else ""))
                 job.fence()
-                found = job.verify(name)
+                if k or not counted:
+                    found = job.verify(name)
+                else:
+                    rec = Recorder()
+                    found = job.verify(name, during=rec)
+                    _counted(out, name, rec)
                 problems[name] += [f"{p} (call {k} of the period)" if k else p for p in found]
-        return {"problems": problems}
+        return {"problems": problems, **(out if counted else {})}
 
     def check(self, spec, results: list[RankResult]) -> None:
         verdict([p for r in results for found in r.problems.values() for p in found])
+
+    def fold(self, spec, name: str, results: list[RankResult]) -> CollectiveFigures | None:
+        if results[0].collectives is None:  # a driver's job: no rank recorded its calls
+            return None
+        leader = next(r for r in results if r.is_leader)
+        receivers = [r.work[name] for r in results if not r.is_leader]
+        return CollectiveFigures(
+            **_collective_counts(name, results, leader),
+            work_leader=leader.work[name],
+            work_receiver_max={
+                k: max(w.get(k, 0) for w in receivers)
+                for k in dict.fromkeys(k for w in receivers for k in w)  # first-seen order
+            },
+        )
+
+
+def _counted(out: dict[str, dict], name: str, rec: Recorder) -> None:
+    """What ``rec`` saw of one call of ``name``, into ``out``. None where the recorder could
+    not see every path to a collective (``rec.unavailable`` says why): no count rather than a
+    short one."""
+    out["collectives"][name] = (
+        None if rec.unavailable else [(c.kind, c.ranks, c.root, c.nbytes) for c in rec.comms]
+    )
+    out["collectives_unavailable"][name] = rec.unavailable
+    out["work"][name] = dict(rec.work)
 
 
 PHASES: tuple[Phase, ...] = (
     TimedRounds(),
     SteadyRounds(),
     LinkBytes(),
-    Collectives(),
     PeakMemory(),
     Verification(),
     AutoChoice(),

@@ -46,13 +46,13 @@ class RankResult:
     """Node-link bytes per call, by strategy, read on rank 0 (``LinkBytes``)."""
     collectives: dict[str, list[tuple] | None] | None = None
     """(kind, ranks, root, bytes) of each collective one call made, by strategy; None where the
-    recorder could not see every path to a collective (``Collectives``)."""
+    recorder could not see every path to a collective (``Verification``'s first call)."""
     collectives_unavailable: dict[str, str | None] | None = None
     """Why a strategy's collectives could not be counted (None: counted)."""
     work: dict[str, dict[str, int]] | None = None
-    """Bytes one call packed, pickled, copied..., by strategy (``Collectives``)."""
+    """Bytes one call packed, pickled, copied..., by strategy (``Verification``'s first call)."""
     peak_rss_bytes: dict[str, int] | None = None
-    """VmHWM after one call, by strategy (``PeakMemory``)."""
+    """VmHWM after one call, by strategy (``PeakMemory``, or ``NodeMemory``'s calls)."""
     peak_rss_delta_bytes: dict[str, int | None] | None = None
     """What that call added to the resident set (None: it could not be isolated)."""
     peak_cuda_bytes: dict[str, int] | None = None
@@ -119,7 +119,7 @@ class LinkFigures:
 
 @dataclass(frozen=True)
 class CollectiveFigures:
-    """What one call issued and copied (``Collectives``)."""
+    """What one call issued and copied (``Verification``'s first call, recorded)."""
 
     collectives_per_call: int | None
     collectives_leader: int | None
