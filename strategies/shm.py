@@ -76,17 +76,14 @@ from strategies.core.header_format import (
     DIRECT,
     KIND_DENSE,
     Header,
-    HeaderError,
-    read_header_bytes,
 )
-from strategies.core.node_channel import DEFAULT_POLL_US, DEFAULT_STRIPE_MIN_BYTES, NodeChannel
-from strategies.core.node_signals import ShmError, check_size_option
-from strategies.core.packed import PackedStrategy
+from strategies.core.node_channel import DEFAULT_POLL_US, DEFAULT_STRIPE_MIN_BYTES
+from strategies.core.node_signals import check_size_option
+from strategies.core.node_store import NodeStore
 from strategies.core.packer import NO_DIRECT
 from strategies.core.parts import encode_non_tensor
-from strategies.core.plan import Handoff, LocalWork, PayloadSpec, Plan
 from strategies.core.recent import NextShape
-from strategies.core.segment_ring import Premap
+from strategies.core.segment_ring import Premap, Slot
 from strategies.core.unpacker import unpack_non_tensor, unpack_tensors
 
 DEFAULT_EARLY_MIN_BYTES = 0
@@ -99,7 +96,9 @@ def dense_only(header: Header) -> bool:
     return all(e.kind == KIND_DENSE and e.offset != DIRECT for e in header.entries)
 
 
-class Shm(PackedStrategy):
+class Shm(NodeStore):
+    """The node store whose readers view the message in place (see the module docstring)."""
+
     name = "shm"
     footprint = Footprint(leader=0, receiver=0, node=1)
     """Measured by the node memory phase (one slot of the segment: a large message reuses its
@@ -130,12 +129,10 @@ class Shm(PackedStrategy):
                 f"rank {groups.rank}: shm: stage=False views the shared segment in place, which "
                 f"is host memory; groups on {groups.device} need stage=True (their default)"
             )
-        super().__init__(groups, max_bytes=max_bytes)
-        self.channel = NodeChannel(groups, slots, stripe_min_bytes, poll_us)
+        super().__init__(groups, slots, stripe_min_bytes, max_bytes, poll_us)
         self.views = views
         self.stage = stage
         self.early_min_bytes = early_min_bytes
-        self._headers: dict = {}  # read_header_bytes' cache: same-shaped batches decode once
         self._next = NextShape()  # a reader: the header bytes that followed each one
         self._predicted: tuple[bytes, Header] | None = None
         """A reader: the next message's most likely header bytes and header (``_follow``);
@@ -145,35 +142,29 @@ class Shm(PackedStrategy):
         self.replayed = 0
         """The leader: calls that replayed their slot's plan of the structure (``_replay``)."""
 
-    def transfer(self, batch: DataProto) -> DataProto:
-        g = self.groups
-        ch = self.channel
-        if g.replica_ranks == (g.rank,):  # a replica of one: the leader holds what it sends
-            return batch
-        if g.is_leader:
-            if ch.closed:  # every reader's is closed too: each raises, nothing to ship
-                raise settled(ShmError(
-                    f"rank {g.rank}: shm: the channel closed on an earlier call "
-                    f"({ch.closed_why}); build the strategy again"
-                ))  # fmt: skip
-            slot = ch.writer_slot()
-            if self._replay(slot, batch):
-                return batch
-            buf, header, total, fill = self._pack_into(slot, batch)
-            self._connect()
-            if fill is None:
-                ch.hand_over(slot, buf[:total], announce=True)
-            else:
-                self._write_early(slot, total, fill)
-            self.agree(header, total)  # auto's candidates share one Wire: keep it agreed
-            return batch
-        self._connect()
-        guess = None
-        if ch.is_node_leader:
-            buf = ch.receive_from_leader(None, self.wire.max_bytes)
+    def publish(self, slot: Slot, batch: DataProto) -> tuple[Header, int]:
+        """Leader: the slot's plan of this structure replayed (``_replay``), or the message put
+        into the slot; signalled whole, or early (``_early``: the header and the blob first,
+        the leaves copied after)."""
+        replayed = self._replay(slot, batch)
+        if replayed is not None:
+            return replayed
+        buf, header, total, fill = self.put(slot, batch)
+        self.connect()
+        if fill is not None and self._early(total):
+            self._write_early(slot, total, fill)
         else:
-            guess = self._guess()
-            buf = ch.receive(guess.premap if guess else None)
+            if fill is not None:
+                fill(total)
+            self.channel.hand_over(slot, buf[:total], announce=True)
+        return header, total
+
+    def take(self, batch: DataProto) -> DataProto:
+        """A reader: the message viewed in the segment (guessed while it waited, or read when
+        it came), or, staged or without views, copied."""
+        g = self.groups
+        guess = None if self.channel.is_node_leader else self._guess()
+        buf = self.receive(guess.premap if guess else None)
         header, td, non_tensor = self._read(buf, guess)
         total = header.total_bytes
         self.agree(header, total)
@@ -190,24 +181,6 @@ class Shm(PackedStrategy):
         if not self.views:
             td = td.clone()  # owned copies: the views (and the segment's hold) go with buf
         return deliver(batch, td, non_tensor)
-
-    def abandon(self, text: str) -> bool:
-        """Leader, a failure it could not ship: on one node, its readers are told ``text``
-        through their sockets and the channel is closed (``RingWriter.abandon``), connected
-        first if this was the first call (the readers wait in its set-up). A channel closed
-        already keeps nobody waiting (each reader's is closed too): True. Across nodes the
-        other node leaders wait in a point-to-point receive: False."""
-        ch = self.channel
-        if len(ch.nodes) > 1:
-            return False
-        if ch.closed:
-            return True
-        self._connect()
-        return ch.abandon(text)
-
-    def posts_collectives(self) -> bool:
-        """On one node, once connected, a call is socket messages and shared memory only."""
-        return not self.channel.node_local
 
     def _read(self, buf: torch.Tensor, guess: Guess | None):
         """A reader: (the header, the TensorDict or None, the non-tensor batch) of the message
@@ -252,17 +225,10 @@ class Shm(PackedStrategy):
         """The message's header (checked against the segment), and the guessed TensorDict
         when the message is in the guessed mapping and its header bytes are the guessed ones
         (else None)."""
-        g = self.groups
         if guess is not None and guess.td is not None and guess.holds(buf):
             self._follow((guess.raw, guess.header))
             return guess.header, guess.td
-        raw, header = read_header_bytes(buf, self.wire.max_bytes, g.rank, cache=self._headers)
-        total = header.total_bytes
-        if total > buf.numel():
-            raise HeaderError(
-                f"rank {g.rank}: shm: the header claims {total} bytes, the segment holds "
-                f"{buf.numel()}"
-            )
+        raw, header = self.stored_header(buf)
         self._follow((raw, header) if dense_only(header) else None)
         return header, None
 
@@ -278,29 +244,27 @@ class Shm(PackedStrategy):
         header = now[1] if raw == now[0] else self._headers.get(raw)
         self._predicted = (raw, header) if header is not None else now
 
-    def _replay(self, slot, batch: DataProto) -> bool:
+    def _replay(self, slot: Slot, batch: DataProto) -> tuple[Header, int] | None:
         """Leader, the plan per structure: when the slot's last message was laid out as this
         batch's (``Packer.replay``: its structure, checked by ``leader_view``, and its blob
         room; the header is in the segment, the views made), copy the leaves and the blob and
-        signal, nothing else. False (nothing written, the blob kept for ``pack``) for any other
-        batch, a staged one, or a replica across nodes (those take ``_pack_into``)."""
+        signal, nothing else; returns the message's header and bytes. None (nothing written,
+        the blob kept for ``pack``) for any other batch, a staged one, or a replica across
+        nodes (those are ``put``)."""
         checked = self._checked
         if self.stage or checked is None or checked[0] is not batch.batch:
-            return False
+            return None
         ch = self.channel
         if not ch.node_local:
-            return False
+            return None
         blob = encode_non_tensor(batch.non_tensor_batch) if wants_non_tensor(batch) else None
         last = slot.packer.replay(
             checked[2], NO_DIRECT, blob, self.wire.next_expect, self.wire.expect, self.groups.device
         )
         if last is None:
             self._encoded = (batch, blob)
-            return False
+            return None
         self._checked = None
-        if last.out.data_ptr() != slot.segment.view.data_ptr():
-            raise ShmError(f"rank {self.groups.rank}: shm: the replayed plan is not of its slot")
-        self.packer = slot.packer
         parts, total = checked[1], last.total
         fill = slot.packer.filler(last, parts, blob)
         if self._early(total):
@@ -308,35 +272,8 @@ class Shm(PackedStrategy):
         else:
             fill(total)
             ch.publish(slot, total)
-        self.agree(last.header, total)
         self.replayed += 1
-        return True
-
-    def _pack_into(self, slot, batch: DataProto):
-        """Leader: the message in ``slot``'s segment; returns the segment's view of it (host
-        memory, what the sends read), the header, the message bytes, and the leaves' copy
-        still to do when the message is signalled early (``_early``; else None: all written).
-        On host groups the slot's packer writes the segment itself; staged, the leader's own
-        packer packs on the groups' device and the message is copied into the segment once."""
-        if not self.stage:
-            self.packer = slot.packer  # the slot's packer writes into the slot's segment
-            buf, header, total = self.pack(batch)
-            fill = self.take_fill()
-            if buf.data_ptr() != slot.segment.view.data_ptr():
-                raise ShmError(
-                    f"rank {self.groups.rank}: shm: the message was not packed into its slot"
-                )
-            if self._early(total):
-                return buf, header, total, fill
-            fill(total)
-            return buf, header, total, None
-        packed, header, total = self.pack(batch)
-        fill = self.take_fill()
-        if fill is not None:
-            fill(total)
-        buf = slot.buffer(max(total, self.wire.expect))  # grows as the wire does, not per byte
-        buf[:total].copy_(packed[:total])
-        return buf, header, total, None
+        return last.header, total
 
     def _early(self, total: int) -> bool:
         """Signal this message early (header and non-tensor blob first, the leaves after): on
@@ -362,37 +299,6 @@ class Shm(PackedStrategy):
             self.channel.abort(slot, failure_text(exc))
             raise settled(exc) from None
         self.channel.complete(slot)
-
-    def _connect(self) -> None:
-        if not self.channel.connected:
-            self.channel.connect()
-
-    @classmethod
-    def plan(
-        cls,
-        layout,
-        spec: PayloadSpec,
-        stage: bool = False,
-        stripe_min_bytes: int | None = DEFAULT_STRIPE_MIN_BYTES,
-    ) -> Plan:
-        """No collective: every replica's message is a shared-memory hand-off (``Handoff``:
-        the cost model prices its signals and, where the replica spans nodes, its sends to
-        each other node). The leader packs the message; a receiver views it in place and
-        unpickles only the flagged non-tensor blob. ``stage`` (a batch on a device): the
-        leader copies the message to the host once, every receiver copies it back.
-        ``stripe_min_bytes`` as the strategy's: the cost model prices the stripes."""
-        n = spec.message_bytes
-        nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
-        shared = [
-            Handoff(tuple(r), n, stripe_min_bytes) for r in layout.replica_groups() if len(r) > 1
-        ]
-        return Plan(
-            cls.name,
-            [],
-            leader=LocalWork(packed_bytes=n, d2h_bytes=n if stage else 0),
-            receiver=LocalWork(pickled_bytes=nt, h2d_bytes=n if stage else 0),
-            shared=shared,
-        )
 
 
 @dataclass

@@ -14,6 +14,31 @@ kill -9 included.
 
 A reader waits for a signal as long as a gloo collective on the same replica would (that
 group's timeout); a leader that dies closes its sockets, and its readers learn at once.
+
+The protocol, one message, in the order it happens (a store strategy's side is
+``strategies.core.node_store``; shm's early signal is ``Shm._write_early``):
+
+| side   | step      | what happens                                                | where |
+|--------|-----------|-------------------------------------------------------------|-------|
+| both   | connect   | readers dial the node leader's socket, get the completion    | ``NodeChannel.connect`` |
+|        |           | page; stripe thresholds agreed (first call only)             | |
+| leader | take slot | its own slot again after a large message every reader let go | ``RingWriter.writer_slot`` |
+|        |           | (``segment_ring.reuses``), else the next free one, else the  | |
+|        |           | next one retired (its holder keeps the old segment)          | |
+| leader | pack      | header + leaves written into the slot's segment by the slot's | ``NodeStore.put`` (``Slot.packer``) |
+|        |           | packer (or replayed: ``Shm._replay``)                        | |
+| leader | publish   | one socket message per reader (the segment's fd the first    | ``NodeCrossing.hand_over``, |
+|        |           | time); across nodes the sends to each node leader first      | ``RingWriter.publish`` |
+| leader | fill      | early signal only: the leaves copied after ``publish(early)`` | ``Filler``, ``Shm._write_early`` |
+| leader | complete  | early signal only: the completion word (or a socket message) | ``RingWriter.complete`` / ``abort`` |
+| reader | premap    | the slot it most likely gets, mapped while it waits          | ``RingReader.premap`` |
+| reader | receive   | the signal; a copy-on-write view of the segment; its "read"  | ``RingReader.receive`` |
+|        |           | report (a word on the shared page, or a socket message)      | |
+| reader | header    | the header read in place, checked against the segment        | ``NodeStore.stored_header`` |
+| reader | wait      | early signal only: the completion, or the leader's abort     | ``RingReader.wait_complete`` |
+| reader | release   | when the last tensor viewing the segment dies, its "let go"  | ``segment_ring.map_private`` |
+|        |           | report; the leader's ``_drain`` frees the slot for reuse     | (``RingWriter._drain``) |
+| both   | close     | sockets closed, segments unmapped; a reader raises at once   | ``NodeChannel.close`` |
 """
 
 from __future__ import annotations

@@ -80,11 +80,14 @@ class PackedStrategy(Strategy):
         self._checked = (batch.batch, parts, shape)
         return batch
 
-    def pack(self, batch: DataProto) -> tuple[torch.Tensor, Header, int]:
-        """Leader: pack into the reused buffer; returns (buffer, header, total bytes). Runs
-        before the first collective of a call, so whatever it raises (a dtype the header
-        cannot carry, leaves over max_bytes) travels to every rank in the batch's place."""
-        return self._pack(batch)
+    def pack(
+        self, batch: DataProto, into: Packer | None = None
+    ) -> tuple[torch.Tensor, Header, int]:
+        """Leader: pack into the reused buffer (``into``'s, when given: a node store's slot,
+        whose packer writes its segment); returns (buffer, header, total bytes). Runs before
+        the first collective of a call, so whatever it raises (a dtype the header cannot
+        carry, leaves over max_bytes) travels to every rank in the batch's place."""
+        return self._pack(batch, into or self.packer)
 
     def relay(self, batch: DataProto, hops: list[tuple[object, tuple[int, ...]]]) -> DataProto:
         """The leader packs; each hop ``(group, ranks)`` this rank takes part in moves the
@@ -173,7 +176,7 @@ class PackedStrategy(Strategy):
         self._last_valid = shape
         return parts, shape
 
-    def _pack(self, batch: DataProto) -> tuple[torch.Tensor, Header, int]:
+    def _pack(self, batch: DataProto, packer: Packer) -> tuple[torch.Tensor, Header, int]:
         checked, self._checked = self._checked, None  # held for this call only
         if checked is not None and checked[0] is batch.batch:
             _, parts, shape = checked  # leader_view's, for this very batch
@@ -183,7 +186,7 @@ class PackedStrategy(Strategy):
         encoded, self._encoded = self._encoded, None
         blob = encoded[1] if encoded is not None and encoded[0] is batch else None
         direct = self.direct_leaves(parts)
-        buf, header, self._fill = self.packer.pack(
+        buf, header, self._fill = packer.pack(
             batch.batch,
             nt,
             next_expect=self.wire.next_expect,  # the header carries it: no stamp per call
