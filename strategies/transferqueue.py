@@ -113,6 +113,7 @@ class TransferQueue(Strategy):
     """Not measured yet (the node memory phase runs on forked worlds): the batch in the
     storage unit, every rank's own copy."""
     world = "ray"
+    actor_cpus = TQ_CPUS
     claims = "3 over the replica (signal sizes, bytes, barrier) + a put and clear, a get each"
 
     @classmethod
@@ -132,7 +133,8 @@ class TransferQueue(Strategy):
             raise Unsupported(
                 f"rank {groups.rank}: {self.name} needs {TQ_CPUS} free Ray CPUs for "
                 f"TransferQueue's controller and storage unit; the cluster has "
-                f"{ray.available_resources().get('CPU', 0):g} free (raise ray.num_cpus)"
+                f"{ray.available_resources().get('CPU', 0):g} free (a cluster the job did not start "
+                "needs them free: raise its CPUs or free some)"
             )
         self._attach(groups)
         self._instance, self._calls = next(_INSTANCES), 0

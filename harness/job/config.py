@@ -5,6 +5,8 @@ Hydra composes is ``harness.job.config_schema``."""
 
 from __future__ import annotations
 
+import math
+
 from omegaconf import OmegaConf
 
 import strategies
@@ -312,10 +314,28 @@ def _validate_backend(cfg, layout: Layout) -> None:
 
 
 def ray_conf(cfg) -> RayConf:
-    """The runtime ``RayConf`` of ``cfg.ray``, with the job's backend, device and timeout."""
+    """The runtime ``RayConf`` of ``cfg.ray``, with the job's backend, device and timeout. A
+    cluster the job starts itself (``address: local``) also advertises the CPUs the job's
+    strategies' own actors reserve (``Strategy.actor_cpus``: a store's controller and storage
+    units), so that no strategy needs ``ray.num_cpus`` raised to run."""
     conf = OmegaConf.to_container(cfg.ray, resolve=True)
     conf.update(backend=cfg.backend.name, device=cfg.backend.device, timeout_s=cfg.timeout_s)
+    if conf.get("address", "local") == "local":
+        conf["num_cpus"] = int(conf.get("num_cpus", 2)) + _actor_cpus(cfg)
     return RayConf(**conf)
+
+
+def _actor_cpus(cfg) -> int:
+    """The Ray CPUs the job's strategies' own actors reserve (each named strategy once),
+    rounded up to whole CPUs (Ray advertises a cluster's CPUs whole)."""
+    names = {cfg.strategy.name, *(cfg.references or ())}
+    need = 0.0
+    for name in names:
+        try:
+            need += strategies.get_class(name).actor_cpus
+        except (KeyError, ValueError, ImportError):  # not a named strategy: nothing of its own
+            continue
+    return math.ceil(need)
 
 
 def _validate_ray(cfg, joined: bool) -> None:

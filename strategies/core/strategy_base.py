@@ -61,6 +61,10 @@ class Strategy:
     """The world a strategy needs when it cannot run on every torch.distributed world:
     ``"ray"`` (its ranks are connected Ray actors, ``world=ray``). Elsewhere it raises
     ``Unsupported`` at construction, on every rank; a job naming it is refused at config time."""
+    actor_cpus: ClassVar[float] = 0
+    """Ray CPUs the strategy's own actors reserve beside the ranks' (a store's controller and
+    storage units on ``world=ray``): a harness that starts its own cluster advertises them
+    too, so the strategy runs with the default cluster size."""
     footprint: ClassVar[Footprint] = Footprint()
     """Copies of the batch one call holds at its peak, by where they live
     (``strategies.core.footprint``): what a harness predicts a node's memory from before a job
