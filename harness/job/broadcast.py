@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 import strategies
+from harness.job.label import Label
 from harness.job.node_memory import release_free_heap, resident
 from harness.job.phase_base import Timing
 from harness.job.phases import run_phases, start_line, sync
@@ -157,7 +158,7 @@ class BroadcastJob:
         if hasattr(strategy, "expected_received"):  # a probe knows what each rank must hold
             expected = tensor_digest(strategy.expected_received())
             return bytes_problems(name, groups.rank, expected, tensor_digest(strategy.received))
-        if name.split(":")[0] == "floor":
+        if Label.parse(name).is_floor:
             sent = self._from_leader(tensor_digest(strategy.sent) if groups.is_leader else None)
             return bytes_problems(name, groups.rank, sent, tensor_digest(strategy.received))
         return batch_problems(
@@ -256,7 +257,7 @@ def _build(ctx, groups, name: str, options: dict):
     with that method's options), or a calibration probe (``harness.job.probes``)."""
     if is_probe(name):
         return build_probe(name, ctx)
-    return strategies.get(name.split(":")[0], groups, **options)
+    return strategies.get(Label.parse(name).strategy, groups, **options)
 
 
 def job_order(spec: JobSpec) -> tuple[list[str], dict[str, dict]]:

@@ -22,6 +22,7 @@ from harness.job.broadcast import run_job_on_rank
 from harness.job.config import ray_conf
 from harness.job.config_schema import layout_name
 from harness.job.dispatch import run_dispatch
+from harness.job.label import Label
 from harness.job.record_fields import Record
 from harness.job.results import JobSummary, Refusal
 from harness.job.samples import write_samples
@@ -107,7 +108,7 @@ def _each_strategy(spec: JobSpec, summary: JobSummary, start_s: float, common: d
     if common.get("samples_file"):
         common = {**common, "samples_file": f"../{common['samples_file']}"}
     for name in summary.strategies:
-        if name != spec.strategy and name.split(":")[0] != "floor":
+        if name != spec.strategy and not Label.parse(name).is_floor:
             as_tested = replace(spec, strategy=name, options={})
             out[name] = records.complete({**records.build(as_tested, summary, start_s), **common})
     for name, why in (summary.refused or {}).items():

@@ -10,6 +10,7 @@ from dataclasses import replace
 import strategies
 from harness.job.broadcast import job_order
 from harness.job.config_schema import layout_name
+from harness.job.label import Label
 from harness.job.spec import JobSpec, Scope
 from harness.machine import mem_available
 from harness.model import memory
@@ -24,15 +25,15 @@ def footprints(spec: JobSpec) -> dict[str, Footprint]:
     out: dict[str, Footprint] = {}
     order, options = job_order(spec)
     for name in order:
-        base = name.split(":")[0]
+        label = Label.parse(name)
         if "." in name:
             cls = resolve_target(name)
-        elif base in strategies.names(include_floor=True):
-            cls = strategies.get_class(base)
+        elif label.strategy in strategies.names(include_floor=True):
+            cls = strategies.get_class(label.strategy)
         else:
             continue  # a calibration probe: no batch of its own
         footprint = cls.footprint_for(**options[name])
-        if base == "floor" and any(n.split(":")[0] == "floor" for n in out):
+        if label.is_floor and any(Label.parse(n).is_floor for n in out):
             footprint = replace(footprint, leader_kept=0)
         out[name] = footprint
     return out
@@ -53,7 +54,7 @@ def fitted(spec: JobSpec, on_this_host: bool, available: int | None = None) -> J
     what = f"job {spec.strategy} on {layout_name(spec.layout)}"
     if memory.refusal(what, every, node, payload_bytes, room) is None:
         return spec
-    core = {n: fp for n, fp in every.items() if n == spec.strategy or n.split(":")[0] == "floor"}
+    core = {n: fp for n, fp in every.items() if n == spec.strategy or Label.parse(n).is_floor}
     too_big = memory.refusal(what, core, node, payload_bytes, room)
     if too_big is not None:
         return too_big

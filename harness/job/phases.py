@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from harness.job.interval import Interval, interval_fields, interval_keys
 from harness.job.leader_phases import PHASE_FIELDS, cpu_figures, phase_figures
 from harness.job.node_memory import (
     NodeMemory,
@@ -111,7 +112,7 @@ class TimedRounds(Phase):
 
     scopes = BOTH
     part = "timing"
-    record_fields = (*TIMING_FIELDS, "rank_skew_us", "p50_lo_us", "p50_hi_us",
+    record_fields = (*TIMING_FIELDS, "rank_skew_us", *interval_keys("p50_us"),
                      "cpu_us_per_call", "cpu_us_leader", *PHASE_FIELDS)  # fmt: skip
 
     def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
@@ -148,12 +149,11 @@ class TimedRounds(Phase):
         skew = per_call - t.min(axis=0)
         # A dispatch job's one answer is the driver's clock: it has no ranks to spread over.
         spread = float(np.median(skew)) * 1e6 if spec.scope is Scope.BROADCAST else None
-        interval = p50_interval(per_call, spec.block_of_round())
+        interval = Interval.of(p50_interval(per_call, spec.block_of_round()))
         return TimingFigures(
             **timing_stats(per_call),
             rank_skew_us=spread,
-            p50_lo_us=interval[0] * 1e6 if interval else None,
-            p50_hi_us=interval[1] * 1e6 if interval else None,
+            **interval_fields("p50_us", None if interval is None else interval.scaled(1e6)),
             **cpu_figures(name, results),
             **phase_figures(name, results),
         )

@@ -15,17 +15,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-PREFIX = "probe"
+from harness.job.label import PROBE, Label
+
 KINDS = ("broadcast", "scatter", "all_gather")
 
 
 def probe_name(kind: str, group_size: int, payload_bytes: int) -> str:
     """The name a calibration job times a probe under."""
-    return f"{PREFIX}:{kind}:{group_size}:{payload_bytes}"
+    return str(Label.of(PROBE, kind, group_size, payload_bytes))
 
 
 def is_probe(name: str) -> bool:
-    return name.split(":")[0] == PREFIX
+    return Label.parse(name).is_probe
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,11 @@ class ProbeShape:
 
     @classmethod
     def parse(cls, name: str, world_size: int) -> ProbeShape:
-        parts = name.split(":")
-        if len(parts) != 4 or parts[0] != PREFIX or parts[1] not in KINDS:
+        label = Label.parse(name)
+        parts = label.method_parts()
+        if not label.is_probe or len(parts) != 3 or parts[0] not in KINDS:
             raise ValueError(f"{name!r}: expected probe:<{'|'.join(KINDS)}>:<ranks>:<bytes>")
-        shape = cls(parts[1], int(parts[2]), int(parts[3]))
+        shape = cls(parts[0], int(parts[1]), int(parts[2]))
         if not 2 <= shape.group_size <= world_size or shape.payload_bytes < 1:
             raise ValueError(
                 f"{name!r}: a group of 2..{world_size} ranks and at least 1 byte, got "

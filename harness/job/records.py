@@ -19,6 +19,8 @@ import torch
 from harness import files, paths
 from harness.job.config_schema import COMMAND, layout_name
 from harness.job.dispatch_modes import FLOORS, DispatchMode
+from harness.job.interval import Interval, interval_fields, interval_of
+from harness.job.label import Label
 from harness.job.phases import PHASES
 from harness.job.record_fields import Record, complete
 from harness.job.results import (
@@ -225,14 +227,13 @@ def _measured(spec, summary: JobSummary) -> dict:
 
 
 def _interval(summary: JobSummary, a: str, b: str | None, field: str) -> dict:
-    """``<field>_lo`` / ``_hi``: the interval of a's time over b's, paired round by round
+    """``field``'s interval (``harness.job.interval``): a's time over b's, paired round by round
     (``harness.job.stats.ratio_interval``); null where b was not timed or rounds are too few."""
     calls = summary.calls_s
     interval = None
     if b is not None and a in calls and b in calls:
-        interval = ratio_interval(calls[a], calls[b], summary.blocks)
-    return {f"{field}_lo": interval[0] if interval else None,
-            f"{field}_hi": interval[1] if interval else None}  # fmt: skip
+        interval = Interval.of(ratio_interval(calls[a], calls[b], summary.blocks))
+    return interval_fields(field, interval)
 
 
 def _ratio_intervals(spec, summary: JobSummary) -> dict:
@@ -263,7 +264,8 @@ def _auto_ties(spec, summary: JobSummary, figures: StrategyFigures) -> dict:
     calls = summary.calls_s
     if choice is None or choice not in calls:
         return {}
-    others = [n for n in calls if n not in (spec.under_test, choice) and n.split(":")[0] != "floor"]
+    others = [n for n in calls
+              if n not in (spec.under_test, choice) and Label.parse(n).competes]  # fmt: skip
     tied = [
         n for n in others
         if not excludes_one(ratio_interval(calls[n], calls[choice], summary.blocks))
@@ -355,14 +357,13 @@ def write_atomic(path: Path, record: dict) -> Path:
 
 
 def _range(rec: dict, field: str, scale: float = 1.0) -> str:
-    """`` [lo-hi]``: a figure's 95 % interval (``<field>_lo``/``_hi``, or ``p50_lo_us``), or
+    """`` [lo-hi]``: the 95 % interval of the record's ``field`` (``harness.job.interval``), or
     nothing where the record has none."""
-    lo, hi = (rec.get(f"{field}_lo_us"), rec.get(f"{field}_hi_us")) if field == "p50" else (
-        rec.get(f"{field}_lo"), rec.get(f"{field}_hi"))  # fmt: skip
-    if lo is None or hi is None:
+    interval = interval_of(rec, field)
+    if interval is None:
         return ""
-    digits = 2
-    return f" [{lo * scale:.{digits}f}-{hi * scale:.{digits}f}]"
+    lo, hi = interval.scaled(scale)
+    return f" [{lo:.2f}-{hi:.2f}]"
 
 
 def job_line(rec, others: Iterable[dict] = ()) -> str:
@@ -381,7 +382,7 @@ def job_line(rec, others: Iterable[dict] = ()) -> str:
     what = f"{rec.get('payload')} b{rec.get('batch_size')} {human_bytes(rec['payload_bytes'])}"
     if rec.get("workload"):  # a varying workload: its name, and bytes are a mean per call
         what = f"{rec.get('payload')} {rec['workload']} {human_bytes(rec['payload_bytes'])}/call"
-    line = f"{who}  {what}  p50 {rec['p50_us'] / 1000:.2f} ms{_range(rec, 'p50', 1e-3)}"
+    line = f"{who}  {what}  p50 {rec['p50_us'] / 1000:.2f} ms{_range(rec, 'p50_us', 1e-3)}"
     if rec.get("vs_floor"):
         line += f"  vs_floor {rec['vs_floor']:.2f}{_range(rec, 'vs_floor')}"
         if rec.get("floor_method"):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from harness.job.dispatch_modes import FLOORS, DispatchMode, under_test, with_floors
+from harness.job.label import Label
 from harness.payload import sizes
 from harness.payload.source import PayloadSource, open_payload
 from harness.payload.workload import CallShape, Workload, constant
@@ -122,7 +123,7 @@ class JobSpec:
         """Which of ``names`` are this job's floors: every raw method (``floor``,
         ``floor:<method>``) of a broadcast job; a dispatch job's mode's own family floor."""
         if self.scope is Scope.BROADCAST:
-            return [n for n in names if n.split(":")[0] == "floor"]
+            return [n for n in names if Label.parse(n).is_floor]
         own = FLOORS[DispatchMode.parse(self.under_test).kind]
         return [own] if own in names else []
 

@@ -14,6 +14,10 @@ deterministic (the same samples give the same interval).
 What it does not cover: the world and the host the job ran on (a ratio taken on 4 ranks sharing
 2 cores need not hold on a node with a core per rank), and drift slower than a job. Fewer than
 ``MIN_SAMPLES`` samples give no interval (None).
+
+An interval here is its pair of ends ``(lo, hi)``; the functions that take one take an
+``harness.job.interval.Interval`` as well (it unpacks as the same pair), which is what records
+are written from and read back as (``Interval.of`` wraps a pair).
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-LEVEL = 0.95
+from harness.job.interval import LEVEL, Interval
+
+Ends = tuple[float, float]
+"""An interval as its two ends, (lo, hi)."""
 MIN_SAMPLES = 6
 """Below this, no pair of order statistics covers the median with 95 %: no interval."""
 
@@ -48,7 +55,7 @@ def median_ranks(n: int, level: float = LEVEL) -> tuple[int, int] | None:
     return k - 1, n - k
 
 
-def median_interval(samples: Sequence[float], level: float = LEVEL) -> tuple[float, float] | None:
+def median_interval(samples: Sequence[float], level: float = LEVEL) -> Ends | None:
     """The order-statistic interval of the median of ``samples``; None when too few."""
     ranks = median_ranks(len(samples), level)
     if ranks is None:
@@ -62,7 +69,7 @@ def ratio_interval(
     b: Sequence[float],
     blocks: Sequence[int] | None = None,
     level: float = LEVEL,
-) -> tuple[float, float] | None:
+) -> Ends | None:
     """The interval of the ratio of ``a`` to ``b``, timed in the same rounds (``a[i]`` and
     ``b[i]`` one round's calls): the median of the per-round log-ratios, its order-statistic
     interval exponentiated; with ``blocks`` (each round's repeat), widened to every block's
@@ -89,7 +96,7 @@ def ratio_interval(
 
 def p50_interval(
     samples: Sequence[float], blocks: Sequence[int] | None = None, level: float = LEVEL
-) -> tuple[float, float] | None:
+) -> Ends | None:
     """A p50's interval: the order-statistic one, widened to every block's own median."""
     interval = median_interval(samples, level)
     if interval is None or blocks is None:
@@ -103,9 +110,12 @@ def p50_interval(
     return lo, hi
 
 
-def excludes_one(interval: tuple[float, float] | None) -> bool:
+def excludes_one(interval: Interval | Ends | None) -> bool:
     """Whether a ratio's interval says the two differ (it lies wholly above or below 1)."""
-    return interval is not None and (interval[0] > 1 or interval[1] < 1)
+    if interval is None:
+        return False
+    lo, hi = interval
+    return lo > 1 or hi < 1
 
 
 # -- two independent runs: the shift between them (``bcastbench compare``, the plugin's gate) --
@@ -152,7 +162,7 @@ def shift_rank(m: int, n: int, level: float = LEVEL) -> int | None:
 
 def shift_ratio(
     old: Sequence[float], new: Sequence[float], level: float = LEVEL
-) -> tuple[float, tuple[float, float] | None] | None:
+) -> tuple[float, Ends | None] | None:
     """How many times ``new``'s times are ``old``'s, from two independent sets of samples: the
     Hodges-Lehmann estimate of the shift of log times (the median of every ``ln new_j - ln
     old_i``) and its exact distribution-free interval (the order statistics of those
@@ -171,33 +181,38 @@ def shift_ratio(
     return estimate, (math.exp(float(diffs[k - 1])), math.exp(float(diffs[len(diffs) - k])))
 
 
-def p50_ratio_interval(
-    old: tuple[float, float] | None, new: tuple[float, float] | None
-) -> tuple[float, float] | None:
+def p50_ratio_interval(old: Interval | Ends | None, new: Interval | Ends | None) -> Ends | None:
     """An interval of new p50 / old p50 from the two p50 intervals alone (no samples):
     ``new_lo / old_hi .. new_hi / old_lo``. It holds whenever both p50 intervals do, so it
     covers at least 90 % (two 95 % intervals), not 95 %."""
-    if old is None or new is None or min(*old, *new) <= 0:
+    if old is None or new is None:
         return None
-    return new[0] / old[1], new[1] / old[0]
+    (old_low, old_high), (new_low, new_high) = old, new
+    if min(old_low, old_high, new_low, new_high) <= 0:
+        return None
+    return new_low / old_high, new_high / old_low
 
 
 FASTER, SLOWER, SAME, UNKNOWN = "faster", "slower", "same", "unknown"
 
 
-def verdict(interval: tuple[float, float] | None, noise: float = 0.05) -> str:
+def verdict(interval: Interval | Ends | None, noise: float = 0.05) -> str:
     """A ratio (new / old) interval in words, Criterion-style: ``slower`` when its low end is
     above ``1 + noise``, ``faster`` when its high end is below ``1 / (1 + noise)``, ``same``
     otherwise (the change is within noise, or not shown); ``unknown`` without an interval."""
     if interval is None:
         return UNKNOWN
-    if interval[0] > 1 + noise:
+    lo, hi = interval
+    if lo > 1 + noise:
         return SLOWER
-    if interval[1] < 1 / (1 + noise):
+    if hi < 1 / (1 + noise):
         return FASTER
     return SAME
 
 
-def wholly_below(interval: tuple[float, float] | None, bound: float) -> bool:
+def wholly_below(interval: Interval | Ends | None, bound: float) -> bool:
     """Whether a whole interval lies below ``bound`` (a gate that holds)."""
-    return interval is not None and interval[1] < bound
+    if interval is None:
+        return False
+    _, hi = interval
+    return hi < bound

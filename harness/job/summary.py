@@ -9,6 +9,7 @@ from dataclasses import fields
 
 import numpy as np
 
+from harness.job.label import Label
 from harness.job.phases import PHASES
 from harness.job.results import (
     FloorFigures,
@@ -125,12 +126,13 @@ def best_floor(p50s: dict[str, float], names: list[str]) -> FloorFigures | None:
     if not floors:
         return None
     method = min(floors, key=floors.get)
-    broadcast = method.split(":")[0] == "floor"
+    label = Label.parse(method)
     network = {n: p50 for n, p50 in floors.items() if n not in NODE_FLOORS}
     network_name = min(network, key=network.get) if network else None
     return FloorFigures(
         p50_us=floors[method],
-        method=(method.partition(":")[2] or "one") if broadcast else method,
+        # A broadcast job's floor is named by its raw method; a dispatch job's by its mode.
+        method=(label.method or "one") if label.is_floor else method,
         name=method,
         single_p50_us=floors.get("floor"),
         network_p50_us=network[network_name] if network else None,

@@ -1,6 +1,6 @@
 """Whether a comparison names a winner: the fastest strategy wins only when the 95 % interval of
 every other strategy's time over its own, paired round by round in the same job
-(``vs_strategy_lo``/``_hi`` of a record's references, ``harness.job.stats``), lies above 1.
+(``vs_strategy``'s interval in a record's references, ``harness.job.stats``), lies above 1.
 Where an interval holds 1 the strategies are tied and all of them are named (``shm ≈ auto
 (tied)``); where the runner-up has no interval (an older record, too few rounds, a strategy
 timed in another job) the answer says so (``no interval``) instead of inventing a winner.
@@ -18,26 +18,28 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-Interval = tuple[float, float] | None
-"""A ratio's 95 % interval (lo, hi), or None where there is none."""
+from harness.job.interval import Interval, interval_of
+from harness.job.label import Label
 
 WINNER, TIED, NO_INTERVAL, ALONE = "winner", "tied", "no interval", "alone"
 RESULT_FILE = "result.json"
 
 
-def holds_one(interval: Interval) -> bool:
+def holds_one(interval: Interval | None) -> bool:
     """Whether a ratio's interval says the two may be equal (it holds 1)."""
-    return interval is not None and interval[0] <= 1 <= interval[1]
+    return interval is not None and interval.contains(1)
 
 
-def interval_text(value: float | None, interval: Interval, unit: str = "×") -> str:
-    """``1.23× [1.10–1.40]``; the figure alone where there is no interval, ``—`` for none."""
+def interval_text(value: float | None, interval: Interval | None, unit: str = "×") -> str:
+    """``1.23× [1.10–1.40]``; the figure alone where there is no interval (or an end is
+    missing), ``—`` for none. ``interval``: an Interval, or its ``(lo, hi)`` pair."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "—"
     text = f"{value:.2f}{unit}"
-    if interval is None or any(v is None or math.isnan(v) for v in interval):
+    interval = Interval.of(interval)
+    if interval is None:
         return text
-    return f"{text} [{interval[0]:.2f}–{interval[1]:.2f}]"
+    return f"{text} [{interval.lo:.2f}–{interval.hi:.2f}]"
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class Verdict:
     runner_up: str | None = None
     runner_up_ratio: float | None = None
     """The runner-up's time over the best's (above 1)."""
-    runner_up_interval: Interval = None
+    runner_up_interval: Interval | None = None
 
     @property
     def kind(self) -> str:
@@ -84,17 +86,18 @@ class Verdict:
         return f"{self.runner_up} {interval_text(self.runner_up_ratio, self.runner_up_interval)}"
 
 
-def decide(times: Mapping[str, float], interval_of: Callable[[str], Interval]) -> Verdict | None:
+def decide(times: Mapping[str, float], paired: Callable[[str], Interval | None]) -> Verdict | None:
     """The verdict over ``times`` (lower is better; a same-job ratio or a p50), where
-    ``interval_of(name)`` is the interval of ``name``'s time over the fastest's, paired in the
-    same rounds (None: none). A winner only when no other's interval holds 1."""
+    ``paired(name)`` is the interval of ``name``'s time over the fastest's, paired in the same
+    rounds (an Interval or its ``(lo, hi)`` pair; None: none). A winner only when no other's
+    interval holds 1."""
     ranked = sorted((t, n) for n, t in times.items() if t is not None and not math.isnan(t))
     if not ranked:
         return None
     best = ranked[0][1]
     if len(ranked) == 1:
         return Verdict(best)
-    intervals = {n: interval_of(n) for _, n in ranked[1:]}
+    intervals = {n: Interval.of(paired(n)) for _, n in ranked[1:]}
     second = ranked[1][1]
     return Verdict(
         best,
@@ -103,16 +106,6 @@ def decide(times: Mapping[str, float], interval_of: Callable[[str], Interval]) -
         runner_up_ratio=ranked[1][0] / ranked[0][0] if ranked[0][0] else None,
         runner_up_interval=intervals[second],
     )
-
-
-def _competes(name: str) -> bool:
-    """A strategy a user could pick: the floor's raw methods are yardsticks, not choices."""
-    return name.split(":")[0] != "floor"
-
-
-def _reference_interval(ref: Mapping) -> Interval:
-    lo, hi = ref.get("vs_strategy_lo"), ref.get("vs_strategy_hi")
-    return None if lo is None or hi is None else (float(lo), float(hi))
 
 
 def job_verdict(records: Iterable[Mapping]) -> Verdict | None:
@@ -124,7 +117,8 @@ def job_verdict(records: Iterable[Mapping]) -> Verdict | None:
     times: dict[str, float] = {}
     for rec in records:
         for name, ref in (rec.get("references") or {}).items():
-            if _competes(name) and isinstance(ref, Mapping) and ref.get("p50_us"):
+            # A strategy a user could pick: floor methods and probes are yardsticks.
+            if Label.parse(name).competes and isinstance(ref, Mapping) and ref.get("p50_us"):
                 times.setdefault(name, float(ref["p50_us"]))
     for rec in records:  # a strategy's own record has the last word on its p50
         times[str(rec["strategy"])] = float(rec["p50_us"])
@@ -133,14 +127,14 @@ def job_verdict(records: Iterable[Mapping]) -> Verdict | None:
     best = min(times, key=times.get)
     own = {str(r["strategy"]): r for r in records}
 
-    def interval_of(name: str) -> Interval:
+    def paired(name: str) -> Interval | None:
         if best in own:
-            return _reference_interval((own[best].get("references") or {}).get(name) or {})
+            return interval_of((own[best].get("references") or {}).get(name) or {}, "vs_strategy")
         ref = ((own.get(name) or {}).get("references") or {}).get(best) or {}
-        inverse = _reference_interval(ref)  # best over name: turn it round
-        return None if inverse is None else (1 / inverse[1], 1 / inverse[0])
+        inverse = interval_of(ref, "vs_strategy")  # best over name: turn it round
+        return None if inverse is None else inverse.inverted()
 
-    return decide(times, interval_of)
+    return decide(times, paired)
 
 
 def records_beside(job_dir: Path | str) -> list[dict]:

@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 
+from harness.job.interval import Interval, interval_fields, interval_of  # stdlib only: no torch
 from harness.units import human_bytes
 
 
@@ -125,14 +126,14 @@ class Gate:
     pickled."""
     collectives_per_call: int | None
     """Collectives one call issues (max over ranks), from the first round."""
-    p50_interval: tuple[float, float] | None
+    p50_interval: Interval | None
     """The p50's 95 % interval (µs): from every round's calls pooled, widened to each round's
     own p50 (``harness.job.stats.p50_interval``, as ``repeats`` widens a job's); without
     samples, the median over rounds of each job's interval ends."""
-    vs_floor_interval: tuple[float, float] | None
+    vs_floor_interval: Interval | None
     """``vs_floor``'s 95 % interval: the median over rounds of each job's paired interval ends."""
-    vs_floor_network_interval: tuple[float, float] | None
-    vs_baseline_interval: tuple[float, float] | None
+    vs_floor_network_interval: Interval | None
+    vs_baseline_interval: Interval | None
     payload_bytes: int
     floor_methods: tuple[str, ...]
     """The raw method that was the floor in each round."""
@@ -226,26 +227,26 @@ def _gate_of(strategy: str, rounds: list[dict]) -> Gate:
     )
 
 
-def _ends(rounds: list[dict], field: str, lo: str = "_lo", hi: str = "_hi"):
+def _ends(rounds: list[dict], field: str) -> Interval | None:
     """The median over rounds of each job's interval ends of ``field``; None unless every
     round has both."""
-    los = [r.get(f"{field}{lo}") for r in rounds]
-    his = [r.get(f"{field}{hi}") for r in rounds]
-    if None in los or None in his or not rounds:
+    intervals = [interval_of(r, field) for r in rounds]
+    if not intervals or None in intervals:
         return None
-    return statistics.median(los), statistics.median(his)
+    return Interval(statistics.median(i.lo for i in intervals),
+                    statistics.median(i.hi for i in intervals))  # fmt: skip
 
 
-def _p50_interval(rounds: list[dict]) -> tuple[float, float] | None:
+def _p50_interval(rounds: list[dict]) -> Interval | None:
     """The p50's interval from every round's calls pooled (``SAMPLES_KEY``), widened to each
     round's own p50; the median of the jobs' interval ends where a round kept no samples."""
     if not rounds or any(not r.get(SAMPLES_KEY) for r in rounds):
-        return _ends(rounds, "p50", "_lo_us", "_hi_us")
+        return _ends(rounds, "p50_us")
     from harness.job import stats  # numpy: only once a gate has rounds to pool
 
     pooled = [t for r in rounds for t in r[SAMPLES_KEY]]
     blocks = [i for i, r in enumerate(rounds) for _ in r[SAMPLES_KEY]]
-    return stats.p50_interval(pooled, blocks)
+    return Interval.of(stats.p50_interval(pooled, blocks))
 
 
 @dataclass(frozen=True)
@@ -279,7 +280,7 @@ def holds(gate: Gate, **below: float) -> Held:
                             f"{', '.join(f'{f}_below' for f in figures)}")  # fmt: skip
         interval = figures[figure]
         if not stats.wholly_below(interval, bound):
-            shown = "no interval" if interval is None else f"[{interval[0]:.3g}, {interval[1]:.3g}]"
+            shown = "no interval" if interval is None else f"[{interval.lo:.3g}, {interval.hi:.3g}]"
             failed.append(f"{figure} {shown} is not wholly below {bound:g}")
     what = ", ".join(f"{n.removesuffix('_below')} < {b:g}" for n, b in below.items())
     if failed:
@@ -299,20 +300,15 @@ def _extra_info(result: Gate, timed: str, job: dict) -> dict:
         "p50_us": result.p50_us,
         "floor_p50_us": result.floor_p50_us,
         "floor_methods": list(result.floor_methods),
-        **_ends_info("p50", result.p50_interval, "_us"),
+        **interval_fields("p50_us", result.p50_interval),
         "vs_floor": result.vs_floor,
-        **_ends_info("vs_floor", result.vs_floor_interval),
+        **interval_fields("vs_floor", result.vs_floor_interval),
         "vs_floor_network": result.vs_floor_network,
         "vs_baseline": result.vs_baseline,
-        **_ends_info("vs_baseline", result.vs_baseline_interval),
+        **interval_fields("vs_baseline", result.vs_baseline_interval),
         "collectives_per_call": result.collectives_per_call,
         "rounds": len(result.rounds),
     }
-
-
-def _ends_info(field: str, interval, unit: str = "") -> dict:
-    lo, hi = interval or (None, None)
-    return {f"{field}_lo{unit}": lo, f"{field}_hi{unit}": hi}
 
 
 # -- the terminal section ----------------------------------------------------------------------

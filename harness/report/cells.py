@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from harness.job import stats
+from harness.job.interval import Interval, interval_of, widest
 from harness.job.samples import COLUMNS, SLOWEST
 
 HL, P50, NONE = "hl", "p50ci", "none"
@@ -44,7 +45,7 @@ class Cell:
     key: tuple[str, str, str, int]
     """(strategy with its options label, layout, payload, payload_bytes)."""
     p50_us: float
-    p50_interval: tuple[float, float] | None
+    p50_interval: Interval | None
     samples: np.ndarray | None
     """The slowest-rank wall times (µs) of every timed call, or None."""
     oversubscribed: bool = False
@@ -120,12 +121,6 @@ def label(strategy: str, options) -> str:
     return f"{strategy} [{','.join(f'{k}={options[k]}' for k in sorted(options))}]"
 
 
-def _interval(lo, hi) -> tuple[float, float] | None:
-    if _number(lo) is None or _number(hi) is None:
-        return None
-    return float(lo), float(hi)
-
-
 def _number(value) -> float | None:
     try:
         value = float(value)
@@ -146,7 +141,7 @@ def _cell(fields: dict, samples: np.ndarray | None = None) -> Cell | None:
         str(fields.get("payload")),
         int(size),
     )
-    interval = _interval(fields.get("p50_lo_us"), fields.get("p50_hi_us"))
+    interval = interval_of(fields, "p50_us")
     crowded = fields.get("oversubscribed") in (True, "True", "true", 1, "1")
     return Cell(key, p50, interval, samples, crowded)
 
@@ -255,7 +250,7 @@ def _pooled(cells: list[Cell]) -> dict[tuple, Cell]:
         out[key] = Cell(
             key,
             float(np.median([c.p50_us for c in group])),
-            (min(i[0] for i in intervals), max(i[1] for i in intervals)) if known else None,
+            widest(intervals) if known else None,
             None if any(c.samples is None for c in group) else np.concatenate(
                 [c.samples for c in group]
             ),

@@ -18,6 +18,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from harness.files import write_figure
 from harness.job.dispatch_modes import FLOORS
+from harness.job.interval import interval_fields, interval_keys, interval_of
 from harness.report.styles import draw_order, emphasis
 from harness.report.styles import styles as strategy_styles
 from harness.report.tables import (
@@ -343,15 +344,15 @@ def _single_broadcast(fl: pd.DataFrame, column: str) -> pd.Series:
 
 
 def bounds(rows: pd.DataFrame, column: str) -> tuple[pd.Series, pd.Series]:
-    """The 95 % interval of ``column`` in ``rows`` (NaN where none): its own ``_lo``/``_hi``,
-    or for a bandwidth the p50's turned round (bytes over a longer time is fewer GB/s)."""
+    """The 95 % interval of ``column`` in ``rows`` (NaN where none): its own
+    (``harness.job.interval``), or for a bandwidth the p50's turned round (bytes over a longer
+    time is fewer GB/s)."""
     nan = pd.Series(np.nan, index=rows.index)
     if column in ("algbw_gbps", "busbw_gbps"):
-        lo, hi = rows.get("p50_hi_us", nan), rows.get("p50_lo_us", nan)
-        return rows[column] * rows["p50_us"] / lo, rows[column] * rows["p50_us"] / hi
-    if column.endswith("_us"):
-        return rows.get(f"{column[:-3]}_lo_us", nan), rows.get(f"{column[:-3]}_hi_us", nan)
-    return rows.get(f"{column}_lo", nan), rows.get(f"{column}_hi", nan)
+        p50_low, p50_high = (rows.get(key, nan) for key in interval_keys("p50_us"))
+        return rows[column] * rows["p50_us"] / p50_high, rows[column] * rows["p50_us"] / p50_low
+    lo, hi = interval_keys(column)
+    return rows.get(lo, nan), rows.get(hi, nan)
 
 
 def _strategy_lines(ax, tab: pd.DataFrame, names, styles, column: str, scale=1.0) -> None:
@@ -435,11 +436,19 @@ def dispatch_frame(records: list[dict]) -> pd.DataFrame:
                 "panel": f"{rec['layout'].split(' ')[0]}\n{where}", "mode": mode,
                 "payload_bytes": rec["payload_bytes"], "p50_ms": row["p50_us"] / 1e3,
                 "p90_ms": row["p90_us"] / 1e3,
-                "p50_lo_ms": (row.get("p50_lo_us") or float("nan")) / 1e3,
-                "p50_hi_ms": (row.get("p50_hi_us") or float("nan")) / 1e3,
+                **_p50_ms_interval(row),
                 "cross_mb": (row.get("cross_node_bytes_per_call") or float("nan")) / 1e6,
             })  # fmt: skip
     return pd.DataFrame(rows)
+
+
+def _p50_ms_interval(row: dict) -> dict:
+    """A mode's p50 interval in milliseconds, as ``dispatch_frame``'s columns (NaN ends where
+    the record has none)."""
+    interval = interval_of(row, "p50_us")
+    if interval is None:
+        return dict.fromkeys(interval_keys("p50_ms"), float("nan"))
+    return interval_fields("p50_ms", interval.scaled(1e-3))
 
 
 def plot_ray_dispatch(records: list[dict]) -> Figure:

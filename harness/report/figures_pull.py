@@ -42,8 +42,8 @@ def _ratio_panel(ax, rows: pd.DataFrame) -> None:
     rows = rows.sort_values("payload_bytes")
     x, y = rows["payload_bytes"], rows["pull_over_push"]
     ax.plot(x, y, label="best pull / best push (paired 95 % interval)", **RATIO_STYLE)
-    lo = [np.nan if i is None else i[0] for i in rows["interval"]]
-    hi = [np.nan if i is None else i[1] for i in rows["interval"]]
+    lo = [np.nan if i is None else i.lo for i in rows["interval"]]
+    hi = [np.nan if i is None else i.hi for i in rows["interval"]]
     interval_bars(ax, x, y, lo, hi, RATIO_STYLE)
     ax.axhline(1.0, color="0.4", ls=":", lw=1.4, label="pull = push")
     for xi, yi, pull, push in zip(x, y, rows["pull"], rows["push"]):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from harness.files import write_atomic
+from harness.job.interval import interval_of
 from harness.job.verdict import interval_text
 from harness.report import figures_memory, figures_pull, figures_sizes
 from harness.report.cost_section import cost_markdown
@@ -162,12 +163,10 @@ interval in brackets (``lo``/``hi`` columns of ``strategy_table``)."""
 
 def _with_interval(column: str, scale: float, unit: str):
     """The cell of ``column``: ``1.23× [1.10–1.40]``, the figure alone without an interval."""
-    lo, hi = (f"{column[:-3]}_lo_us", f"{column[:-3]}_hi_us") if column.endswith("_us") else (
-        f"{column}_lo", f"{column}_hi")  # fmt: skip
 
     def cell(row) -> str:
-        low, high = row.get(lo), row.get(hi)
-        bounds = None if is_missing(low) or is_missing(high) else (low * scale, high * scale)
+        interval = interval_of(row, column)
+        bounds = None if interval is None else interval.scaled(scale)
         return interval_text(row[column] * scale, bounds, unit)
 
     return cell

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from harness.files import write_atomic, write_figure
 from harness.job.dispatch_modes import FLOORS
+from harness.job.interval import interval_of
 from harness.job.verdict import NO_INTERVAL, decide, interval_text
 from harness.model.dispatch_prices import load_ray_costs
 from harness.report.dispatch_model import compare
@@ -60,9 +61,7 @@ def ray_dispatch_markdown(records: list[dict]) -> str:
 
 def _p50_cell(row) -> str:
     """A mode's p50 in ms with its 95 % interval where the record carries one."""
-    lo, hi = row.p50_lo_ms, row.p50_hi_ms
-    bounds = None if is_missing(lo) or is_missing(hi) else (lo, hi)
-    return interval_text(row.p50_ms, bounds, unit="")
+    return interval_text(row.p50_ms, interval_of(row._asdict(), "p50_ms"), unit="")
 
 
 def _ray_model(records: list[dict]) -> dict:

@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from harness.job.interval import Interval, interval_keys
 from harness.job.samples import SLOWEST
-from harness.job.verdict import Interval, Verdict, decide
+from harness.job.verdict import Verdict, decide
 
 MARK = "†"
 """Marks a cell whose jobs ran more ranks on a node than the host had cores."""
@@ -27,30 +28,32 @@ def bare(name: str) -> str:
     return name.split(" [")[0]
 
 
-def _union(values_lo: pd.Series, values_hi: pd.Series) -> Interval:
+def _union(lows: pd.Series, highs: pd.Series) -> Interval | None:
     """The widest interval over the jobs that gave one (each job's own is honest; several jobs
     of one cell agree on a tie only where all of them allow it); None where none did."""
-    lo = pd.to_numeric(values_lo, errors="coerce").dropna()
-    hi = pd.to_numeric(values_hi, errors="coerce").dropna()
+    lo = pd.to_numeric(lows, errors="coerce").dropna()
+    hi = pd.to_numeric(highs, errors="coerce").dropna()
     if lo.empty or hi.empty:
         return None
-    return float(lo.min()), float(hi.max())
+    return Interval(float(lo.min()), float(hi.max()))
 
 
 def cell_verdict(df: pd.DataFrame, layout: str, size: float, times: dict[str, float]) -> Verdict:
     """The verdict of one cell: ``times`` ranks the strategies (their median ``vs_floor``, a
     same-job ratio), the intervals come from the fastest one's records in ``df`` (the rows
-    ``tables.load`` made: ``ref_<other>_vs_strategy_lo``/``_hi``, paired in its job's rounds)."""
+    ``tables.load`` made: ``ref_<other>_vs_strategy``'s interval, paired in its job's rounds)."""
     best = min((t, n) for n, t in times.items() if not math.isnan(t))[1]
     return decide(times, lambda name: paired_interval(df, layout, size, name, best))
 
 
-def paired_interval(df: pd.DataFrame, layout: str, size: float, name: str, over: str) -> Interval:
+def paired_interval(
+    df: pd.DataFrame, layout: str, size: float, name: str, over: str
+) -> Interval | None:
     """The interval of ``name``'s time over ``over``'s, paired in the rounds of ``over``'s jobs
-    of this cell (its records' ``ref_<name>_vs_strategy_lo``/``_hi``); None where those jobs did
-    not time ``name`` beside it."""
+    of this cell (the interval of its records' ``ref_<name>_vs_strategy``); None where those
+    jobs did not time ``name`` beside it."""
     own = df[(df["layout"] == layout) & (df["payload_bytes"] == size) & (df["strategy"] == over)]
-    lo, hi = f"ref_{bare(name)}_vs_strategy_lo", f"ref_{bare(name)}_vs_strategy_hi"
+    lo, hi = interval_keys(f"ref_{bare(name)}_vs_strategy")
     if own.empty or lo not in own.columns or hi not in own.columns:
         return None
     return _union(own[lo], own[hi])

@@ -18,13 +18,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from harness.job.interval import interval_end, interval_keys
+from harness.job.label import FLOOR, Label
 from harness.report import collect
 from harness.report.sure import cell_verdict, host_text, oversubscribed_cells
 from harness.units import human_bytes
 
 BASELINE = "pickled"
 """Every job times this beside the strategy under test; speedups are over it."""
-FLOOR = "floor"
 SINGLE = "one"
 """The floor method that is one raw broadcast (the only floor older records timed)."""
 SETTING = (
@@ -33,9 +34,10 @@ SETTING = (
 )  # fmt: skip
 """Record fields that make two runs of one strategy at one payload size different runs (a
 varying workload's rows never merge with a constant one's: ``workload`` is null there)."""
-INTERVALS = ("p50_lo_us", "p50_hi_us", "vs_floor_lo", "vs_floor_hi", "vs_baseline_lo",
-             "vs_baseline_hi")  # fmt: skip
-"""The 95 % intervals records carry (``harness.job.stats``); older records have none (NaN)."""
+INTERVALS = tuple(key for field in ("p50_us", "vs_floor", "vs_baseline")
+                  for key in interval_keys(field))  # fmt: skip
+"""The keys of the 95 % intervals records carry (``harness.job.interval``); older records have
+none (NaN)."""
 
 
 # -- the table ------------------------------------------------------------------------------
@@ -67,8 +69,9 @@ def load(root: Path | str) -> pd.DataFrame:
         df[col] = pd.to_numeric(df[col], errors="coerce") if col in df.columns else np.nan
     df["speedup_over_pickled"] = 1.0 / df["vs_baseline"]
     # The speedup is 1 / vs_baseline, so its interval is that one's turned round.
-    df["speedup_over_pickled_lo"] = 1.0 / df["vs_baseline_hi"]
-    df["speedup_over_pickled_hi"] = 1.0 / df["vs_baseline_lo"]
+    low, high = interval_keys("speedup_over_pickled")
+    base_low, base_high = interval_keys("vs_baseline")
+    df[low], df[high] = 1.0 / df[base_high], 1.0 / df[base_low]
     return _label_settings(_honest_floor(_honest_rss_growth(df)))
 
 
@@ -95,7 +98,7 @@ def _honest_rss_growth(df: pd.DataFrame) -> pd.DataFrame:
 def floor_reference(method: str) -> str:
     """The reference name a floor method's figures are recorded under (``floor`` for the
     single broadcast, ``floor:<method>`` for the others)."""
-    return FLOOR if method in (None, "", SINGLE) else f"{FLOOR}:{method}"
+    return FLOOR if method in (None, "", SINGLE) else str(Label(FLOOR, method))
 
 
 def winning_floor(df: pd.DataFrame, field: str) -> pd.Series:
@@ -214,9 +217,8 @@ def strategy_table(df: pd.DataFrame) -> pd.DataFrame:
     ok = df[df["supported"]]
     # Several jobs of one cell: the median of their figures, and the widest of their intervals
     # (each job's is honest on its own; together they cover every job's answer).
-    bounds = {c: (c, "min" if c.endswith(("_lo", "_lo_us")) else "max")
-              for c in ok.columns if c.endswith(("_lo", "_hi", "_lo_us", "_hi_us"))
-              and not c.startswith("ref_")}  # fmt: skip
+    bounds = {c: (c, "min" if interval_end(c) == "lo" else "max")
+              for c in ok.columns if interval_end(c) and not c.startswith("ref_")}  # fmt: skip
     measured = ok.groupby(key, as_index=False, dropna=False).agg(
         **{c: (c, "median") for c in [*cols, "busbw_gbps"] if c in ok.columns},
         **bounds,
