@@ -33,7 +33,7 @@ from harness.job.results import (
 )
 from harness.job.spec import Scope
 from harness.job.stats import excludes_one, ratio_interval
-from harness.job.verdict import WINNER, job_verdict
+from harness.job.verdict import WINNER, job_verdict, served
 from harness.units import human_bytes
 
 REPO = paths.REPO
@@ -374,7 +374,8 @@ def job_line(rec, others: Iterable[dict] = ()) -> str:
     if not isinstance(rec, dict):
         return f"FAILED: {str(rec)[:160]}"
     # A dispatch job is named by its mode (leader:<strategy>, all_ranks): it has no baseline.
-    who = f"{rec.get('mode') or rec.get('strategy')} {rec.get('layout')}"
+    name = rec.get("mode") or served(str(rec.get("strategy")), rec.get("auto_choice"))
+    who = f"{name} {rec.get('layout')}"
     if rec.get("status") == "failed":
         return f"{who}  FAILED: {str(rec.get('error'))[:160]}"
     if rec.get("supported") is False:
@@ -389,8 +390,6 @@ def job_line(rec, others: Iterable[dict] = ()) -> str:
             line += f" ({rec['floor_method']})"
     if rec.get("vs_baseline") and not rec.get("mode") and rec.get("strategy") != "pickled":
         line += f"  {1 / rec['vs_baseline']:.1f}x faster than pickled"
-    if rec.get("auto_choice"):
-        line += f"  (auto chose {rec['auto_choice']})"
     verdict = job_verdict([rec, *others])
     if verdict is not None and verdict.runner_up is not None:
         line += f"  fastest: {verdict.text()}"

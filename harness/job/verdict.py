@@ -1,8 +1,10 @@
 """Whether a comparison names a winner: the fastest strategy wins only when the 95 % interval of
 every other strategy's time over its own, paired round by round in the same job
 (``vs_strategy``'s interval in a record's references, ``harness.job.stats``), lies above 1.
-Where an interval holds 1 the strategies are tied and all of them are named (``shm ≈ auto
-(tied)``); where the runner-up has no interval (an older record, too few rounds, a strategy
+Where an interval holds 1 the strategies are tied and all of them are named (``shm ≈ flat
+(tied)``); a strategy that serves its calls with another one timed beside it (``auto`` serving
+``shm``) is no competitor of it and is left out (``without_servers``), and is named with what it
+serves (``auto (→ shm)``); where the runner-up has no interval (an older record, too few rounds, a strategy
 timed in another job) the answer says so (``no interval``) instead of inventing a winner.
 
 ``decide`` is the rule on plain figures; ``job_verdict`` applies it to the records one job wrote
@@ -23,6 +25,19 @@ from harness.job.label import Label
 
 WINNER, TIED, NO_INTERVAL, ALONE = "winner", "tied", "no interval", "alone"
 RESULT_FILE = "result.json"
+
+
+def served(name: str, choice: str | None) -> str:
+    """How a strategy that serves its calls with another one is named: ``auto (→ shm)``; any
+    other as it is."""
+    return f"{name} (→ {choice})" if choice and choice != name else name
+
+
+def without_servers(times: Mapping[str, float], choices: Mapping[str, str]) -> dict:
+    """``times`` less every strategy that serves its calls with another one timed beside it
+    (``choices``: ``auto`` -> ``shm``). Its calls are that one's and its choice: a tie by
+    construction, not a competitor."""
+    return {n: t for n, t in times.items() if choices.get(n) not in times}
 
 
 def holds_one(interval: Interval | None) -> bool:
@@ -122,6 +137,8 @@ def job_verdict(records: Iterable[Mapping]) -> Verdict | None:
                 times.setdefault(name, float(ref["p50_us"]))
     for rec in records:  # a strategy's own record has the last word on its p50
         times[str(rec["strategy"])] = float(rec["p50_us"])
+    choices = {str(r["strategy"]): r["auto_choice"] for r in records if r.get("auto_choice")}
+    times = without_servers(times, choices)
     if not times:
         return None
     best = min(times, key=times.get)

@@ -19,8 +19,9 @@ from hydra.experimental.callback import Callback
 from harness import files
 from harness.job.records import job_line
 from harness.job.verdict import records_beside
-from harness.report.collect import load, summary_table
+from harness.report.collect import load
 from harness.report.sweep_state import STATE
+from harness.report.terminal import sweep_summary
 
 
 def write_table(root: Path) -> Path | None:
@@ -95,14 +96,10 @@ class Progress(Callback):
         lines = [
             f"\nbcastbench: {STATE.done} jobs, {STATE.failed} failed, "
             f"{time.monotonic() - self.t0:.0f} s",
-            summary_table(df),
+            *(sweep_summary(root) if not df.empty else ["(no results)"]),
+            f"records: {root}",
+            f"table:   {root / 'results.csv'}",
         ]
-        if "status" in df.columns:
-            for _, row in df[df["status"] == "failed"].iterrows():
-                lines.append(
-                    f"FAILED  {row['strategy']} {row['layout']} b{row['batch_size']}: {row['error']}"
-                )
-        lines.append(f"records: {root}  table: {root / 'results.csv'}")
         print("\n".join(lines), flush=True)
         _append_log(root, "\n".join(lines))
         files.share_tree(root)

@@ -20,6 +20,7 @@ import pandas as pd
 
 from harness.job.interval import interval_end, interval_keys
 from harness.job.label import FLOOR, Label
+from harness.job.verdict import without_servers
 from harness.report import collect
 from harness.report.sure import cell_verdict, host_text, oversubscribed_cells
 from harness.units import human_bytes
@@ -371,6 +372,8 @@ def recommendation(df: pd.DataFrame) -> pd.DataFrame:
             metric = "vs_floor" if tab["vs_floor"].notna().any() else "p50_us"
             ranked = tab[tab["payload_bytes"] == size].sort_values(metric)
             times = {n: t for n, t in zip(ranked["strategy"], ranked[metric]) if not math.isnan(t)}
+            times = without_servers(times, _choices(df, layout, size))
+            ranked = ranked[ranked["strategy"].isin(times)]
             if not times:
                 continue
             verdict = cell_verdict(df, layout, size, times)
@@ -394,6 +397,18 @@ def recommendation(df: pd.DataFrame) -> pd.DataFrame:
                 }
             )
     return pd.DataFrame(rows)
+
+
+def _choices(df: pd.DataFrame, layout: str, size: float) -> dict[str, str]:
+    """Per strategy that serves its calls with another (``auto``), the one it served in this
+    cell's jobs (the first recorded, where jobs differ)."""
+    if "auto_choice" not in df.columns:
+        return {}
+    cell = df[(df["layout"] == layout) & (df["payload_bytes"] == size) & df["auto_choice"].notna()]
+    out: dict[str, str] = {}
+    for name, choice in zip(cell["strategy"], cell["auto_choice"]):
+        out.setdefault(str(name), str(choice))
+    return out
 
 
 def recommendation_ranges(rec: pd.DataFrame) -> pd.DataFrame:

@@ -111,6 +111,21 @@ def test_job_line_lists_a_tie_and_marks_an_oversubscribed_host(tmp_path):
     assert "† oversubscribed: 4 ranks on 2 cores" in line
 
 
+def test_auto_serving_a_strategy_timed_beside_it_is_named_so_and_is_no_tie(tmp_path):
+    """auto's calls are shm's when it serves shm: a tie by construction. The job line names it
+    ``auto (→ shm)``, the verdict leaves it out (a real tie or runner-up is another one), and
+    the report's cell does the same."""
+    job = _job(tmp_path, "served", CLOSE, _pairs(CLOSE, 0.1))
+    main, *others = _records(job)
+    main["auto_choice"] = "shm"
+    line = job_line(main, others)
+    assert line.startswith("auto (→ shm) ") and "auto chose" not in line
+    assert "fastest: shm, then flat" in line and "≈ auto" not in line
+    (job / "result.json").write_text(json.dumps(main))
+    rec = tables.recommendation(tables.load(tmp_path)).iloc[0]
+    assert rec["answer"] == "shm" and rec["runner_up"] == "flat" and rec["tied_with"] == []
+
+
 def test_a_job_without_its_fastest_strategys_record_says_what_it_knows(tmp_path):
     job = _job(tmp_path, "alone", CLEAR, _pairs(CLEAR, 0.05))
     main = _records(job)[0]  # auto's alone: shm's own record (with the others) not read
