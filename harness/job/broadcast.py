@@ -219,7 +219,7 @@ def prepare(ctx, spec: JobSpec) -> BroadcastJob | RankResult:
                 return RankResult(ctx.rank, groups.is_leader, unsupported=f"{name}: {exc}")
             refused[name] = str(exc)
     prepare_all(built, list(built), full, groups.is_leader)
-    delay_s = spec.fault_delay_us / 1e6 if _delays(spec, ctx.rank) else 0.0
+    delay_s = spec.fault.delay_us / 1e6 if spec.fault.delays(ctx.rank) else 0.0
     order = [name for name in order if name in built]
     return BroadcastJob(
         groups, full, order, built, batches, first, delay_s=delay_s, refused=refused,
@@ -245,11 +245,6 @@ def prepare_all(built: dict, order, full, is_leader: bool, raw_only: bool = Fals
             sent = strategy.sent if sent is None else sent
         else:
             strategy.prepare(entry)
-
-
-def _delays(spec: JobSpec, rank: int) -> bool:
-    """Whether this rank is a ``fault.kind=delay`` job's fault rank."""
-    return spec.fault_kind == "delay" and rank == spec.fault_rank
 
 
 def _build(ctx, groups, name: str, options: dict):

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from harness.job.config import (
     dispatch_modes_of,
     dispatch_ray_conf,
+    fault_of,
     layout_of,
     payload_of,
     strategy_of,
@@ -53,10 +54,7 @@ def from_run_config(cfg, layout) -> JobSpec:
         references=tuple(cfg.references),
         record_each=bool(cfg.record_each),
         options=OmegaConf.to_container(cfg.strategy.options, resolve=True) or {},
-        fault_rank=int(cfg.fault.rank),
-        fault_at_iter=int(cfg.fault.at_iter),
-        fault_kind=str(cfg.fault.kind),
-        fault_delay_us=int(cfg.fault.delay_us),
+        fault=fault_of(cfg),
         repeats=int(cfg.repeats),
         # Counted only where the rank context carries the emulated links' counter.
         link_bytes_calls=int(cfg.emulate.bytes_calls) if cfg.emulate.enabled else 0,

@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 
 import strategies
 from harness.errors import ConfigError
-from harness.job.config_schema import FAULT_KINDS
 from harness.job.dispatch_modes import LEADER, DispatchMode, with_floors
+from harness.job.fault import Fault
 from harness.payload import generated, sizes, source, user_files, workload
 from harness.units import human_bytes
 from harness.worlds.emulated_network import EmulateConf
@@ -54,25 +54,17 @@ def validate(cfg, world_size: int | None = None) -> Layout:
         raise ConfigError(f"timeout_s must be positive, got {cfg.timeout_s}")
     if cfg.repeats < 1:
         raise ConfigError(f"repeats must be >= 1 (blocks of iters timed rounds), got {cfg.repeats}")
-    if cfg.fault.kind == "delay" and cfg.fault.delay_us < 1:
-        raise ConfigError(
-            f"fault.delay_us must be >= 1 with fault.kind=delay, got {cfg.fault.delay_us}"
-        )
-    if cfg.fault.kind == "delay" and cfg.fault.rank == -1:
-        raise ConfigError(
-            f"fault.kind=delay delays no rank while fault.rank=-1 (no fault); name the rank "
-            f"whose calls take {cfg.fault.delay_us} us longer: fault.rank=0..{layout.world_size - 1}"
-        )
-    if cfg.fault.kind not in FAULT_KINDS:
-        raise ConfigError(
-            f"fault.kind must be one of {', '.join(FAULT_KINDS)}, got {cfg.fault.kind!r}"
-        )
-    if cfg.fault.rank >= layout.world_size or cfg.fault.rank < -1:
-        raise ConfigError(
-            f"fault.rank={cfg.fault.rank} is not a rank of the world of {layout.world_size}; "
-            f"valid: -1 (no fault) or 0..{layout.world_size - 1}"
-        )
+    try:
+        fault_of(cfg).check_world(layout.world_size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return layout
+
+
+def fault_of(cfg) -> Fault:
+    """The job's ``Fault``, from ``cfg.fault`` (it checks itself: ``ValueError``)."""
+    f = cfg.fault
+    return Fault(int(f.rank), int(f.at_iter), str(f.kind), int(f.delay_us))
 
 
 def strategy_of(cfg) -> str:
@@ -355,7 +347,7 @@ def _validate_ray(cfg, joined: bool) -> None:
         where = "emulate.enabled=true" if cfg.emulate.enabled else "a launched world (torchrun)"
         raise ConfigError(
             f"world=ray starts its own ranks as Ray actors; it cannot run under {where} "
-            "(Ray on the emulated cluster: bcastbench ray-emulated)"
+            "(Ray on the emulated cluster: bcastbench run target=dispatch-emulated)"
         )
     if cfg.ray.dispatch != "none":
         _validate_dispatch(cfg)

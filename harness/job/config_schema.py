@@ -146,12 +146,10 @@ class BackendConf:
     """Where tensors live: cpu, or cuda (one GPU per rank for nccl; shared for gloo)."""
 
 
-FAULT_KINDS = ("crash", "hang", "raise", "delay", "oom")
-"""What ``fault.rank`` does at ``fault.at_iter``."""
-
-
 @dataclass
 class FaultConf:
+    """The config of ``harness.job.fault.Fault`` (which checks it)."""
+
     rank: int = -1
     """Rank that misbehaves (-1: none). For testing that failures are reported, not hung."""
     at_iter: int = 0

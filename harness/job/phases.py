@@ -85,14 +85,13 @@ def _untimed_call(ctx, job: Job, name: str, what: str) -> None:
 def _fault(spec, job: Job, rank: int, it: int) -> None:
     """The configured fault (``fault.*``), on its rank of a broadcast job (never a driver); a
     delay is the job's own business (``BroadcastJob.timed``: inside the clock, every call)."""
-    if spec.fault_kind == "delay":
-        return
-    if job.scope is Scope.BROADCAST and rank == spec.fault_rank and it == spec.fault_at_iter:
-        if spec.fault_kind == "crash":
+    fault = spec.fault
+    if job.scope is Scope.BROADCAST and fault.strikes(rank, it):
+        if fault.kind == "crash":
             os._exit(17)
-        if spec.fault_kind == "raise":
+        if fault.kind == "raise":
             raise RuntimeError(f"fault.kind=raise: rank {rank} at timed iteration {it}")
-        if spec.fault_kind == "oom":
+        if fault.kind == "oom":
             cap_address_space()  # the call that follows fails where it allocates
             return
         while True:  # hang: never return, never answer

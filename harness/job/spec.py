@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from harness.job.dispatch_modes import FLOORS, DispatchMode, under_test, with_floors
+from harness.job.fault import Fault
 from harness.job.label import Label
 from harness.payload import sizes
 from harness.payload.source import PayloadSource, open_payload
@@ -56,11 +57,8 @@ class JobSpec:
     """Every strategy timed in the job gets a record of its own (the others its references),
     so a sweep compares strategies inside one job (``harness.job.execute``)."""
     options: dict = field(default_factory=dict)
-    fault_rank: int = -1
-    fault_at_iter: int = -1
-    fault_kind: str = "crash"
-    fault_delay_us: int = 0
-    """fault_kind=delay: microseconds the fault rank adds to each of its calls."""
+    fault: Fault = field(default_factory=Fault)
+    """The injected fault (``harness.job.fault``; none by default)."""
     link_bytes_calls: int = 0
     """Emulated clusters only: untimed calls per strategy whose node-link bytes are counted
     through the rank context's ``link_counter`` hook (``harness.worlds.emulated``); 0, or a
