@@ -69,4 +69,4 @@ gpu-wheels:
 
 # On a GPU machine: python3 (with its own torch) runs the CUDA checks; no .venv needed.
 gpu-check:
-	python3 -m harness gpu-check
+	python3 -m harness bench target=gpu

@@ -1,13 +1,14 @@
-"""Fit the cost model's α and β to the machine it runs on: ``python -m harness.commands.calibrate``.
+"""Fit the cost model's α and β to the machine it runs on: ``bcastbench calibrate``.
 
-A Hydra app (``conf/calibrate.yaml``: ``world=4 reps=21 short=false dry_run=false max_load=null
-out=conf/cluster/local.yaml``). Times broadcast, scatter and all_gather on a real gloo world
-(groups of 2 and of the whole world) as one verified job of probes (``harness.job.probes``, run
-by ``harness.job.execute.run_job`` as every job is: interleaved rounds, every rank checked), host pickle/unpickle/memcpy rates, the fixed per-call host
-costs (pickle.dumps/loads, pack/unpack (strategies.core.packer, unpacker) on tiny ``rl_rollout`` batches, see
-``per_call_costs``), the node-local signal of ``shm``'s channel (``signal_cost``), fits α, β per collective in the model's own form
-(``formulas.coefficients``) and writes the cluster file atomically, with the world size and core
-count it ran on (``calibrated_ranks``, ``cpu_cores``: the oversubscription factor's reference).
+A Hydra app (``conf/commands/calibrate.yaml``: ``world=4 reps=21 short=false dry_run=false
+max_load=null out=conf/cluster/local.yaml``). Times broadcast, scatter and all_gather on a real gloo
+world (groups of 2 and of the whole world) as one verified job of probes (``harness.job.probes``,
+run by ``harness.job.execute.run_job`` as every job is: interleaved rounds, every rank checked),
+host pickle/unpickle/memcpy rates, the fixed per-call host costs (pickle.dumps/loads, pack/unpack
+(strategies.core.packer, unpacker) on tiny ``rl_rollout`` batches, see ``per_call_costs``), the
+node-local signal of ``shm``'s channel (``signal_cost``), fits α, β per collective in the model's
+own form (``formulas.coefficients``) and writes the cluster file atomically, with the world size and
+core count it ran on (``calibrated_ranks``, ``cpu_cores``: the oversubscription factor's reference).
 
 Run it on a quiet machine: every figure includes whatever else shares the cores. ``max_load=N``
 refuses to start while other work uses more than N cores (harness.machine, from /proc/stat;
@@ -364,10 +365,11 @@ def _write_preset(cluster, out: Path, header: str, verbose: bool):
     kept = _kept_stores(out)
     cluster = replace(cluster, stores=kept)
     if kept:  # fitted against the constants just replaced: say so where they are read
-        header += ("\nStores kept from an earlier `bcastbench store-calibrate` fit, made against "
-                   "the previous constants: run it again on a pull sweep.")  # fmt: skip
+        header += ("\nStores kept from an earlier `bcastbench calibrate target=store` fit, made "
+                   "against the previous constants: run it again on a pull sweep.")  # fmt: skip
         if verbose:
-            print(f"{out}: stores kept from an earlier fit; run bcastbench store-calibrate again")
+            print(f"{out}: stores kept from an earlier fit; run `bcastbench calibrate "
+                  "target=store` again")  # fmt: skip
     write_cluster_yaml(cluster, out, header)
     load_cluster(out)  # what was written must load and validate
     if verbose:
@@ -376,7 +378,7 @@ def _write_preset(cluster, out: Path, header: str, verbose: bool):
 
 
 def _kept_stores(out: Path) -> dict:
-    """The stores ``out`` already holds (``bcastbench store-calibrate`` fits them from a pull
+    """The stores ``out`` already holds (``bcastbench calibrate target=store`` fits them from a pull
     sweep, which this command does not run): a recalibration keeps them."""
     try:
         return load_cluster(out).stores if out.is_file() else {}
@@ -386,7 +388,7 @@ def _kept_stores(out: Path) -> dict:
 
 @dataclass
 class CalibrateConf:
-    """Root config of ``conf/calibrate.yaml``."""
+    """Root config of ``conf/commands/calibrate.yaml``."""
 
     world: int = 4
     """Ranks in the gloo world (>= 2); recorded as ``calibrated_ranks``."""

@@ -1,7 +1,7 @@
 """Which strategy wins depends on the cluster's NIC layout: measure it on an emulated cluster.
 
-    bcastbench emulated-table                       # run both jobs, write the table
-    bcastbench emulated-table source=results/reference_emulated   # re-read earlier records
+    bcastbench validate target=emulated                                  # run both jobs
+    bcastbench validate target=emulated source=results/reference_emulated  # re-read records
 
 Two jobs run on the emulated 2-node cluster (harness.worlds.emulated; tp=2 inside a node, pp=2 across
 1 Gbit/s links, rl_rollout 720 × 512 ≈ 16 MiB): one with one link per node, one with one link
@@ -13,9 +13,10 @@ model's price of the strategy's plan on ``conf/cluster/emulated.yaml`` / ``emula
 and the predicted / measured ratio; a strategy is "link-bound" when the model puts more than
 half its time on the inter-node link. The markdown table goes to ``<dir>/report.md``.
 
-Configured through ``conf/emulated_table.yaml`` (schema ``EmulatedTableConf``; the ``payload/``
-group): ``<dir>`` is ``out``, or the Hydra job's directory (``results/emulated/<time>``); the
-table's rows and the command that made them also go to the job's ``emulated_table.json``.
+Configured through ``conf/commands/emulated_table.yaml`` (schema ``EmulatedTableConf``; the
+``payload/`` group): ``<dir>`` is ``out``, or the Hydra job's directory
+(``results/emulated/<time>``); the table's rows and the command that made them also go to the job's
+``emulated_table.json``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from strategies.core.plan import spec_of
 from strategies.core.pricing import price
 
 MODULE = "harness.commands.emulated_table"
-"""Where ``bcastbench emulated-table`` lives (its printed name: ``harness.errors.program``)."""
+"""Where ``bcastbench validate target=emulated`` lives (its printed name:
+``harness.errors.program``)."""
 
 STRATEGIES = ("pickled", "header", "flat", "pp_first", "scatter_allgather", "shm", "auto")
 """What each job times; ``auto`` is the job's strategy (it alone takes an option: the cost
@@ -240,9 +242,9 @@ def table(root: Path) -> str:
     lines = [
         "# Emulated 2-node cluster: 1 Gbit/s links, tp=2 in a node, pp=2 across",
         "",
-        "Measured: `bcastbench emulated-table` (harness.worlds.emulated, gloo on CPU, p50 of",
-        "the slowest rank per iteration, every strategy interleaved in one job per link",
-        "layout). Predicted: each strategy's plan priced by strategies.core.pricing on",
+        "Measured: `bcastbench validate target=emulated` (harness.worlds.emulated, gloo on CPU,",
+        "p50 of the slowest rank per iteration, every strategy interleaved in one job per",
+        "link layout). Predicted: each strategy's plan priced by strategies.core.pricing on",
         "conf/cluster/emulated.yaml (one link per node) and emulated_rails.yaml (one per rank).",
         "Bytes are wire bytes per call that crossed nodes (S = payload; predicted = plan's",
         f"payload bytes × {WIRE:.4f}).",
@@ -262,7 +264,7 @@ def table(root: Path) -> str:
 
 @dataclass
 class EmulatedTableConf:
-    """Root config of ``conf/emulated_table.yaml``."""
+    """Root config of ``conf/commands/emulated_table.yaml``."""
 
     payload: PayloadConf = field(default_factory=PayloadConf)
     """Both jobs' batch (a generated payload); reuses ``conf/payload/``."""
@@ -325,7 +327,7 @@ def task(cfg) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``bcastbench emulated-table [overrides]``; a bad value exits 2 with one line."""
+    """``bcastbench validate target=emulated [overrides]``; a bad value exits 2 with one line."""
     return run_app(MODULE, "emulated_table", task, check, argv, schema=EmulatedTableConf)
 
 

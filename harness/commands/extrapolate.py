@@ -1,15 +1,15 @@
-"""Predicted broadcast latency from 8 to 16,384 GPUs: ``python -m harness.commands.extrapolate``.
+"""Predicted broadcast latency from 8 to 16,384 GPUs: ``bcastbench predict target=scale``.
 
-    python -m harness.commands.extrapolate [cluster=h200_ib] [layout.tp=8] [layout.cp=1]
+    bcastbench predict target=scale [cluster=h200_ib] [layout.tp=8] [layout.cp=1]
         [layout.pp=8] [payload.batch_size=512] [cluster.memcpy_gbytes_per_s=...] [max_world=...]
 
-A Hydra app (``conf/extrapolate.yaml``) on the same ``cluster/``, ``layout/`` and ``payload/``
-groups as ``harness.commands.predict``. Nothing runs: every strategy's plan is priced by
-``strategies.core.pricing`` (via ``harness.model.prices``) for a fixed payload (default
-rl_rollout, B=512, S=4096, an RL step's global batch slice per replica) on layouts tp × cp inside
-a node, pp ∈ {1, 2, 4, …, layout.pp} stages and dp filling the world. Writes
-``extrapolation.csv``, ``extrapolation.png`` and ``extrapolation.md`` (a recommendation table),
-all labelled PREDICTED, into the job directory (``results/predict/extrapolation``).
+A Hydra app (``conf/commands/extrapolate.yaml``) on the same ``cluster/``, ``layout/`` and
+``payload/`` groups as ``harness.commands.predict``. Nothing runs: every strategy's plan is priced
+by ``strategies.core.pricing`` (via ``harness.model.prices``) for a fixed payload (default
+rl_rollout, B=512, S=4096, an RL step's global batch slice per replica) on layouts tp × cp inside a
+node, pp ∈ {1, 2, 4, …, layout.pp} stages and dp filling the world. Writes ``extrapolation.csv``,
+``extrapolation.png`` and ``extrapolation.md`` (a recommendation table), all labelled PREDICTED,
+into the job directory (``results/predict/extrapolation``).
 
 It also answers the SC'21 question (Narayanan et al., the scatter/gather optimisation of
 Megatron's pipeline): once PP stages sit on different nodes and TP inside one, does
@@ -137,12 +137,13 @@ def size_crossover(cluster, payload: str, seq_len: int, tp: int, cp: int, pp: in
 
 def emulated_check(root: Path = EMULATED_RECORDS) -> list[str]:
     """The emulated-cluster records under ``root`` (tp=2 inside a node, pp=2 across a shaped
-    link, written by ``bcastbench emulated-table``) beside what the model predicts for
+    link, written by ``bcastbench validate target=emulated``) beside what the model predicts for
     them: the one place the SC'21 effect is measured rather than predicted."""
     try:
         rows = table.compare(root)
     except FileNotFoundError as exc:
-        return [f"(no emulated-cluster records: {exc}; `bcastbench emulated-table` makes them)"]
+        made_by = "`bcastbench validate target=emulated` makes them"
+        return [f"(no emulated-cluster records: {exc}; {made_by})"]
     lines = [
         "| cluster | strategy | measured p50 ms | PREDICTED ms | pred/meas |",
         "|---|---|---|---|---|",
@@ -373,7 +374,7 @@ def run(
 
 @dataclass
 class ExtrapolateConf:
-    """Root config of ``conf/extrapolate.yaml``."""
+    """Root config of ``conf/commands/extrapolate.yaml``."""
 
     layout: LayoutConf = field(default_factory=LayoutConf)
     """tp and cp: the shape inside a node; pp: the deepest pipeline (1, 2, 4, … up to it are
@@ -426,7 +427,7 @@ def task(cfg) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``bcastbench extrapolate [overrides]``; a bad value exits 2 with one line."""
+    """``bcastbench predict target=scale [overrides]``; a bad value exits 2 with one line."""
     return run_app(MODULE, "extrapolate", task, check, argv, schema=ExtrapolateConf)
 
 

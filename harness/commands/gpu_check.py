@@ -1,4 +1,5 @@
-"""``make gpu-check``: the CUDA paths on a single-GPU machine with no network, in one command.
+"""``bcastbench bench target=gpu`` (``make gpu-check``): the CUDA paths on a single-GPU machine
+with no network, in one command.
 
 Two named sweeps (config, in ``conf/sweep/``): ``gpu_check_nccl``, every strategy end to end
 with NCCL on a world of 1 (CUDA payload, verification on the GPU); ``gpu_check_gloo_cuda``, a

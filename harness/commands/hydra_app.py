@@ -1,10 +1,15 @@
-"""Run a config-shaped command (predict, calibrate, extrapolate) as a Hydra app from an argv.
+"""Run a config-shaped command (``predict``, ``calibrate``, ``run target=dispatch``, ...) as a
+Hydra app from an argv, configured by ``conf/commands/<name>.yaml``.
 
 ``run_app`` composes every job a command line asks for (a ``-m`` sweep expanded in full) and
 checks each one before the first job starts, so a bad override or value prints one line naming
 the field and what is valid and exits 2, with no traceback; only then does Hydra run the jobs
 (its output directories, multirun, ``--cfg``, ``--help``). Errors the job itself raises for a
 bad value are reported the same way.
+
+A command's YAML lives in ``conf/commands/`` (named as its module, ``harness.commands.<name>``)
+rather than at the top of ``conf/``, where only the job's ``config.yaml`` and the groups are;
+each starts ``# @package _global_`` and names conf/'s groups with a leading ``/``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,15 @@ from harness import paths
 from harness.errors import ConfigError, program, usage_error
 from strategies.core.formulas import ClusterError
 from strategies.core.layout import LayoutError
+
+COMMANDS = "commands"
+"""The folder of ``conf/`` that holds each command's YAML."""
+
+
+def config_name(name: str) -> str:
+    """Hydra's name of command ``name``'s config: ``commands/<name>``, the file
+    ``conf/commands/<name>.yaml``."""
+    return f"{COMMANDS}/{name}"
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -44,46 +58,58 @@ def _job_overrides(argv: list[str]) -> list[list[str]]:
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
-def check_all(config_name: str, argv: list[str], check: Callable[[Any], None]) -> int:
-    """Compose and ``check`` every job of ``argv``; the number of jobs."""
-    from hydra import compose, initialize_config_dir
+def compose(name: str, overrides: list[str]) -> Any:
+    """Command ``name``'s config with ``overrides`` (Hydra's compose, no app)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(paths.CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name=config_name(name), overrides=list(overrides))
+
+
+def check_all(name: str, argv: list[str], check: Callable[[Any], None]) -> int:
+    """Compose and ``check`` every job of ``argv`` on command ``name``'s config; the number of
+    jobs."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     jobs = _job_overrides(argv)
     with initialize_config_dir(config_dir=str(paths.CONF_DIR), version_base="1.3"):
         for overrides in jobs:
-            check(compose(config_name=config_name, overrides=overrides))
+            check(hydra_compose(config_name=config_name(name), overrides=overrides))
     return len(jobs)
 
 
-def store_schema(config_name: str, schema: type) -> None:
-    """``schema`` in Hydra's ConfigStore as ``<config_name>_schema``, the name
-    ``conf/<config_name>.yaml`` lists first in its defaults."""
+def store_schema(name: str, schema: type) -> None:
+    """``schema`` in Hydra's ConfigStore as ``<name>_schema``, the name
+    ``conf/commands/<name>.yaml`` lists first in its defaults (as ``/<name>_schema``)."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name=f"{config_name}_schema", node=schema)
+    ConfigStore.instance().store(name=f"{name}_schema", node=schema)
 
 
 def run_app(
     module: str,
-    config_name: str,
+    name: str,
     task: Callable[[Any], Any],
     check: Callable[[Any], None],
     argv: list[str] | None,
     schema: type | None = None,
 ) -> int:
-    """``<module> [overrides...]`` as a Hydra app: check every job, then run ``task`` on each;
-    messages name the program as it was called (``harness.errors.program``). ``schema``: the
-    structured config ``conf/<config_name>.yaml`` names as ``<config_name>_schema``."""
+    """``<module> [overrides...]`` as a Hydra app on ``conf/commands/<name>.yaml``: check every
+    job, then run ``task`` on each; messages name the program as it was called
+    (``harness.errors.program``). ``schema``: the structured config that YAML names as
+    ``<name>_schema``."""
     import hydra
 
     if schema is not None:
-        store_schema(config_name, schema)
+        store_schema(name, schema)
     prog = program(module)
     argv = list(sys.argv[1:] if argv is None else argv)
     passthrough = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve"}
     if not passthrough & set(argv):
         try:
-            check_all(config_name, argv, check)
+            check_all(name, argv, check)
         except user_errors() as exc:
             fail(prog, exc)
 
@@ -96,9 +122,9 @@ def run_app(
     saved = sys.argv
     sys.argv = [prog, *argv]
     try:
-        hydra.main(version_base="1.3", config_path=str(paths.CONF_DIR), config_name=config_name)(
-            guarded
-        )()
+        hydra.main(
+            version_base="1.3", config_path=str(paths.CONF_DIR), config_name=config_name(name)
+        )(guarded)()
     finally:
         sys.argv = saved
     return 0

@@ -21,8 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import strategies
-from harness import paths
-from harness.commands.hydra_app import run_app, store_schema
+from harness.commands.hydra_app import compose, run_app, store_schema
 from harness.errors import ConfigError
 from harness.files import write_json
 from harness.job.config_schema import LayoutConf, PayloadConf
@@ -40,7 +39,6 @@ from strategies.core.plan import PayloadSpec, bytes_per_dtype, spec_of
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron.*")
 logging.getLogger("megatron").setLevel(logging.WARNING)
 
-CONF = str(paths.CONF_DIR)
 MODULE = "harness.commands.predict"
 """Where this command lives; its printed name comes from ``harness.errors.program``."""
 EXAMPLE = (
@@ -56,7 +54,7 @@ this B (generating 64 × 4096 tokens takes tens of ms; 512 × 4096 would take se
 
 @dataclass
 class PredictConf:
-    """Root config of ``conf/predict.yaml``."""
+    """Root config of ``conf/commands/predict.yaml``."""
 
     layout: LayoutConf = field(default_factory=LayoutConf)
     """Parallel shape (world size = dp·pp·tp·cp); reuses ``conf/layout/``."""
@@ -287,15 +285,13 @@ def task(cfg) -> None:
 def composed(overrides: list[str]):
     """The config ``predict OVERRIDES`` runs (Hydra's compose, no app): for a caller that runs
     ``run(cfg)`` itself, a notebook or a benchmark."""
-    from hydra import compose, initialize_config_dir
-
     store_schema("predict", PredictConf)
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(config_name="predict", overrides=list(overrides))
+    return compose("predict", overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m harness.commands.predict [overrides]``; a bad value exits 2 with one line."""
+    """``bcastbench predict [overrides]`` (``python -m harness.commands.predict``); a bad value
+    exits 2 with one line."""
     # Multirun jobs share one process: nothing to tear down between them.
     return run_app(MODULE, "predict", task, check, argv, schema=PredictConf)
 

@@ -1,10 +1,11 @@
 """Calibrate the cost model's Ray terms on a local Ray world: the driver's put, each actor's
 get, and the per-actor call overhead, fitted as α + n·β; written to ``conf/ray/local.yaml``.
 
-    bcastbench ray-calibrate [ranks=4] [reps=7] [out=conf/ray/local.yaml] [dry_run=true]
+    bcastbench calibrate target=ray [ranks=4] [reps=7] [out=conf/ray/local.yaml] [dry_run=true]
 
-Configured through ``conf/ray_calibrate.yaml`` (schema ``RayCalibrateConf``); the points and
-the fit also go to ``calibration.json`` in the Hydra job's directory (``results/ray/calibrate/``).
+Configured through ``conf/commands/ray_calibrate.yaml`` (schema ``RayCalibrateConf``); the points
+and the fit also go to ``calibration.json`` in the Hydra job's directory
+(``results/ray/calibrate/``).
 
 What is timed is what a dispatch call pays (``harness.job.dispatch``): chunking the global
 batch and ``ray.put`` of each chunk (a DataProto, or the floor's flat uint8 array), every rank's
@@ -36,12 +37,13 @@ SIZES = (4, 48, 192, 704)
 SEQ_LEN = 512
 OUT = paths.CONF_DIR / "ray" / "local.yaml"
 MODULE = "harness.commands.ray_calibrate"
-"""Where ``bcastbench ray-calibrate`` lives (its printed name: ``harness.errors.program``)."""
+"""Where ``bcastbench calibrate target=ray`` lives (its printed name:
+``harness.errors.program``)."""
 
 
 @dataclass
 class RayCalibrateConf:
-    """Root config of ``conf/ray_calibrate.yaml``."""
+    """Root config of ``conf/commands/ray_calibrate.yaml``."""
 
     ranks: int = 4
     """Actors of the local Ray world; the call overhead is fitted over 1..ranks of them and
@@ -200,7 +202,7 @@ def task(cfg) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``bcastbench ray-calibrate [overrides]``; a bad value exits 2 with one line."""
+    """``bcastbench calibrate target=ray [overrides]``; a bad value exits 2 with one line."""
     return run_app(MODULE, "ray_calibrate", task, check, argv, schema=RayCalibrateConf)
 
 

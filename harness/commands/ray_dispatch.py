@@ -1,11 +1,11 @@
-"""``bcastbench ray-dispatch``: the dispatch modes (``harness.job.dispatch``) side by side on a
-Ray world, as a Hydra app.
+"""``bcastbench run target=dispatch``: the dispatch modes (``harness.job.dispatch``) side by
+side on a Ray world, as a Hydra app.
 
-    bcastbench ray-dispatch layout=tp2pp2 payload=rl_rollout payload.batch_size=32 \
+    bcastbench run target=dispatch layout=tp2pp2 payload=rl_rollout payload.batch_size=32 \
         'modes=[leader:header,leader:pickled,all_ranks]' iters=5
-    bcastbench ray-dispatch -m layout=tp2pp2,tp2pp2dp2 payload.batch_size=48,704
+    bcastbench run target=dispatch -m layout=tp2pp2,tp2pp2dp2 payload.batch_size=48,704
 
-Configured through ``conf/ray_dispatch.yaml`` (schema ``RayDispatchConf``, checked by
+Configured through ``conf/commands/ray_dispatch.yaml`` (schema ``RayDispatchConf``, checked by
 ``harness.job.config.validate_dispatch``); each job is a dispatch job (``harness.job.build``)
 run by ``harness.job.execute.run_job``, which writes its record to ``result.json`` in its Hydra
 job directory (``results/ray/dispatch/...``; ``bcastbench report <sweep dir>`` reads them), and
@@ -32,7 +32,7 @@ from harness.worlds import opening
 
 # -- command line --------------------------------------------------------------------------
 MODULE = "harness.commands.ray_dispatch"
-"""Where ``bcastbench ray-dispatch`` lives (its printed name: ``harness.errors.program``)."""
+"""Where ``bcastbench run target=dispatch`` lives (its printed name: ``harness.errors.program``)."""
 
 
 def format_table(record: dict) -> str:
@@ -59,7 +59,7 @@ def format_table(record: dict) -> str:
 
 @dataclass
 class RayDispatchConf:
-    """Root config of ``conf/ray_dispatch.yaml``: one job times ``modes`` on one layout and
+    """Root config of ``conf/commands/ray_dispatch.yaml``: one job times ``modes`` on one layout and
     batch; a ``-m`` sweep runs one job per combination on one Ray world per world size."""
 
     layout: LayoutConf = field(default_factory=LayoutConf)
@@ -87,11 +87,11 @@ class RayDispatchConf:
     """Also write every record of this command so far to this file (a JSON list)."""
     record: dict[str, Any] = field(default_factory=dict)
     """Fields each record takes as they are: what a command wrapping this one knows and it
-    does not (``bcastbench ray-emulated``: the emulated cluster's shape, its own command)."""
+    does not (``run target=dispatch-emulated``: the emulated cluster's shape, its own command)."""
 
 
 def register() -> None:
-    """The schema in Hydra's ConfigStore (``conf/ray_dispatch.yaml`` names it)."""
+    """The schema in Hydra's ConfigStore (``conf/commands/ray_dispatch.yaml`` names it)."""
     ConfigStore.instance().store(name="ray_dispatch_schema", node=RayDispatchConf)
 
 
@@ -118,7 +118,7 @@ _DONE: list[dict] = []
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``bcastbench ray-dispatch [overrides]``; a bad value exits 2 with one line."""
+    """``bcastbench run target=dispatch [overrides]``; a bad value exits 2 with one line."""
     register()
     return run_app(MODULE, "ray_dispatch", task, validate_dispatch, argv)
 

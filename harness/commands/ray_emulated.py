@@ -2,17 +2,18 @@
 ``harness.worlds.emulated_network``, the driver inside node 0's namespace, cross-node bytes per call read
 from the links' counters.
 
-    bcastbench ray-emulated emulate.nodes=2 emulate.rate_mbit=1000 layout=tp2pp2 \
+    bcastbench run target=dispatch-emulated emulate.nodes=2 emulate.rate_mbit=1000 layout=tp2pp2 \
         payload.batch_size=48 'modes=[leader:header,leader:pickled,all_ranks]'
-    bcastbench ray-emulated -m payload.batch_size=48,704 emulate.links=node,gpu
+    bcastbench run target=dispatch-emulated -m payload.batch_size=48,704 emulate.links=node,gpu
 
-Configured through ``conf/ray_emulated.yaml``: ``bcastbench ray-dispatch``'s config
-(``harness.commands.ray_dispatch.RayDispatchConf``) plus ``emulate`` (``harness.worlds.emulated_network.EmulateConf``:
-nodes, rate_mbit, links, bytes_calls, limit_s); ``ray.num_cpus`` and ``ray.object_store_mb`` are
-each node's. Each job runs the driver, ``bcastbench ray-dispatch`` with the job's values, inside
-node 0's namespace, attached to the cluster, and writes its record (the cluster's shape added,
-``record=``) as ``result.json`` in the job's directory. The jobs of a sweep that share a cluster shape
-share one cluster, started by the first of them and stopped at exit.
+Configured through ``conf/commands/ray_emulated.yaml``: ``bcastbench run target=dispatch``'s config
+(``harness.commands.ray_dispatch.RayDispatchConf``) plus ``emulate``
+(``harness.worlds.emulated_network.EmulateConf``: nodes, rate_mbit, links, bytes_calls, limit_s);
+``ray.num_cpus`` and ``ray.object_store_mb`` are each node's. Each job runs the driver, ``bcastbench
+run target=dispatch`` with the job's values, inside node 0's namespace, attached to the cluster, and
+writes its record (the cluster's shape added, ``record=``) as ``result.json`` in the job's
+directory. The jobs of a sweep that share a cluster shape share one cluster, started by the first of
+them and stopped at exit.
 
 Node k runs ``ray start --block`` with ``--node-ip-address`` its namespace's address and the
 custom resource ``bcb_node<k>``, so rank r's bundle lands on node r // ranks_per_node as
@@ -55,7 +56,8 @@ from harness.worlds.protocol import WorldError
 from harness.worlds.ray_cluster import NODE_RESOURCE, cluster_auth, private_cluster_dir
 
 MODULE = "harness.commands.ray_emulated"
-"""Where ``bcastbench ray-emulated`` lives (its printed name: ``harness.errors.program``)."""
+"""Where ``bcastbench run target=dispatch-emulated`` lives (its printed name:
+``harness.errors.program``)."""
 RAY_PORT = 6379  # a fresh namespace has every port free
 READY_LINE = "Ray runtime started"
 SET_HERE = ("address", "placement", "ranks_per_node", "socket_ifname")
@@ -131,9 +133,9 @@ def stop_ray_nodes(procs: list[subprocess.Popen], grace_s: float = 15.0) -> None
 # -- the config ------------------------------------------------------------------------------
 @dataclass
 class RayEmulatedConf(RayDispatchConf):
-    """Root config of ``conf/ray_emulated.yaml``: a ``ray-dispatch`` job on an emulated Ray
-    cluster. ``ray.num_cpus`` and ``ray.object_store_mb`` size each node's Ray; the address,
-    placement, pinning and link of the ranks (``SET_HERE``) are this tool's."""
+    """Root config of ``conf/commands/ray_emulated.yaml``: a ``target=dispatch`` job on an
+    emulated Ray cluster. ``ray.num_cpus`` and ``ray.object_store_mb`` size each node's Ray;
+    the address, placement, pinning and link of the ranks (``SET_HERE``) are this tool's."""
 
     emulate: EmulateConf = field(default_factory=EmulateConf)
     """The emulated cluster (nodes, rate_mbit, links; ``bytes_calls``: untimed calls per mode
@@ -142,7 +144,7 @@ class RayEmulatedConf(RayDispatchConf):
 
 
 def register() -> None:
-    """The schema in Hydra's ConfigStore (``conf/ray_emulated.yaml`` names it)."""
+    """The schema in Hydra's ConfigStore (``conf/commands/ray_emulated.yaml`` names it)."""
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="ray_emulated_schema", node=RayEmulatedConf)
@@ -171,11 +173,13 @@ def _namespaces_unavailable() -> str | None:
 
 
 def check(cfg) -> None:
-    """``ray-dispatch``'s checks, the cluster's shape, and that namespaces can be made here."""
+    """``run target=dispatch``'s checks, the cluster's shape, and that namespaces can be made
+    here."""
     validate_dispatch(cfg)
     given = [f"ray.{k}" for k in SET_HERE if cfg.ray[k] != getattr(RayEmulatedConf().ray, k)]
     if given:
-        raise ConfigError(f"{', '.join(given)}: set by ray-emulated for its cluster; leave unset")
+        raise ConfigError(f"{', '.join(given)}: set by target=dispatch-emulated for its cluster; "
+                          "leave unset")  # fmt: skip
     if cfg.link_bytes_calls:
         raise ConfigError("link_bytes_calls: on the emulated cluster it is emulate.bytes_calls")
     try:
@@ -223,7 +227,7 @@ def close_cluster() -> None:
 
 # -- the driver --------------------------------------------------------------------------------
 def driver_overrides(cfg) -> list[str]:
-    """The job's ``ray-dispatch`` values as overrides for the driver (not the cluster's)."""
+    """The job's ``run target=dispatch`` values as overrides for the driver (not the cluster's)."""
     from omegaconf import OmegaConf
 
     c = OmegaConf.to_container(cfg, resolve=True)
@@ -236,14 +240,14 @@ def driver_overrides(cfg) -> list[str]:
 
 
 def _drive(emu, overrides: list[str], scratch: Path, job: Path, calls: int, limit_s: float):
-    """The driver: ``bcastbench ray-dispatch`` inside node 0's namespace, attached to the
+    """The driver: ``bcastbench run target=dispatch`` inside node 0's namespace, attached to the
     cluster, ranks pinned per node, gloo on each node's link, writing its record (with the
     cluster's fields in ``overrides``) as this job's ``result.json``; that record."""
     out = job / RESULT_FILE
     out.unlink(missing_ok=True)
     per_node = emu.cfg.ranks_per_node
     rails = emu.cfg.links == "gpu"
-    argv = [sys.executable, "-m", "harness", "ray-dispatch", *overrides]
+    argv = [sys.executable, "-m", "harness", "run", "target=dispatch", *overrides]
     argv += [override("ray.address", f"{emu.node_ip(0)}:{RAY_PORT}"), "ray.placement=PACK"]
     argv += [f"ray.ranks_per_node={per_node}"]
     argv += [override("ray.socket_ifname", "eth{local_rank}" if rails else emu.rank_ifname(0))]
@@ -296,7 +300,8 @@ def task(cfg) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``bcastbench ray-emulated [overrides]``; a bad value exits 2 with one line."""
+    """``bcastbench run target=dispatch-emulated [overrides]``; a bad value exits 2 with one
+    line."""
     dispatch.register()
     register()
     return run_app(MODULE, "ray_emulated", task, check, argv)

@@ -1,13 +1,15 @@
-"""``bcastbench ray-model``: the cost model's price of Ray dispatch (``harness.model.dispatch_prices``)
-as a Hydra app, ``task=example`` (all_ranks against leader + broadcast at 16,384 GPUs) or
-``task=validate`` (measured dispatch records beside the model, ``harness.report.dispatch_model``).
+"""The cost model's price of Ray dispatch (``harness.model.dispatch_prices``) as a Hydra app,
+``task=example`` (all_ranks against leader + broadcast at 16,384 GPUs: ``bcastbench predict
+target=ray``) or ``task=validate`` (measured dispatch records beside the model,
+``harness.report.dispatch_model``: ``bcastbench validate target=ray``, which sets the task).
 
-    bcastbench ray-model [cluster=h200_ib] [ray=local]      # the 16,384-GPU answer
-    bcastbench ray-model task=validate \
-        'records=[results/reference_ray/emulated_node.json]'     # per-cell error
+    bcastbench predict target=ray [cluster=h200_ib] [ray=local]   # the 16,384-GPU answer
+    bcastbench validate target=ray \
+        'records=[results/reference_ray/emulated_node.json]'       # per-cell error
 
-Configured through ``conf/ray_model.yaml`` (schema ``RayModelConf``; ``cluster/`` and ``ray/``
-groups); what it prints also goes to ``ray_model_<task>.json`` in the Hydra job's directory.
+Configured through ``conf/commands/ray_model.yaml`` (schema ``RayModelConf``; ``cluster/`` and
+``ray/`` groups); what it prints also goes to ``ray_model_<task>.json`` in the Hydra job's
+directory.
 """
 
 from __future__ import annotations
@@ -86,18 +88,20 @@ TASKS = ("example", "validate")
 
 @dataclass
 class RayModelConf:
-    """Root config of ``conf/ray_model.yaml``."""
+    """Root config of ``conf/commands/ray_model.yaml``."""
 
     task: str = "example"
     """``example``: all_ranks against leader + broadcast at 16,384 GPUs on ``cluster``;
     ``validate``: the measured dispatch ``records`` against the model, per cell."""
     records: list[str] = field(default_factory=list)
-    """``task=validate``: JSON lists of dispatch records (``bcastbench ray-dispatch`` or
-    ``ray-emulated``'s ``out=``/``dispatch.json``); each names the cluster it ran on."""
+    """``task=validate``: JSON lists of dispatch records (``bcastbench run target=dispatch``
+    or ``target=dispatch-emulated``'s ``out=``/``dispatch.json``); each names the cluster it
+    ran on."""
     cluster: ClusterConf = field(default_factory=ClusterConf)
     """``task=example``: the machine room to price on; ``conf/cluster/``."""
     ray: RayCostConf = field(default_factory=RayCostConf)
-    """Ray's put, get and call costs; ``conf/ray/`` (written by ``bcastbench ray-calibrate``)."""
+    """Ray's put, get and call costs; ``conf/ray/`` (written by ``bcastbench calibrate
+    target=ray``)."""
 
 
 def _records(paths_: list[str]) -> list[dict]:
@@ -150,7 +154,8 @@ def task(cfg) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``bcastbench ray-model [overrides]``; a bad value exits 2 with one line."""
+    """``bcastbench predict|validate target=ray [overrides]``; a bad value exits 2 with one
+    line."""
     return run_app(MODULE, "ray_model", task, check, argv, schema=RayModelConf)
 
 

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     for tmp in unfinished_writes(args.root) if Path(args.root).is_dir() else []:
         print(
             f"{PROG}: warning: {tmp} is a record whose writer was killed before it was "
-            "renamed into place; `bcastbench collect` recovers it",
+            "renamed into place; `bcastbench report target=csv` recovers it",
             file=sys.stderr,
         )
     dispatch = load_dispatch_records(args.root) if Path(args.root).is_dir() else []

@@ -1,4 +1,4 @@
-"""``bcastbench run`` (and ``bcastbench`` with no subcommand): the Hydra job app, one job or a
+"""``bcastbench run`` (and ``bcastbench`` with no verb): the Hydra job app, one job or a
 ``-m`` sweep, its endings turned into exit statuses.
 
 A bad config, name or value prints one line naming the field and what is valid and exits 2

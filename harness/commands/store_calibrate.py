@@ -1,5 +1,5 @@
 """Fit the pull stores' put/get α, β and fetch contention to a pull sweep's records and write
-them into a cluster preset: ``bcastbench store-calibrate <sweep dir> [--cluster local]``.
+them into a cluster preset: ``bcastbench calibrate target=store <sweep dir> [--cluster local]``.
 
 Each record of ``independent_fetch``, ``ray_object_store`` or ``transferqueue`` (``sweep=
 pull_calibrate`` on ``world=ray``) is priced with its store free; what it measured beyond that
@@ -31,7 +31,8 @@ from strategies.core.layout import Layout
 from strategies.core.plan import plan_of, spec_of
 
 MODULE = "harness.commands.store_calibrate"
-"""Where ``bcastbench store-calibrate`` lives (its printed name: ``harness.errors.program``)."""
+"""Where ``bcastbench calibrate target=store`` lives (its printed name:
+``harness.errors.program``)."""
 FIT_MARK = "store fits"
 """The header line the store fit's report starts at (a rerun replaces it and what follows)."""
 
@@ -67,7 +68,7 @@ def _header_of(path: Path, sweep: Path, report: str) -> str:
             break
         kept.append(text)
     return "\n".join(
-        [*kept, f"Store costs fitted by `bcastbench store-calibrate {sweep}`:", report]
+        [*kept, f"Store costs fitted by `bcastbench calibrate target=store {sweep}`:", report]
     )
 
 

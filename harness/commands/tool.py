@@ -1,5 +1,6 @@
-"""What the Hydra-configured tools (``bcastbench ray-dispatch``, ``ray-emulated``,
-``ray-calibrate``, ``ray-model``, ``emulated-table``) share inside a job: where it writes, and
+"""What the Hydra-configured tools (``bcastbench run target=dispatch``,
+``target=dispatch-emulated``, ``calibrate target=ray``, ``predict|validate target=ray``,
+``validate target=emulated``) share inside a job: where it writes, and
 the command line that runs that job again.
 
 They run through ``harness.commands.hydra_app.run_app``, as the cost model's commands do: every job
@@ -54,7 +55,7 @@ def override(key: str, value: Any) -> str:
 
 def write_out(done: list[dict], out: str | None) -> None:
     """Every record this process's jobs made (``done``) as one JSON list in ``out``, when set,
-    atomically (``harness.files``): what ``bcastbench ray-model task=validate`` reads. Each
+    atomically (``harness.files``): what ``bcastbench validate target=ray`` reads. Each
     job's own record is its ``result.json`` (``harness.job.execute.run_job``)."""
     if out:
         write_json(out, done)

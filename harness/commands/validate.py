@@ -1,4 +1,4 @@
-"""Check the cost model against a measured sweep: ``python -m harness.commands.validate <sweep dir>``.
+"""Check the cost model against a measured sweep: ``bcastbench validate <sweep dir>``.
 
 For every record of the sweep, the strategy's plan (and the floor's) is priced on a calibrated
 cluster (default ``local``, what ``harness.commands.calibrate`` wrote where it ran) with the exact

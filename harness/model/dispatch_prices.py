@@ -22,7 +22,7 @@ One call is priced as the sum of its phases, as ``harness.job.dispatch`` runs th
   get of the ranks Ray hands the object to (two per replica for ``edge_stages`` when pp > 1).
 
 The Ray terms (put, get, call) are fitted on a local Ray world by ``bcastbench
-ray-calibrate`` into ``conf/ray/local.yaml`` (``RayCostConf``); links, host cores and
+calibrate target=ray`` into ``conf/ray/local.yaml`` (``RayCostConf``); links, host cores and
 device copies come from the cluster preset (``strategies.core.cluster.ClusterConf``).
 """
 
@@ -136,7 +136,7 @@ def load_ray_costs(name_or_path: str | Path = "local") -> RayCostConf:
     if not path.is_file():
         known = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
         raise ClusterError(
-            f"no Ray cost file {path}; presets: {known} (write one: bcastbench ray-calibrate)"
+            f"no Ray cost file {path}; presets: {known} (write one: bcastbench calibrate target=ray)"
         )
     raw = yaml.safe_load(path.read_text()) or {}
     known = {f.name for f in fields(RayCostConf)}

@@ -1,9 +1,9 @@
 """Turn any run or sweep directory into one tidy table: one row per job's result.json.
 
-    bcastbench collect results/sweeps/<dir> [--out table.csv]
+    bcastbench report target=csv results/sweeps/<dir> [--out table.csv]
 
-``records_dir_problem`` is the one check ``report``, ``collect`` and ``validate`` make of the
-directory they are given, so a wrong one reads the same (one line, exit 2) in all three.
+``records_dir_problem`` is the one check ``report`` (either target) and ``validate`` make of the
+directory they are given, so a wrong one reads the same (one line, exit 2) in all of them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.errors import USAGE_EXIT
+from harness.errors import USAGE_EXIT, program
 from harness.files import MODE, write_csv
 
 COLUMNS = [
@@ -81,7 +81,8 @@ def summary_table(df: pd.DataFrame) -> str:
     return view.to_string(index=False, formatters={k: v for k, v in fmt.items() if k in cols})
 
 
-PROG = "bcastbench collect"
+MODULE = "harness.report.collect"
+"""Where ``bcastbench report target=csv`` lives (its printed name: ``harness.errors.program``)."""
 
 
 def unfinished_writes(root: Path | str) -> list[Path]:
@@ -115,20 +116,20 @@ def recover(root: Path | str) -> tuple[list[Path], list[Path]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].replace("``", ""))
+    prog = program(MODULE)
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0].replace("``", ""))
     ap.add_argument("root", help="a run or sweep directory (every result.json below it)")
     ap.add_argument("--out", help="CSV path (default <root>/results.csv)")
     args = ap.parse_args(argv)
     # Before the check: a directory whose only record a killed writer left is not empty.
     recovered, left = recover(args.root) if Path(args.root).is_dir() else ([], [])
     for path in recovered:
-        print(f"{PROG}: recovered {path} (a whole record its killed writer had not renamed)")
+        print(f"{prog}: recovered {path} (a whole record its killed writer had not renamed)")
     for path in left:
-        print(f"{PROG}: left {path}: an unfinished write, not a whole record", file=sys.stderr)
+        print(f"{prog}: left {path}: an unfinished write, not a whole record", file=sys.stderr)
     problem = records_dir_problem(args.root)
     if problem:  # a wrong directory is the caller's mistake, like a bad option: exit 2
-        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        print(f"{prog}: error: {problem}", file=sys.stderr)
         return USAGE_EXIT
     df = load(args.root)
     out = Path(args.out) if args.out else Path(args.root) / "results.csv"

@@ -5,9 +5,11 @@ Each command of a fenced ``bash`` or ``console`` block (a console block's ``$`` 
 test, handled by the first rule of ``plan`` that fits:
 
 - **run** for real, when it is cheap: ``bcastbench --help``, any ``--help`` or ``--cfg``,
-  ``predict``, ``extrapolate``, ``schema``, ``ray-model``, ``emulated-table source=...``,
-  ``compare`` (its inputs are small), and ``report``/``collect``/``validate`` of a directory of
-  at most ``SMALL_DIR`` records. It runs in
+  ``predict`` (every target), ``schema``, ``validate target=ray``, ``validate target=emulated
+  source=...``, ``calibrate target=store`` (``--dry-run``), ``compare`` (its inputs are small),
+  and ``report`` (either target) or ``validate`` of a directory of at most ``SMALL_DIR``
+  records. A command is known by its verb and target (``harness.commands.cli.parse``), an old
+  name's by the ones it stands for. It runs in
   process, in a scratch directory per page that holds copies of the repository paths the command
   names and the files the pages use as a user's own (``PROPS``), so nothing committed changes.
 - **checked**, nothing started: ``bcastbench run`` and ``bench`` with ``--check`` (every job
@@ -50,11 +52,16 @@ SMALL_DIR = 40
 (the bench reference's 156 take longer than this whole test should)."""
 BCASTBENCH = {"bcastbench", ".venv/bin/bcastbench"}
 PYTHONS = {"python", "python3", ".venv/bin/python"}
-RUNS = {"predict", "extrapolate", "schema", "ray-model"}
-"""Subcommands cheap enough to run for real (no world, no cluster)."""
-HYDRA_APPS = {"calibrate", "emulated-table", "ray-dispatch", "ray-emulated", "ray-calibrate"}
-"""Config-shaped subcommands that start worlds or clusters: checked, job by job."""
-RECORD_READERS = {"report", "collect", "validate"}
+RUNS = {("predict", "layout"), ("predict", "scale"), ("predict", "ray"), ("schema", "file"),
+        ("validate", "ray")}  # fmt: skip
+"""(verb, target)s cheap enough to run for real (no world, no cluster)."""
+HYDRA_APPS = {("calibrate", "cluster"), ("calibrate", "ray"), ("validate", "emulated"),
+              ("run", "dispatch"), ("run", "dispatch-emulated")}  # fmt: skip
+"""Config-shaped targets that start worlds or clusters: checked, job by job."""
+RECORD_READERS = {("report", "md"), ("report", "csv"), ("validate", "sweep")}
+CHECKED = {("run", "job"), ("bench", "cpu")}
+"""Targets with their own ``--check``: every job composed and validated, none started."""
+STORE_FIT = ("calibrate", "store")
 EXAMPLE_SRC = REPO / "examples" / "bcastbench_example_strategy" / "src"
 """On the path of every command, as writing-a-strategy.md puts it (``PYTHONPATH``)."""
 SHAPES_YAML = "- {batch_size: 768, seq_len: 512}\n- {batch_size: 3, seq_len: 1024}\n"
@@ -146,10 +153,16 @@ def _harness_part(argv: tuple[str, ...]) -> list[str] | None:
     return None
 
 
-def subcommand(args: list[str]) -> tuple[str, list[str]]:
-    if args and args[0] in cli.SUBCOMMANDS:
-        return args[0], args[1:]
-    return "run", args
+def subcommand(args: list[str]) -> tuple[tuple[str, str], list[str]]:
+    """((verb, target), the target's own arguments) of a ``bcastbench`` command line."""
+    call = cli.parse(args)
+    return (call.verb, call.target), list(call.args)
+
+
+def sub_argv(sub: tuple[str, str]) -> list[str]:
+    """The command line's words that name ``(verb, target)``."""
+    verb, target = sub
+    return [verb] if target == cli.VERBS[verb].default else [verb, f"target={target}"]
 
 
 def plan(cmd: Command) -> Plan | None:
@@ -164,16 +177,17 @@ def plan(cmd: Command) -> Plan | None:
         sub, rest = subcommand(args)
         if {"--help", "-h", "--cfg", "-c"} & set(rest):
             return Plan("run", "Hydra shows, nothing runs")
-        if sub in ("run", "bench"):
-            return Plan("check", f"{sub} --check")
-        if sub == "compare":
+        if sub in CHECKED:
+            return Plan("check", f"{sub[0]} --check")
+        if sub[0] == "compare":
             return Plan("run", "on copies of both inputs")
-        if sub == "store-calibrate":
+        if sub == STORE_FIT:
             return Plan("run", "--dry-run on a copy: the preset stays as it is")
         if sub in RECORD_READERS:
             small = _records(_positional(rest)) <= SMALL_DIR
             return Plan("run", "on a copy") if small else Plan("check", "the records are there")
-        if sub in RUNS or (sub == "emulated-table" and any(a.startswith("source=") for a in rest)):
+        re_read = sub == ("validate", "emulated") and any(a.startswith("source=") for a in rest)
+        if sub in RUNS or re_read:
             return Plan("run", "in a scratch directory")
         if sub in HYDRA_APPS:
             return Plan("check", "every job composed and checked")
@@ -272,12 +286,12 @@ def _in_process(argv: list[str], capsys) -> tuple[int, str]:
     return status, out.out + out.err
 
 
-def _checked_app(sub: str, rest: list[str], monkeypatch, capsys) -> tuple[int, str]:
-    """A config-shaped subcommand with its own check of every job (the one it makes before its
+def _checked_app(args: list[str], monkeypatch, capsys) -> tuple[int, str]:
+    """A config-shaped target with its own check of every job (the one it makes before its
     first job) and no job after it."""
     from harness.commands.hydra_app import check_all, store_schema
 
-    module = importlib.import_module(cli.SUBCOMMANDS[sub][0])
+    module = importlib.import_module(cli.parse(args).module)
 
     def check_only(_module, config_name, _task, check, argv, schema=None):
         if schema is not None:
@@ -289,7 +303,7 @@ def _checked_app(sub: str, rest: list[str], monkeypatch, capsys) -> tuple[int, s
     # Whether this machine can build network namespaces is the machine's business, not the
     # docs': the emulated commands' values are checked all the same.
     monkeypatch.setattr(module, "_namespaces_unavailable", lambda: None, raising=False)
-    return _in_process([sub, *rest], capsys)
+    return _in_process(args, capsys)
 
 
 def _subprocess(argv: list[str], env: dict | None = None) -> tuple[int, str]:
@@ -312,18 +326,18 @@ def execute(cmd: Command, scratch: Path, monkeypatch, capsys) -> tuple[int, str]
         kind = plan(cmd).kind
         if kind == "run":
             _copy_named_paths(argv, scratch)
-            if sub == "store-calibrate" and "--dry-run" not in rest:
+            if sub == STORE_FIT and "--dry-run" not in rest:
                 args = [*args, "--dry-run"]  # it writes the repository's preset, not a copy
             return _in_process(args, capsys)
-        if sub in ("run", "bench"):
-            status, out = _in_process([sub, "--check", *rest], capsys)
+        if sub in CHECKED:
+            status, out = _in_process([*sub_argv(sub), "--check", *rest], capsys)
             assert status != 0 or "checked; none started" in out, out
             return status, out
         if sub in RECORD_READERS:
             directory = _positional(rest)
             assert _records(directory) > 0, f"{directory}: no result.json below it"
             return 0, ""
-        return _checked_app(sub, rest, monkeypatch, capsys)
+        return _checked_app(args, monkeypatch, capsys)
     if argv[0] == "make":
         env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
         return _subprocess(["make", "-n", *argv[1:]], env)
@@ -372,13 +386,25 @@ def test_the_docs_show_commands_and_skip_few():
     ]
 
 
-def test_the_cli_page_shows_every_subcommand():
+def test_the_cli_page_shows_every_verb_and_target():
     shown = {
         subcommand(args)[0]
         for c in commands(REPO / "docs" / "cli.md")
         if (args := bcastbench_args(c.argv)) is not None
     }
-    assert set(cli.SUBCOMMANDS) <= shown, sorted(set(cli.SUBCOMMANDS) - shown)
+    every = {(name, target) for name, verb in cli.VERBS.items() for target in verb.targets}
+    assert every <= shown, sorted(every - shown)
+
+
+def test_the_docs_spell_commands_the_new_way():
+    """No command a page shows goes by an old name (``cli.ALIASES``): the old names are for
+    users' scripts, for one release."""
+    old = [
+        f"{c.id}: {' '.join(c.argv)}"
+        for c in ALL
+        if (args := bcastbench_args(c.argv) or _harness_part(c.argv)) and args[0] in cli.ALIASES
+    ]
+    assert old == [], old
 
 
 # -- Python examples --------------------------------------------------------------------------
@@ -459,7 +485,7 @@ def test_the_checks_read_a_page_as_written(tmp_path):
     page.write_text(
         "# Page\n\n```bash\nbcastbench run \\\n    layout=tp2pp2  # one job\nmake a && make b\n```\n"
         "\n```console\n$ bcastbench --help\nusage: ...\n```\n"
-        "\n<!-- docs-test: skip (needs a GPU) -->\n```bash\nbcastbench gpu-check\n```\n\n"
+        "\n<!-- docs-test: skip (needs a GPU) -->\n```bash\nbcastbench bench target=gpu\n```\n\n"
         "[ok](other.md#a-code-heading) [gone](nowhere.md) [bad](other.md#nope) [self](#page)\n"
         "`[in code](nowhere.md)` [web](https://example.org/x.md)\n"
     )
@@ -469,6 +495,6 @@ def test_the_checks_read_a_page_as_written(tmp_path):
         (6, ("make", "a"), None),
         (6, ("make", "b"), None),
         (10, ("bcastbench", "--help"), None),
-        (16, ("bcastbench", "gpu-check"), "needs a GPU"),
+        (16, ("bcastbench", "bench", "target=gpu"), "needs a GPU"),
     ]
     assert broken_links(page) == ["nowhere.md: no such file", "other.md#nope: no heading #nope"]

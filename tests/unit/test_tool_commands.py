@@ -1,7 +1,8 @@
-"""The Hydra-configured tools (``bcastbench ray-dispatch``, ``ray-emulated``, ``ray-calibrate``,
-``ray-model``, ``emulated-table``): each shows its config with ``--cfg job``, refuses a bad
-value with one line and exit 2 before anything starts, and the ones that need no world run for
-real here, writing their record into the job's directory with the command that reruns it.
+"""The Hydra-configured tools (``bcastbench run target=dispatch``, ``target=dispatch-emulated``,
+``calibrate target=ray``, ``predict target=ray``, ``validate target=ray``, ``validate
+target=emulated``): each shows its config with ``--cfg job``, refuses a bad value with one line
+and exit 2 before anything starts, and the ones that need no world run for real here, writing
+their record into the job's directory with the command that reruns it.
 
 The Ray tool's real run is in tests/world/test_ray_world.py.
 """
@@ -17,7 +18,11 @@ import pytest
 from harness.commands import cli
 from harness.paths import REPO
 
-TOOLS = ("ray-dispatch", "ray-emulated", "ray-calibrate", "ray-model", "emulated-table")
+DISPATCH, EMULATED = "run target=dispatch", "run target=dispatch-emulated"
+CALIBRATE, PREDICT, VALIDATE = "calibrate target=ray", "predict target=ray", "validate target=ray"
+TABLE = "validate target=emulated"
+TOOLS = (DISPATCH, EMULATED, CALIBRATE, PREDICT, VALIDATE, TABLE)
+"""Each tool as typed after ``bcastbench``: ``tool.split()`` is its command line."""
 
 
 @pytest.fixture
@@ -37,35 +42,35 @@ def nothing_starts(monkeypatch):
 
 @pytest.mark.parametrize("tool", TOOLS)
 def test_cfg_job_shows_the_config(tool, nothing_starts, capsys):
-    assert cli.main([tool, "--cfg", "job"]) == 0
+    assert cli.main([*tool.split(), "--cfg", "job"]) == 0
     out = capsys.readouterr().out
-    key = {"ray-calibrate": "reps:", "ray-model": "task: example"}.get(tool, "payload:")
-    assert key in out, out
+    key = {CALIBRATE: "reps:", PREDICT: "task: example", VALIDATE: "task: validate"}
+    assert key.get(tool, "payload:") in out, out
 
 
 @pytest.mark.parametrize(
     "tool,argv,message",
     [
-        ("ray-dispatch", ["modes=[leader:nope]"], "unknown strategy 'nope'"),
-        ("ray-dispatch", ["-m", "payload.batch_size=4,0"], "payload.batch_size must be >= 1"),
-        ("ray-dispatch", ["layout=nope"], "Could not find 'layout/nope'"),
-        ("ray-dispatch", ["ray.dispatch=leader"], "modes= says what runs"),
-        ("ray-dispatch", ["batch_size=4"], "Key 'batch_size' not in 'RayDispatchConf'"),
-        ("ray-emulated", ["emulate.nodes=3"], "emulate.nodes=3 does not divide the world of 4"),
-        ("ray-emulated", ["ray.address=auto"], "ray.address: set by ray-emulated"),
-        ("ray-emulated", ["emulate.links=rails"], "emulate.links must be node or gpu"),
-        ("ray-calibrate", ["ranks=0"], "ranks must be >= 1"),
-        ("ray-calibrate", ["out=costs.txt"], "out must name a .yaml file"),
-        ("ray-model", ["task=fit"], "task must be one of ['example', 'validate']"),
-        ("ray-model", ["task=validate"], "task=validate needs records=[FILE,...]"),
-        ("ray-model", ["ray.put_call_us=-1"], "put_call_us must be finite and >= 0"),
-        ("emulated-table", ["iters=0"], "iters must be >= 1"),
-        ("emulated-table", ["source=/nonexistent"], "not a cluster table directory"),
+        (DISPATCH, ["modes=[leader:nope]"], "unknown strategy 'nope'"),
+        (DISPATCH, ["-m", "payload.batch_size=4,0"], "payload.batch_size must be >= 1"),
+        (DISPATCH, ["layout=nope"], "Could not find 'layout/nope'"),
+        (DISPATCH, ["ray.dispatch=leader"], "modes= says what runs"),
+        (DISPATCH, ["batch_size=4"], "Key 'batch_size' not in 'RayDispatchConf'"),
+        (EMULATED, ["emulate.nodes=3"], "emulate.nodes=3 does not divide the world of 4"),
+        (EMULATED, ["ray.address=auto"], "ray.address: set by target=dispatch-emulated"),
+        (EMULATED, ["emulate.links=rails"], "emulate.links must be node or gpu"),
+        (CALIBRATE, ["ranks=0"], "ranks must be >= 1"),
+        (CALIBRATE, ["out=costs.txt"], "out must name a .yaml file"),
+        (PREDICT, ["task=fit"], "task must be one of ['example', 'validate']"),
+        (VALIDATE, [], "task=validate needs records=[FILE,...]"),
+        (PREDICT, ["ray.put_call_us=-1"], "put_call_us must be finite and >= 0"),
+        (TABLE, ["iters=0"], "iters must be >= 1"),
+        (TABLE, ["source=/nonexistent"], "not a cluster table directory"),
     ],
 )
 def test_bad_value_is_one_line_and_exit_2(tool, argv, message, nothing_starts, capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.main([tool, *argv])
+        cli.main([*tool.split(), *argv])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
@@ -77,25 +82,23 @@ def test_emulated_refuses_where_namespaces_cannot_be_made(monkeypatch, nothing_s
 
     monkeypatch.setattr(emulated, "_namespaces_unavailable", lambda: "they need root")
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["ray-emulated"])
+        cli.main(EMULATED.split())
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and err.endswith("cannot be built here: they need root"), err
 
 
 def test_driver_overrides_compose_as_ray_dispatch():
-    """What ray-emulated hands its driver is ray-dispatch's config, value for value."""
-    from hydra import compose, initialize_config_dir
-
+    """What target=dispatch-emulated hands its driver is target=dispatch's config, value for
+    value."""
     from harness.commands import ray_dispatch as dispatch
     from harness.commands import ray_emulated as emulated
-    from harness.paths import CONF_DIR
+    from harness.commands.hydra_app import compose
 
     dispatch.register()
     emulated.register()
     job = ["layout.order=tp-cp-ep-dp-pp", "modes=[leader:flat,all_ranks]", "+options.x=a b:c"]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        emu = compose("ray_emulated", overrides=job)
-        driver = compose("ray_dispatch", overrides=emulated.driver_overrides(emu))
+    emu = compose("ray_emulated", job)
+    driver = compose("ray_dispatch", emulated.driver_overrides(emu))
     for key in ("layout", "payload", "modes", "iters", "warmup", "options"):
         assert driver[key] == emu[key], key
     assert driver.options == {"x": "a b:c"}
@@ -112,21 +115,22 @@ def test_ray_model_validate_and_example_record_their_command(tmp_path, monkeypat
     first["modes"] = {m: first["modes"][m] for m in ("leader:header", "all_ranks")}
     records = tmp_path / "one.json"
     records.write_text(json.dumps([first]))
-    argv = ["task=validate", f"records=[{records}]"]
-    assert cli.main(["ray-model", *argv, f"hydra.run.dir={tmp_path / 'v'}"]) == 0
+    argv = [f"records=[{records}]"]
+    assert cli.main([*VALIDATE.split(), *argv, f"hydra.run.dir={tmp_path / 'v'}"]) == 0
     out = _json(tmp_path / "v" / "ray_model_validate.json")
     assert [r["mode"] for r in out["rows"]] == ["leader:header", "all_ranks"]
-    assert out["command"] == shlex.join(["bcastbench", "ray-model", *argv])
+    # The target's own task=validate is in the command that reruns it, as Hydra saw it.
+    assert out["command"] == shlex.join(["bcastbench", *VALIDATE.split(), "task=validate", *argv])
 
     # The example's scan cut to two cells: the command's path, not the 32-cell pricing.
     scan = ray_dispatch.example_scan
     monkeypatch.setattr(
         ray_dispatch, "example_scan", lambda c, r: scan(c, r, dps=(1, 16), batches=(8,))
     )
-    assert cli.main(["ray-model", "cluster=h200_ib", f"hydra.run.dir={tmp_path / 'e'}"]) == 0
+    assert cli.main([*PREDICT.split(), "cluster=h200_ib", f"hydra.run.dir={tmp_path / 'e'}"]) == 0
     out = _json(tmp_path / "e" / "ray_model_example.json")
     assert [r["gpus"] for r in out["rows"]] == [128, 2048] and out["assumptions"]
-    assert out["command"] == "bcastbench ray-model cluster=h200_ib"
+    assert out["command"] == f"bcastbench {PREDICT} cluster=h200_ib"
 
 
 def test_emulated_table_rereads_a_table_directory(tmp_path):
@@ -136,11 +140,11 @@ def test_emulated_table_rereads_a_table_directory(tmp_path):
         for name in ("result.json", "machine.json"):
             shutil.copy(REPO / "results" / "reference_emulated" / links / name, source / links)
     job = tmp_path / "job"
-    assert cli.main(["emulated-table", f"source={source}", f"hydra.run.dir={job}"]) == 0
+    assert cli.main([*TABLE.split(), f"source={source}", f"hydra.run.dir={job}"]) == 0
     assert "Verdict:" in (source / "report.md").read_text()
     out = _json(job / "emulated_table.json")
     assert {r["links"] for r in out["rows"]} == {"node", "gpu"}
-    assert out["command"] == f"bcastbench emulated-table source={source}"
+    assert out["command"] == f"bcastbench {TABLE} source={source}"
 
 
 def test_a_dispatch_job_whose_mode_is_refused_is_one_record_and_one_line():
@@ -166,7 +170,7 @@ def test_a_dispatch_job_whose_mode_is_refused_is_one_record_and_one_line():
 
 
 def test_the_dispatch_report_skips_refused_jobs_and_keeps_varying_ones_apart(tmp_path):
-    """A ray-dispatch list may hold a job whose first mode was refused (no modes: nothing to
+    """A target=dispatch list may hold a job whose first mode was refused (no modes: nothing to
     draw); a sweep's result.json jobs merge by setting, a varying workload never with a
     constant one of the same largest shape."""
     from harness.report.dispatch_records import load_dispatch_records

@@ -30,6 +30,7 @@ from harness.job.broadcast import run_job_on_rank  # noqa: E402
 from harness.job.dispatch import DispatchMode, _Driver, _verify  # noqa: E402
 from harness.job.dispatch_modes import FLOORS  # noqa: E402
 from harness.job.execute import run_job  # noqa: E402
+from harness.job.fault import Fault  # noqa: E402
 from harness.job.spec import JobSpec  # noqa: E402
 from harness.worlds.protocol import WorldError  # noqa: E402
 from harness.worlds.ray_cluster import RayConf  # noqa: E402
@@ -80,8 +81,8 @@ def test_a_private_cluster_talks_over_loopback_only(ray_world):
 
 
 def dispatch_spec(layout: Layout, modes=("leader:header", "all_ranks"), **kw) -> JobSpec:
-    """A dispatch job comparing ``modes`` (the first under test), as ``bcastbench ray-dispatch``
-    makes one."""
+    """A dispatch job comparing ``modes`` (the first under test), as ``bcastbench run
+    target=dispatch`` makes one."""
     first = DispatchMode.parse(modes[0])
     return JobSpec(first.strategy or "", layout, dispatch=first.kind, modes=modes, **kw)
 
@@ -200,8 +201,8 @@ def test_bcastbench_run_world_ray_broadcast_and_dispatch(ray_world, tmp_path):
 
 
 def test_ray_dispatch_sweep_shares_one_world(ray_world, tmp_path):
-    """``bcastbench ray-dispatch``, a two-job sweep on the module's Ray world (the jobs start
-    nothing): each record verified, written to its job directory (``result.json``) and
+    """``bcastbench run target=dispatch``, a two-job sweep on the module's Ray world (the jobs
+    start nothing): each record verified, written to its job directory (``result.json``) and
     ``out``, with the command that reruns that job."""
     import json
     import shlex
@@ -219,7 +220,7 @@ def test_ray_dispatch_sweep_shares_one_world(ray_world, tmp_path):
     job += ["modes=[leader:header,all_ranks]", "ray.num_cpus=3", "ray.object_store_mb=256"]
     out = tmp_path / "all.json"
     argv = ["-m", *job, "payload.batch_size=2,4", f"out={out}", f"hydra.sweep.dir={tmp_path}"]
-    assert cli.main(["ray-dispatch", *argv]) == 0
+    assert cli.main(["run", "target=dispatch", *argv]) == 0
     assert [w for k, w in REGISTRY.worlds.items() if k[0] == "ray"] == [ray_world], (
         "the sweep must reuse the running Ray world"
     )
@@ -232,7 +233,9 @@ def test_ray_dispatch_sweep_shares_one_world(ray_world, tmp_path):
         # Hydra writes a sweep job's values in its own escaped form (leader\:header): they
         # parse back to this job's values.
         this_job = [*job, f"payload.batch_size={rec['batch_size']}", f"out={out}"]
-        assert values(shlex.split(rec["command"])[2:]) == values(this_job), rec["command"]
+        command = shlex.split(rec["command"])
+        assert command[:3] == ["bcastbench", "run", "target=dispatch"], rec["command"]
+        assert values(command[3:]) == values(this_job), rec["command"]
     assert [r["world_start_s"] for r in records] == [0.0, 0.0]
 
 
@@ -274,9 +277,7 @@ def test_the_limit_is_on_silence_not_on_the_job(ray_world):
     # The job outlasts the limit by construction, whatever the load: rank 0 adds an eighth of
     # the limit to each of its 24 timed calls, which every rank's next call waits for, while
     # every rank reports each call.
-    long = replace(
-        spec, iters=24, fault_kind="delay", fault_rank=0, fault_delay_us=int(limit / 8 * 1e6)
-    )
+    long = replace(spec, iters=24, fault=Fault(0, kind="delay", delay_us=int(limit / 8 * 1e6)))
     t0 = time.monotonic()
     ray_world.run(run_job_on_rank, long, timeout_s=limit)
     took = time.monotonic() - t0
@@ -294,7 +295,7 @@ def test_a_hung_rank_is_named_with_its_phase_and_the_next_job_revives_the_ranks(
     t0 = time.monotonic()
     ray_world.run(run_job_on_rank, healthy)
     healthy_s = time.monotonic() - t0  # what the job takes on this machine, now
-    spec = replace(healthy, fault_rank=1, fault_at_iter=0, fault_kind="hang")
+    spec = replace(healthy, fault=Fault(1, 0, "hang"))
     old_ranks = list(ray_world.rank_pids)
     t0 = time.monotonic()
     with pytest.raises(WorldError) as err:
@@ -319,7 +320,7 @@ def test_a_hung_rank_is_named_with_its_phase_and_the_next_job_revives_the_ranks(
 def test_crashing_rank_fails_by_name_and_close_leaves_nothing(ray_world):
     pids = set(ray_world.started_pids)
     assert set(ray_world.rank_pids) <= pids, "the rank actors must be among the tracked pids"
-    spec = JobSpec("header", TP2PP2, iters=2, warmup=0, fault_rank=1, fault_at_iter=0, **SMALL)
+    spec = JobSpec("header", TP2PP2, iters=2, warmup=0, fault=Fault(1, 0), **SMALL)
     with pytest.raises(WorldError, match="rank 1"):
         ray_world.run(run_job_on_rank, spec, timeout_s=60)
     assert not ray_world.alive
