@@ -123,7 +123,10 @@ def _compose(overrides):
         (["world=ray", "ray.dispatch=everyone"], "ray.dispatch must be one of none, leader"),
         (["world=ray", "ray.placement=SPREAD"], "ray.placement must be STRICT_PACK or PACK"),
         (["ray_job=all_ranks", "fault.rank=1"], "fault injection runs on broadcast jobs only"),
-        (["ray_job=leader_header", "emulate.enabled=true"], "bcastbench run target=dispatch-emulated"),
+        (
+            ["ray_job=leader_header", "emulate.enabled=true"],
+            "bcastbench run target=dispatch-emulated",
+        ),
     ],
 )
 def test_ray_settings_are_checked_before_ray_starts(overrides, says):
