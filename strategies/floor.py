@@ -163,7 +163,7 @@ class Floor(Strategy):
 
     @classmethod
     def plan(cls, layout, spec: PayloadSpec, method: str = "one", chunks: int = 4) -> Plan:
-        nbytes = spec.tensor_bytes + (spec.non_tensor_bytes if spec.broadcast_non_tensor else 0)
+        nbytes = spec.sent_bytes
         if method == "shm":  # a hand-off per replica: the cost model finds the nodes it spans
             shared = [
                 Handoff(tuple(r), nbytes, DEFAULT_STRIPE_MIN_BYTES)

@@ -245,7 +245,7 @@ class MegatronBroadcastData(Strategy):
     def plan(cls, layout, spec: PayloadSpec) -> Plan:
         """``spec.dtype_bytes`` must list the bytes per dtype in order of each dtype's first
         leaf; without it the data is planned as one buffer (``exact=False``)."""
-        nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
+        nt = spec.sent_non_tensor_bytes
         buffers = [(b, True) for b in spec.dtype_bytes]
         if not buffers and spec.tensor_bytes:
             buffers = [(spec.tensor_bytes, False)]

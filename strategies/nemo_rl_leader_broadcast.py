@@ -63,7 +63,6 @@ from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.strategy_base import Strategy
 from strategies.core.trace import WORK
 from strategies.pickled import send_or_failure
-from strategies.vllm_tensor_dict import leaf_nbytes
 
 BATCH_SIZE_KEY = "__batch_size__"
 NON_TENSOR_KEY = "__non_tensor_batch__"
@@ -194,10 +193,10 @@ class NemoRlLeaderBroadcast(Strategy):
 
     @classmethod
     def plan(cls, layout, spec: PayloadSpec, leaf_bytes: tuple[int, ...] | None = None) -> Plan:
-        """``leaf_bytes``: bytes of each tensor leaf in TensorDict order (see ``leaf_nbytes``).
+        """``leaf_bytes``: bytes of each tensor leaf in TensorDict order (``PayloadSpec.leaf_nbytes``).
         The descriptor's pickled size is not predicted (inexact)."""
-        sizes, exact = leaf_nbytes(spec, leaf_bytes)
-        nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
+        sizes, exact = spec.leaf_nbytes(leaf_bytes)
+        nt = spec.sent_non_tensor_bytes
         comms: list[Comm] = []
         replicas = layout.replica_groups() if layout.replica_size > 1 else []
         steps = [(8, "sizes", True), (nt, "pickle", False)] + [(n, "leaf", exact) for n in sizes]

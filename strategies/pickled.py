@@ -221,7 +221,7 @@ class Pickled(Strategy):
         it the size is estimated from ``spec`` and marked inexact."""
         if serialization not in SERIALIZATIONS:
             raise ValueError(f"serialization={serialization!r}; expected one of {SERIALIZATIONS}")
-        nbytes = spec.pickle_bytes + (spec.non_tensor_bytes if spec.broadcast_non_tensor else 0)
+        nbytes = spec.pickle_bytes + spec.sent_non_tensor_bytes
         exact = spec.pickle_exact and not spec.broadcast_non_tensor and serialization == "dataclass"
         if pickle_bytes is not None:
             nbytes, exact = pickle_bytes, True
@@ -269,7 +269,7 @@ def oob_plan(name: str, comms: list, hops: int, spec: PayloadSpec, serialization
     """The local work of the out-of-band serializations: only the non-tensor part is pickled in
     band; a hop's source copies the tensors' bytes into its buffer once; verl's receiver copies
     each tensor again (into its bytearray), vLLM's views them."""
-    nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
+    nt = spec.sent_non_tensor_bytes
     tb = spec.tensor_bytes
     kept = tb if serialization == "verl_numpy" else 0
     receiver = LocalWork(pickled_bytes=nt, copied_bytes=kept)

@@ -176,7 +176,7 @@ class RayObjectStore(Strategy):
         for step, (nbytes, what, exact) in enumerate(steps):
             for ranks in replicas:
                 comms.append(Comm("broadcast", tuple(ranks), ranks[0], nbytes, step, what, exact))
-        nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
+        nt = spec.sent_non_tensor_bytes
         scope = "replica" if store == "transferqueue" else "node"
         stores = [StoreFetch(store, tuple(r), spec.tensor_bytes + nt, scope) for r in replicas]
         return Plan(cls.name, comms, stores=stores)

@@ -176,7 +176,7 @@ class ScatterAllgather(Strategy):
         if n > 1:
             for ranks in layout.groups("tp-cp"):
                 comms.append(Comm("all_gather", tuple(ranks), None, c * n, step, "chunk"))
-        nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
+        nt = spec.sent_non_tensor_bytes
         return Plan(
             cls.name,
             comms,

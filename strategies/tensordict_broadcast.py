@@ -78,7 +78,6 @@ from strategies.core.parts import message_parts, nbytes_of
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.strategy_base import Strategy
 from strategies.core.trace import WORK
-from strategies.vllm_tensor_dict import leaf_nbytes
 
 CONSOLIDATE_ALIGN = 8  # tensordict pads every leaf of a mixed-dtype storage to 8 bytes
 COMPLEX_PREFIX = "__complex128__"
@@ -178,14 +177,14 @@ class TensorDictBroadcast(Strategy):
 
     @classmethod
     def plan(cls, layout, spec: PayloadSpec, leaf_bytes: tuple[int, ...] | None = None) -> Plan:
-        """``leaf_bytes``: bytes of each tensor leaf (see ``vllm_tensor_dict.leaf_nbytes``);
+        """``leaf_bytes``: bytes of each tensor leaf (``PayloadSpec.leaf_nbytes``);
         without them the storage size is ``tensor_bytes``, inexact by the 8-byte padding."""
         why = refusal(layout.world_size, layout.replica_size)
         if why is not None:
             raise TensorDictBroadcastBug(why)
-        sizes, exact = leaf_nbytes(spec, leaf_bytes)
+        sizes, exact = spec.leaf_nbytes(leaf_bytes)
         storage = sum(_padded(n) for n in sizes) if exact else spec.tensor_bytes
-        nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
+        nt = spec.sent_non_tensor_bytes
         comms: list[Comm] = []
         if layout.replica_size > 1:
             what = [(8, "sizes", True), (0, "pickle", False), (storage, "payload", exact)]

@@ -330,7 +330,7 @@ class VllmShmBroadcast(Strategy):
         """One node (a layout holds no nodes): no collective; the leader pickles every leaf
         and the flagged non-tensor arrays, each receiver unpickles them (the pickle's own
         framing is not counted)."""
-        nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
+        nt = spec.sent_non_tensor_bytes
         work = LocalWork(pickled_bytes=spec.tensor_bytes + nt)
         return Plan(cls.name, [], leader=work, receiver=work)
 

@@ -180,21 +180,6 @@ def from_tensor_dict(d: dict) -> tuple[TensorDict, dict | None]:
     return TensorDict(nested, batch_size=d[BATCH_SIZE_KEY]), d.get(NON_TENSOR_KEY)
 
 
-def leaf_nbytes(spec: PayloadSpec, leaf_bytes: tuple[int, ...] | None) -> tuple[list[int], bool]:
-    """Bytes per tensor leaf for a plan, and whether they are exact.
-
-    ``PayloadSpec`` has no per-leaf sizes; a plan takes them from ``leaf_bytes`` (or a
-    ``spec.leaf_bytes`` field, if one is ever added), else assumes equal leaves (inexact).
-    """
-    leaf_bytes = leaf_bytes if leaf_bytes is not None else getattr(spec, "leaf_bytes", None)
-    if leaf_bytes is not None:
-        return list(leaf_bytes), True
-    n = spec.n_tensors
-    if n == 0:
-        return [], True
-    return [spec.tensor_bytes // n + (i < spec.tensor_bytes % n) for i in range(n)], False
-
-
 class VllmTensorDict(Strategy):
     name = "vllm_tensor_dict"
     footprint = Footprint(leader=0, receiver=1)
@@ -223,9 +208,10 @@ class VllmTensorDict(Strategy):
 
     @classmethod
     def plan(cls, layout, spec: PayloadSpec, leaf_bytes: tuple[int, ...] | None = None) -> Plan:
-        """``leaf_bytes``: bytes of each tensor leaf in TensorDict order (see ``leaf_nbytes``)."""
-        sizes, exact = leaf_nbytes(spec, leaf_bytes)
-        nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
+        """``leaf_bytes``: bytes of each tensor leaf in TensorDict order
+        (``PayloadSpec.leaf_nbytes``)."""
+        sizes, exact = spec.leaf_nbytes(leaf_bytes)
+        nt = spec.sent_non_tensor_bytes
         comms: list[Comm] = []
         step = 0
         for groups in layout.seed_hop_groups():

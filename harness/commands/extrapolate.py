@@ -73,7 +73,7 @@ def layouts(tp: int, cp: int, pps: list[int], max_world: int = MAX_WORLD):
 def sweep(cluster, spec, tp: int, cp: int, pps: list[int], max_world: int) -> pd.DataFrame:
     """One row per (world, pp, strategy) with predicted seconds and the dominant term."""
     rows = []
-    payload = spec.tensor_bytes + (spec.non_tensor_bytes if spec.broadcast_non_tensor else 0)
+    payload = spec.sent_bytes
     for world, layout in layouts(tp, cp, pps, max_world):
         node = memory.busiest_node(layout, cluster.gpus_per_node)
         for name, p in predict_all(layout, spec, cluster).items():

@@ -23,6 +23,9 @@ from harness.errors import ConfigError, program, usage_error
 from strategies.core.formulas import ClusterError
 from strategies.core.layout import LayoutError
 
+PASSTHROUGH = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve"}
+"""Hydra's own flags: a command line with one of them is shown, not checked or run."""
+
 COMMANDS = "commands"
 """The folder of ``conf/`` that holds each command's YAML."""
 
@@ -106,8 +109,7 @@ def run_app(
         store_schema(name, schema)
     prog = program(module)
     argv = list(sys.argv[1:] if argv is None else argv)
-    passthrough = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve"}
-    if not passthrough & set(argv):
+    if not PASSTHROUGH & set(argv):
         try:
             check_all(name, argv, check)
         except user_errors() as exc:

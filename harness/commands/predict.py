@@ -253,7 +253,7 @@ def run(cfg) -> dict[str, Any]:
 def memory_report(layout, spec, cluster, preds, host_memory_bytes: int | None) -> str:
     """Each strategy's predicted peak on the layout's busiest node (``harness.model.memory``),
     and whether it fits ``host_memory_bytes`` (null: this machine's available memory)."""
-    payload = spec.tensor_bytes + (spec.non_tensor_bytes if spec.broadcast_non_tensor else 0)
+    payload = spec.sent_bytes
     node = memory.busiest_node(layout, cluster.gpus_per_node)
     host = mem_available() if host_memory_bytes is None else int(host_memory_bytes)
     lines = [

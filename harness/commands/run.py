@@ -24,7 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from harness import paths
-from harness.errors import ConfigError, VerificationError, usage_error
+from harness.commands.hydra_app import PASSTHROUGH
+from harness.errors import ConfigError, usage_error
 from harness.job import config_schema
 from harness.job.config_schema import BenchConf, register
 from harness.job.sweep_lock import claim, release
@@ -32,11 +33,9 @@ from harness.job.sweep_plan import check_sweep, expand_size_ranges, sweep_dir
 from harness.megatron_import import quiet_megatron
 from harness.report.sweep_state import STATE
 from harness.worlds import launcher
-from harness.worlds.protocol import WorldError
+from harness.worlds.protocol import JOB_FAILURES
 
 FAILED_EXIT, INTERRUPTED_EXIT = 1, 130
-JOB_FAILURES = (WorldError, VerificationError)
-"""What a job that ran but did not succeed raises (``harness.job.execute.JOB_FAILURES``)."""
 
 
 def _job():
@@ -48,7 +47,6 @@ def _job():
     return app
 
 
-PASSTHROUGH = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve"}
 """Hydra's own options that show things instead of running jobs."""
 
 

@@ -26,13 +26,14 @@ from harness.errors import VerificationError
 from harness.job import records
 from harness.job.build import from_run_config
 from harness.job.config import validate
-from harness.job.execute import JOB_FAILURES, RESULT_FILE, run_job, world_spec
+from harness.job.execute import RESULT_FILE, run_job, world_spec
 from harness.job.fits import fitted
 from harness.job.records import job_line
 from harness.job.results import Refusal
 from harness.job.verdict import records_beside
 from harness.machine import host_cores
 from harness.worlds import launcher as launchers
+from harness.worlds.protocol import JOB_FAILURES
 
 log = logging.getLogger("bcastbench")
 """Hydra points it at the terminal and at the job's ``bcastbench.log`` (conf/config.yaml)."""

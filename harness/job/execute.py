@@ -16,7 +16,6 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from harness.errors import VerificationError
 from harness.job import records
 from harness.job.broadcast import run_job_on_rank
 from harness.job.config import ray_conf
@@ -32,10 +31,7 @@ from harness.machine import host_before_job
 from harness.worlds.emulated_network import EmulateConf
 from harness.worlds.launcher import EMULATED, RAY, Launch, WorldSpec
 from harness.worlds.opening import open_world
-from harness.worlds.protocol import World, WorldError
-
-JOB_FAILURES = (WorldError, VerificationError)
-"""What a job that ran but did not succeed raises (as opposed to a bad config or a bug)."""
+from harness.worlds.protocol import World
 
 RESULT_FILE = "result.json"
 """The record's name in a job's directory."""

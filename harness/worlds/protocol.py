@@ -16,6 +16,8 @@ import logging
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from harness.errors import VerificationError
+
 log = logging.getLogger(__name__)
 
 RankFn = Callable[..., Any]
@@ -25,6 +27,11 @@ it and its arguments must pickle (forked, Ray and emulated worlds send them to t
 
 class WorldError(RuntimeError):
     """A rank failed, crashed or stopped responding; the message names the rank and phase."""
+
+
+JOB_FAILURES: tuple[type[BaseException], ...] = (WorldError, VerificationError)
+"""What a job that ran but did not succeed raises (as opposed to a bad config or a bug): a
+sweep records it as a failed job and goes on."""
 
 
 @runtime_checkable

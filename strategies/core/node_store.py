@@ -187,7 +187,7 @@ class NodeStore(PackedStrategy):
         cores). ``stage`` (a batch on a device): the leader's message goes to the host once,
         and each reader's copy (its fetch, or the message whole) goes onto its device."""
         n = spec.message_bytes
-        nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
+        nt = spec.sent_non_tensor_bytes
         replicas = [tuple(r) for r in layout.replica_groups() if len(r) > 1]
         fetches = [StoreFetch("node_shm", r, n, "node", crosses=False) for r in replicas]
         staged = n if stage and not cls.readers_copy else 0  # a fetch is priced as the store's

@@ -166,6 +166,28 @@ class PayloadSpec:
     """Bytes of each tensor leaf in iteration order (strategies that send one per tensor)."""
 
     @property
+    def sent_non_tensor_bytes(self) -> int:
+        """The pickled non-tensor bytes a call moves: ``non_tensor_bytes`` where the batch flags
+        them for broadcast (``broadcast_non_tensor``), else none."""
+        return self.non_tensor_bytes if self.broadcast_non_tensor else 0
+
+    @property
+    def sent_bytes(self) -> int:
+        """Tensor bytes plus ``sent_non_tensor_bytes``: what a raw broadcast of the batch moves."""
+        return self.tensor_bytes + self.sent_non_tensor_bytes
+
+    def leaf_nbytes(self, leaf_bytes: tuple[int, ...] | None = None) -> tuple[list[int], bool]:
+        """Bytes per tensor leaf for a plan, and whether they are exact: ``leaf_bytes`` when
+        given, else this spec's own, else equal leaves (inexact)."""
+        leaf_bytes = leaf_bytes if leaf_bytes is not None else self.leaf_bytes
+        if leaf_bytes is not None:
+            return list(leaf_bytes), True
+        n = self.n_tensors
+        if n == 0:
+            return [], True
+        return [self.tensor_bytes // n + (i < self.tensor_bytes % n) for i in range(n)], False
+
+    @property
     def message_bytes(self) -> int:
         """Size of the packed message: header (with leaf padding) + tensors + the padded
         non-tensor blob when it travels."""

@@ -41,7 +41,7 @@ def relay_work(
     """The local work of a relayed message: the leader packs it; a receiver (and a forwarder,
     when the plan has one) unpickles the flagged non-tensor blob and, when ``receiver_copies``,
     copies the message into a larger buffer when it outgrew the announced size."""
-    nt = spec.non_tensor_bytes if spec.broadcast_non_tensor else 0
+    nt = spec.sent_non_tensor_bytes
     copied = first if total > first else 0
     work = {
         "leader": LocalWork(packed_bytes=total),
