@@ -65,9 +65,7 @@ class NodeStore(PackedStrategy):
 
     # -- the call --------------------------------------------------------------------------
     def transfer(self, batch: DataProto) -> DataProto:
-        g = self.groups
-        if g.replica_ranks == (g.rank,):  # a replica of one: the leader holds what it sends
-            return batch
+        g = self.groups  # a replica of one never gets here (``Strategy.get_data_input``)
         with self.named():
             if not g.is_leader:
                 self.connect()
