@@ -10,6 +10,7 @@ order, and how its times become a record's p50 is the same.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -38,20 +39,22 @@ def interleaved(
     warm-up rounds from ``-warmup``) and returns its seconds when ``timed``;
     ``round_start(c, timed)``, where given, runs before round ``c`` of the whole sequence
     (warm-up rounds first): the job moves call c's shape there. ``budget``, where given (and
-    warm-up rounds ran), takes each strategy's warm-up seconds per call and returns how many
+    warm-up rounds ran), takes each strategy's fastest warm-up call's seconds and returns how many
     timed rounds it takes part in: one whose rounds are spent sits out the rest, so any two
     strategies share their first rounds."""
-    warm = dict.fromkeys(order, 0.0)
+    warm = dict.fromkeys(order, math.inf)
     for c in range(warmup):
         if round_start is not None:
             round_start(c, False)
         for name in order:
             t0 = time.perf_counter()
             call(name, c - warmup, False)
-            warm[name] += time.perf_counter() - t0
+            warm[name] = min(warm[name], time.perf_counter() - t0)
     rounds = dict.fromkeys(order, iters)
     if budget is not None and warmup > 0:
-        rounds = budget({name: seconds / warmup for name, seconds in warm.items()})
+        # The fastest warm-up call: a first call that set up a channel or faulted in its
+        # buffers says what the set-up costs, not what the timed calls will.
+        rounds = budget(warm)
     times: dict[str, list[float]] = {name: [] for name in order}
     for it in range(iters):
         if round_start is not None:

@@ -72,3 +72,27 @@ def test_a_budget_needs_warm_up_and_a_constant_workload():
     ):
         with pytest.raises(ConfigError, match=match):
             validate(cfg_of("time_budget_s=4", "layout=tp2", extra))
+
+
+def test_the_budget_prices_a_strategy_by_its_fastest_warm_up_call(monkeypatch):
+    """A first call that sets up a channel or faults in its buffers is no guide to the timed
+    ones: the budget sees the fastest warm-up call (a clock that moves only inside calls)."""
+    from harness.job import rounds
+
+    clock = [0.0]
+    monkeypatch.setattr(rounds.time, "perf_counter", lambda: clock[0])
+    costs = iter([5.0, 0.5])  # the set-up call, then a warm one
+
+    def call(name, it, timed):
+        if not timed:
+            clock[0] += next(costs)
+        return 0.1 if timed else None
+
+    seen = {}
+
+    def budget(warm):
+        seen.update(warm)
+        return {"a": 6}
+
+    interleaved(["a"], 2, 8, call, budget=budget)
+    assert seen == {"a": 0.5}
