@@ -42,47 +42,15 @@ Per call: 3 collectives over the replica (reference sizes, reference bytes, barr
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
-from strategies.core.contract import (
-    ContractError,
-    ShippedFailure,
-    Unsupported,
-    broadcast_objects,
-    deliver,
-    is_non_tensor_leaf,
-    leaves,
-    raise_failure,
-    wants_non_tensor,
-)
+from strategies.core.contract import ContractError, is_non_tensor_leaf, leaves, wants_non_tensor
 from strategies.core.footprint import Footprint
-from strategies.core.plan import Comm, PayloadSpec, Plan, StoreFetch
-from strategies.core.strategy_base import Strategy
+from strategies.core.pulled_store import PulledStore, ray_actor_module
 from strategies.pickled import loads_back
 
 WORLD_HINT = "run it on a Ray world: bcastbench run world=ray strategy=ray_object_store"
 
 
-def ray_actor_module(strategy: str, rank: int, hint: str):
-    """The ``ray`` module where this process is a connected Ray actor; else Unsupported naming
-    the rank, the strategy and ``hint`` (raised on every rank alike: a world's ranks are all
-    actors or none is)."""
-    try:
-        import ray  # optional: only a Ray world's ranks have it connected
-    except ImportError:
-        raise Unsupported(
-            f"rank {rank}: {strategy} needs Ray (pip install 'bcastbench[ray]'); {hint}"
-        ) from None
-    connected = hasattr(ray, "is_initialized") and ray.is_initialized()
-    if not connected or ray.get_runtime_context().get_actor_id() is None:
-        raise Unsupported(
-            f"rank {rank}: {strategy} needs its ranks to be connected Ray actors, and this "
-            f"rank is not one; {hint}"
-        )
-    return ray
-
-
-class RayObjectStore(Strategy):
+class RayObjectStore(PulledStore):
     """The leader ``ray.put``s, the reference goes over the replica, every rank ``ray.get``s."""
 
     name = "ray_object_store"
@@ -115,74 +83,29 @@ class RayObjectStore(Strategy):
                     "it as a wider dtype"
                 )
 
-    def transfer(self, batch):
-        g = self.groups
-        if g.is_leader:
-            return self._send(batch)
-        return self._receive(batch)
-
-    def _send(self, batch):
-        g, ray = self.groups, self._ray
+    def put(self, batch):
+        """One ``ray.put`` of the TensorDict and the flagged non-tensor batch; the signal is
+        its reference, pickled out of band (Ray pins the object on this owner until
+        ``settle``)."""
+        ray = self._ray
         non_tensor = batch.non_tensor_batch if wants_non_tensor(batch) else None
-        ref = ray.put((batch.batch, non_tensor))  # a failure here fails before any collective
-        blob = ray.cloudpickle.dumps(ref)  # out of band: Ray pins the object on this owner
+        ref = ray.put((batch.batch, non_tensor))
+        blob = ray.cloudpickle.dumps(ref)
         self._pinned.append(ref)
-        box = [blob]
-        failed = broadcast_objects(box, g.leader, g.cpu_replica_group)
-        dist.barrier(group=g.cpu_replica_group)
-        self._release()
-        if failed is not None:
-            raise_failure(g, box[0].text, failed)
-        return batch
+        return blob
 
-    def _release(self) -> None:
+    def settle(self) -> None:
         """Every rank has passed this call's barrier: no reference of this instance is still
         being fetched, so every pin is removed and every reference dropped."""
         core = self._ray._private.worker.global_worker.core_worker
         while self._pinned:
             core.remove_object_ref_reference(self._pinned.pop())
 
-    def _receive(self, entry):
-        g, ray = self.groups, self._ray
-        box = [None]
-        broadcast_objects(box, g.leader, g.cpu_replica_group)
-        if isinstance(box[0], ShippedFailure):
-            dist.barrier(group=g.cpu_replica_group)
-            raise_failure(g, box[0].text)
-        try:
-            ref = ray.cloudpickle.loads(box[0])
-            td, non_tensor = ray.get(ref)
-            del ref
-        except Exception as exc:  # noqa: BLE001 -- the barrier first, so the leader goes on
-            dist.barrier(group=g.cpu_replica_group)
-            raise RuntimeError(
-                f"rank {g.rank}: {self.name}: fetching the leader's (rank {g.leader}) object "
-                f"failed: {type(exc).__name__}: {exc}"
-            ) from exc
-        dist.barrier(group=g.cpu_replica_group)
-        return deliver(entry, td, non_tensor if wants_non_tensor(entry) else None)
+    def fetch(self, signal):
+        ref = self._ray.cloudpickle.loads(signal)
+        td, non_tensor = self._ray.get(ref)
+        del ref
+        return td, non_tensor
 
-    @classmethod
-    def plan(cls, layout, spec: PayloadSpec, store: str = "ray_object") -> Plan:
-        """Per replica: the reference's size and bytes (its pickled size, ~``REF_BYTES``, is
-        not predicted: inexact) and the barrier, priced as an empty broadcast (inexact); the
-        leader's ``ray.put`` and every other rank's ``ray.get`` of the batch as a fetch from
-        ``store`` (``StoreFetch``: the cluster's put/get α, β and fetch contention, Ray's
-        serialization of the TensorDict included; the object is copied once to each other
-        node and read there by that node's ranks)."""
-        comms: list[Comm] = []
-        replicas = layout.replica_groups() if layout.replica_size > 1 else []
-        steps = [(8, "sizes", True), (REF_BYTES, "reference", False), (0, "barrier", False)]
-        for step, (nbytes, what, exact) in enumerate(steps):
-            for ranks in replicas:
-                comms.append(Comm("broadcast", tuple(ranks), ranks[0], nbytes, step, what, exact))
-        nt = spec.sent_non_tensor_bytes
-        scope = "replica" if store == "transferqueue" else "node"
-        stores = [StoreFetch(store, tuple(r), spec.tensor_bytes + nt, scope) for r in replicas]
-        return Plan(cls.name, comms, stores=stores)
-
-
-REF_BYTES = 256
-"""About what an ObjectRef pickles to out of band (231 bytes measured on a local cluster)."""
 
 STRATEGY = RayObjectStore

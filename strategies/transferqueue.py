@@ -60,18 +60,9 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from strategies.core.contract import (
-    ShippedFailure,
-    Unsupported,
-    broadcast_objects,
-    deliver,
-    leaves,
-    raise_failure,
-    wants_non_tensor,
-)
+from strategies.core.contract import Unsupported, leaves, wants_non_tensor
 from strategies.core.footprint import Footprint
-from strategies.core.strategy_base import Strategy
-from strategies.ray_object_store import RayObjectStore, ray_actor_module
+from strategies.core.pulled_store import PulledStore, ray_actor_module
 
 EXTRA = "pip install 'bcastbench[transferqueue]'"
 WORLD_HINT = "run it on a Ray world: bcastbench run world=ray strategy=transferqueue"
@@ -105,7 +96,7 @@ class Signal:
     whole: object = None
 
 
-class TransferQueue(Strategy):
+class TransferQueue(PulledStore):
     """The leader puts, signals the replica, every rank gets; the leader clears."""
 
     name = "transferqueue"
@@ -114,6 +105,11 @@ class TransferQueue(Strategy):
     storage unit, every rank's own copy."""
     world = "ray"
     actor_cpus = TQ_CPUS
+    store = "transferqueue"
+    store_scope = "replica"
+    """The plan (``PulledStore.plan``) prices the cluster's ``transferqueue`` store: one storage
+    unit serves every reader of the replica (they contend for it, and a remote reader fetches
+    across the network); the conversion back to the leader's batch is in its α and β."""
     claims = "3 over the replica (signal sizes, bytes, barrier) + a put and clear, a get each"
 
     @classmethod
@@ -150,13 +146,9 @@ class TransferQueue(Strategy):
             self._tq.init()
         torch.set_num_threads(threads)
 
-    def transfer(self, batch):
-        if self.groups.is_leader:
-            return self._send(batch)
-        return self._receive(batch)
-
     # -- leader --------------------------------------------------------------------------------
-    def _send(self, batch):
+    def put(self, batch):
+        """The batch's fields under this call's keys (``kv_batch_put``); the signal rebuilds it."""
         g = self.groups
         # The call's number moves on only once a call is through: a call the base class
         # finishes after a fault replays this one under the same keys, so its signal is the
@@ -167,14 +159,11 @@ class TransferQueue(Strategy):
         if keys:
             self._uncleared.update(keys)
             self._call(self._tq.kv_batch_put, keys=keys, partition_id=PARTITION, fields=fields)
-        box = [signal]
-        failed = broadcast_objects(box, g.leader, g.cpu_replica_group)
-        dist.barrier(group=g.cpu_replica_group)
+        return signal
+
+    def settle(self) -> None:
         self._clear()
         self._calls += 1
-        if failed is not None:
-            raise_failure(g, box[0].text, failed)
-        return batch
 
     def _clear(self) -> None:
         """Every rank has passed this call's barrier: every key this instance put and has not
@@ -193,40 +182,14 @@ class TransferQueue(Strategy):
             torch.set_num_threads(threads)
 
     # -- readers -------------------------------------------------------------------------------
-    def _receive(self, entry):
-        g = self.groups
-        box = [None]
-        broadcast_objects(box, g.leader, g.cpu_replica_group)
-        signal = box[0]
-        if isinstance(signal, ShippedFailure):
-            dist.barrier(group=g.cpu_replica_group)
-            raise_failure(g, signal.text)
-        try:
-            td, non_tensor = self._fetch(signal)
-        except Exception as exc:  # noqa: BLE001 -- the barrier first, so the leader goes on
-            dist.barrier(group=g.cpu_replica_group)
-            raise RuntimeError(
-                f"rank {g.rank}: {self.name}: fetching the leader's (rank {g.leader}) batch "
-                f"{signal.prefix} failed: {type(exc).__name__}: {exc}"
-            ) from exc
-        dist.barrier(group=g.cpu_replica_group)
-        return deliver(entry, td, non_tensor if wants_non_tensor(entry) else None)
+    def fetched(self, signal) -> str:
+        return f"batch {signal.prefix}"
 
-    def _fetch(self, signal: Signal):
+    def fetch(self, signal: Signal):
         if signal.whole is not None:
             return signal.whole
         got = self._call(self._tq.kv_batch_get, keys=_keys(signal), partition_id=PARTITION)
         return _decode(signal, got)
-
-    @classmethod
-    def plan(cls, layout, spec):
-        """As ``ray_object_store``'s (a small pickled signal, a barrier), with the batch put
-        into and fetched from the cluster's ``transferqueue`` store: one storage unit serves
-        every reader of the replica (they contend for it, and a remote reader fetches across
-        the network); the conversion back to the leader's batch is in its α and β."""
-        plan = RayObjectStore.plan(layout, spec, store="transferqueue")
-        plan.strategy = cls.name
-        return plan
 
 
 def _controller_exists(ray) -> bool:
