@@ -24,10 +24,9 @@ from hydra.types import RunMode
 
 from harness.errors import VerificationError
 from harness.job import records
-from harness.job.build import from_run_config
-from harness.job.config import validate
-from harness.job.execute import RESULT_FILE, run_job, world_spec
+from harness.job.execute import RESULT_FILE, run_job
 from harness.job.fits import fitted
+from harness.job.job_config import JobConfig
 from harness.job.records import job_line
 from harness.job.results import Refusal
 from harness.job.verdict import records_beside
@@ -94,18 +93,15 @@ def run(cfg) -> dict | None:
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     out_dir = Path(hydra_cfg.runtime.output_dir)
-    launch = launchers.current(emulate=bool(cfg.emulate.enabled), world=str(cfg.world))
+    job = JobConfig.of(cfg, out_dir)  # nothing below reads cfg
+    launch, spec = job.launch, job.spec
     launchers.quiet_other_ranks(launch)
-    layout = validate(cfg, launch.world_size)
     if launch.kind != launchers.JOINED:
-        _warn_oversubscribed(layout)
-    spec = from_run_config(cfg, layout)
+        _warn_oversubscribed(spec.layout)
     fits = fitted(spec, on_this_host=launch.kind in (launchers.FORKED, launchers.EMULATED))
     if isinstance(fits, str):
         return _refused(spec, fits, out_dir, multirun)
-    spec = fits
-    world = world_spec(cfg, layout, launch, out_dir)
-    record = run_job(world, spec, out_dir, _recorded_failures(launch, multirun))
+    record = run_job(job.world, fits, out_dir, _recorded_failures(launch, multirun))
     if record is None:
         return None
     line = job_line(record, records_beside(out_dir))

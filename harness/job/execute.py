@@ -3,9 +3,6 @@
 the job's phases where its scope puts them (a broadcast job on every rank, a dispatch job on
 the Ray driver), summarizes them (``harness.job.summary``), builds the record
 (``harness.job.records``) and, given a directory, writes it there atomically.
-
-``world_spec`` reads the ``WorldSpec`` a job's validated config asks for
-(``harness.worlds.opening.open_world`` opens it).
 """
 
 from __future__ import annotations
@@ -14,11 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from harness.job import records
 from harness.job.broadcast import run_job_on_rank
-from harness.job.config import ray_conf
 from harness.job.config_schema import layout_name
 from harness.job.dispatch import run_dispatch
 from harness.job.label import Label
@@ -28,29 +22,12 @@ from harness.job.samples import write_samples
 from harness.job.spec import JobSpec, Scope
 from harness.job.summary import summarize
 from harness.machine import host_before_job
-from harness.worlds.emulated_network import EmulateConf
-from harness.worlds.launcher import EMULATED, RAY, Launch, WorldSpec
+from harness.worlds.launcher import WorldSpec
 from harness.worlds.opening import open_world
 from harness.worlds.protocol import World
 
 RESULT_FILE = "result.json"
 """The record's name in a job's directory."""
-
-
-def world_spec(cfg, layout, launch: Launch, out_dir: Path | None = None) -> WorldSpec:
-    """The ``WorldSpec`` of a validated job config on ``launch``'s world."""
-    extra: dict[str, Any] = {}
-    if launch.kind == RAY:
-        extra["ray"] = ray_conf(cfg)
-    if launch.kind == EMULATED:
-        conf = OmegaConf.to_object(cfg.emulate) if OmegaConf.is_config(cfg.emulate) else cfg.emulate
-        if not isinstance(conf, EmulateConf):  # a job config composed without the schema
-            conf = EmulateConf(**conf)
-        extra.update(emulate=conf, log_dir=out_dir)
-    return WorldSpec(
-        launch, layout.world_size, cfg.backend.name, cfg.backend.device, float(cfg.timeout_s),
-        **extra,
-    )  # fmt: skip
 
 
 def run_job(

@@ -21,7 +21,7 @@ Four worlds, one question each answers: *where are the ranks?* (each a
 ``detect`` is a pure function of the environment and the two config choices (``world``,
 ``emulate.enabled``), tested from plain dicts; ``current`` reads the environment once per
 process, before anything here exports the variables ``env://`` needs. A ``WorldSpec`` is what a
-world is made from (``harness.job.execute.world_spec`` reads it from a job's config);
+world is made from (``harness.job.job_config.world_spec`` reads it from a job's config);
 ``open_world`` reuses the live world of that spec or starts one
 (``harness.worlds.protocol.REGISTRY``).
 """
