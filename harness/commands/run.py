@@ -47,9 +47,6 @@ def _job():
     return app
 
 
-"""Hydra's own options that show things instead of running jobs."""
-
-
 def _nothing_written_by_other_ranks(argv: list[str]) -> list[str]:
     """Under torchrun every rank runs this command; only global rank 0 owns the output
     directory. The others write nothing anywhere: no saved config, no log file, and as their

@@ -1,6 +1,7 @@
 """The Hydra task of ``bcastbench run``: one job, read straight through.
 
-    launcher (detected once per process) → validate (once) → job spec → launch → summarize
+    JobConfig.of (the launch, detected once per process; the config checked once; the job
+    spec and the world spec: nothing after reads the config) → fitted to the host → run_job
     → record (atomically, into the job's output directory)
 
 The worlds (``harness.worlds.launcher``, chosen once by ``launch.detect``): a forked local world, a
@@ -24,6 +25,7 @@ from hydra.types import RunMode
 
 from harness.errors import VerificationError
 from harness.job import records
+from harness.job.config import validate  # noqa: F401 -- what run.py checks every job with
 from harness.job.execute import RESULT_FILE, run_job
 from harness.job.fits import fitted
 from harness.job.job_config import JobConfig
