@@ -22,6 +22,7 @@ import csv
 import sys
 
 from harness.errors import USAGE_EXIT
+from harness.job.interval import interval_keys
 from harness.report.cells import METHODS, CellsError, Row, compare, load_cells
 from harness.units import human_bytes
 
@@ -29,7 +30,7 @@ PROG = "bcastbench compare"
 SLOWED_EXIT = 1
 """``--fail-above``: a cell's whole interval is above the threshold."""
 HEADER = ["strategy", "layout", "payload", "bytes", "old_p50_us", "new_p50_us", "ratio",
-          "ratio_lo", "ratio_hi", "method", "verdict", "oversubscribed"]  # fmt: skip
+          *interval_keys("ratio"), "method", "verdict", "oversubscribed"]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,7 @@ import pandas as pd
 import strategies
 from harness.errors import USAGE_EXIT, program
 from harness.files import write_atomic, write_csv, write_figure
+from harness.job.label import FLOOR, Label
 from harness.payload import generated
 from harness.report import collect
 from harness.report.collect import records_dir_problem
@@ -75,7 +76,7 @@ def floor_plan(layout, spec, method):
     options ``Floor.variants`` gave it in the job, so the predicted floor is the measured
     one's; one broadcast for a record that names none of them."""
     floor = strategies.get_class("floor")
-    return floor.plan(layout, spec, **floor.variants(layout).get(f"floor:{method}", {}))
+    return floor.plan(layout, spec, **floor.variants(layout).get(str(Label(FLOOR, method)), {}))
 
 
 def price_records(df: pd.DataFrame, cluster_name: str) -> pd.DataFrame:
