@@ -44,10 +44,6 @@ class Fault:
                 f"valid: -1 (no fault) or 0..{world_size - 1}"
             )
 
-    @property
-    def injected(self) -> bool:
-        return self.rank >= 0
-
     def delays(self, rank: int) -> bool:
         """Whether ``rank`` is a ``kind=delay`` job's fault rank."""
         return self.kind == "delay" and rank == self.rank

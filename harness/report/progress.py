@@ -96,7 +96,7 @@ class Progress(Callback):
         lines = [
             f"\nbcastbench: {STATE.done} jobs, {STATE.failed} failed, "
             f"{time.monotonic() - self.t0:.0f} s",
-            *(sweep_summary(root) if not df.empty else ["(no results)"]),
+            *(sweep_summary(root, df) if not df.empty else ["(no results)"]),
             f"records: {root}",
             f"table:   {root / 'results.csv'}",
         ]

@@ -45,7 +45,12 @@ none (NaN)."""
 def load(root: Path | str) -> pd.DataFrame:
     """Every record under ``root`` (``collect.load``), with the columns the report needs and
     ``layout`` naming the run setting (``_label_settings``)."""
-    df = _broadcast_jobs_that_ran(collect.load(root))
+    return of_records(collect.load(root))
+
+
+def of_records(records: pd.DataFrame) -> pd.DataFrame:
+    """``load``'s table from records already read (``collect.load``; not changed)."""
+    df = _broadcast_jobs_that_ran(records.copy())
     if df.empty:
         return df
     df = _label_options(df)
@@ -372,7 +377,7 @@ def recommendation(df: pd.DataFrame) -> pd.DataFrame:
             metric = "vs_floor" if tab["vs_floor"].notna().any() else "p50_us"
             ranked = tab[tab["payload_bytes"] == size].sort_values(metric)
             times = {n: t for n, t in zip(ranked["strategy"], ranked[metric]) if not math.isnan(t)}
-            times = without_servers(times, _choices(df, layout, size))
+            times = without_servers(times, choices(df, layout, size))
             ranked = ranked[ranked["strategy"].isin(times)]
             if not times:
                 continue
@@ -399,7 +404,7 @@ def recommendation(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _choices(df: pd.DataFrame, layout: str, size: float) -> dict[str, str]:
+def choices(df: pd.DataFrame, layout: str, size: float) -> dict[str, str]:
     """Per strategy that serves its calls with another (``auto``), the one it served in this
     cell's jobs (the first recorded, where jobs differ)."""
     if "auto_choice" not in df.columns:

@@ -23,10 +23,11 @@ MOST_LINES = 30
 """Cells (and then notes) past this many are counted, not listed: the screen stays readable."""
 
 
-def sweep_summary(root: Path | str) -> list[str]:
-    """The summary lines of the sweep under ``root`` (none where it holds no record)."""
-    raw = collect.load(root)
-    df = tables.load(root)
+def sweep_summary(root: Path | str, raw: pd.DataFrame | None = None) -> list[str]:
+    """The summary lines of the sweep under ``root`` (none where it holds no record); ``raw``:
+    its records, where the caller read them already (``collect.load``)."""
+    raw = collect.load(root) if raw is None else raw
+    df = tables.of_records(raw)
     if df.empty:
         return _jobs(raw)
     return [*_cells(df), *_failed(raw), *_refused(df)]
@@ -100,10 +101,9 @@ def _refused(df: pd.DataFrame) -> list[str]:
 
 def _served(rows: pd.DataFrame, name: str) -> str:
     """``name``, or ``auto (→ shm)`` for a strategy that served its calls with another."""
-    if "auto_choice" not in rows.columns:
-        return name
-    chosen = rows.loc[(rows["strategy"] == name) & rows["auto_choice"].notna(), "auto_choice"]
-    return served(name, None if chosen.empty else str(chosen.iloc[0]))
+    return served(
+        name, tables.choices(rows, rows["layout"].iloc[0], rows["payload_bytes"].iloc[0]).get(name)
+    )
 
 
 def _p50(row) -> str:
