@@ -18,16 +18,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
 
 from harness.commands.hydra_app import run_app
 from harness.commands.tool import job_command, job_dir, write_out
 from harness.job import config_schema, records
-from harness.job.build import from_dispatch_config
-from harness.job.config import dispatch_ray_conf, validate_dispatch
+from harness.job.config import validate_dispatch
 from harness.job.config_schema import LayoutConf, PayloadConf, RayNode
 from harness.job.dispatch_modes import ALL_RANKS, FLOORS
 from harness.job.execute import run_job
+from harness.job.job_config import DispatchConfig
 from harness.worlds import opening
 
 # -- command line --------------------------------------------------------------------------
@@ -99,17 +98,16 @@ def task(cfg) -> dict:
     """One Hydra job: time the modes on this process's Ray world of the layout's size (started
     by the first job of that size, reused by the next ones: ``harness.worlds.opening.ray_world``),
     write the record in the job's directory, print the table."""
-    spec = from_dispatch_config(cfg)
-    world = opening.ray_world(spec.layout.world_size, dispatch_ray_conf(cfg))
+    job = DispatchConfig.of(cfg)  # nothing below reads cfg
+    world = opening.ray_world(job.spec.layout.world_size, job.ray)
     config_schema.COMMAND[:] = [job_command(MODULE)]  # this job's own line, a sweep's values in it
-    extra = OmegaConf.to_container(cfg.record, resolve=True)
-    record = run_job(world, spec, job_dir(), extra=extra)
+    record = run_job(world, job.spec, job_dir(), extra=job.record)
     if record["world_start_s"]:
         print(f"Ray world of {world.world_size} ranks started in "
               f"{record['world_start_s']:.1f} s", flush=True)  # fmt: skip
     print(format_table(record) + "\n", flush=True)
     _DONE.append(record)
-    write_out(_DONE, cfg.out)
+    write_out(_DONE, job.out)
     return record
 
 

@@ -8,44 +8,31 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from harness.job.config import (
+    Checked,
     dispatch_modes_of,
-    dispatch_ray_conf,
-    fault_of,
     layout_of,
-    payload_of,
     strategy_of,
-    workload_of,
 )
 from harness.job.spec import JobSpec
 from harness.payload import source
 from harness.worlds.launcher import RAY
+from harness.worlds.ray_cluster import RayConf
 from strategies.core.layout import Layout
 
 
-def _payload_of(cfg, layout) -> tuple[source.PayloadSource, int | None]:
-    """The job's payload source and its tokens per row: the config's for a generated payload;
-    a recorded one as validation read it (the same read: ``harness.job.config.payload_of``
-    keeps it) with the recording's own."""
-    p = cfg.payload
-    if p.name not in source.RECORDED:
-        return source.open_payload(p.name), int(p.seq_len)
-    rows = max(s.batch_size for s in workload_of(cfg, layout, None).period)
-    payload = payload_of(p, rows)
-    return payload, payload.seq_len(int(p.seed))
-
-
-def from_run_config(cfg, layout) -> JobSpec:
-    """A ``bcastbench run`` job: everything a rank needs, read from the validated config once."""
-    payload, seq_len = _payload_of(cfg, layout)
+def from_run_config(cfg, checked: Checked) -> JobSpec:
+    """A ``bcastbench run`` job: everything a rank needs, from the config as ``check`` read it
+    (``checked``: the layout, workload, fault and payload, each read once) and its plain
+    values."""
     return JobSpec(
         strategy=strategy_of(cfg),
-        layout=layout,
+        layout=checked.layout,
         payload=cfg.payload.name,
-        payload_path=payload.path,
+        payload_path=checked.payload.path,
         payload_trust=bool(cfg.payload.get("trust", False)),
         payload_max_bytes=cfg.payload.get("max_bytes"),
         batch_size=int(cfg.payload.batch_size),
-        seq_len=seq_len,
+        seq_len=checked.seq_len,
         broadcast_non_tensor=cfg.payload.broadcast_non_tensor,
         seed=int(cfg.payload.seed),
         iters=int(cfg.iters),
@@ -54,7 +41,7 @@ def from_run_config(cfg, layout) -> JobSpec:
         references=tuple(cfg.references),
         record_each=bool(cfg.record_each),
         options=OmegaConf.to_container(cfg.strategy.options, resolve=True) or {},
-        fault=fault_of(cfg),
+        fault=checked.fault,
         repeats=int(cfg.repeats),
         # Counted only where the rank context carries the emulated links' counter.
         link_bytes_calls=int(cfg.emulate.bytes_calls) if cfg.emulate.enabled else 0,
@@ -62,19 +49,19 @@ def from_run_config(cfg, layout) -> JobSpec:
         device=cfg.backend.device,
         world=str(cfg.world),
         dispatch=str(cfg.ray.dispatch) if cfg.world == RAY else "none",
-        workload=workload_of(cfg, layout, seq_len),
+        workload=checked.workload,
         steady_iters=int(cfg.steady_iters),
         timeout_s=float(cfg.timeout_s),
-        source=payload,
+        source=checked.payload,
     )
 
 
-def from_dispatch_config(cfg) -> JobSpec:
+def from_dispatch_config(cfg, conf: RayConf) -> JobSpec:
     """A ``bcastbench ray-dispatch`` job (``harness.commands.ray_dispatch.RayDispatchConf``,
-    validated by ``harness.job.config.validate_dispatch``): a dispatch job whose record is about
-    its first mode, with every other mode (and each family's floor) timed beside it."""
+    validated by ``harness.job.config.validate_dispatch``; ``conf``, its Ray settings read
+    once): a dispatch job whose record is about its first mode, with every other mode (and
+    each family's floor) timed beside it."""
     p, first = cfg.payload, dispatch_modes_of(cfg)[0]
-    conf = dispatch_ray_conf(cfg)
     return JobSpec(
         strategy=first.strategy or "",  # all_ranks runs no strategy
         layout=layout_of(cfg),

@@ -6,6 +6,7 @@ Hydra composes is ``harness.job.config_schema``."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from omegaconf import OmegaConf
 
@@ -30,9 +31,32 @@ def layout_of(cfg) -> Layout:
         raise ConfigError(str(exc)) from None
 
 
+@dataclass(frozen=True)
+class Checked:
+    """What checking a job config reads from it, each value once: the job's ``Layout``, its
+    ``Workload`` (for a recorded payload, at the recording's own seq_len), its ``Fault``, its
+    Ray settings (None off Ray), the payload's source (a recording opened and checked once) and
+    its tokens per row. ``harness.job.build.from_run_config`` builds the spec from it and
+    ``harness.job.job_config.world_spec`` the world."""
+
+    layout: Layout
+    workload: workload.Workload
+    fault: Fault
+    ray: RayConf | None
+    payload: source.PayloadSource
+    seq_len: int | None
+
+
 def validate(cfg, world_size: int | None = None) -> Layout:
-    """Check a whole job config; return its Layout. Raises ConfigError, one line that names
-    the field, what is wrong with it (with the arithmetic) and what would be valid."""
+    """Check a whole job config; return its Layout (``check`` for every value it reads).
+    Raises ConfigError, one line that names the field, what is wrong with it (with the
+    arithmetic) and what would be valid."""
+    return check(cfg, world_size).layout
+
+
+def check(cfg, world_size: int | None = None) -> Checked:
+    """Check a whole job config; return what it read (``Checked``). Raises ConfigError as
+    ``validate`` does."""
     layout = layout_of(cfg)
     if world_size is not None:
         try:
@@ -40,12 +64,13 @@ def validate(cfg, world_size: int | None = None) -> Layout:
         except LayoutError as exc:
             raise ConfigError(f"layout does not match the world: {exc}") from None
     _validate_names(cfg)
-    _validate_payload(cfg, layout)
+    work, payload, seq_len = _validate_payload(cfg, layout)
     _validate_backend(cfg, layout)
     if cfg.emulate.enabled:
         _validate_emulate(cfg, layout)
+    ray = None
     if cfg.world != "forked" or cfg.ray.dispatch != "none":
-        _validate_ray(cfg, joined=world_size is not None)
+        ray = _validate_ray(cfg, joined=world_size is not None)
     if cfg.iters < 1 or cfg.warmup < 0:
         raise ConfigError(
             f"iters must be >= 1 and warmup >= 0, got iters={cfg.iters}, warmup={cfg.warmup}"
@@ -55,10 +80,11 @@ def validate(cfg, world_size: int | None = None) -> Layout:
     if cfg.repeats < 1:
         raise ConfigError(f"repeats must be >= 1 (blocks of iters timed rounds), got {cfg.repeats}")
     try:
-        fault_of(cfg).check_world(layout.world_size)
+        fault = fault_of(cfg)
+        fault.check_world(layout.world_size)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    return layout
+    return Checked(layout, work, fault, ray, payload, seq_len)
 
 
 def fault_of(cfg) -> Fault:
@@ -134,7 +160,9 @@ def _validate_names(cfg) -> None:
         )
 
 
-def _validate_payload(cfg, layout: Layout) -> None:
+def _validate_payload(cfg, layout: Layout):
+    """The payload's values; returns the job's workload, its payload source and tokens per
+    row (a recording's own, read from it once)."""
     for key in ("batch_size", "seq_len"):
         value = cfg.payload[key]
         if value < 1:
@@ -143,9 +171,11 @@ def _validate_payload(cfg, layout: Layout) -> None:
     recorded = cfg.payload.name in source.RECORDED
     work = workload_of(cfg, layout, None if recorded else int(cfg.payload.seq_len))
     if recorded:
-        _validate_recorded(cfg.payload, max(s.batch_size for s in work.period))
+        payload = _validate_recorded(cfg.payload, max(s.batch_size for s in work.period))
+        seq_len = payload.seq_len(int(cfg.payload.seed))
     else:
         _validate_generated_size(cfg.payload, work)
+        payload, seq_len = source.open_payload(cfg.payload.name), int(cfg.payload.seq_len)
     if cfg.steady_iters < 0:
         raise ConfigError(f"steady_iters must be >= 0, got {cfg.steady_iters}")
     budget = cfg.get("time_budget_s")
@@ -162,14 +192,17 @@ def _validate_payload(cfg, layout: Layout) -> None:
             "(payload.cycle, draws, dp_split) needs whole for every strategy: drop one of them"
         )
     step = 2 * layout.cp
-    for where, seq_len in _seq_lens(cfg, work):
-        if seq_len % step:
-            below = seq_len // step * step
+    for where, length in _seq_lens(cfg, work):
+        if length % step:
+            below = length // step * step
             raise ConfigError(
-                f"{where}={seq_len} is not divisible by 2·cp = {step} "
+                f"{where}={length} is not divisible by 2·cp = {step} "
                 f"(Megatron splits the sequence into 2·cp zig-zag chunks); valid: a multiple of "
                 f"{step}, e.g. {below or step} or {below + step}"
             )
+    if recorded:  # the same cycle at the recording's own seq_len
+        work = workload_of(cfg, layout, seq_len)
+    return work, payload, seq_len
 
 
 def _seq_lens(cfg, work) -> list[tuple[str, int]]:
@@ -194,7 +227,7 @@ def workload_of(cfg, layout: Layout, seq_len: int | None):
     raise ConfigError(problem)
 
 
-def _validate_recorded(payload, batch_size: int) -> None:
+def _validate_recorded(payload, batch_size: int) -> source.PayloadSource:
     """The file exists, loads safely (or is trusted), has a leading batch dimension and fits
     ``payload.max_bytes`` at ``batch_size`` rows (the most any leader holds in one call of the
     workload): a recording is read once here (a
@@ -204,11 +237,10 @@ def _validate_recorded(payload, batch_size: int) -> None:
         raise ConfigError(f"payload.path: payload={payload.name} needs payload.path=<file>")
     problem = None
     try:
-        payload_of(payload, batch_size)
+        return payload_of(payload, batch_size)
     except source.PayloadError as exc:
         problem = str(exc)  # raised below, outside the except: one line, no context
-    if problem is not None:
-        raise ConfigError(problem)
+    raise ConfigError(problem)
 
 
 def payload_of(payload, rows: int) -> source.PayloadSource:
@@ -330,13 +362,13 @@ def _actor_cpus(cfg) -> int:
     return math.ceil(need)
 
 
-def _validate_ray(cfg, joined: bool) -> None:
+def _validate_ray(cfg, joined: bool) -> RayConf:
     """``world=ray`` and ``ray.dispatch``: the values, where they can run, and Ray itself,
-    checked before any cluster starts."""
+    checked before any cluster starts; the job's ``RayConf``."""
     if cfg.world not in ("forked", "ray"):
         raise ConfigError(f"world must be forked or ray, got {cfg.world!r}")
     try:
-        ray_conf(cfg)
+        conf = ray_conf(cfg)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if cfg.world != "ray":
@@ -355,6 +387,7 @@ def _validate_ray(cfg, joined: bool) -> None:
         import_ray()
     except RayUnavailable as exc:
         raise ConfigError(f"world=ray: {exc}") from None
+    return conf
 
 
 def _validate_dispatch(cfg) -> None:
