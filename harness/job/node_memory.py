@@ -144,6 +144,12 @@ class NodeMemory(Phase):
     )  # fmt: skip
 
     def applies(self, ctx, spec) -> bool:
+        return self.runs(spec)
+
+    @staticmethod
+    def runs(spec) -> bool:
+        """Whether a job of ``spec`` measures the node's memory (``PeakMemory`` runs where it
+        does not)."""
         # Ray's ranks are actors whose strategies may own actors of their own (a store):
         # rebuilding those per strategy is not measured yet.
         return spec.node_memory and spec.world != "ray" and resident() is not None

@@ -265,7 +265,7 @@ class PeakMemory(Phase):
     )  # fmt: skip
 
     def applies(self, ctx, spec) -> bool:
-        return not NodeMemory().applies(ctx, spec)
+        return not NodeMemory.runs(spec)
 
     def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
         device = job.groups.device
