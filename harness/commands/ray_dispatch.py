@@ -71,7 +71,7 @@ class RayDispatchConf:
     ``chain``, each of the last three with ``:raw`` for its floor); each family's floor is added
     when missing."""
     iters: int = 5
-    """Timed calls per mode, interleaved with the first mode rotating."""
+    """Timed calls per mode, interleaved, each round in its own order."""
     warmup: int = 2
     """Untimed calls per mode first."""
     link_bytes_calls: int = 0

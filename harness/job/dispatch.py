@@ -391,7 +391,7 @@ class DispatchJob:
 
 def run_dispatch(world, spec: JobSpec) -> RankResult:
     """A dispatch job on ``world`` (a started RayWorld): every phase of its scope on the driver,
-    the modes interleaved with the first rotating, each rank verified; the driver's result
+    the modes interleaved, each round in its own order, each rank verified; the driver's result
     (``unsupported`` set when the mode under test's strategy refused the layout).
     ``spec.timeout_s`` bounds one dispatch call."""
     timeout_s = spec.timeout_s

@@ -100,8 +100,8 @@ def _fault(spec, job: Job, rank: int, it: int) -> None:
 
 # -- timing ---------------------------------------------------------------------------------
 class TimedRounds(Phase):
-    """Warm-up rounds, then timed rounds that interleave every strategy, who goes first
-    rotating (``harness.job.rounds.interleaved``); each call is timed where the scope says
+    """Warm-up rounds, then timed rounds that interleave every strategy, each round in its
+    own order (``harness.job.rounds.interleaved``); each call is timed where the scope says
     (``Job.timed``: on each rank from ``start_line``, or on the driver from its global batch),
     in seconds per call (``times_s``), with the CPU seconds each process spent inside the call
     (``cpu_s``). Round c moves the workload's call c (warm-up rounds count first), the same

@@ -33,6 +33,7 @@ from harness.job.results import (
 )
 from harness.job.spec import Scope
 from harness.job.stats import excludes_one, ratio_interval
+from harness.job.summary import floor_in_rounds
 from harness.job.verdict import WINNER, job_verdict, served
 from harness.units import human_bytes
 
@@ -189,7 +190,8 @@ def _measured(spec, summary: JobSummary) -> dict:
     what is derived from them beside its floor and pickled, timed in the same rounds."""
     figures = summary.strategies[spec.under_test]
     mine = figures.flat()
-    floors = _floor_fields(summary.floor)
+    floor = floor_in_rounds(spec, summary, spec.under_test)
+    floors = _floor_fields(floor)
     base = summary.strategies.get(spec.baseline)
     payload_bytes = summary.payload_bytes
     p50_s = mine["p50_us"] / 1e6
@@ -205,7 +207,7 @@ def _measured(spec, summary: JobSummary) -> dict:
         "vs_floor_single": vs_floor(mine["p50_us"], floors["floor_single_p50_us"]),
         "vs_floor_network": vs_floor(mine["p50_us"], floors["floor_network_p50_us"]),
         "vs_baseline": mine["p50_us"] / base.p50_us if base else None,
-        **_ratio_intervals(spec, summary),
+        **_ratio_intervals(spec, summary, floor),
         **_work_fields(figures),
         **({"auto_choice": figures.choice.choice} if figures.choice else {}),
         **_auto_ties(spec, summary, figures),
@@ -236,10 +238,9 @@ def _interval(summary: JobSummary, a: str, b: str | None, field: str) -> dict:
     return interval_fields(field, interval)
 
 
-def _ratio_intervals(spec, summary: JobSummary) -> dict:
+def _ratio_intervals(spec, summary: JobSummary, floor: FloorFigures | None) -> dict:
     """The same-job ratios' intervals of the strategy under test: to the floor (the method
-    that was fastest), to the network floor, and to the baseline."""
-    floor = summary.floor
+    that was fastest in its rounds), to the network floor, and to the baseline."""
     mine = spec.under_test
     return {
         **_interval(summary, mine, floor.name if floor else None, "vs_floor"),

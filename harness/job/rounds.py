@@ -1,5 +1,5 @@
-"""The measured part of every job, written once: interleaved rounds with the first strategy
-rotating, and the statistics of the calls they time.
+"""The measured part of every job, written once: interleaved rounds, each in its own order
+(a Williams design), and the statistics of the calls they time.
 
 Both job kinds are built on it. A broadcast job (``harness.job.broadcast``) times each call on
 the ranks, from the start line; a dispatch job (``harness.job.dispatch``) times it on the
@@ -17,11 +17,30 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 
+def williams_rows(n: int) -> list[list[int]]:
+    """A Williams design for ``n`` treatments: the rows of a Latin square in which every
+    treatment leads each position once and follows every other treatment exactly once (``n``
+    even; ``n`` odd takes the square and its mirror, 2n rows, and every pair twice). The
+    textbook design for trials whose each treatment carries over into the next."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    rows = [[(x + i) % n for x in first] for i in range(n)]
+    return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
+
+
 def rotated(order: Sequence[str], it: int) -> list[str]:
-    """Round ``it``'s order: who goes first rotates, so no strategy always leads a round (the
-    first call after a barrier or a driver's hand-off is not the same as the others)."""
-    k = it % len(order)
-    return [*order[k:], *order[:k]]
+    """Round ``it``'s order, a row of a Williams design over ``order`` (``williams_rows``):
+    who goes first changes each round (the first call after a barrier or a driver's hand-off
+    is not the same as the others), and so does who goes just before each strategy: a call
+    right after one that moved and freed a large batch is slower than after a light one, and
+    a fixed neighbour would charge that to one strategy in every round."""
+    rows = williams_rows(len(order))
+    return [order[j] for j in rows[it % len(rows)]]
 
 
 def interleaved(
@@ -32,8 +51,8 @@ def interleaved(
     round_start: Callable[[int, bool], None] | None = None,
     budget: Callable[[dict[str, float]], dict[str, int]] | None = None,
 ) -> dict[str, list[float]]:
-    """``warmup`` untimed rounds of every strategy in ``order``, then ``iters`` timed rounds
-    with the first one rotating; seconds per call, by strategy.
+    """``warmup`` untimed rounds of every strategy in ``order``, then ``iters`` timed rounds,
+    each in its own order (``rotated``); seconds per call, by strategy.
 
     ``call(name, it, timed)`` makes one call (``it`` counts the timed rounds from 0, the
     warm-up rounds from ``-warmup``) and returns its seconds when ``timed``;

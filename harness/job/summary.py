@@ -117,6 +117,20 @@ def _sequence_bytes(spec: JobSpec, shapes: list[ShapeFigures]) -> int:
     return int(round(sum(shapes[k].payload_bytes for k in calls) / len(calls)))
 
 
+def floor_in_rounds(spec: JobSpec, summary: JobSummary, name: str) -> FloorFigures | None:
+    """The job's floor over the rounds ``name`` took part in: under a time budget a slow
+    strategy sits out the last rounds (``harness.job.rounds.interleaved``), which run lighter
+    (fewer large neighbours) than the ones it shared; its ratio to the floor compares it with
+    the floor's calls in the same rounds, as the ratio's interval does. The job's floor
+    (``summary.floor``) where every floor method took no more rounds than ``name``."""
+    calls = summary.calls_s
+    rounds = len(calls.get(name, ()))
+    names = spec.floors(summary.strategies)
+    if summary.floor is None or not rounds or all(len(calls[n]) <= rounds for n in names):
+        return summary.floor
+    return best_floor({n: p50_us(calls[n][:rounds]) for n in names}, names)
+
+
 def best_floor(p50s: dict[str, float], names: list[str]) -> FloorFigures | None:
     """The honest floor: the fastest of the floors ``names`` timed in the job (a broadcast
     job's raw method, one | chunks2 | ... | shm; a dispatch job's floor mode), beside the single

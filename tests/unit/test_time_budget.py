@@ -4,12 +4,17 @@ ratio over the rounds each took part in. No process group: the rounds run on fak
 
 from __future__ import annotations
 
+from collections import Counter
+
+import numpy as np
 import pytest
 
 from harness.errors import ConfigError
-from harness.job.rounds import budget_rounds, interleaved
+from harness.job.rounds import budget_rounds, interleaved, rotated
 from harness.job.samples import rows
+from harness.job.spec import JobSpec
 from harness.job.stats import p50_interval, ratio_interval
+from strategies.core.layout import Layout
 
 
 def test_the_rounds_a_budget_pays_for_are_bounded_both_ways():
@@ -96,3 +101,43 @@ def test_the_budget_prices_a_strategy_by_its_fastest_warm_up_call(monkeypatch):
 
     interleaved(["a"], 2, 8, call, budget=budget)
     assert seen == {"a": 0.5}
+
+
+def test_each_round_orders_a_williams_design_so_no_strategy_keeps_its_neighbour():
+    """A call right after one that moved a large batch is slower; with the first strategy
+    merely rotating, each strategy would follow the same one in every round."""
+    for n in range(1, 20):
+        order = [f"s{k}" for k in range(n)]
+        period = n if n % 2 == 0 else 2 * n
+        rounds = [rotated(order, it) for it in range(period)]
+        assert all(sorted(r) == sorted(order) for r in rounds)
+        assert sorted(r[0] for r in rounds) == sorted(order * (period // n))  # each leads alike
+        follows = Counter((a, b) for r in rounds for a, b in zip(r, r[1:]))
+        assert set(follows) == {(a, b) for a in order for b in order if a != b}
+        assert set(follows.values()) <= {period // n}  # every pair as often as any other
+        assert rotated(order, period) == rounds[0]
+
+
+def test_a_strategy_that_sat_out_rounds_is_compared_with_the_floor_of_its_own_rounds():
+    from harness.job.results import JobSummary
+    from harness.job.summary import best_floor, floor_in_rounds
+
+    # The floor's last rounds ran light (the slow strategies had stopped): faster calls.
+    calls = {
+        "slow": [2.0] * 6,
+        "floor": [1.0] * 6 + [0.5] * 10,
+        "floor:shm": [0.9] * 6 + [0.4] * 10,
+    }
+    p50s = {n: float(np.median(c)) * 1e6 for n, c in calls.items()}
+    names = ["floor", "floor:shm"]
+    summary = JobSummary(
+        payload_bytes=1, device="cpu", strategies=dict.fromkeys(calls),  # only their names are read
+        floor=best_floor(p50s, names), calls_s=calls,
+    )  # fmt: skip
+    spec = JobSpec(strategy="slow", layout=Layout(tp=2))
+    assert summary.floor.p50_us == pytest.approx(0.4e6)
+    own = floor_in_rounds(spec, summary, "slow")
+    assert own.p50_us == pytest.approx(0.9e6) and own.name == "floor:shm"
+    assert own.single_p50_us == pytest.approx(1.0e6)
+    # Every floor method in no more rounds than the strategy: the job's floor as it is.
+    assert floor_in_rounds(spec, summary, "floor") is summary.floor
