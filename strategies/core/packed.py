@@ -39,7 +39,8 @@ from strategies.core.wire import Wire, check_initial_bytes
 
 
 class PackedStrategy(Strategy):
-    """The header family's base. Options: ``Options`` (all strategies built on it).
+    """The header family's base. Options: ``Options``, those of every strategy built on it
+    that broadcasts its message (a node store, whose message crosses no broadcast, has its own).
 
     A subclass that sets ``direct_min_bytes`` sends every contiguous leaf of at least that
     many bytes in a broadcast of its own, straight from the tensor, after the message on
