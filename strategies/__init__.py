@@ -9,7 +9,8 @@ entry points in the group ``bcastbench.strategies`` (each naming a ``Strategy`` 
 module that sets ``STRATEGY``) is listed by ``names()`` like a built-in; and a dotted import
 path (``my_pkg.mod.MyStrategy``, Hydra's ``_target_`` convention) is accepted wherever a name
 is, so a class needs no install at all. ``check_options`` compares options with the class's
-signature before any world starts.
+``Options`` fields (``Strategy.Options``; a plain ``__init__``'s keyword arguments for a class
+without them) before any world starts.
 """
 
 from __future__ import annotations

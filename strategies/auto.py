@@ -30,8 +30,7 @@ inside the call, so its cost is in the time; a shape seen before is a dict looku
 header-based candidates share one ``Wire``, so switching between them keeps the size every rank
 agreed to expect (no extra broadcast).
 
-Options: ``cluster`` (preset name or YAML path), ``first``, ``candidates`` (default: all of
-``CANDIDATES``). ``plan(layout, spec)`` is the chosen strategy's.
+Options: see ``Auto.Options``. ``plan(layout, spec)`` is the chosen strategy's.
 """
 
 from __future__ import annotations
@@ -40,8 +39,9 @@ import inspect
 import itertools
 from collections import OrderedDict
 from collections.abc import Hashable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import cache, lru_cache
+from typing import Literal, get_args
 
 import strategies
 from strategies.core.cluster import load_cluster
@@ -55,7 +55,9 @@ from strategies.core.pricing import price
 from strategies.core.recent import NextShape, remember
 from strategies.core.strategy_base import Strategy
 
-CANDIDATES = ("flat", "direct", "header", "pp_first", "scatter_allgather", "shm")
+Candidate = Literal["flat", "direct", "header", "pp_first", "scatter_allgather", "shm"]
+"""A built-in auto may choose (``CANDIDATES``)."""
+CANDIDATES: tuple[str, ...] = get_args(Candidate)
 """The built-ins auto chooses among, in order of preference when the model cannot tell them
 apart: the least work per call first (``direct`` without a leaf over its threshold is
 ``flat`` plus a per-leaf check on every rank; where it skips the pack copy of large leaves the
@@ -77,18 +79,26 @@ class Auto(Strategy):
     buffer beside it; a receiver rebuilds what it got)."""
     claims = "the chosen strategy's collectives (priced per batch shape by the cost model)"
 
-    def __init__(
-        self,
-        groups,
-        cluster: str = "local",
-        first: str = "flat",
-        candidates: tuple[str, ...] | list[str] = CANDIDATES,
-    ) -> None:
-        super().__init__(groups)
-        unknown = sorted((set(candidates) | {first}) - set(CANDIDATES))
-        if unknown:
-            raise ValueError(f"auto: unknown candidates {unknown}; valid: {list(CANDIDATES)}")
-        self.cluster = cluster
+    @dataclass(frozen=True, kw_only=True)
+    class Options(Strategy.Options):
+        cluster: str = "local"
+        """The cluster preset the candidates are priced on: a name under conf/cluster/ or a
+        YAML path (``local``: the preset calibrated on the machine the harness runs on)."""
+        first: Candidate = "flat"
+        """The candidate that serves the first call, before any header has been seen."""
+        candidates: tuple[Candidate, ...] | list[Candidate] = CANDIDATES
+        """The built-ins priced per call (default: all of ``CANDIDATES``); one that refuses
+        the layout is left out, and none left is refused."""
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            unknown = sorted((set(self.candidates) | {self.first}) - set(CANDIDATES))
+            if unknown:
+                raise ValueError(f"auto: unknown candidates {unknown}; valid: {list(CANDIDATES)}")
+
+    def __init__(self, groups, **options) -> None:
+        super().__init__(groups, **options)
+        candidates, first = self.options.candidates, self.options.first
         self.layout = layout_of_groups(groups)
         self.device = groups.device.type
         self.built: dict[str, Strategy] = {}
@@ -124,7 +134,9 @@ class Auto(Strategy):
             choice = self._choice_of.get(key)
             if choice is None:  # a new shape: price it (a seen one is a lookup)
                 spec = spec_of_header(header)
-                choice = choose(self.layout, spec, self.cluster, tuple(self.built), self.device)
+                choice = choose(
+                    self.layout, spec, self.options.cluster, tuple(self.built), self.device
+                )
             remember(self._choice_of, key, choice, NextShape.KEEP)
             predicted = self._next.observe(key)
             self.choice = self._choice_of.get(predicted, self._choice_of[key])

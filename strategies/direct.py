@@ -11,11 +11,12 @@ so the backend overlaps them (gloo runs two at a time per group).
 The threshold trades one collective's start-up against copying the leaf: the default suits
 gloo on CPU, where a broadcast's start-up costs about as much as copying a MiB; on NCCL, where
 device copies are far faster and start-up far shorter, a larger threshold (tens of MiB) keeps
-it from sending many small collectives. Options: ``direct_min_bytes`` (1 MiB), plus those of
-``strategies.core.packed.PackedStrategy``.
+it from sending many small collectives. Options: see ``Direct.Options``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from strategies.core.footprint import Footprint
 from strategies.flat import Flat
@@ -34,11 +35,20 @@ class Direct(Flat):
     )
     direct_min_bytes = DIRECT_MIN_BYTES  # what plan() prices when no threshold is passed
 
-    def __init__(self, groups, direct_min_bytes: int = DIRECT_MIN_BYTES, **options) -> None:
-        if direct_min_bytes < 1:
-            raise ValueError(f"direct_min_bytes must be >= 1, got {direct_min_bytes}")
+    @dataclass(frozen=True, kw_only=True)
+    class Options(Flat.Options):
+        direct_min_bytes: int = DIRECT_MIN_BYTES
+        """Every contiguous leaf of at least this many bytes is broadcast on its own, straight
+        from the leader's tensor, after the message; smaller ones are packed into it."""
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if self.direct_min_bytes < 1:
+                raise ValueError(f"direct_min_bytes must be >= 1, got {self.direct_min_bytes}")
+
+    def __init__(self, groups, **options) -> None:
         super().__init__(groups, **options)
-        self.direct_min_bytes = direct_min_bytes
+        self.direct_min_bytes = self.options.direct_min_bytes
 
 
 STRATEGY = Direct

@@ -3,7 +3,7 @@
 Same message and wire protocol as ``header`` (binary header + one flat buffer, one broadcast
 in steady state), but a single broadcast from the leader to every rank of the replica, so
 the collective library (gloo's tree, NCCL's ring) chooses the route instead of the seed's
-TP-then-PP order. Options: see ``strategies.core.packed.PackedStrategy``.
+TP-then-PP order. Options: see ``strategies.core.packed.PackedStrategy.Options``.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ concurrent chunks overlap), so the floor is a family of raw methods, one per ins
   first (point-to-point), which puts them in its node's segment. Host memory only: listed for
   a CPU job.
 
+Options: see ``Floor.Options`` (``method``, and ``chunks`` for ``method: chunks``).
+
 ``variants(layout)`` lists the methods a layout allows; the harness measures each of them in
 the same interleaved rounds and reports the fastest as the floor, naming it (``floor_method``).
 Receivers allocate a fresh buffer per call, as any real receiver must. ``prepare`` (untimed)
@@ -23,6 +25,9 @@ as it was; the bytes it received stay in ``received`` for the harness to verify.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -36,7 +41,9 @@ from strategies.core.plan import Comm, Handoff, LocalWork, PayloadSpec, Plan
 from strategies.core.strategy_base import Strategy
 from strategies.pp_first import leader_pp_groups
 
-METHODS = ("one", "chunks", "seed_hops", "pp_first", "shm")
+Method = Literal["one", "chunks", "seed_hops", "pp_first", "shm"]
+"""The raw methods (``Floor.Options.method``; the module docstring says what each does)."""
+METHODS: tuple[str, ...] = get_args(Method)
 CHUNKS = (2, 4)
 """Chunk counts the harness measures (gloo runs two broadcasts of a group at once; four keeps
 both threads busy while each slice's reply is pending)."""
@@ -48,19 +55,31 @@ class Floor(Strategy):
     raw_bytes = True  # it moves the bytes prepare() packed, not the batch it is handed
     claims = "1 broadcast over the replica (method=one); see the module docstring for the others"
 
-    def __init__(self, groups, method: str = "one", chunks: int = 4) -> None:
-        if method not in METHODS:
-            raise ValueError(f"floor: unknown method {method!r}; valid: {list(METHODS)}")
-        if chunks < 1:
-            raise ValueError(f"floor: chunks must be >= 1, got {chunks}")
+    @dataclass(frozen=True, kw_only=True)
+    class Options(Strategy.Options):
+        method: Method = "one"
+        """The raw method this instance times (the module docstring lists them)."""
+        chunks: int = 4
+        """Concurrent broadcasts of contiguous slices, for ``method="chunks"`` (ignored by the
+        other methods)."""
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if self.method not in METHODS:
+                raise ValueError(f"floor: unknown method {self.method!r}; valid: {list(METHODS)}")
+            if self.chunks < 1:
+                raise ValueError(f"floor: chunks must be >= 1, got {self.chunks}")
+
+    def __init__(self, groups, **options) -> None:
+        super().__init__(groups, **options)
+        method = self.options.method
         if method == "shm" and groups.device.type != "cpu":
             raise Unsupported(
                 f"rank {groups.rank}: floor: method shm reads host memory in place, the job "
                 f"runs on {groups.device}"
             )
-        super().__init__(groups)
         self.method = method
-        self.chunks = chunks if method == "chunks" else 1
+        self.chunks = self.options.chunks if method == "chunks" else 1
         self.channel = NodeChannel(groups) if method == "shm" else None
         self.nbytes = 0
         self.sent: torch.Tensor | None = None
@@ -72,7 +91,7 @@ class Floor(Strategy):
 
     @classmethod
     def footprint_for(cls, **options) -> Footprint:
-        if options.get("method") == "shm":
+        if cls.options_of(**options).method == "shm":
             return Footprint(leader=1, receiver=0, node=1, leader_kept=1)
         return cls.footprint
 

@@ -7,7 +7,7 @@ receivers post a first broadcast of the size the previous call announced, so in 
 hop is ONE broadcast (two when the batch outgrows the announced size, e.g. the first call).
 Stage-0 ranks forward the received buffer unchanged on the PP hop; receivers get zero-copy
 views. Non-tensor data travels (pickled, inside the same buffer) only when flagged.
-Options: see ``strategies.core.packed.PackedStrategy``.
+Options: see ``strategies.core.packed.PackedStrategy.Options``.
 """
 
 from __future__ import annotations

@@ -37,14 +37,8 @@ replaced by a failure batch, which is put and fetched like any other; a leader t
 its sockets and every reader raises at once naming it. The store's segments are memfds, so a
 kill -9 leaves nothing in /dev/shm.
 
-Options:
-
-- ``slots`` (3): segments in the store's ring (``shm``'s ``slots``; a reader releases its slot as
-  soon as it has copied the message, so few are ever held);
-- ``stripe_min_bytes`` (1 MiB): across nodes, as ``shm``'s;
-- ``poll_us`` (2000): a reader waiting for the signal spins on its socket for up to this long
-  before it blocks, where the node has a core per rank (``shm``'s);
-- ``max_bytes`` (16 GiB): readers refuse a header that claims more than this.
+Options: see ``strategies.core.node_store.NodeStore.Options`` (``shm``'s, less its own); a
+reader releases its slot as soon as it has copied the message, so few slots are ever held.
 """
 
 from __future__ import annotations

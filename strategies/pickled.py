@@ -44,16 +44,16 @@ on every rank, a leaf whose dtype its hop's pickling saves but cannot load back
 (``loads_back``: float8 and uint16/32/64 under plain pickle), which the seed would have left to
 fail on the receivers.
 
-Options: ``serialization`` = ``roll`` | ``dataclass`` | ``pickle5`` | ``verl_numpy``
-(conf/strategy/pickled.yaml).
+Options: see ``Pickled.Options`` (conf/strategy/pickled.yaml).
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -75,7 +75,10 @@ from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.roll_proto import RollBatchProxy, RollDataProto
 from strategies.core.strategy_base import Strategy
 
-SERIALIZATIONS = ("roll", "dataclass", *oob_pickle.OOB_SERIALIZATIONS)
+Serialization = Literal["roll", "dataclass", "pickle5", "verl_numpy"]
+"""What a hop's bytes are (``Pickled.Options.serialization``); the last two are
+``oob_pickle.OOB_SERIALIZATIONS``."""
+SERIALIZATIONS: tuple[str, ...] = get_args(Serialization)
 
 
 def broadcast_obj(obj, group):
@@ -123,13 +126,28 @@ class Pickled(Strategy):
     pickled bytes, their tensor and the unpickled batch)."""
     claims = "2 collectives per hop (sizes, pickled bytes): 2 on stage 0 with tp·cp>1, +2 for pp>1"
 
-    def __init__(self, groups, serialization: str = "roll") -> None:
-        super().__init__(groups)
-        if serialization not in SERIALIZATIONS:
-            raise ValueError(
-                f"pickled: serialization={serialization!r}; expected one of {SERIALIZATIONS}"
-            )
-        self.serialization = serialization
+    @dataclass(frozen=True, kw_only=True)
+    class Options(Strategy.Options):
+        serialization: Serialization = "roll"
+        """What a hop's bytes are: ``roll`` pays what ROLL pays (with the non-tensor flag
+        true it pickles a ROLL-shaped DataProto whose ``__getstate__`` torch.saves the
+        TensorDict into a buffer, with it false ROLL's ``.batch`` proxy); ``dataclass`` the
+        earlier baseline (the caller's DataProto, or the bare TensorDict); ``pickle5`` vLLM's
+        pickle protocol 5, tensors' bytes out of band (receivers view them); ``verl_numpy``
+        verl's numpy DataProto serializer (receivers copy each tensor)."""
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if self.serialization not in SERIALIZATIONS:
+                raise ValueError(
+                    f"pickled: serialization={self.serialization!r}; expected one of "
+                    f"{SERIALIZATIONS}"
+                )
+
+    @property
+    def serialization(self) -> str:
+        """What this instance's hops send (``Options.serialization``)."""
+        return self.options.serialization
 
     # -- what a rank holds, sends and takes in ------------------------------------------------
     def _state(self, batch) -> Any:
@@ -255,10 +273,15 @@ class FixedSerialization(Pickled):
     """``Pickled`` with one serialization fixed, under a name of its own (not a strategy itself:
     ``pickled_pickle5`` and ``pickled_verl_numpy`` set ``name`` and ``fixed``)."""
 
-    fixed = "roll"
+    fixed: ClassVar[str] = "roll"
 
-    def __init__(self, groups) -> None:
-        super().__init__(groups, serialization=self.fixed)
+    @dataclass(frozen=True, kw_only=True)
+    class Options(Strategy.Options):
+        """None: the serialization is the class's ``fixed``."""
+
+    @property
+    def serialization(self) -> str:
+        return self.fixed
 
     @classmethod
     def plan(cls, layout, spec: PayloadSpec, pickle_bytes: int | None = None) -> Plan:

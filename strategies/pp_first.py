@@ -9,7 +9,7 @@ inside each stage (usually one node). Message, header format and wire protocol a
 ``header`` (``strategies.core.packer`` + ``strategies.core.wire.Wire``: one broadcast per hop in steady
 state, two when the batch outgrows the announced size); stage leaders forward the received
 buffer unchanged; receivers get zero-copy views. Non-tensor data travels (pickled, inside the
-same buffer) only when flagged. Options: see ``strategies.core.packed.PackedStrategy``.
+same buffer) only when flagged. Options: see ``strategies.core.packed.PackedStrategy.Options``.
 """
 
 from __future__ import annotations

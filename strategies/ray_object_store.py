@@ -60,8 +60,8 @@ class RayObjectStore(PulledStore):
     world = "ray"
     claims = "3 over the replica (reference sizes, bytes, barrier) + a ray.put and a ray.get each"
 
-    def __init__(self, groups) -> None:
-        super().__init__(groups)
+    def __init__(self, groups, **options) -> None:
+        super().__init__(groups, **options)
         self._ray = ray_actor_module(self.name, groups.rank, WORLD_HINT)
         self._pinned: list = []
         """References whose out-of-band pin is still held (see the module docstring)."""

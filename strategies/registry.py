@@ -14,7 +14,7 @@ from importlib.metadata import entry_points
 import strategies
 from strategies import ENTRY_POINT_GROUP
 from strategies.core.process_groups import ProcessGroups
-from strategies.core.strategy_base import Strategy
+from strategies.core.strategy_base import Strategy, accepted_options, unknown_option
 
 
 @cache
@@ -122,40 +122,19 @@ def has_plan(name: str) -> bool:
     return getattr(get_class(name).plan, "__func__", None) is not Strategy.plan.__func__
 
 
-def accepted_options(cls: type[Strategy]) -> list[str] | None:
-    """The keyword options ``cls(groups, **options)`` accepts, read from the signatures along
-    its MRO: an ``__init__`` with ``**options`` is taken to hand them to the next one, down to
-    ``Strategy.__init__``, which accepts none. None when the chain ends in an ``__init__`` that
-    takes ``**kwargs`` of its own (anything may be accepted)."""
-    accepted: list[str] = []
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        if init is Strategy.__init__:
-            return accepted
-        params = list(inspect.signature(init).parameters.values())[2:]  # self, groups
-        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        accepted += [p.name for p in params if p.kind in named and p.name not in accepted]
-        if not any(p.kind is p.VAR_KEYWORD for p in params):
-            return accepted
-    return None
-
-
 def check_options(name: str, options: dict) -> None:
     """Raise TypeError (one line: the option, the strategy, the accepted ones) if ``name``'s
-    class does not accept every key of ``options``."""
+    class does not accept every key of ``options`` (``accepted_options``: its ``Options``
+    fields, or a plain ``__init__``'s keyword arguments). Values are checked where the
+    strategy is built (``Options.__post_init__``)."""
     accepted = accepted_options(get_class(name))
     if accepted is None:
         return
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise TypeError(
-            f"strategy {name!r} has no option {unknown[0]!r}; accepted options: "
-            f"{sorted(accepted) or 'none'}"
-        )
+        raise unknown_option(name, unknown[0], accepted)
 
 
 def get(name: str, groups: ProcessGroups, **options) -> Strategy:
-    """Build strategy ``name`` on these groups (options as in its module docstring)."""
+    """Build strategy ``name`` on these groups (options: its class's ``Options`` fields)."""
     return get_class(name)(groups, **options)

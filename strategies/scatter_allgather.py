@@ -6,11 +6,12 @@ scattered across TP×CP on stage 0; each stage-0 rank carries only its own chunk
 group; then every stage all-gathers inside its TP×CP group. Each inter-stage link therefore
 carries 1/(tp·cp) of the payload (the SC'21 scatter/gather optimisation), at the price of four
 collectives instead of one or two.
-Options: ``header_bytes`` (4096): size of the first header broadcast (a longer header takes a
-second one); ``max_bytes`` (16 GiB): receivers refuse a header claiming more.
+Options: see ``ScatterAllgather.Options``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -50,14 +51,25 @@ class ScatterAllgather(Strategy):
     chunk, the gathered buffer and its copy on a receiver)."""
     claims = "header broadcast + scatter (stage 0) + chunk broadcast (pp>1) + all-gather (tp·cp>1)"
 
-    def __init__(self, groups, header_bytes: int = 4096, max_bytes: int = DEFAULT_MAX_BYTES):
-        super().__init__(groups)
-        if header_bytes < PREFIX_BYTES or header_bytes % 64:
-            raise ValueError(
-                f"header_bytes must be a multiple of 64 and >= {PREFIX_BYTES}, got {header_bytes}"
-            )
-        self.header_bytes = header_bytes
-        self.max_bytes = max_bytes
+    @dataclass(frozen=True, kw_only=True)
+    class Options(Strategy.Options):
+        header_bytes: int = 4096
+        """Size of the first header broadcast, a multiple of 64 (a longer header takes a
+        second one)."""
+        max_bytes: int = DEFAULT_MAX_BYTES
+        """Receivers refuse a header that claims more than this."""
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            hb = self.header_bytes
+            if hb < PREFIX_BYTES or hb % 64:
+                raise ValueError(
+                    f"header_bytes must be a multiple of 64 and >= {PREFIX_BYTES}, got {hb}"
+                )
+
+    def __init__(self, groups, **options) -> None:
+        super().__init__(groups, **options)
+        self.header_bytes = self.options.header_bytes
         self.packer = Packer()  # leader: the send buffer and the last structure's layout
         self._headers: dict = {}  # receiver: the last header decoded, by its bytes
         self.last_header = None
@@ -117,14 +129,14 @@ class ScatterAllgather(Strategy):
         g = self.groups
         head = torch.empty(self.header_bytes, dtype=torch.uint8, device=g.device)
         dist.broadcast(head, src=g.leader, group=g.replica_group)
-        prefix = read_prefix(head, self.max_bytes, g.rank)
+        prefix = read_prefix(head, self.options.max_bytes, g.rank)
         header_len = prefix.header_len
         if header_len > self.header_bytes:
             rest = torch.empty(header_len, dtype=torch.uint8, device=g.device)
             rest[: self.header_bytes].copy_(head)
             dist.broadcast(rest[self.header_bytes :], src=g.leader, group=g.replica_group)
             head = rest
-        return read_header(head, self.max_bytes, g.rank, self._headers, prefix)
+        return read_header(head, self.options.max_bytes, g.rank, self._headers, prefix)
 
     def _pack(self, batch: DataProto):
         """Leader: everything that can fail, before the first collective; the buffer holds

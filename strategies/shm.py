@@ -28,38 +28,7 @@ its own device (host to device) and unpacks views of that copy, then lets the se
 ranks of a node share the host, not the device, so this is one D2H and one H2D per rank
 instead of a collective (CUDA IPC, which would skip the host, is not used).
 
-Options:
-
-- ``slots`` (3): segments in the ring; a slot still held when its turn comes is replaced by a
-  new segment (the holder keeps the old one), so more slots only save segment set-ups;
-- ``views`` (True): receivers view the segment in place; False gives every receiver owned
-  copies (one copy each) and releases the segment at once;
-- ``stage`` (None: True for groups on a device, else False): stage through the groups' device
-  as above; on host groups it gives owned copies the way a GPU job gets them (what the CPU
-  tests check of the GPU path); False on a device is refused (a segment cannot be viewed there);
-- ``stripe_min_bytes`` (1 MiB): across nodes, a message at least this large crosses in
-  stripes: the i-th rank of the leader's node sends the i-th slice to the i-th rank of each
-  other node, which writes it into its node's segment (with one link per GPU each link
-  carries its share; with one link per node it carries the message once either way); None
-  sends every message whole, leader to node leader;
-- ``early_min_bytes`` (0: every message): on one node, a message at least this large is
-  signalled early: the leader writes the header and the non-tensor blob, signals, then copies
-  the leaves and completes the message (``poll_us``), so each receiver checks the header,
-  unpickles the blob and views the leaves while the leader copies; a failure meanwhile reaches
-  every receiver as the leader's. Even the smallest batch gains (measured side by side against
-  ``None``: the receivers' work overlaps the leader's copy, and the completion is in by the
-  time they look for it). None: every message is signalled once, whole;
-- ``poll_us`` (2000): where the node has a core per rank (a poll would take a core another rank
-  needs) and on x86 (whose store order the word relies on), receivers poll instead of sleeping:
-  a receiver waiting for the signal spins on its socket, yielding its core, for up to this long
-  before it blocks; and the node leader completes a message signalled early by writing its
-  number into a shared completion word, which a receiver done with the header and the blob
-  spins on for this long, then looks at between 50 µs sleeps (up to the gloo timeout): no
-  wake-up through the scheduler for a signal or a completion that comes meanwhile. An abort or
-  the leader's end reaches it through its socket. Elsewhere, or None or 0, receivers block on
-  their socket and the completion is a socket message. The node leader's option decides for
-  its node (the floor's node-local method, built on the same channel, polls alike);
-- ``max_bytes`` (16 GiB): receivers refuse a header that claims more than this.
+Options: see ``Shm.Options``.
 """
 
 from __future__ import annotations
@@ -71,13 +40,7 @@ from tensordict import TensorDict
 
 from strategies.core.contract import DataProto, deliver, failure_text, settled, wants_non_tensor
 from strategies.core.footprint import Footprint
-from strategies.core.header_format import (
-    DEFAULT_MAX_BYTES,
-    DIRECT,
-    KIND_DENSE,
-    Header,
-)
-from strategies.core.node_channel import DEFAULT_POLL_US, DEFAULT_STRIPE_MIN_BYTES
+from strategies.core.header_format import DIRECT, KIND_DENSE, Header
 from strategies.core.node_signals import check_size_option
 from strategies.core.node_store import NodeStore
 from strategies.core.packer import NO_DIRECT
@@ -109,18 +72,32 @@ class Shm(NodeStore):
         "node of the replica"
     )
 
-    def __init__(
-        self,
-        groups,
-        slots: int = 3,
-        views: bool = True,
-        stage: bool | None = None,
-        stripe_min_bytes: int | None = DEFAULT_STRIPE_MIN_BYTES,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        early_min_bytes: int | None = DEFAULT_EARLY_MIN_BYTES,
-        poll_us: int | None = DEFAULT_POLL_US,
-    ) -> None:
-        check_size_option("early_min_bytes", early_min_bytes)
+    @dataclass(frozen=True, kw_only=True)
+    class Options(NodeStore.Options):
+        views: bool = True
+        """Receivers view the segment in place; False gives every receiver owned copies (one
+        copy each) and releases the segment at once."""
+        stage: bool | None = None
+        """Stage through the groups' device (None: True for groups on a device, else False):
+        the leader packs on its device and copies the message into the segment, every
+        receiver copies it onto its own device; on host groups it gives owned copies the way
+        a GPU job gets them (what the CPU tests check of the GPU path); False on a device is
+        refused (a segment cannot be viewed there)."""
+        early_min_bytes: int | None = DEFAULT_EARLY_MIN_BYTES
+        """On one node, a message at least this large is signalled early: the leader writes
+        the header and the non-tensor blob, signals, then copies the leaves and completes the
+        message (``poll_us``), so each receiver checks the header, unpickles the blob and
+        views the leaves while the leader copies; a failure meanwhile reaches every receiver
+        as the leader's. Even the smallest batch gains (measured side by side against
+        ``None``: the receivers' work overlaps the leader's copy, and the completion is in by
+        the time they look for it). None: every message is signalled once, whole."""
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            check_size_option("early_min_bytes", self.early_min_bytes)
+
+    def __init__(self, groups, **options) -> None:
+        stage = self.options_of(**options).stage  # refused before the channel is made
         on_device = groups.device.type != "cpu"
         if stage is None:
             stage = on_device
@@ -129,10 +106,9 @@ class Shm(NodeStore):
                 f"rank {groups.rank}: shm: stage=False views the shared segment in place, which "
                 f"is host memory; groups on {groups.device} need stage=True (their default)"
             )
-        super().__init__(groups, slots, stripe_min_bytes, max_bytes, poll_us)
-        self.views = views
+        super().__init__(groups, **options)
         self.stage = stage
-        self.early_min_bytes = early_min_bytes
+        """Whether the message goes through the groups' device (``Options.stage`` resolved)."""
         self._next = NextShape()  # a reader: the header bytes that followed each one
         self._predicted: tuple[bytes, Header] | None = None
         """A reader: the next message's most likely header bytes and header (``_follow``);
@@ -178,7 +154,7 @@ class Shm(NodeStore):
             del buf
             return deliver(batch, unpack_tensors(staged, header), non_tensor)
         td = unpack_tensors(buf[:total], header)
-        if not self.views:
+        if not self.options.views:
             td = td.clone()  # owned copies: the views (and the segment's hold) go with buf
         return deliver(batch, td, non_tensor)
 
@@ -194,7 +170,7 @@ class Shm(NodeStore):
             early = ch.pending is not None
             if early:
                 non_tensor = unpack_non_tensor(buf, header, host)
-                if td is None and self.views and not self.stage and dense_only(header):
+                if td is None and self.options.views and not self.stage and dense_only(header):
                     td = unpack_tensors(buf[: header.total_bytes], header)
         finally:
             ch.wait_complete()
@@ -213,7 +189,7 @@ class Shm(NodeStore):
         if premap is None:
             return None
         predicted = self._predicted
-        if predicted is None or not self.views or self.stage:
+        if predicted is None or not self.options.views or self.stage:
             return Guess(premap)
         raw, header = predicted
         if header.total_bytes > premap.view.numel():
@@ -280,9 +256,10 @@ class Shm(NodeStore):
         one node, from ``early_min_bytes`` on, so the readers check the header and decode the
         blob while the leader copies the leaves."""
         ch = self.channel
+        early_min_bytes = self.options.early_min_bytes
         return (
-            self.early_min_bytes is not None
-            and total >= self.early_min_bytes
+            early_min_bytes is not None
+            and total >= early_min_bytes
             and len(ch.nodes) == 1
             and bool(ch.readers)
         )

@@ -116,8 +116,8 @@ class TransferQueue(PulledStore):
     def unavailable(cls) -> str | None:
         return missing_package()
 
-    def __init__(self, groups) -> None:
-        super().__init__(groups)
+    def __init__(self, groups, **options) -> None:
+        super().__init__(groups, **options)
         missing = missing_package()
         if missing is not None:
             raise Unsupported(f"rank {groups.rank}: {missing}")

@@ -27,6 +27,8 @@ spins for as long as the writer is silent; here it also stops, with the writer's
 writer's process is gone or after the replica's gloo timeout, so no rank waits forever.
 Attaching readers bypass Python's resource tracker (vLLM patches it out), so no reader
 unlinks or warns about the writer's segment. Host memory only (``Unsupported`` on a GPU).
+
+Options: see ``VllmShmBroadcast.Options``.
 """
 
 from __future__ import annotations
@@ -121,25 +123,30 @@ class VllmShmBroadcast(Strategy):
         "one, and every reader on another node, over a ZMQ PUB socket"
     )
 
-    def __init__(
-        self,
-        groups,
-        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-        max_chunks: int = DEFAULT_MAX_CHUNKS,
-    ) -> None:
+    @dataclass(frozen=True, kw_only=True)
+    class Options(Strategy.Options):
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+        """Bytes per chunk of the ring (at least 2: the overflow byte and one of pickle); a
+        pickle this large or larger overflows to the ZMQ socket. vLLM's current default."""
+        max_chunks: int = DEFAULT_MAX_CHUNKS
+        """Chunks in the ring (at least 1). vLLM's current default; ``LEGACY`` holds its
+        earlier pair."""
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if self.max_chunk_bytes < 2 or self.max_chunks < 1:
+                raise ValueError(
+                    f"vllm_shm_broadcast: max_chunk_bytes must be >= 2 and max_chunks >= 1, got "
+                    f"{self.max_chunk_bytes} and {self.max_chunks}"
+                )
+
+    def __init__(self, groups, **options) -> None:
         if groups.device.type != "cpu":
             raise Unsupported(
                 f"rank {groups.rank}: vllm_shm_broadcast: the ring is host memory and the groups "
                 f"run on {groups.device}"
             )
-        if max_chunk_bytes < 2 or max_chunks < 1:
-            raise ValueError(
-                f"vllm_shm_broadcast: max_chunk_bytes must be >= 2 and max_chunks >= 1, got "
-                f"{max_chunk_bytes} and {max_chunks}"
-            )
-        super().__init__(groups)
-        self.max_chunk_bytes = max_chunk_bytes
-        self.max_chunks = max_chunks
+        super().__init__(groups, **options)
         self.timeout_s = group_timeout_s(groups.cpu_replica_group)
         self.ring: Ring | None = None
         self.handle: Handle | None = None
@@ -180,7 +187,7 @@ class VllmShmBroadcast(Strategy):
 
     def _enqueue(self, blob: bytes) -> None:
         if self.ring is not None:
-            overflow = len(blob) >= self.max_chunk_bytes
+            overflow = len(blob) >= self.options.max_chunk_bytes
             flags = self.ring.flags(self.index)
             self._wait(
                 lambda: not flags[0] or sum(flags[1:]) == self.ring.n_readers, "a free chunk"
@@ -193,7 +200,7 @@ class VllmShmBroadcast(Strategy):
             for i in range(1, self.ring.n_readers + 1):
                 flags[i] = 0
             flags[0] = 1  # last: readers see a whole chunk or none
-            self.index = (self.index + 1) % self.max_chunks
+            self.index = (self.index + 1) % self.options.max_chunks
             if overflow:
                 self._local.send(blob, copy=False)
         if self._remote is not None:
@@ -212,7 +219,7 @@ class VllmShmBroadcast(Strategy):
         # length to count as unpickled.
         obj = _unpickled(self._recv(self._local)) if data[0] == 1 else pickle.loads(data[1:])
         flags[mine] = 1
-        self.index = (self.index + 1) % self.max_chunks
+        self.index = (self.index + 1) % self.options.max_chunks
         return obj
 
     def _wait(self, ready, what: str) -> None:
@@ -254,9 +261,11 @@ class VllmShmBroadcast(Strategy):
         remote = tuple(r for r in g.replica_ranks if r != g.rank and r not in local)
         segment = local_address = remote_address = None
         if local:
-            size = Ring.size(len(local), self.max_chunk_bytes, self.max_chunks)
+            size = Ring.size(len(local), self.options.max_chunk_bytes, self.options.max_chunks)
             self._segment = shared_memory.SharedMemory(create=True, size=size)  # zero-filled
-            self.ring = Ring(self._segment.buf, len(local), self.max_chunk_bytes, self.max_chunks)
+            self.ring = Ring(
+                self._segment.buf, len(local), self.options.max_chunk_bytes, self.options.max_chunks
+            )
             segment = self._segment.name
             self._local = self._publisher()
             local_address = f"ipc://@bcastbench-vllm-{secrets.token_hex(12)}"
@@ -267,7 +276,7 @@ class VllmShmBroadcast(Strategy):
             port = self._remote.bind_to_random_port(f"tcp://{host}")
             remote_address = f"tcp://{host}:{port}"
         self.handle = Handle(
-            os.getpid(), segment, local, self.max_chunk_bytes, self.max_chunks,
+            os.getpid(), segment, local, self.options.max_chunk_bytes, self.options.max_chunks,
             local_address, remote_address,
         )  # fmt: skip
         dist.broadcast_object_list([self.handle], src=g.leader, group=g.cpu_replica_group)

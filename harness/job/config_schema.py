@@ -45,8 +45,9 @@ class StrategyConf:
     name: str = MISSING
     """Strategy module name under ``strategies/`` (see ``strategies.names()``)."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Keyword options of that strategy (its module docstring lists them); checked against
-    its class's ``__init__`` signature before any rank starts."""
+    """Keyword options of that strategy: the fields of its class's ``Options`` dataclass (or
+    a plain ``__init__``'s keyword arguments), whose names are checked before any rank starts
+    and whose values the dataclass checks where the strategy is built."""
     _target_: str | None = None
     """``strategy=custom``: a Strategy class by import path (``my_pkg.mod.MyStrategy``,
     Hydra's instantiate convention); it is what the job runs and records."""

@@ -17,6 +17,7 @@ The channel's own protocol (which slot, which signal, who releases what) is mapp
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -28,11 +29,13 @@ from strategies.core.node_channel import (
     DEFAULT_STRIPE_MIN_BYTES,
     NodeChannel,
 )
-from strategies.core.node_signals import ShmError
+from strategies.core.node_signals import ShmError, check_poll_option, check_size_option
 from strategies.core.packed import PackedStrategy
 from strategies.core.plan import Handoff, LocalWork, PayloadSpec, Plan, StoreFetch
 from strategies.core.segment_ring import Premap, Slot
+from strategies.core.strategy_base import Strategy
 from strategies.core.trace import WORK
+from strategies.core.wire import Wire
 
 CHANNEL_NAME = "shm"
 """How the channel names itself in its errors (``NodeChannel``); each store says its own."""
@@ -47,21 +50,52 @@ class NodeStore(PackedStrategy):
     """Whether every reader copies the whole message out of the store (a fetch the cost model
     prices as the store's: ``StoreFetch``) rather than viewing it in place."""
 
-    def __init__(
-        self,
-        groups,
-        slots: int = DEFAULT_SLOTS,
-        stripe_min_bytes: int | None = DEFAULT_STRIPE_MIN_BYTES,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        poll_us: int | None = DEFAULT_POLL_US,
-    ) -> None:
-        super().__init__(groups, max_bytes=max_bytes)
+    @dataclass(frozen=True, kw_only=True)
+    class Options(Strategy.Options):
+        slots: int = DEFAULT_SLOTS
+        """Segments in the ring; a slot still held when its turn comes is replaced by a new
+        segment (the holder keeps the old one), so more slots only save segment set-ups."""
+        stripe_min_bytes: int | None = DEFAULT_STRIPE_MIN_BYTES
+        """Across nodes, a message at least this large crosses in stripes: the i-th rank of
+        the leader's node sends the i-th slice to the i-th rank of each other node, which
+        writes it into its node's segment (with one link per GPU each link carries its share;
+        with one link per node it carries the message once either way); None sends every
+        message whole, leader to node leader."""
+        poll_us: int | None = DEFAULT_POLL_US
+        """Microseconds. Where the node has a core per rank (a poll would take a core another
+        rank needs) and on x86 (whose store order the word relies on), receivers poll instead
+        of sleeping: a receiver waiting for the signal spins on its socket, yielding its core,
+        for up to this long before it blocks; and the node leader completes a message signalled
+        early (``shm``'s ``early_min_bytes``) by writing its number into a shared completion
+        word, which a receiver done with the header and the blob spins on for this long, then
+        looks at between 50 µs sleeps (up to the gloo timeout): no wake-up through the
+        scheduler for a signal or a completion that comes meanwhile. An abort or the leader's
+        end reaches it through its socket. Elsewhere, or None or 0, receivers block on their
+        socket and the completion is a socket message. The node leader's option decides for
+        its node (the floor's node-local method, built on the same channel, polls alike)."""
+        max_bytes: int = DEFAULT_MAX_BYTES
+        """Readers refuse a header that claims more than this."""
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if type(self.slots) is not int or self.slots < 1:
+                raise ValueError(f"shm: slots must be >= 1, got {self.slots!r}")
+            check_size_option("stripe_min_bytes", self.stripe_min_bytes)
+            check_poll_option(self.poll_us)
+
+    def __init__(self, groups, **options) -> None:
+        super().__init__(groups, **options)
+        o = self.options
         with self.named():
-            self.channel = NodeChannel(groups, slots, stripe_min_bytes, poll_us)
+            self.channel = NodeChannel(groups, o.slots, o.stripe_min_bytes, o.poll_us)
         self._headers: dict = {}  # read_header_bytes' cache: same-shaped batches decode once
         self.stage = groups.device.type != "cpu"
         """Whether the message is packed on the groups' device and copied into the segment
         once (a batch on a GPU), rather than packed straight into the segment."""
+
+    def new_wire(self) -> Wire:
+        """The message crosses no broadcast: the wire only agrees sizes and reads headers."""
+        return Wire(self.groups.device, self.groups.rank, max_bytes=self.options.max_bytes)
 
     # -- the call --------------------------------------------------------------------------
     def transfer(self, batch: DataProto) -> DataProto:

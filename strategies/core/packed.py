@@ -4,6 +4,8 @@ a ``Wire``, unpack as views. Not a strategy itself (no ``STRATEGY``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -33,33 +35,37 @@ from strategies.core.phase_clock import CLOCK
 from strategies.core.recent import remember
 from strategies.core.strategy_base import Strategy
 from strategies.core.unpacker import unpack
-from strategies.core.wire import Wire
+from strategies.core.wire import Wire, check_initial_bytes
 
 
 class PackedStrategy(Strategy):
-    """Options (all strategies built on it):
-
-    - ``initial_bytes`` (64 KiB): first-message size before any call has announced one;
-    - ``eager_max_bytes`` (256 MiB): largest first message a receiver will post;
-    - ``max_bytes`` (16 GiB): receivers refuse a header that claims more than this.
+    """The header family's base. Options: ``Options``, those of every strategy built on it
+    that broadcasts its message (a node store, whose message crosses no broadcast, has its own).
 
     A subclass that sets ``direct_min_bytes`` sends every contiguous leaf of at least that
     many bytes in a broadcast of its own, straight from the tensor, after the message on
     each hop (strategies/direct.py); the header still describes it.
     """
 
+    @dataclass(frozen=True, kw_only=True)
+    class Options(Strategy.Options):
+        initial_bytes: int = 64 << 10
+        """First-message size before any call has announced one (at least one header page)."""
+        eager_max_bytes: int = 256 << 20
+        """Largest first message a receiver will post."""
+        max_bytes: int = DEFAULT_MAX_BYTES
+        """Receivers refuse a header that claims more than this."""
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            check_initial_bytes(self.initial_bytes)
+
     direct_min_bytes: int | None = None
     phased = True
 
-    def __init__(
-        self,
-        groups,
-        initial_bytes: int = 64 << 10,
-        eager_max_bytes: int = 256 << 20,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-    ) -> None:
-        super().__init__(groups)
-        self.wire = Wire(groups.device, groups.rank, initial_bytes, eager_max_bytes, max_bytes)
+    def __init__(self, groups, **options) -> None:
+        super().__init__(groups, **options)
+        self.wire = self.new_wire()
         self.packer = Packer()  # leader: the send buffer and the last structure's layout
         self._fill = None
         self._direct: list[torch.Tensor] = []  # leader: the leaves that travel on their own
@@ -70,6 +76,12 @@ class PackedStrategy(Strategy):
         self.last_header: Header | None = None
         """The header of the last batch that arrived (on every rank alike; ``auto`` decides
         from it)."""
+
+    def new_wire(self) -> Wire:
+        """This instance's ``Wire``, from its options (a node store's message crosses no
+        broadcast, so it takes ``max_bytes`` alone)."""
+        o, g = self.options, self.groups
+        return Wire(g.device, g.rank, o.initial_bytes, o.eager_max_bytes, o.max_bytes)
 
     def leader_view(self, batch: DataProto) -> DataProto:
         """Leader, before any collective: the contract's checks, cached per structure

@@ -4,6 +4,8 @@ holds the contract for every strategy (a leader's failure reaches every rank, no
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from strategies.core.completion import Replay, distinct_groups, marks, posted_since
@@ -87,13 +89,31 @@ class Strategy:
         cls.transfer = own  # the older interface: its body is the hook
         cls.get_data_input = Strategy.get_data_input
 
+    @dataclass(frozen=True, kw_only=True)
+    class Options:
+        """A strategy's options, one typed field each (none here). A strategy with options
+        subclasses its base's ``Options`` as a nested ``@dataclass(frozen=True, kw_only=True)
+        class Options``: one field per option with its default, a docstring under each field,
+        ``Literal[...]`` for fixed choices, and the checks of their values in
+        ``__post_init__``, whose messages show the value and what was expected."""
+
+        def __post_init__(self) -> None:
+            """Check the values (none here); a subclass's calls its base's first."""
+
     def __init__(self, groups: ProcessGroups, **options: Any) -> None:
         self.groups = groups
-        if options:
-            raise TypeError(
-                f"strategy {self.name!r} takes no options {sorted(options)}; "
-                "see its module docstring for the options it has"
-            )
+        self.options = self.options_of(**options)
+        """The options this instance was built with (``Options``), checked."""
+
+    @classmethod
+    def options_of(cls, **options: Any) -> Options:
+        """``cls.Options`` of these keyword options: an unknown one is refused in the one line
+        ``check_options`` gives, a bad value by ``Options.__post_init__``."""
+        known = {f.name for f in fields(cls.Options)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise unknown_option(cls.name or cls.__qualname__, unknown[0], accepted_options(cls))
+        return cls.Options(**options)
 
     @classmethod
     def footprint_for(cls, **options) -> Footprint:
@@ -241,3 +261,32 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.groups.rank})"
+
+
+def accepted_options(cls: type[Strategy]) -> list[str] | None:
+    """The keyword options ``cls(groups, **options)`` accepts: the named parameters of the
+    ``__init__``s along its MRO (a user's strategy may take plain keyword arguments), then,
+    where an ``__init__`` with ``**options`` hands them down to ``Strategy.__init__``, the
+    fields of ``cls.Options``. None when the chain ends in an ``__init__`` that takes
+    ``**kwargs`` of its own (anything may be accepted)."""
+    accepted: list[str] = []
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        if init is Strategy.__init__:
+            return accepted + [f.name for f in fields(cls.Options) if f.name not in accepted]
+        params = list(inspect.signature(init).parameters.values())[2:]  # self, groups
+        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        accepted += [p.name for p in params if p.kind in named and p.name not in accepted]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return accepted
+    return None
+
+
+def unknown_option(strategy: str, option: str, accepted: list[str] | None) -> TypeError:
+    """The one-line error for an option ``strategy`` does not take, naming those it does."""
+    return TypeError(
+        f"strategy {strategy!r} has no option {option!r}; accepted options: "
+        f"{sorted(accepted or []) or 'none'}"
+    )

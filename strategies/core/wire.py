@@ -49,6 +49,12 @@ def segments(first: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, first)) for a in range(0, first, step)]
 
 
+def check_initial_bytes(initial_bytes: int) -> None:
+    """Refuse a first-message size smaller than one header page, naming it."""
+    if initial_bytes < PAGE:
+        raise ValueError(f"initial_bytes must be >= {PAGE} (one header page), got {initial_bytes}")
+
+
 class Wire:
     """Per-rank state of the speculative protocol; one per strategy instance."""
 
@@ -60,10 +66,7 @@ class Wire:
         eager_max_bytes: int = 256 << 20,
         max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
-        if initial_bytes < PAGE:
-            raise ValueError(
-                f"initial_bytes must be >= {PAGE} (one header page), got {initial_bytes}"
-            )
+        check_initial_bytes(initial_bytes)
         self.device = device
         self.rank = rank
         self.initial_bytes = initial_bytes

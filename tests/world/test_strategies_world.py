@@ -6,7 +6,6 @@ a corrupting strategy is caught, and bad or oversized batches fail loudly withou
 from __future__ import annotations
 
 import ctypes
-import inspect
 import time
 
 import pytest
@@ -306,9 +305,8 @@ def test_a_rank_stuck_holding_the_gil_is_named_with_its_python_stack(scratch_wor
 
 
 def takes_max_bytes(name: str) -> bool:
-    """Whether the strategy's constructor (or one it passes options on to) takes max_bytes."""
-    inits = [c.__init__ for c in strategies.get_class(name).__mro__ if "__init__" in vars(c)]
-    return any("max_bytes" in inspect.signature(f).parameters for f in inits)
+    """Whether the strategy takes max_bytes (its ``Options`` has the field)."""
+    return "max_bytes" in strategies.accepted_options(strategies.get_class(name))
 
 
 def small_max_bytes_job(ctx, name: str, layout: Layout):
