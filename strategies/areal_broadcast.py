@@ -37,9 +37,9 @@ Adapted to the ``get_data_input`` contract:
   nested TensorDict is a nested dict node, as ``TensorDict.to_dict`` gives), then
   ``__batch_size__`` (a tuple: one object node; a list would cost a node per dim) and, when
   ``meta_info['_broadcast_non_tensor_batch']`` is set, ``__non_tensor_batch__`` as one object
-  node (its items as a tuple): the arrays go in one pickle, so a call's collectives depend on the leaves alone and
-  ``plan`` can state them (walked, it would cost a dict node and an object node per array). A
-  batch holding either key at its top is refused;
+  node (its items as a tuple): the arrays go in one pickle, so a call's collectives depend on
+  the leaves alone and ``plan`` can state them (walked as a dict, it would cost a dict node and
+  an object node per array). A batch holding either key at its top is refused;
 - a NonTensorData/NonTensorStack leaf is an object node (the walk pickles any value that is not
   a tensor, list or dict); a jagged NestedTensor has no dense shape for ``broadcast_tensor``'s
   metadata, so the leader refuses it and every rank raises naming the key;

@@ -24,7 +24,8 @@ Not reproduced: the TransferDock actor, its Ray read, the packing and the receiv
 and padding (``unpack_pad_experience``): the leader's batch stands for the read, each leaf for
 its packed column (a dense leaf holds its rows end to end already), with one length per row
 (the row's element count), and the index is rows 0..B-1. Nor the "dock is empty" return
-(``index[0] == -1``), the multimodal columns' second pass, or the ZMQ dispatch path.
+(``index[0] == -1``; its read of ``index[0]``, a host sync, is kept), the multimodal columns'
+second pass, or the ZMQ dispatch path.
 
 Adapted to the ``get_data_input`` contract:
 
@@ -232,6 +233,8 @@ class MindspeedTransferDock(Strategy):
         """Every rank of the world: the index, then per key its metadata on every hop, its
         buffers allocated, its data on every hop, its lengths on every hop."""
         _broadcast_all(index, hops)
+        if index.numel():  # MindSpeed's "dock empty" test (index[0] == -1): a host sync
+            int(index[0].item())
         for column in columns:
             for group, src in hops:
                 for t in column.metadata:
