@@ -1,5 +1,6 @@
 """The peer reproductions (Megatron ``broadcast_data``, vLLM ``broadcast_tensor_dict``,
-tensordict's ``broadcast``, PP-first) on real gloo worlds: bit-exact on every rank, plans equal
+tensordict's ``broadcast``, AReaL's ``broadcast_tensor_container``, MindSpeed-RL's per-key
+broadcast, PP-first) on real gloo worlds: bit-exact on every rank, plans equal
 to the recorded collectives, clear errors where the originals cannot go, and tensordict's bug
 pinned where it is.
 """
@@ -23,7 +24,14 @@ from strategies.core.layout import SEED_ORDER, Layout
 from strategies.core.plan import PayloadSpec, spec_of
 from strategies.core.trace import Recorder
 
-PEERS = ("megatron_broadcast_data", "vllm_tensor_dict", "tensordict_broadcast", "pp_first")
+PEERS = (
+    "megatron_broadcast_data",
+    "vllm_tensor_dict",
+    "tensordict_broadcast",
+    "areal_broadcast",
+    "mindspeed_transfer_dock",
+    "pp_first",
+)
 TP2PP2 = Layout(pp=2, tp=2)
 PP2CP2 = Layout(pp=2, cp=2)
 DP2_SEED = Layout(dp=2, pp=2, tp=2, order=SEED_ORDER)
@@ -77,6 +85,12 @@ def plan_of(name: str, layout: Layout, dp: DataProto):
     spec = payload_spec(dp)
     if name in ("vllm_tensor_dict", "tensordict_broadcast"):
         return cls.plan(layout, spec, leaf_bytes=leaf_bytes(dp))
+    if name == "areal_broadcast":  # its dict nodes follow the keys' nesting
+        keys = tuple(k if isinstance(k, tuple) else (k,) for k in dp.batch.keys(True, True))
+        return cls.plan(layout, spec, leaf_bytes=leaf_bytes(dp), leaf_keys=keys)
+    if name == "mindspeed_transfer_dock":  # B and the shape slots size its small tensors
+        ndim = max(2, *(t.dim() for t in dp.batch.values(True, True)))
+        return cls.plan(layout, spec, batch_size=dp.batch.batch_size[0], shape_slots=ndim)
     return cls.plan(layout, spec)
 
 
@@ -175,7 +189,9 @@ def test_exotic_batch_bit_exact_and_plan(world4, name, layout, with_non_tensor):
 
 def test_collective_counts_follow_the_claims(world4):
     """Count collectives, not just values: per hop megatron is 2 + 1 + dtypes, vLLM 2 + one
-    per tensor, tensordict 2 + 1 (+2 for non-tensor data), pp_first 1 per hop."""
+    per tensor, tensordict 2 + 1 (+2 for non-tensor data), pp_first 1 per hop; AReaL one hop
+    of 2 per dict node + 5 per tensor + 4 (batch size) + 4 (non-tensor data); MindSpeed 2
+    (table) + per hop 1 (index) + 6 per key."""
     full = exotic_batch(10, True)
     n_tensors = len(leaf_bytes(full))
     n_dtypes = len(payload_spec(full).dtype_bytes)
@@ -186,6 +202,8 @@ def test_collective_counts_follow_the_claims(world4):
     assert leader["vllm_tensor_dict"] == 2 * (2 + n_tensors)
     assert leader["tensordict_broadcast"] == 5
     assert leader["pp_first"] == 2
+    assert leader["areal_broadcast"] == 2 * 3 + 5 * n_tensors + 4 + 4  # top, nested, inner
+    assert leader["mindspeed_transfer_dock"] == 2 + 2 * (1 + 6 * n_tensors)
 
 
 def test_pp_first_crosses_stages_only_from_the_leader(world4):
@@ -247,7 +265,9 @@ def test_tensordict_library_hangs_when_a_receiver_index_equals_src():
 
 # -- tests: DP > 1 with the seed's order (8 ranks, kept short) --------------------------------
 def test_dp2_seed_order(world8):
-    for name in ("megatron_broadcast_data", "vllm_tensor_dict", "pp_first"):
+    for name in PEERS:
+        if name == "tensordict_broadcast":
+            continue  # refuses DP > 1: checked below
         results = world8.run(exotic_job, name, DP2_SEED, True)
         assert not [p for r in results for p in r["problems"]], name
         assert_plan_matches(name, DP2_SEED, exotic_batch(10, True), [r["comms"] for r in results])
