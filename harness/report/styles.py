@@ -27,9 +27,11 @@ most distinct colours go to the lines a reader looks for)."""
 COLOURS = (
     "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
     "#bcbd22", "#7f7f7f", "#393b79", "#637939", "#843c39", "#ad494a", "#6b6ecf", "#e7ba52",
-    "#8c6d31", "#7b4173", "#a55194", "#5254a3",
+    "#8c6d31", "#7b4173", "#a55194", "#5254a3", "#3182bd", "#e6550d", "#31a354", "#756bb1",
+    "#636363", "#9c9ede", "#b5cf6b", "#e7969c", "#de9ed6", "#fd8d3c", "#74c476", "#9e9ac8",
 )  # fmt: skip
-"""Twenty colours told apart on white (tab10, then darker shades of tab20b/c)."""
+"""Thirty-two colours told apart on white (tab10, then shades of tab20b/c): room for the
+built-ins and a dozen strategies more before two share one."""
 MARKERS = ("o", "s", "D", "^", "v", "<", ">", "P", "X", "*", "h", "p", "d", "H", "8", "1", "2",
            "3", "4", "+")  # fmt: skip
 PROMINENT = {"lw": 2.4, "ms": 6.5, "alpha": 1.0, "zorder": 4}
