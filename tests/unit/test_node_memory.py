@@ -11,6 +11,7 @@ import pytest
 
 import strategies
 from harness.job.fits import fitted, footprints
+from harness.job.label import Label
 from harness.job.node_memory import NodeMemory, Sampler, resident
 from harness.job.results import RankResult
 from harness.job.spec import JobSpec
@@ -151,7 +152,7 @@ def _spec(**kw) -> JobSpec:
 
 def test_the_floors_methods_keep_one_buffer_between_them():
     fps = footprints(_spec())
-    floors = [fp for name, fp in fps.items() if name.split(":")[0] == "floor"]
+    floors = [fp for name, fp in fps.items() if Label.parse(name).is_floor]
     assert len(floors) > 1 and sum(fp.leader_kept for fp in floors) == 1
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import strategies
 from harness.job.execute import run_job
+from harness.job.label import Label
 from harness.job.spec import JobSpec
 from harness.model import memory
 from strategies.core.layout import Layout
@@ -24,9 +25,9 @@ def test_every_record_carries_the_nodes_memory_and_the_copies_match_the_footprin
         assert figures["rank_peak_bytes"] > 0, name
         # The harness's own footprint is the batch and little else (fingerprints, meta).
         assert 0.8 <= figures["harness_copies"] <= 2.0, (name, figures["harness_copies"])
-        label = name.split(":")
-        cls = strategies.get_class(label[0])
-        options = {"method": label[1]} if len(label) > 1 and label[1] == "shm" else {}
+        label = Label.parse(name)
+        cls = strategies.get_class(label.strategy)
+        options = {"method": "shm"} if label.method == "shm" else {}
         declared = cls.footprint_for(**options).node_copies(node.leaders, node.receivers)
         assert abs(figures["node_copies"] - declared) <= 0.35 * declared + 0.5, (
             name, figures["node_copies"], declared

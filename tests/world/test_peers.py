@@ -15,6 +15,7 @@ from tensordict import TensorDict
 
 import strategies
 from harness.job.execute import run_job
+from harness.job.label import Label
 from harness.job.spec import JobSpec
 from harness.job.verification import compare, digest
 from harness.worlds.forked import ForkedWorld as World
@@ -171,7 +172,7 @@ def test_runner_job_bit_exact(world4, name, layout):
     spec = JobSpec(strategy=name, layout=layout, batch_size=4, seq_len=64, iters=2, warmup=1)
     record = run_job(world4, spec)
     # A floor reference is timed as every raw method the layout allows (floor, floor:<method>).
-    assert {n.split(":")[0] for n in record["references"]} == {"floor", "pickled"}
+    assert {Label.parse(n).strategy for n in record["references"]} == {"floor", "pickled"}
     assert record["strategy"] == name and record["p50_us"] > 0
 
 

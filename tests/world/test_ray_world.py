@@ -31,6 +31,7 @@ from harness.job.dispatch import DispatchMode, _Driver, _verify  # noqa: E402
 from harness.job.dispatch_modes import FLOORS  # noqa: E402
 from harness.job.execute import run_job  # noqa: E402
 from harness.job.fault import Fault  # noqa: E402
+from harness.job.label import Label  # noqa: E402
 from harness.job.spec import JobSpec  # noqa: E402
 from harness.worlds.protocol import WorldError  # noqa: E402
 from harness.worlds.ray_cluster import RayConf  # noqa: E402
@@ -152,7 +153,7 @@ def test_forked_worlds_rank_job_runs_unchanged(ray_world):
     spec = JobSpec("header", TP2PP2, iters=2, warmup=1, references=("floor",), **SMALL)
     record = run_job(ray_world, spec)
     # A floor reference is timed as every raw method the layout allows (floor, floor:<method>).
-    assert {n.split(":")[0] for n in record["references"]} == {"floor"}
+    assert {Label.parse(n).strategy for n in record["references"]} == {"floor"}
     assert "floor" in record["references"] and record["floor_method"]
     assert record["strategy"] == "header" and record["collectives_leader"] >= 1
 
