@@ -67,46 +67,29 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from strategies.core.contract import (
+    BATCH_SIZE_KEY,
+    NON_TENSOR_KEY,
     ContractError,
-    ShippedFailure,
-    _key_name,
-    broadcast_objects,
+    broadcast_or_raise,
     deliver,
     leaves,
-    raise_failure,
     wants_non_tensor,
 )
 from strategies.core.footprint import Footprint
-from strategies.core.parts import transportable
+from strategies.core.parts import leaf_on_device, transportable
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.refusals import refuse_jagged
 from strategies.core.strategy_base import Strategy
-from strategies.core.trace import WORK
 
-BATCH_SIZE_KEY = "__batch_size__"
-NON_TENSOR_KEY = "__non_tensor_batch__"
 TENSOR_TAG = ("tensor", None)
 OBJECT_TAG = ("object", None)
-
-
-class _Shipped(Exception):
-    """An object the leader could not pickle went out as a ShippedFailure: the walk ends here
-    on every rank (``exc`` is the leader's own error, None on a receiver)."""
-
-    def __init__(self, text: str, exc: Exception | None = None):
-        super().__init__(text)
-        self.text, self.exc = text, exc
 
 
 def refuse(batch, rank: int) -> None:
     """Leader, before any collective: a jagged leaf (no dense shape) or a top-level key this
     strategy reserves raises ContractError naming it, which reaches every rank."""
-    for key, value in leaves(batch.batch):
-        if isinstance(value, torch.Tensor) and value.is_nested:
-            raise ContractError(
-                f"rank {rank}: batch[{_key_name(key)!r}] is a jagged NestedTensor; AReaL's "
-                "broadcast_tensor describes a tensor by one dense shape and cannot carry it; "
-                "use header, flat, direct, pp_first or scatter_allgather"
-            )
+    why = "AReaL's broadcast_tensor describes a tensor by one dense shape and cannot carry it"
+    refuse_jagged(batch, rank, why)
     for name in (BATCH_SIZE_KEY, NON_TENSOR_KEY):
         if name in batch.batch.keys():
             raise ContractError(
@@ -115,26 +98,16 @@ def refuse(batch, rank: int) -> None:
             )
 
 
-def _ready(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A leaf as the leader sends it: on the device (AReaL's ``tensor_container_to``) and
-    contiguous (``broadcast_tensor``'s own ``.contiguous()``)."""
-    if t.device != device:
-        t = t.to(device)
-        WORK["h2d_bytes" if device.type != "cpu" else "d2h_bytes"] += t.nbytes
-    if not t.is_contiguous():
-        t = t.contiguous()
-        WORK["copied_bytes"] += t.nbytes
-    return t
-
-
 def to_container(batch, device: torch.device) -> dict:
-    """Leader: the DataProto as the nested dict AReaL walks (a batch ``refuse`` passed)."""
+    """Leader: the DataProto as the nested dict AReaL walks (a batch ``refuse`` passed). Each
+    tensor leaf on the device (AReaL's ``tensor_container_to``) and contiguous
+    (``broadcast_tensor``'s own ``.contiguous()``), before the walk's first collective."""
     out: dict = {}
     for key, value in leaves(batch.batch):
         node = out
         for part in key[:-1]:
             node = node.setdefault(part, {})
-        node[key[-1]] = _ready(value, device) if isinstance(value, torch.Tensor) else value
+        node[key[-1]] = leaf_on_device(value, device) if isinstance(value, torch.Tensor) else value
     out[BATCH_SIZE_KEY] = tuple(batch.batch.batch_size)
     if wants_non_tensor(batch):
         # Its items as a tuple: one object node (a dict would be walked, a node per array).
@@ -142,51 +115,47 @@ def to_container(batch, device: torch.device) -> dict:
     return out
 
 
-def _send_object(obj, src: int, group) -> None:
-    box = [obj]
-    unpicklable = broadcast_objects(box, src, group)
-    if unpicklable is not None:
-        raise _Shipped(box[0].text, unpicklable)
+def _send_object(obj, g) -> None:
+    # An object the leader cannot pickle goes as a ShippedFailure, and the walk ends there on
+    # every rank: the leader raises its own error, each receiver LeaderFailed.
+    broadcast_or_raise(obj, g, g.replica_group)
 
 
-def _receive_object(src: int, group) -> Any:
-    box = [None]
-    broadcast_objects(box, src, group)
-    if isinstance(box[0], ShippedFailure):
-        raise _Shipped(box[0].text)
-    return box[0]
+def _receive_object(g) -> Any:
+    return broadcast_or_raise(None, g, g.replica_group)
 
 
-def send_container(value, src: int, group) -> None:
-    """The source's walk: each node's tag, then what the tag announces."""
+def send_container(value, g) -> None:
+    """The leader's walk over ``g.replica_group``: each node's tag, then what the tag
+    announces."""
     if isinstance(value, dict):
-        _send_object(("dict", list(value.keys())), src, group)
+        _send_object(("dict", list(value.keys())), g)
         for child in value.values():
-            send_container(child, src, group)
+            send_container(child, g)
     elif isinstance(value, torch.Tensor):
-        _send_object(TENSOR_TAG, src, group)
+        _send_object(TENSOR_TAG, g)
         meta = {"shape": list(value.shape), "dtype": value.dtype, "device_type": value.device.type}
-        _send_object(meta, src, group)
-        dist.broadcast(transportable(value), src=src, group=group)
+        _send_object(meta, g)
+        dist.broadcast(transportable(value), src=g.leader, group=g.replica_group)
     else:
-        _send_object(OBJECT_TAG, src, group)
-        _send_object(value, src, group)
+        _send_object(OBJECT_TAG, g)
+        _send_object(value, g)
 
 
-def receive_container(src: int, group, device: torch.device):
+def receive_container(g):
     """A receiver's walk: each node's tag decides what follows it."""
-    kind, info = _receive_object(src, group)
+    kind, info = _receive_object(g)
     if kind == "dict":
-        return {key: receive_container(src, group, device) for key in info}
+        return {key: receive_container(g) for key in info}
     if kind == "tensor":
-        meta = _receive_object(src, group)
-        where = torch.device("cpu") if meta["device_type"] == "cpu" else device
+        meta = _receive_object(g)
+        where = torch.device("cpu") if meta["device_type"] == "cpu" else g.device
         t = torch.empty(meta["shape"], dtype=meta["dtype"], device=where)
-        dist.broadcast(transportable(t), src=src, group=group)
+        dist.broadcast(transportable(t), src=g.leader, group=g.replica_group)
         return t
     if kind == "object":
-        return _receive_object(src, group)
-    raise ValueError(f"areal_broadcast: unknown node kind {kind!r} from rank {src}")
+        return _receive_object(g)
+    raise ValueError(f"areal_broadcast: unknown node kind {kind!r} from rank {g.leader}")
 
 
 def from_container(container: dict) -> tuple[TensorDict, Any]:
@@ -248,14 +217,10 @@ class ArealBroadcast(Strategy):
 
     def transfer(self, batch):
         g = self.groups
-        try:
-            if g.is_leader:
-                send_container(to_container(batch, g.device), g.leader, g.replica_group)
-                return batch
-            container = receive_container(g.leader, g.replica_group, g.device)
-        except _Shipped as shipped:
-            raise_failure(g, shipped.text, shipped.exc)
-        return deliver(batch, *from_container(container))
+        if g.is_leader:
+            send_container(to_container(batch, g.device), g)
+            return batch
+        return deliver(batch, *from_container(receive_container(g)))
 
     @classmethod
     def plan(

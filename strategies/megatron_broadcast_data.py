@@ -50,7 +50,6 @@ from strategies.core.contract import (
     _key_name,
     broadcast_objects,
     deliver,
-    is_non_tensor_leaf,
     raise_failure,
     wants_non_tensor,
 )
@@ -58,6 +57,7 @@ from strategies.core.contract import leaves as all_leaves
 from strategies.core.footprint import Footprint
 from strategies.core.parts import transportable
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.refusals import refuse_not_dense
 from strategies.core.strategy_base import Strategy
 from strategies.core.trace import WORK
 
@@ -106,14 +106,12 @@ def refuse(batch: DataProto, rank: int) -> None:
     """Leader, before any collective: what broadcast_data's header cannot describe (a leaf
     that is not dense, five or more dims, a zero-size dim) raises ContractError naming the key,
     which reaches every rank of the replica."""
+    why = (
+        "megatron broadcast_data carries dense tensors only (its header holds one dense shape "
+        "per key)"
+    )
     for key, value in all_leaves(batch.batch):
-        if is_non_tensor_leaf(value) or value.is_nested:
-            what = type(value).__name__ if is_non_tensor_leaf(value) else "a jagged NestedTensor"
-            raise ContractError(
-                f"rank {rank}: batch[{_key_name(key)!r}] is {what}; megatron broadcast_data "
-                "carries dense tensors only (its header holds one dense shape per key); use "
-                "header, flat, direct, pp_first or scatter_allgather for such leaves"
-            )
+        refuse_not_dense(key, value, rank, why)
         _check_leaf(_key_name(key), value, rank)
 
 

@@ -60,22 +60,12 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from strategies.core.contract import (
-    ContractError,
-    ShippedFailure,
-    _key_name,
-    broadcast_objects,
-    deliver,
-    is_non_tensor_leaf,
-    leaves,
-    raise_failure,
-    wants_non_tensor,
-)
+from strategies.core.contract import broadcast_or_raise, deliver, leaves, wants_non_tensor
 from strategies.core.footprint import Footprint
-from strategies.core.parts import transportable
+from strategies.core.parts import leaf_on_device, transportable
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.refusals import refuse_not_dense
 from strategies.core.strategy_base import Strategy
-from strategies.core.trace import WORK
 
 MIN_SHAPE_SLOTS = 2
 """MindSpeed's receivers post two shape slots ("at most 2-D")."""
@@ -86,19 +76,11 @@ DTYPES = (torch.int32, torch.float32) + tuple(
 """Dtype by code - 1: int32 and 2: float32 as MindSpeed numbers them, then every other dtype
 this torch has, by name (the same order on every rank of one installation)."""
 CODE_OF = {dtype: i + 1 for i, dtype in enumerate(DTYPES)}
-
-
-def refuse(batch, rank: int) -> None:
-    """Leader, before any collective: what MindSpeed's per-key broadcast cannot carry (a
-    non-tensor leaf, a jagged tensor) raises ContractError naming the key on every rank."""
-    for key, value in leaves(batch.batch):
-        if is_non_tensor_leaf(value) or value.is_nested:
-            what = type(value).__name__ if is_non_tensor_leaf(value) else "a jagged NestedTensor"
-            raise ContractError(
-                f"rank {rank}: batch[{_key_name(key)!r}] is {what}; MindSpeed-RL's per-key "
-                "broadcast carries dense tensors only (a shape, a dtype code and the data per "
-                "key); use header, flat, direct, pp_first or scatter_allgather for such leaves"
-            )
+DENSE_ONLY = (
+    "MindSpeed-RL's per-key broadcast carries dense tensors only (a shape, a dtype code and the "
+    "data per key)"
+)
+"""Why a non-tensor or jagged leaf is refused (``refuse_not_dense``)."""
 
 
 @dataclass
@@ -123,12 +105,7 @@ def _int64(values: list[int], device: torch.device) -> torch.Tensor:
 
 def _leader_column(t: torch.Tensor, rows: int, slots: int, device: torch.device) -> _Column:
     """The leader's column for one leaf: metadata, data on the device, one length per row."""
-    if t.device != device:
-        t = t.to(device)
-        WORK["h2d_bytes" if device.type != "cpu" else "d2h_bytes"] += t.nbytes
-    if not t.is_contiguous():
-        t = t.contiguous()
-        WORK["copied_bytes"] += t.nbytes
+    t = leaf_on_device(t, device)  # once, where MindSpeed's .cuda() copies at every hop
     shape = list(t.shape) + [0] * (slots - t.dim())
     per_row = t.numel() // rows if rows else 0
     lengths = torch.full((rows,), per_row, dtype=torch.int32, device=device)
@@ -198,7 +175,10 @@ class MindspeedTransferDock(Strategy):
     )
 
     def check(self, batch) -> None:
-        refuse(batch, self.groups.rank)
+        """Leader, before any collective: what MindSpeed's per-key broadcast cannot carry (a
+        non-tensor leaf, a jagged tensor) raises ContractError naming the key on every rank."""
+        for key, value in leaves(batch.batch):
+            refuse_not_dense(key, value, self.groups.rank, DENSE_ONLY)
 
     def transfer(self, batch):
         g = self.groups
@@ -210,14 +190,11 @@ class MindspeedTransferDock(Strategy):
             columns = [_leader_column(t, rows, slots, device) for _, t in leaves(batch.batch)]
             index = torch.arange(rows, dtype=torch.int64, device=device)
             nt = batch.non_tensor_batch if wants_non_tensor(batch) else None
-            table = {"keys": keys, "batch_size": list(batch.batch.batch_size), "slots": slots}
-            box = [dict(table, non_tensor=nt)]
+            size = list(batch.batch.batch_size)
+            table = {"keys": keys, "batch_size": size, "slots": slots, "non_tensor": nt}
         else:
-            box = [None]
-        unpicklable = broadcast_objects(box, g.leader, g.cpu_replica_group)
-        if isinstance(box[0], ShippedFailure):
-            raise_failure(g, box[0].text, unpicklable)
-        table = box[0]
+            table = None
+        table = broadcast_or_raise(table, g, g.cpu_replica_group)
         if g.rank != g.leader:
             rows = int(table["batch_size"][0])
             columns = [_empty_column(table["slots"], device) for _ in table["keys"]]

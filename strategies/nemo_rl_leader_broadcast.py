@@ -50,6 +50,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from strategies.core.contract import (
+    BATCH_SIZE_KEY,
+    NON_TENSOR_KEY,
     ShippedFailure,
     deliver,
     is_non_tensor_leaf,
@@ -63,9 +65,6 @@ from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.strategy_base import Strategy
 from strategies.core.trace import WORK
 from strategies.pickled import send_or_failure
-
-BATCH_SIZE_KEY = "__batch_size__"
-NON_TENSOR_KEY = "__non_tensor_batch__"
 
 
 class Refused(ValueError):

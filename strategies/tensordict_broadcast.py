@@ -63,12 +63,10 @@ from tensordict import TensorDict
 
 from strategies.core.contract import (
     DataProto,
-    ShippedFailure,
     Unsupported,
-    broadcast_objects,
+    broadcast_or_raise,
     deliver,
     failure_in,
-    raise_failure,
     wants_non_tensor,
 )
 from strategies.core.contract import leaves as all_leaves
@@ -155,11 +153,8 @@ class TensorDictBroadcast(Strategy):
             return batch if g.is_leader else deliver(batch, out, None)
         non_tensor = None
         if wants_non_tensor(batch):
-            box = [batch.non_tensor_batch if g.is_leader else None]
-            unpicklable = broadcast_objects(box, g.leader, g.cpu_replica_group)
-            if isinstance(box[0], ShippedFailure):
-                raise_failure(g, box[0].text, unpicklable)
-            non_tensor = box[0]
+            sent = batch.non_tensor_batch if g.is_leader else None
+            non_tensor = broadcast_or_raise(sent, g, g.cpu_replica_group)
         if not g.is_leader:
             deliver(batch, _restore_complex128(out), non_tensor)
         return batch

@@ -43,7 +43,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from strategies.core.contract import (
-    ContractError,
+    BATCH_SIZE_KEY,
+    NON_TENSOR_KEY,
     DataProto,
     ShippedFailure,
     _key_name,
@@ -56,11 +57,10 @@ from strategies.core.contract import (
 from strategies.core.footprint import Footprint
 from strategies.core.parts import transportable
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.refusals import refuse_jagged
 from strategies.core.strategy_base import Strategy
 from strategies.core.trace import WORK
 
-BATCH_SIZE_KEY = "__batch_size__"
-NON_TENSOR_KEY = "__non_tensor_batch__"
 ERROR_KEY = "__leader_error__"
 """What ``broadcast_tensor_dict`` returns, on every rank, when its source could not pickle the
 metadata list: ``{ERROR_KEY: why}``."""
@@ -148,13 +148,10 @@ def _receive_tensor_dict(src: int, group, cpu_group, device: torch.device) -> di
 def refuse(batch: DataProto, rank: int = 0) -> None:
     """Leader, before any collective: a jagged NestedTensor has no dense TensorMeta, so it is
     refused naming the key (every rank of the replica raises it)."""
-    for key, value in leaves(batch.batch):
-        if isinstance(value, torch.Tensor) and value.is_nested:
-            raise ContractError(
-                f"rank {rank}: batch[{_key_name(key)!r}] is a jagged NestedTensor; vLLM's "
-                "broadcast_tensor_dict describes each tensor by one dense shape and cannot "
-                "carry it; use header, flat, direct, pp_first or scatter_allgather"
-            )
+    why = (
+        "vLLM's broadcast_tensor_dict describes each tensor by one dense shape and cannot carry it"
+    )
+    refuse_jagged(batch, rank, why)
 
 
 def to_tensor_dict(batch: DataProto) -> dict:

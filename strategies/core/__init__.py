@@ -9,7 +9,8 @@ reader's sides (``ring_writer``, ``ring_reader``) and the crossing of nodes
 (``node_crossing``); plans (``plan``), collective traces (``trace``), finishing a call whose
 leader failed part way (``completion``), the groups derived from megatron-core's
 (``groups``), the pure rank maths of a layout (``layout``), a ROLL-shaped DataProto
-(``roll_proto``) and bounded memories of recent shapes (``recent``); the α–β cost model ``auto``
-chooses by: its form (``formulas``), the machine room (``cluster``), the price of a plan
-(``pricing``), of its host work (``host_work``) and the records a price fills (``costs``).
+(``roll_proto``), the leaves the peer reproductions refuse (``refusals``) and bounded memories
+of recent shapes (``recent``); the α–β cost model ``auto`` chooses by: its form
+(``formulas``), the machine room (``cluster``), the price of a plan (``pricing``), of its host
+work (``host_work``) and the records a price fills (``costs``).
 Nothing here is a strategy; the registry skips it."""

@@ -105,6 +105,14 @@ def deliver(entry, batch: TensorDict, non_tensor: dict | None):
     return entry
 
 
+BATCH_SIZE_KEY = "__batch_size__"
+"""The entry that carries ``batch.batch_size`` where a strategy sends the DataProto as one dict
+of entries, as its source sends a dict (``vllm_tensor_dict``, ``nemo_rl_leader_broadcast``,
+``areal_broadcast``)."""
+NON_TENSOR_KEY = "__non_tensor_batch__"
+"""The entry that carries ``non_tensor_batch`` in such a dict, when the flag sends it."""
+
+
 def _key_name(key: tuple[str, ...]):
     return key if len(key) > 1 else key[0]
 
@@ -333,6 +341,17 @@ def raise_failure(groups, text: str, exc: BaseException | None = None):
     if groups.is_leader:
         raise settled(exc if exc is not None else ContractError(text))
     raise settled(leader_failed(groups, text))
+
+
+def broadcast_or_raise(obj, groups, group):
+    """The leader's ``obj`` on every rank of ``group``, by one ``broadcast_objects`` from
+    ``groups.leader`` (receivers pass None); returns it. An object the leader cannot pickle
+    ends the call on every rank instead, each raising as ``raise_failure`` does."""
+    box = [obj]
+    unpicklable = broadcast_objects(box, groups.leader, group)
+    if isinstance(box[0], ShippedFailure):
+        raise_failure(groups, box[0].text, unpicklable)
+    return box[0]
 
 
 def leader_failed(groups, text: str) -> LeaderFailed:

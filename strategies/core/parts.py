@@ -61,6 +61,20 @@ def transportable(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in _NATIVE else as_bytes(t)
 
 
+def leaf_on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A leaf as a leader sends it from its own device (``areal_broadcast``,
+    ``mindspeed_transfer_dock``): moved to ``device`` (counted as ``h2d_bytes``, or
+    ``d2h_bytes`` onto the CPU) and made contiguous, since a process group sends contiguous
+    tensors only (counted as ``copied_bytes``); each only where needed."""
+    if t.device != device:
+        t = t.to(device)
+        WORK["h2d_bytes" if device.type != "cpu" else "d2h_bytes"] += t.nbytes
+    if not t.is_contiguous():
+        t = t.contiguous()
+        WORK["copied_bytes"] += t.nbytes
+    return t
+
+
 Part = tuple  # (key, kind, aux, tensor): one entry of the message
 
 
