@@ -35,11 +35,11 @@ import torch.distributed as dist
 from strategies.core.contract import DataProto, Unsupported, wants_non_tensor
 from strategies.core.footprint import Footprint
 from strategies.core.formulas import chunk_bounds
+from strategies.core.layout import leader_pp_groups
 from strategies.core.node_channel import DEFAULT_STRIPE_MIN_BYTES, NodeChannel
 from strategies.core.parts import as_bytes, encode_non_tensor, message_parts
 from strategies.core.plan import Comm, Handoff, LocalWork, PayloadSpec, Plan
 from strategies.core.strategy_base import Strategy
-from strategies.pp_first import leader_pp_groups
 
 Method = Literal["one", "chunks", "seed_hops", "pp_first", "shm"]
 """The raw methods (``Floor.Options.method``; the module docstring says what each does)."""

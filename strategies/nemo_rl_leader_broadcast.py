@@ -57,6 +57,7 @@ from strategies.core.contract import (
     is_non_tensor_leaf,
     leaves,
     raise_failure,
+    send_or_failure,
     wants_non_tensor,
 )
 from strategies.core.footprint import Footprint
@@ -64,7 +65,6 @@ from strategies.core.parts import transportable
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 from strategies.core.strategy_base import Strategy
 from strategies.core.trace import WORK
-from strategies.pickled import send_or_failure
 
 
 class Refused(ValueError):

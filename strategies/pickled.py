@@ -49,10 +49,8 @@ Options: see ``Pickled.Options`` (conf/strategy/pickled.yaml).
 
 from __future__ import annotations
 
-import io
 import pickle
 from dataclasses import dataclass
-from functools import cache
 from typing import Any, ClassVar, Literal, get_args
 
 import torch
@@ -63,16 +61,16 @@ from strategies.core import oob_pickle
 from strategies.core.contract import (
     ContractError,
     ShippedFailure,
-    broadcast_objects,
     deliver,
     leaves,
     raise_failure,
+    send_or_failure,
     wants_non_tensor,
 )
 from strategies.core.footprint import Footprint
 from strategies.core.header_format import DEFAULT_MAX_BYTES
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
-from strategies.core.roll_proto import RollBatchProxy, RollDataProto
+from strategies.core.roll_proto import RollBatchProxy, RollDataProto, loads_back
 from strategies.core.strategy_base import Strategy
 
 Serialization = Literal["roll", "dataclass", "pickle5", "verl_numpy"]
@@ -87,36 +85,6 @@ def broadcast_obj(obj, group):
     src_rank = dist.get_process_group_ranks(group)[0]
     dist.broadcast_object_list(obj_list, src=src_rank, group=group)
     return obj_list[0]
-
-
-def send_or_failure(obj, group) -> tuple[Exception, ShippedFailure] | None:
-    """``broadcast_obj`` from this hop's source. None once sent; if pickling ``obj`` fails, a
-    ShippedFailure goes in its place (receivers raise it) and (the error, that failure) is
-    returned, so a rank that sends on later hops sends the failure there too."""
-    box = [obj]
-    exc = broadcast_objects(box, dist.get_process_group_ranks(group)[0], group)
-    return None if exc is None else (exc, box[0])
-
-
-@cache
-def loads_back(dtype: torch.dtype, torch_save: bool) -> bool:
-    """Whether a tensor of ``dtype`` survives the pickling a hop uses: ``torch.save`` into a
-    buffer (ROLL's flag-true hop) or plain pickle (the others). Torch pickles a tensor by its
-    storage and its loader refuses some dtypes it saves without complaint (float8, uint16/32/64
-    under plain pickle), so the receivers would fail after the leader had sent: the leader
-    checks first."""
-    try:
-        t = torch.zeros(1, dtype=dtype)
-        if torch_save:
-            buffer = io.BytesIO()
-            torch.save(t, buffer)
-            buffer.seek(0)
-            torch.load(buffer, weights_only=False)
-        else:
-            pickle.loads(pickle.dumps(t))
-    except Exception:  # noqa: BLE001 -- any failure means receivers would fail too
-        return False
-    return True
 
 
 class Pickled(Strategy):

@@ -16,15 +16,10 @@ from __future__ import annotations
 
 from strategies.core.contract import DataProto
 from strategies.core.footprint import Footprint
+from strategies.core.layout import leader_pp_groups
 from strategies.core.packed import PackedStrategy
 from strategies.core.plan import PayloadSpec, Plan
 from strategies.core.relay_plan import hop_comms, relay_work, steady_expect
-
-
-def leader_pp_groups(layout) -> list[list[int]]:
-    """The PP group of each replica leader (the stage leaders of each replica)."""
-    leaders = set(layout.leaders())
-    return [g for g in layout.groups("pp") if g[0] in leaders]
 
 
 class PpFirst(PackedStrategy):

@@ -30,7 +30,7 @@ Adapted to the ``get_data_input`` contract:
   still joins the barrier, then raises naming its rank, so the leader never waits for it;
 - CPU leaves only: a leaf on another device is refused on every rank (Ray would pickle it for
   the leader's device index), and so is a dtype torch pickles but cannot unpickle (``uint16``,
-  ``uint32``, ``uint64``, float8 on torch 2.13: ``pickled.loads_back``), which the receivers
+  ``uint32``, ``uint64``, float8 on torch 2.13: ``strategies.core.roll_proto.loads_back``), which the receivers
   could not read.
 
 Left out: slime's Mooncake transfer across nodes, and Ray's direct tensor transport
@@ -45,7 +45,7 @@ from __future__ import annotations
 from strategies.core.contract import ContractError, is_non_tensor_leaf, leaves, wants_non_tensor
 from strategies.core.footprint import Footprint
 from strategies.core.pulled_store import PulledStore, ray_actor_module
-from strategies.pickled import loads_back
+from strategies.core.roll_proto import loads_back
 
 WORLD_HINT = "run it on a Ray world: bcastbench run world=ray strategy=ray_object_store"
 

@@ -334,6 +334,15 @@ def broadcast_objects(box: list, src: int, group) -> Exception | None:
         return exc
 
 
+def send_or_failure(obj, group) -> tuple[Exception, ShippedFailure] | None:
+    """``broadcast_objects`` from this hop's source (the group's first rank). None once sent; if pickling ``obj`` fails, a
+    ShippedFailure goes in its place (receivers raise it) and (the error, that failure) is
+    returned, so a rank that sends on later hops sends the failure there too."""
+    box = [obj]
+    exc = broadcast_objects(box, dist.get_process_group_ranks(group)[0], group)
+    return None if exc is None else (exc, box[0])
+
+
 def raise_failure(groups, text: str, exc: BaseException | None = None):
     """End of a call that carried a failure: the leader re-raises its own exception (or a
     ContractError with ``text``), a receiver raises LeaderFailed naming the leader's error.

@@ -170,6 +170,12 @@ class Layout:
         )
 
 
+def leader_pp_groups(layout) -> list[list[int]]:
+    """The PP group of each replica leader (the stage leaders of each replica)."""
+    leaders = set(layout.leaders())
+    return [g for g in layout.groups("pp") if g[0] in leaders]
+
+
 def rank_groups(tokens: tuple[str, ...], sizes: dict[str, int], axes: str) -> list[list[int]]:
     """Megatron's ``generate_masked_orthogonal_rank_groups`` for an order (fastest token first)
     and per-axis sizes, vectorised with numpy."""

@@ -233,7 +233,7 @@ def _on(group) -> torch.device:
 def send(obj, serialization: str, group) -> tuple[Exception, ShippedFailure] | None:
     """A hop's source: ``obj`` by ``serialization``, as the size then the buffer. None once
     sent; if serializing fails, a ShippedFailure goes in its place and (the error, that failure)
-    is returned, as ``pickled.send_or_failure`` does."""
+    is returned, as ``strategies.core.contract.send_or_failure`` does."""
     failed = None
     try:
         frames = dumps(obj, serialization)

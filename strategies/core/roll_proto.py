@@ -31,6 +31,8 @@ copy every saved byte once (``copied_bytes``).
 from __future__ import annotations
 
 import io
+import pickle
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -252,3 +254,24 @@ class RollDataProto:
         )
         self._non_tensor_batch = non_tensor_batch
         self.meta_info = meta_info
+
+
+@cache
+def loads_back(dtype: torch.dtype, torch_save: bool) -> bool:
+    """Whether a tensor of ``dtype`` survives the pickling a hop uses: ``torch.save`` into a
+    buffer (ROLL's flag-true hop) or plain pickle (the others). Torch pickles a tensor by its
+    storage and its loader refuses some dtypes it saves without complaint (float8, uint16/32/64
+    under plain pickle), so the receivers would fail after the leader had sent: the leader
+    checks first."""
+    try:
+        t = torch.zeros(1, dtype=dtype)
+        if torch_save:
+            buffer = io.BytesIO()
+            torch.save(t, buffer)
+            buffer.seek(0)
+            torch.load(buffer, weights_only=False)
+        else:
+            pickle.loads(pickle.dumps(t))
+    except Exception:  # noqa: BLE001 -- any failure means receivers would fail too
+        return False
+    return True

@@ -19,10 +19,10 @@ from harness.payload import generated
 from strategies.core.layout import Layout
 from strategies.core.parts import nbytes_of
 from strategies.core.plan import spec_of
-from strategies.core.roll_proto import RollDataProto
+from strategies.core.roll_proto import RollDataProto, loads_back
 from strategies.core.trace import Recorder
 from strategies.nemo_rl_leader_broadcast import NemoRlLeaderBroadcast
-from strategies.pickled import hop_pickle_bytes, loads_back
+from strategies.pickled import hop_pickle_bytes
 
 pytestmark = pytest.mark.world
 
