@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import mmap
 import os
 import resource
 import socket
@@ -308,3 +309,14 @@ def cap_address_space() -> None:
                 size = int(line.split()[1]) * 1024
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (size + OOM_ROOM_BYTES, hard))
+
+
+def run_out_of_memory() -> None:
+    """``fault.kind=oom`` at its call: cap the address space (``cap_address_space``), then map
+    a fresh region larger than the room left, as a receiver maps its buffer: the allocation
+    fails here, at this call (OSError, ENOMEM). Leaving it to the call's own allocations would
+    make where it fails depend on what the allocator still holds from earlier calls, which
+    reuses freed memory without mapping more."""
+    cap_address_space()
+    with mmap.mmap(-1, 2 * OOM_ROOM_BYTES):
+        pass

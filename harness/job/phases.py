@@ -32,11 +32,11 @@ from harness.job.interval import Interval, interval_fields, interval_keys
 from harness.job.leader_phases import PHASE_FIELDS, cpu_figures, phase_figures
 from harness.job.node_memory import (
     NodeMemory,
-    cap_address_space,
     release_free_heap,
     rss_now,
     rss_peak,
     rss_peak_reset,
+    run_out_of_memory,
 )
 from harness.job.phase_base import BOTH, Job, Phase
 from harness.job.results import (
@@ -92,8 +92,7 @@ def _fault(spec, job: Job, rank: int, it: int) -> None:
         if fault.kind == "raise":
             raise RuntimeError(f"fault.kind=raise: rank {rank} at timed iteration {it}")
         if fault.kind == "oom":
-            cap_address_space()  # the call that follows fails where it allocates
-            return
+            run_out_of_memory()  # raises: the rank fails allocating at this call
         while True:  # hang: never return, never answer
             time.sleep(3600)
 
