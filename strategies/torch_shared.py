@@ -34,8 +34,9 @@ receiver takes it), then in the receivers' mappings, and is freed when the last 
 barrier is needed. The storages are files made and unlinked at once by torch (``/dev/shm``
 never lists them), so a kill -9 leaves none. A descriptor no receiver took (it failed or died
 between the broadcast and its load) cannot be told from one a slow receiver is about to take
-without one more collective, so it is closed when the strategy is collected (and with the
-process); one the leader registered for a send that never went out is closed at once.
+without one more collective: the leader can return, start its next call and even drop the
+strategy before a receiver loads. So it stays with the leader's sharer until the process ends;
+those the leader registered for a send that never went out are closed at once.
 
 The resource sharer's socket: multiprocessing would bind it at a file under a temporary
 directory that only a normal exit removes; the leader starts it at construction on an
@@ -61,7 +62,6 @@ import io
 import os
 import secrets
 import threading
-import weakref
 from multiprocessing import connection, current_process, resource_sharer
 from multiprocessing.reduction import ForkingPickler
 
@@ -154,10 +154,10 @@ def close_untaken(keys: list[int]) -> None:
                 entry[1]()
 
 
-def still_waiting(keys: list[int]) -> list[int]:
-    """The ``keys`` whose descriptors are still waiting for their receiver."""
+def waiting() -> int:
+    """Descriptors the process's sharer holds for a receiver that has not taken them yet."""
     with _SHARER._lock:
-        return [k for k in keys if k in _SHARER._cache]
+        return len(_SHARER._cache)
 
 
 # -- the leader's copy -----------------------------------------------------------------------
@@ -229,12 +229,8 @@ class TorchShared(Strategy):
         self._prepared: tuple | None = None
         """Leader: (the batch sent, the broadcast's object, its sharer keys) of this call,
         kept so a replayed send (``Strategy._finish``) sends the same bytes."""
-        self._waiting: list[int] = []
-        """Leader: sharer keys of calls sent whose receiver had not taken them when last
-        looked at (pruned each call; the rest closed when the strategy is collected)."""
         if len(groups.replica_ranks) > 1:
             self._share_authkey()
-        weakref.finalize(self, close_untaken, self._waiting)
 
     def _share_authkey(self) -> None:
         """The authkey the leader's sharer checks, on every rank of its replica as its own (a
@@ -264,7 +260,7 @@ class TorchShared(Strategy):
             self._prepare(batch)
         failed = send_or_failure(self._prepared[1], g.cpu_replica_group)
         if failed is not None:  # non_tensor_batch would not pickle; every rank got why
-            self._forget(self._prepared[2])
+            close_untaken(self._prepared[2])
             raise_failure(g, failed[1].text, failed[0])
         return batch
 
@@ -272,8 +268,7 @@ class TorchShared(Strategy):
         """Leader: the broadcast's object for ``batch``; a failure closes every descriptor it
         registered, before anything went out."""
         if self._prepared is not None:  # a send that failed before it went out (shipped)
-            self._forget(self._prepared[2])
-        self._waiting[:] = still_waiting(self._waiting)  # the list the finalizer holds
+            close_untaken(self._prepared[2])
         first = sharer_key()
         try:
             td = shared_batch(batch.batch)
@@ -284,13 +279,6 @@ class TorchShared(Strategy):
         keys = list(range(first + 1, sharer_key() + 1))
         non_tensor = batch.non_tensor_batch if wants_non_tensor(batch) else None
         self._prepared = (batch, (payloads, non_tensor), keys)
-        self._waiting.extend(keys)
-
-    def _forget(self, keys: list[int]) -> None:
-        """Leader: the descriptors of a send that never went out, closed."""
-        close_untaken(keys)
-        gone = set(keys)
-        self._waiting[:] = [k for k in self._waiting if k not in gone]
 
     @classmethod
     def plan(cls, layout, spec: PayloadSpec) -> Plan:

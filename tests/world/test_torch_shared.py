@@ -21,7 +21,7 @@ from strategies.core.layout import Layout
 from strategies.core.plan import spec_of
 from strategies.core.process_groups import ProcessGroups
 from strategies.core.trace import Recorder
-from strategies.torch_shared import TorchShared, refusal, start_sharer, still_waiting
+from strategies.torch_shared import TorchShared, refusal, start_sharer, waiting
 
 LAYOUT = Layout(tp=2, pp=2)
 
@@ -111,15 +111,15 @@ def fds_job(ctx, calls: int):
         torch.distributed.barrier()
         counts.append(len(os.listdir("/proc/self/fd")))
     torch.distributed.barrier()  # every receiver took its descriptors before the leader looks
-    waiting = len(still_waiting(strategy._waiting)) if groups.is_leader else 0
-    return counts, waiting
+    waiting_fds = waiting() if groups.is_leader else 0
+    return counts, waiting_fds
 
 
 @pytest.mark.world
 def test_calls_leave_no_descriptor_behind(world4):
-    for counts, waiting in world4.run(fds_job, 5, what="torch_shared fds"):
+    for counts, untaken in world4.run(fds_job, 5, what="torch_shared fds"):
         assert counts[1] <= counts[0], counts
-        assert waiting == 0, "a descriptor is still waiting in the leader's resource sharer"
+        assert untaken == 0, "a descriptor is still waiting in the leader's resource sharer"
 
 
 def groups_of(replica: tuple[int, ...], node_of: tuple[int, ...], rank: int = 0) -> ProcessGroups:
