@@ -71,13 +71,12 @@ import torch.multiprocessing  # registers torch's reductions with ForkingPickler
 from tensordict import TensorDict
 
 from strategies.core.contract import (
-    ShippedFailure,
     Unsupported,
+    broadcast_or_raise,
     deliver,
     is_non_tensor_leaf,
+    is_settled,
     leaves,
-    raise_failure,
-    send_or_failure,
     wants_non_tensor,
 )
 from strategies.core.footprint import Footprint
@@ -247,21 +246,23 @@ class TorchShared(Strategy):
 
     def transfer(self, batch):
         g = self.groups
-        if not g.is_leader:
-            box = [None]
-            dist.broadcast_object_list(box, src=g.leader, group=g.cpu_replica_group)
-            if isinstance(box[0], ShippedFailure):
-                raise_failure(g, box[0].text)
-            payloads, non_tensor = box[0]
+        if not g.is_leader:  # a leader's failure, shipped in the object's place, raises here
+            payloads, non_tensor = broadcast_or_raise(None, g, g.cpu_replica_group)
             blob = payloads[self._receivers.index(g.rank)]
             WORK["unpickled_bytes"] += len(blob)
             return deliver(batch, ForkingPickler.loads(blob), non_tensor)
         if self._prepared is None or self._prepared[0] is not batch:
             self._prepare(batch)
-        failed = send_or_failure(self._prepared[1], g.cpu_replica_group)
-        if failed is not None:  # non_tensor_batch would not pickle; every rank got why
-            close_untaken(self._prepared[2])
-            raise_failure(g, failed[1].text, failed[0])
+        try:
+            broadcast_or_raise(self._prepared[1], g, g.cpu_replica_group)
+        except Exception as exc:
+            # Settled: non_tensor_batch would not pickle and a failure went in the object's
+            # place, so no receiver takes these. A collective's own failure keeps them: the
+            # replay (``Strategy._finish``) sends them, or a shipped failure's ``_prepare``
+            # closes them when nothing went out.
+            if is_settled(exc):
+                close_untaken(self._prepared[2])
+            raise
         return batch
 
     def _prepare(self, batch) -> None:

@@ -21,7 +21,7 @@ from strategies.core.layout import Layout
 from strategies.core.plan import spec_of
 from strategies.core.process_groups import ProcessGroups
 from strategies.core.trace import Recorder
-from strategies.torch_shared import TorchShared, refusal, start_sharer, waiting
+from strategies.torch_shared import _SHARER, TorchShared, refusal, start_sharer, waiting
 
 LAYOUT = Layout(tp=2, pp=2)
 
@@ -78,7 +78,10 @@ def shared_job(ctx, calls: int, own_authkey: bool):
         "copied": copied,
         "payload": spec_of(want).tensor_bytes,
         "authkey": start_sharer() if groups.is_leader else bytes(current_process().authkey),
-        "open_fds": len(os.listdir("/proc/self/fd")),
+        # While the receivers hold their batches: torch's files are unlinked at birth, and
+        # the sharer listens on an abstract Unix address (no socket file under /tmp).
+        "named": [n for n in os.listdir("/dev/shm") if n.startswith("torch_")],
+        "address": _SHARER._address if groups.is_leader else None,
     }
 
 
@@ -92,6 +95,8 @@ def test_receivers_view_shared_memory_and_the_leader_pays_a_fresh_copy(world4, o
         assert r["authkey"] == leader["authkey"], "every rank holds the leader sharer's authkey"
         if not r["leader"]:
             assert r["shared"] == 3, "a receiver's tensors are views of shared memory"
+    assert leader["named"] == [], "a shared storage is listed in /dev/shm"
+    assert leader["address"][:1] in ("\0", b"\0"), leader["address"]  # bytes: abstract
     assert leader["untouched"], "the caller's batch was moved into shared memory or changed"
     # Every call copies the payload once into fresh shared storages, the same batch or not.
     assert leader["copied"] == [leader["payload"]] * 3
