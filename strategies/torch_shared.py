@@ -41,7 +41,8 @@ those the leader registered for a send that never went out are closed at once.
 The resource sharer's socket: multiprocessing would bind it at a file under a temporary
 directory that only a normal exit removes; the leader starts it at construction on an
 abstract-namespace Unix address (Linux: no file, gone with the process), so a kill -9 leaves
-no socket file either. Nothing listens on the network.
+no socket file either. Nothing listens on the network. Its thread is multiprocessing's own, one
+per process, and lives as long as the leader's process (as when torch starts it).
 
 Authkey: the sharer accepts only connections that prove ``multiprocessing.current_process()
 .authkey``. Ranks forked from one parent share it; ranks started by torchrun each draw their
@@ -118,7 +119,8 @@ def refusal(groups) -> str | None:
 # -- the leader's resource sharer ------------------------------------------------------------
 # multiprocessing keeps one sharer per process (``resource_sharer._resource_sharer``) and binds
 # it lazily at a file path; these helpers start it on an abstract address and close what a
-# receiver never took. They reach into its private state, which CPython 3.8-3.13 keep alike.
+# receiver never took. They reach into its private state (as CPython 3.11 lays it out), the one
+# way to choose its address.
 _SHARER = resource_sharer._resource_sharer
 
 
