@@ -53,9 +53,12 @@ BOUNDS: dict[tuple[str, str], dict[str, float]] = {
     ("direct", "8MiB"): {"vs_floor_network": 2.0, "vs_baseline": 0.7, "collectives_per_call": 4},
     # Scatter + all-gather moves ~2x the bytes on one flat network: slower than the floor,
     # still faster than pickled. vs_floor medians 3.02-4.69 (69KiB), 1.95-2.66 (8MiB);
-    # vs_baseline medians 0.41-0.62 (single jobs <= 0.77).
+    # vs_baseline medians 0.41-0.62 (single jobs <= 0.77). Against today's network floor its
+    # four latency-bound collectives at 69 KiB gave medians 5.5-8.1 on a quiet host (the rounds
+    # rotating or in Williams order alike), so 8.0 failed by chance; its count is gated exactly
+    # below, and 12.0 still catches a call that got half again slower than the worst seen.
     ("scatter_allgather", "69KiB"): {
-        "vs_floor_network": 8.0,
+        "vs_floor_network": 12.0,
         "vs_baseline": 1.0,
         "collectives_per_call": 4,
     },
