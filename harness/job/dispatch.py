@@ -20,7 +20,7 @@ Modes (``scope = "dispatch+broadcast"``; the forked world's jobs are ``"broadcas
 
 Chunking and the put are inside the time. The job is a ``harness.job.spec.JobSpec`` of scope
 ``dispatch+broadcast``; its driver runs the same measured phases as a broadcast job's ranks
-(``harness.job.phases.run_phases``: rotated rounds, link bytes, verification) through a
+(``harness.job.phases.run_phases``: interleaved rounds, link bytes, verification) through a
 ``DispatchJob``, whose call is one whole dispatch, into the driver's ``RankResult``, which
 ``harness.job.execute.run_job`` summarizes and records as it does every other. Each rank's
 result is checked bit for bit (``harness.job.verification``) against the chunk the driver cut

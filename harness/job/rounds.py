@@ -33,7 +33,7 @@ def williams_rows(n: int) -> list[list[int]]:
     return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
 
 
-def rotated(order: Sequence[str], it: int) -> list[str]:
+def round_order(order: Sequence[str], it: int) -> list[str]:
     """Round ``it``'s order, a row of a Williams design over ``order`` (``williams_rows``):
     who goes first changes each round (the first call after a barrier or a driver's hand-off
     is not the same as the others), and so does who goes just before each strategy: a call
@@ -52,7 +52,7 @@ def interleaved(
     budget: Callable[[dict[str, float]], dict[str, int]] | None = None,
 ) -> dict[str, list[float]]:
     """``warmup`` untimed rounds of every strategy in ``order``, then ``iters`` timed rounds,
-    each in its own order (``rotated``); seconds per call, by strategy.
+    each in its own order (``round_order``); seconds per call, by strategy.
 
     ``call(name, it, timed)`` makes one call (``it`` counts the timed rounds from 0, the
     warm-up rounds from ``-warmup``) and returns its seconds when ``timed``;
@@ -78,7 +78,7 @@ def interleaved(
     for it in range(iters):
         if round_start is not None:
             round_start(warmup + it, True)
-        for name in rotated(order, it):
+        for name in round_order(order, it):
             if it < rounds[name]:
                 times[name].append(call(name, it, True))
     return times

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from harness.errors import ConfigError
-from harness.job.rounds import budget_rounds, interleaved, rotated
+from harness.job.rounds import budget_rounds, interleaved, round_order
 from harness.job.samples import rows
 from harness.job.spec import JobSpec
 from harness.job.stats import p50_interval, ratio_interval
@@ -109,13 +109,13 @@ def test_each_round_orders_a_williams_design_so_no_strategy_keeps_its_neighbour(
     for n in range(1, 20):
         order = [f"s{k}" for k in range(n)]
         period = n if n % 2 == 0 else 2 * n
-        rounds = [rotated(order, it) for it in range(period)]
+        rounds = [round_order(order, it) for it in range(period)]
         assert all(sorted(r) == sorted(order) for r in rounds)
         assert sorted(r[0] for r in rounds) == sorted(order * (period // n))  # each leads alike
         follows = Counter((a, b) for r in rounds for a, b in zip(r, r[1:]))
         assert set(follows) == {(a, b) for a in order for b in order if a != b}
         assert set(follows.values()) <= {period // n}  # every pair as often as any other
-        assert rotated(order, period) == rounds[0]
+        assert round_order(order, period) == rounds[0]
 
 
 def test_a_strategy_that_sat_out_rounds_is_compared_with_the_floor_of_its_own_rounds():
