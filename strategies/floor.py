@@ -48,6 +48,10 @@ CHUNKS = (2, 4)
 """Chunk counts the harness measures (gloo runs two broadcasts of a group at once; four keeps
 both threads busy while each slice's reply is pending)."""
 
+VARIANTS = ("shm", *(f"chunks{k}" for k in CHUNKS), "seed_hops", "pp_first")
+"""The raw methods besides one broadcast, by the suffix of their label (``floor:<suffix>``):
+what a job's ``floor_methods`` may name."""
+
 
 class Floor(Strategy):
     name = "floor"
@@ -96,10 +100,19 @@ class Floor(Strategy):
         return cls.footprint
 
     @staticmethod
-    def variants(layout, device: str = "cpu") -> dict[str, dict]:
+    def variants(layout, device: str = "cpu", methods=None) -> dict[str, dict]:
         """Label -> options of every raw method ``layout`` allows on ``device``; ``floor`` is
         one broadcast. Hop orders differ from one broadcast only when the replica has both PP
-        and TP×CP; shared memory holds host memory only."""
+        and TP×CP; shared memory holds host memory only. ``methods``: the labels' suffixes
+        (``VARIANTS``) to keep beside one broadcast, which is always there (None: every one)."""
+        out = Floor._variants(layout, device)
+        if methods is None:
+            return out
+        kept = {"floor", *(f"floor:{m}" for m in methods)}
+        return {k: v for k, v in out.items() if k in kept}
+
+    @staticmethod
+    def _variants(layout, device: str) -> dict[str, dict]:
         out: dict[str, dict] = {"floor": {}}
         if device == "cpu" and layout.replica_size > 1:
             out["floor:shm"] = {"method": "shm"}

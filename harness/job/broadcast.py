@@ -262,7 +262,7 @@ def job_order(spec: JobSpec) -> tuple[list[str], dict[str, dict]]:
     options = {spec.strategy: dict(spec.options)}
     for name in spec.references:
         if name == "floor" and spec.strategy != "floor":
-            options.update(Floor.variants(spec.layout, spec.device))
+            options.update(Floor.variants(spec.layout, spec.device, spec.floor_methods))
         elif name != spec.strategy:
             options[name] = {}
     return list(options), options

@@ -38,6 +38,7 @@ def from_run_config(cfg, checked: Checked) -> JobSpec:
         iters=int(cfg.iters),
         warmup=int(cfg.warmup),
         time_budget_s=None if cfg.get("time_budget_s") is None else float(cfg.time_budget_s),
+        floor_methods=_floor_methods(cfg),
         references=tuple(cfg.references),
         record_each=bool(cfg.record_each),
         options=OmegaConf.to_container(cfg.strategy.options, resolve=True) or {},
@@ -107,3 +108,9 @@ def for_calibration(world_size: int, names: list[str], reps: int) -> JobSpec:
         warmup=1,
         references=tuple(names[1:]),
     )
+
+
+def _floor_methods(cfg) -> tuple[str, ...] | None:
+    """``floor_methods`` as the spec holds it (None: every raw method the layout allows)."""
+    methods = cfg.get("floor_methods")
+    return None if methods is None else tuple(str(m) for m in methods)

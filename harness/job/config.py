@@ -19,6 +19,7 @@ from harness.units import human_bytes
 from harness.worlds.emulated_network import EmulateConf
 from harness.worlds.ray_cluster import RayConf, RayUnavailable, import_ray
 from strategies.core.layout import Layout, LayoutError
+from strategies.floor import VARIANTS as FLOOR_VARIANTS
 
 
 def layout_of(cfg) -> Layout:
@@ -178,6 +179,12 @@ def _validate_payload(cfg, layout: Layout):
         payload, seq_len = source.open_payload(cfg.payload.name), int(cfg.payload.seq_len)
     if cfg.steady_iters < 0:
         raise ConfigError(f"steady_iters must be >= 0, got {cfg.steady_iters}")
+    unknown = sorted(set(cfg.get("floor_methods") or ()) - set(FLOOR_VARIANTS))
+    if unknown:
+        raise ConfigError(
+            f"floor_methods names no raw method of the floor: {unknown}; valid: "
+            f"{list(FLOOR_VARIANTS)} (one broadcast is always timed), or null for every one"
+        )
     budget = cfg.get("time_budget_s")
     if budget is not None and budget <= 0:
         raise ConfigError(f"time_budget_s must be positive seconds (or null), got {budget}")

@@ -189,6 +189,11 @@ class BenchConf:
     a strategy whose rounds are spent sits out the rounds left, so its figures and ratios pair
     the rounds it shared with each other. null: every strategy every round. Constant
     workloads only."""
+    floor_methods: list[str] | None = None
+    """The floor's raw methods a job times beside one broadcast (always timed), by the suffix
+    of their label: shm, chunks2, chunks4, seed_hops, pp_first (``strategies.floor.VARIANTS``);
+    a method the layout does not allow is left out. null: every one the layout allows. A
+    sweep whose every call costs a gigabyte names the few that can be its floor there."""
     steady_iters: int = 0
     """A varying workload (payload.cycle, draws, dp_split): after the sequence, this many
     interleaved rounds of each distinct shape alone, for each shape's steady-state p50 in the

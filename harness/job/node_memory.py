@@ -20,11 +20,13 @@ import resource
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from harness.job.label import Label
 from harness.job.phase_base import Job, Phase
 from harness.job.results import NodeMemoryFigures, RankResult
 from strategies.core.segment_ring import REUSE_MIN_BYTES
@@ -39,12 +41,20 @@ time; the record's ``memory_sample_ms`` says the interval the reads kept."""
 
 
 def calls_for(payload_bytes: int | None) -> int:
-    """Calls per strategy while the sampler runs: the first allocates what the strategy keeps
-    between calls; from ``REUSE_MIN_BYTES`` on a second, steady call beside it (a node
-    channel's slot taken in turn instead of reused shows there as a second segment). Below it
-    one: a node channel's small slots are taken in turn by design, and the rank's base, not the
-    batch, is most of the node's memory there."""
+    """The most calls per strategy while the sampler runs: the first allocates what the
+    strategy keeps between calls; from ``REUSE_MIN_BYTES`` on a second, steady call beside it
+    where the first left something behind (``KEPT_SHARE``: a node channel's slot taken in turn
+    instead of reused shows there as a second segment). Below it one: a node channel's small
+    slots are taken in turn by design, and the rank's base, not the batch, is most of the
+    node's memory there."""
     return 1 if payload_bytes is not None and payload_bytes < REUSE_MIN_BYTES else 2
+
+
+KEPT_SHARE = 16
+"""A strategy gets its second sampled call (``calls_for``) only where its first left at least
+this fraction of the payload resident on some rank: one that keeps nothing between calls starts
+its second call where it started its first, so that call could only repeat the first's peak,
+at a gigabyte's price. An unknown payload size always gets it."""
 
 
 @dataclass(frozen=True)
@@ -132,7 +142,8 @@ class NodeMemory(Phase):
     """Each strategy's memory on its node, measured from nothing: every strategy of the job is
     dropped (what it keeps between calls goes with it) and the free heap handed back, each rank
     reads its idle PSS, then the strategy alone is built anew and called (``calls_for``) while
-    a ``Sampler`` follows every rank. A node's peak is the sum of its ranks' sampled peaks (an
+    a ``Sampler`` follows every rank (``measured`` says which strategies: a raw method of the
+    floor's whose footprint another shares is not). A node's peak is the sum of its ranks' sampled peaks (an
     upper bound on their sum at one instant: the ranks of a broadcast peak together, when the
     batch has arrived). Where it runs it also gives ``PeakMemory``'s figures, of these calls
     (each rank's VmHWM reset before the rebuild): one set of calls answers both. Last in
@@ -161,7 +172,8 @@ class NodeMemory(Phase):
         peaks: dict[str, dict] = {  # ``PeakMemory``'s figures, of these calls
             k: {} for k in ("peak_rss_bytes", "peak_rss_delta_bytes", "peak_cuda_bytes")
         }
-        for k, name in enumerate(list(job.order)):
+        payload = spec.largest_generated_bytes()
+        for k, name in enumerate(self.measured(spec, job)):
             ctx.report(f"measuring the node's memory of {name}")
             # Every rank holds what the last call sent before anything is dropped: a sender
             # whose socket closes with a message still queued loses it (vllm_shm_broadcast).
@@ -174,7 +186,9 @@ class NodeMemory(Phase):
             cuda_base = _cuda_reset(job.groups.device)
             job.rebuild(name)
             with Sampler() as sampler:
-                for _ in range(calls_for(spec.largest_generated_bytes())):
+                for c in range(calls_for(payload)):
+                    if c and not _kept_anywhere(job, idle, payload):
+                        break
                     job.fence()
                     received = job.call(name)
                     sampler.take()  # the result still held: a receiver's peak
@@ -197,6 +211,24 @@ class NodeMemory(Phase):
         job.fence()
         job.release(full=False)
         return {"node_memory": out, **peaks}
+
+    @staticmethod
+    def measured(spec, job: Job) -> list[str]:
+        """The strategies whose memory a job measures: every one, but of the floor's raw
+        methods only the first of each declared footprint (the chunked and hop-ordered
+        broadcasts hold what one broadcast holds: the shared packed buffer and the bytes
+        received), since each costs its own calls at a gigabyte's price and no record is a
+        raw method's; the strategy under test always."""
+        out, footprints = [], []
+        for name in job.order:
+            if name != spec.strategy and Label.parse(name).is_floor:
+                strategy = job.built[name]
+                footprint = type(strategy).footprint_for(**asdict(strategy.options))
+                if footprint in footprints:
+                    continue
+                footprints.append(footprint)
+            out.append(name)
+        return out
 
     def fold(self, spec, name: str, results: list[RankResult]) -> NodeMemoryFigures | None:
         measured = [r for r in results if r.node_memory and name in r.node_memory]
@@ -229,6 +261,18 @@ class NodeMemory(Phase):
                 max(r.node_memory[name].get("interval_s", SAMPLE_S) for r in busiest) * 1e3, 2
             ),
         )
+
+
+def _kept_anywhere(job: Job, idle: Resident, payload: int | None) -> bool:
+    """Whether the call just made left ``1 / KEPT_SHARE`` of ``payload`` (or anything, for an
+    unknown payload) resident above ``idle`` on some rank: every rank asks, every rank gets the
+    same answer."""
+    now = resident()
+    kept = max(0, now.pss - idle.pss) if now is not None else 0
+    least = 1 if payload is None else max(1, payload // KEPT_SHARE)
+    flag = torch.tensor([1 if kept >= least else 0], dtype=torch.int64, device=job.groups.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _cuda_reset(device) -> int:

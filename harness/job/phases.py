@@ -292,7 +292,9 @@ class PeakMemory(Phase):
             )
         return out
 
-    def fold(self, spec, name: str, results: list[RankResult]) -> MemoryFigures:
+    def fold(self, spec, name: str, results: list[RankResult]) -> MemoryFigures | None:
+        if any(name not in (r.peak_rss_bytes or {}) for r in results):
+            return None  # not measured: a floor's raw method where the node's memory ran
         deltas = [r.peak_rss_delta_bytes[name] for r in results]
         return MemoryFigures(
             peak_rss_bytes=max(r.peak_rss_bytes[name] for r in results),

@@ -49,6 +49,9 @@ class JobSpec:
     warmup: int = 3
     time_budget_s: float | None = None
     """Seconds of timed calls each strategy may take (``JobConf.time_budget_s``)."""
+    floor_methods: tuple[str, ...] | None = None
+    """The floor's raw methods timed beside one broadcast (``JobConf.floor_methods``; None:
+    every one the layout allows)."""
     repeats: int = 1
     """Blocks of ``iters`` timed rounds, one after another (``harness.job.stats`` widens each
     interval to cover the spread between them)."""
