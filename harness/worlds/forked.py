@@ -42,6 +42,7 @@ from harness.worlds.rank import (  # noqa: E402
     forget_megatron_groups,
     ps,
 )
+from harness.worlds.ray_network import PrivateNetwork  # noqa: E402
 
 
 def _free_port() -> int:
@@ -74,6 +75,8 @@ class ForkedWorld:
         self._stacks: str | None = None
         self._job = 0
         self.start_s = 0.0
+        self.private_network = False
+        """Whether the ranks run in a loopback-only network namespace of their own."""
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> ForkedWorld:
@@ -94,8 +97,9 @@ class ForkedWorld:
         return self
 
     def _fork(self) -> Collector:
-        """The ranks forked, each with its task and status pipes, the phase board and a file
-        for its stack dumps; the collector of their answers."""
+        """The ranks forked, each with its task and status pipes, the phase board and the
+        world's directory (a file for each rank's stack dumps, the file the ranks meet
+        through); the collector of their answers."""
         mp = tmp.get_context("fork")
         pairs = [mp.Pipe(duplex=True) for _ in range(self.world_size)]
         status = [mp.Pipe(duplex=True) for _ in range(self.world_size)]
@@ -112,6 +116,12 @@ class ForkedWorld:
         gc.collect()
         port = _free_port()
         self._stacks = tempfile.mkdtemp(prefix="bcastbench-stacks-")
+        # Where this host allows it (root), the ranks start in a network namespace of their
+        # own whose only interface is loopback: gloo's store and pairs are on loopback anyway,
+        # and an engine a strategy starts that listens on every interface (Mooncake's TCP
+        # transport, UCX's) is then reachable from nothing outside the job.
+        network = PrivateNetwork()
+        self.private_network = network.enter()
         try:
             self._ctx = tmp.start_processes(
                 _worker,
@@ -126,6 +136,8 @@ class ForkedWorld:
         except BaseException:
             self._drop_stacks()
             raise
+        finally:
+            network.leave()
         for c in children + status_children:
             c.close()
         return Collector(

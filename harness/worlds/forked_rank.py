@@ -99,6 +99,10 @@ def _leave_the_drivers_state() -> None:
     ps.destroy_model_parallel()
 
 
+RENDEZVOUS_FILE = "rendezvous"
+"""The FileStore's file in the world's directory (``_join_world``)."""
+
+
 def _worker(
     local_rank: int,
     world_size: int,
@@ -114,7 +118,10 @@ def _worker(
     """A forked rank's life: leave the driver's state behind, join the gloo world, serve the
     driver's tasks until it says stop, then leave the world."""
     conn = _settle(local_rank, conns, status_conns, stacks)
-    ctx = _join_world(local_rank, world_size, port, backend, device, timeout_s, conn, board)
+    rendezvous = os.path.join(stacks, RENDEZVOUS_FILE) if stacks else None
+    ctx = _join_world(
+        local_rank, world_size, port, backend, device, timeout_s, conn, board, rendezvous
+    )  # fmt: skip
     if ctx is None:
         return
     _serve(ctx, conn)
@@ -146,10 +153,14 @@ def _settle(
 
 def _join_world(
     local_rank: int, world_size: int, port: int, backend: str, device: str, timeout_s: float,
-    conn: Connection, board: PhaseBoard | None,
+    conn: Connection, board: PhaseBoard | None, rendezvous: str | None = None,
 ) -> RankContext | None:  # fmt: skip
     """Join the gloo world on loopback and tell the driver this rank is ready; the rank's
-    context, or None once the error is sent to the driver."""
+    context, or None once the error is sent to the driver. ``rendezvous``: a file in the
+    world's own directory the ranks meet through (every rank is on this machine; a TCP store
+    would be one more listening socket, and in a private network namespace its client asks a
+    resolver it cannot reach for loopback's name and warns on every rank); else the TCP store
+    on loopback."""
     os.environ.update(
         RANK=str(local_rank),
         LOCAL_RANK=str(local_rank),
@@ -166,7 +177,9 @@ def _join_world(
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend,
-            store=rendezvous_store("127.0.0.1", port, local_rank, world_size, timeout),
+            store=dist.FileStore(rendezvous, world_size)
+            if rendezvous
+            else rendezvous_store("127.0.0.1", port, local_rank, world_size, timeout),
             rank=local_rank,
             world_size=world_size,
             timeout=timeout,
