@@ -16,12 +16,18 @@ COMPILE_SITE := import compileall, sysconfig; compileall.compile_dir(sysconfig.g
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
+	# Debian's libibverbs1: the engines extra's Mooncake imports it (no RDMA device needed).
+	if ! dpkg -s libibverbs1 >/dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq \
+			&& DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; \
+		else echo "libibverbs1 is missing and this is not root: strategy=mooncake will refuse"; fi; \
+	fi
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q --no-compile "$(TORCH_SPEC)"
 	# The transferqueue extra too (strategy=transferqueue, world=ray), so its tests run for
-	# real: a pure-Python wheel plus ray[default]'s packages.
-	$(BIN)/python -m pip install -q --no-compile -e ".[dev,transferqueue]" "$(TORCH_SPEC)"
+	# real: a pure-Python wheel plus ray[default]'s packages; and the engines extra (Mooncake).
+	$(BIN)/python -m pip install -q --no-compile -e ".[dev,transferqueue,engines]" "$(TORCH_SPEC)"
 	# verl's own DataProto and worker payload for the interop tests; its ray/transformers
 	# imports are never used on that path (tests/verl_support.py), so no deps.
 	$(BIN)/python -m pip install -q --no-compile --no-deps "verl==0.9.1"

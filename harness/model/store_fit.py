@@ -19,6 +19,7 @@ STORE_OF = {
     "independent_fetch": "node_shm",
     "ray_object_store": "ray_object",
     "transferqueue": "transferqueue",
+    "mooncake": "mooncake",
 }
 """The store each pull strategy fetches from (its plan's ``StoreFetch.store``)."""
 CONTENTION_GRID = np.round(np.arange(0.0, 5.001, 0.01), 2)

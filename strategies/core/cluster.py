@@ -86,10 +86,11 @@ class LinkConf:
         check_number(f"{where}.bandwidth_gbytes_per_s", self.bandwidth_gbytes_per_s)
 
 
-STORES = ("node_shm", "ray_object", "transferqueue")
+STORES = ("node_shm", "ray_object", "transferqueue", "mooncake")
 """The stores a pull strategy fetches from (``plan.StoreFetch.store``): ``independent_fetch``'s
-node-local shared-memory segment, Ray's object store (``ray_object_store``) and TransferQueue's
-storage unit (``transferqueue``)."""
+node-local shared-memory segment, Ray's object store (``ray_object_store``), TransferQueue's
+storage unit (``transferqueue``) and the leader's Mooncake Transfer Engine (``mooncake``: the
+readers' READs of its registered message)."""
 
 
 @dataclass(unsafe_hash=True)

@@ -25,6 +25,7 @@ OPTIONAL = {
     "hydra_plugins": "slurm",
     "verl": "verl",
     "transfer_queue": "transferqueue",
+    "mooncake": "engines",
 }
 """Modules the product imports only where an optional extra is installed: module → extra."""
 

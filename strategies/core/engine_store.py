@@ -1,0 +1,194 @@
+"""The one-sided engine store: the base of every strategy whose replica leader exposes its packed
+message in a transfer engine's registered memory and sends its replica only where the message
+lies; every other rank then reads it with a one-sided READ into a buffer of its own, and the
+leader's CPU takes no part in the reads. ``mooncake`` (Mooncake's Transfer Engine) fills it; a
+NIXL agent would fill the same hooks.
+
+Built on the two bases it joins, not beside them: the call's shape is the pulled store's
+(``strategies.core.pulled_store.PulledStore``: the leader's put, the signal over the replica's
+host group, a barrier so the leader's buffer outlives every read, a failure in the signal's
+place), and the message is the header family's (``strategies.core.packed.PackedStrategy``: one
+flat buffer, its header first, unpacked as views), so a READ of one contiguous range moves the
+whole batch, the non-tensor blob included.
+
+An engine says how it starts in this process (``start_engine``, once per process: its listening
+ports and threads are the process's, not an instance's), how the leader's buffer is exposed and
+withdrawn (``expose``, ``withdraw``) and how a reader reads a range into its own buffer
+(``read``). The leader's send buffer is reused from call to call and exposed again only when it
+grows; a reader's buffer is new on every call (the batch it returns is made of views of it, and
+the caller keeps them).
+
+Where the engines here listen: Mooncake's TCP transport binds every interface whatever it is
+told, so an engine starts only where every interface the rank sees is loopback (a network
+namespace of the job's own: the forked world's as root, a Ray world's); elsewhere the strategy
+refuses on every rank, before any collective, saying where it runs. One node only: the leader
+announces a loopback address.
+"""
+
+from __future__ import annotations
+
+import socket
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from strategies.core.contract import Unsupported
+from strategies.core.footprint import Footprint
+from strategies.core.header_format import DEFAULT_MAX_BYTES, HeaderError, read_header
+from strategies.core.packed import PackedStrategy
+from strategies.core.pulled_store import PulledStore
+from strategies.core.strategy_base import Strategy
+from strategies.core.trace import WORK
+from strategies.core.unpacker import unpack
+from strategies.core.wire import Wire
+
+
+@dataclass(frozen=True)
+class Where:
+    """What the leader announces: the engine to read from, the message's address in the
+    leader's process and its length in bytes."""
+
+    engine: str
+    address: int
+    nbytes: int
+
+
+def private_network_problem() -> str | None:
+    """Why an engine that listens on every interface may not start in this process (None: it
+    may): the interfaces this process sees besides loopback."""
+    names = sorted(name for _, name in socket.if_nameindex() if name != "lo")
+    if not names:
+        return None
+    return (
+        f"this rank's network has interfaces besides loopback ({', '.join(names)}), and the "
+        "engine's transport listens on every interface; run it where the ranks have a "
+        "loopback-only network namespace of their own: a forked world started as root, or "
+        "world=ray as root"
+    )
+
+
+class EngineStore(PulledStore, PackedStrategy):
+    """A transfer engine the readers READ from (see the module docstring). Options:
+    ``Options`` (the message crosses no broadcast, so the wire's first-message sizes are not
+    among them)."""
+
+    @dataclass(frozen=True, kw_only=True)
+    class Options(Strategy.Options):
+        max_bytes: int = DEFAULT_MAX_BYTES
+        """Readers refuse an announcement or a header that claims more than this."""
+
+    footprint = Footprint(leader=1, receiver=1, leader_kept=1)
+    """The leader's reused send buffer (the message), every reader's own copy of it."""
+    store_scope = "replica"
+    """One copy, the leader's, that every reader of the replica READs (``PulledStore.plan``
+    prices the announcement, the barrier and the reads at the engine's store costs)."""
+    engine_name = ""
+    """The engine, as the refusals name it."""
+
+    def __init__(self, groups, **options) -> None:
+        super().__init__(groups, **options)
+        missing = self.unavailable()
+        if missing is not None:
+            raise Unsupported(f"rank {groups.rank}: {missing}")
+        if groups.device.type != "cpu":
+            raise Unsupported(
+                f"rank {groups.rank}: {self.name} moves host memory here (the engine's DRAM "
+                f"path); groups on {groups.device} would need its device path; use a CPU job"
+            )
+        if len(groups.replica_nodes) > 1:
+            raise Unsupported(
+                f"rank {groups.rank}: {self.name} announces a loopback address: one node per "
+                f"replica only, and this replica spans {len(groups.replica_nodes)} nodes"
+            )
+        problem = private_network_problem()
+        if problem is not None:
+            raise Unsupported(f"rank {groups.rank}: {self.name}: {problem}")
+        self.engine = self.start_engine()
+        self._exposed: tuple[int, int] | None = None  # leader: (address, bytes) exposed now
+        self._finalizer = None
+        self._headers: dict = {}
+
+    def new_wire(self) -> Wire:
+        """The message crosses no broadcast: the wire only sizes the leader's buffer."""
+        return Wire(self.groups.device, self.groups.rank, max_bytes=self.options.max_bytes)
+
+    # -- an engine's hooks -------------------------------------------------------------------
+    def start_engine(self):
+        """This process's engine, started on first use (its ports and threads live as long as
+        the process)."""
+        raise NotImplementedError
+
+    def engine_address(self) -> str:
+        """What a reader names to reach this rank's engine."""
+        raise NotImplementedError
+
+    def expose(self, address: int, nbytes: int) -> None:
+        """Leader: ``nbytes`` at ``address`` readable by the replica's engines."""
+        raise NotImplementedError
+
+    @staticmethod
+    def withdraw(engine, address: int) -> None:
+        """Leader: the range ``engine`` exposed at ``address`` no longer readable (a static
+        method: it runs when the instance is gone)."""
+        raise NotImplementedError
+
+    def read(self, where: Where, into: torch.Tensor) -> None:
+        """A reader: the announced range into ``into`` (``where.nbytes`` bytes); raise on any
+        failure the engine reports."""
+        raise NotImplementedError
+
+    # -- the pulled store's hooks ------------------------------------------------------------
+    def put(self, batch):
+        """Leader: pack the message into the reused send buffer, expose it where it grew, and
+        announce where it lies."""
+        buf, header, total = self.pack(batch)
+        fill = self.take_fill()
+        if fill is not None:
+            fill(total)
+        storage = buf.untyped_storage()
+        span = (storage.data_ptr(), storage.nbytes())
+        if self._exposed != span:
+            self._withdraw_exposed()
+            self.expose(*span)
+            self._exposed = span
+            # The engine outlives this instance: what it exposed goes when the instance does.
+            self._finalizer = weakref.finalize(self, self.withdraw, self.engine, span[0])
+        self.last_header = header
+        return Where(self.engine_address(), buf.data_ptr(), total)
+
+    def fetched(self, signal) -> str:
+        return f"message of {signal.nbytes} bytes"
+
+    def fetch(self, signal: Where):
+        """A reader: the message into a buffer of its own, read by the engine, unpacked as
+        views of that buffer."""
+        g, limit = self.groups, self.options.max_bytes
+        if not isinstance(signal, Where) or not isinstance(signal.nbytes, int) or signal.nbytes < 1:
+            raise HeaderError(
+                f"rank {g.rank}: {self.name}: the leader announced {signal!r}; expected where "
+                "a message of at least one byte lies (engine, address, bytes)"
+            )
+        if signal.nbytes > limit:
+            raise HeaderError(
+                f"rank {g.rank}: {self.name}: the leader's announcement claims {signal.nbytes} "
+                f"bytes, more than the maximum this receiver accepts ({limit} bytes; raise "
+                "max_bytes to allow it)"
+            )
+        own = torch.empty(signal.nbytes, dtype=torch.uint8)
+        self.read(signal, own)
+        WORK["copied_bytes"] += signal.nbytes
+        header = read_header(own, limit, g.rank, self._headers)
+        if header.total_bytes != signal.nbytes:
+            raise HeaderError(
+                f"rank {g.rank}: {self.name}: the message's header says {header.total_bytes} "
+                f"bytes, the leader announced {signal.nbytes}"
+            )
+        self.last_header = header
+        return unpack(own, header, td_device=None)
+
+    def _withdraw_exposed(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # withdraws the old range, once
+            self._finalizer = None
+        self._exposed = None
