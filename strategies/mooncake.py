@@ -32,6 +32,8 @@ one READ per reader from the leader's engine.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from strategies.core.engine_store import EngineStore, Where
@@ -40,6 +42,11 @@ EXTRA = "pip install 'bcastbench[engines]' (and Debian's libibverbs1, which make
 HOST = "127.0.0.1"
 _ENGINE = None
 """This process's engine (``start_engine``)."""
+
+# Mooncake's own log level, read once when its library loads (before ``missing_package`` first
+# imports it): every rank's INFO lines (topology, handshakes) would bury the job's own output.
+# A user's setting wins.
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 
 def missing_package() -> str | None:
