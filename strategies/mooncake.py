@@ -33,6 +33,8 @@ one READ per reader from the leader's engine.
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 
 import torch
 
@@ -58,6 +60,23 @@ def missing_package() -> str | None:
     return None
 
 
+def _capturing_stderr(start):
+    """``start()``'s result and what it wrote to this process's standard error meanwhile: a
+    started engine logs an error-level line on every rank (its own segment not yet published,
+    before any logging is set up), which only a failed start should show."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            result = start()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        f.seek(0)
+        return result, f.read().decode(errors="replace")
+
+
 class Mooncake(EngineStore):
     """Mooncake's Transfer Engine: the leader registers, every reader READs (module docstring)."""
 
@@ -78,11 +97,11 @@ class Mooncake(EngineStore):
             from mooncake.engine import TransferEngine  # optional: the engines extra
 
             engine = TransferEngine()
-            rc = engine.initialize(HOST, "P2PHANDSHAKE", "tcp", "")
+            rc, said = _capturing_stderr(lambda: engine.initialize(HOST, "P2PHANDSHAKE", "tcp", ""))
             if rc != 0:
                 raise RuntimeError(
                     f"rank {self.groups.rank}: mooncake: TransferEngine.initialize({HOST!r}, "
-                    f"'P2PHANDSHAKE', 'tcp') returned {rc}"
+                    f"'P2PHANDSHAKE', 'tcp') returned {rc}; it said: {said.strip() or 'nothing'}"
                 )
             _ENGINE = engine
         return _ENGINE
