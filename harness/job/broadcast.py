@@ -105,7 +105,7 @@ class BroadcastJob:
         sync(self.groups.device)
         return out
 
-    def timed(self, name: str) -> Timing:
+    def timed(self, name: str, check: bool = False) -> Timing:
         """One call of ``name`` timed on this rank from ``start_line`` until the rank holds
         the batch: its seconds, and the CPU seconds this process spent inside them (every
         thread's: gloo moves the bytes on threads of its own, not the caller's). What the call
@@ -131,9 +131,10 @@ class BroadcastJob:
         if delay_s:
             time.sleep(delay_s)
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+        problems = self.compare(name, out) if check else None
         del out, entry
         self.let_go(name)
-        return Timing(elapsed, cpu, phases)
+        return Timing(elapsed, cpu, phases, problems)
 
     def let_go(self, name: str) -> None:
         """Drop what a raw method (the floor) received in its last call: a caller keeps the
@@ -150,11 +151,18 @@ class BroadcastJob:
         """One call of ``name`` (in ``during``, when given), this rank's result compared with
         the leader's batch (a raw method's received bytes with the leader's sent ones), its
         fingerprint sent over the replica's host group."""
+        with during or nullcontext():
+            out = self.call(name)
+        return self.compare(name, out)
+
+    def compare(self, name: str, out) -> list[str]:
+        """What ``name``'s last call returned on this rank (``out``) against the leader's batch
+        (a raw method's received bytes against the leader's sent ones): every problem, naming
+        this rank and the key. Every rank of the replica calls it at the same point (the
+        leader's fingerprint goes over the replica's host group)."""
         groups, strategy = self.groups, self.built[name]
         if groups.is_leader and self.leader_digest is None:
             self.leader_digest = digest(self.full, True)
-        with during or nullcontext():
-            out = self.call(name)
         if hasattr(strategy, "expected_received"):  # a probe knows what each rank must hold
             expected = tensor_digest(strategy.expected_received())
             return bytes_problems(name, groups.rank, expected, tensor_digest(strategy.received))

@@ -12,12 +12,14 @@ from harness.job.spec import Scope
 
 
 class Timing(NamedTuple):
-    """One timed call: wall seconds, the CPU seconds of this process inside them, and on a
-    leader the call's (wall, CPU) seconds per phase (``strategies.core.phase_clock``)."""
+    """One timed call: wall seconds, the CPU seconds of this process inside them, on a leader
+    the call's (wall, CPU) seconds per phase (``strategies.core.phase_clock``), and where the
+    call was checked (``Job.timed(check=True)``) what the check found."""
 
     wall_s: float
     cpu_s: float | None = None
     phases: dict | None = None
+    problems: list[str] | None = None
 
 
 class Job(Protocol):
@@ -33,9 +35,10 @@ class Job(Protocol):
     def call(self, name: str) -> Any:
         """One untimed call of ``name``, finished (device work included) when it returns."""
 
-    def timed(self, name: str) -> Timing:
+    def timed(self, name: str, check: bool = False) -> Timing:
         """One call of ``name``: its seconds, the clock where the scope puts it, and the CPU
-        seconds this process spent in it (None where the clock is a driver's)."""
+        seconds this process spent in it (None where the clock is a driver's); with ``check``,
+        its result checked bit for bit once the clock stopped (``Timing.problems``)."""
 
     def fence(self) -> None:
         """Separate what came before from what comes next (a barrier over the world where the

@@ -106,7 +106,8 @@ class TimedRounds(Phase):
     (``cpu_s``). Round c moves the workload's call c (warm-up rounds count first), the same
     shape for every strategy of the round, so the floor and pickled are timed shape by shape
     beside it; ``repeats`` blocks of ``iters`` rounds follow one another. A call costs the
-    slowest rank; its CPU is the replica's, every rank's together."""
+    slowest rank; its CPU is the replica's, every rank's together. Where the rounds check
+    their own calls (``checks_in_rounds``) they also give ``Verification``'s answers."""
 
     scopes = BOTH
     part = "timing"
@@ -116,16 +117,27 @@ class TimedRounds(Phase):
     def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
         cpu: dict[str, list[float | None]] = {name: [] for name in job.order}
         split: dict[str, list[dict | None]] = {name: [] for name in job.order}
+        checks = checks_in_rounds(spec)
+        checked: dict[str, dict] = {"collectives": {}, "collectives_unavailable": {}, "work": {}}
+        problems: dict[str, list[str]] = {name: [] for name in job.order}
+        rounds = dict.fromkeys(job.order, spec.timed_rounds)
 
         def call(name: str, it: int, timed: bool) -> float | None:
             if not timed:
-                return _untimed_call(ctx, job, name, f"warm-up {it + spec.warmup}")
+                if not (checks and it == -1):
+                    return _untimed_call(ctx, job, name, f"warm-up {it + spec.warmup}")
+                ctx.report(f"warm-up {it + spec.warmup} of {name}, its collectives recorded")
+                job.fence()
+                with Recorder() as rec:
+                    job.call(name)
+                return _counted(checked, name, rec)
             ctx.report(f"timed iteration {it} of {name}")
             if name == spec.strategy:
                 _fault(spec, job, ctx.rank, it)
-            timing = job.timed(name)
+            timing = job.timed(name, check=checks and it == rounds[name] - 1)
             cpu[name].append(timing.cpu_s)
             split[name].append(timing.phases)
+            problems[name] += timing.problems or []
             return timing.wall_s
 
         def round_start(c: int, timed: bool) -> None:
@@ -135,11 +147,13 @@ class TimedRounds(Phase):
         if spec.time_budget_s is not None:
 
             def budget(warm: dict[str, float]) -> dict[str, int]:
-                return _agreed_rounds(spec, job, warm)
+                rounds.update(_agreed_rounds(spec, job, warm))
+                return rounds
 
         times = interleaved(job.order, spec.warmup, spec.timed_rounds, call, round_start, budget)
         phased = {name: calls for name, calls in split.items() if any(calls)}
-        return {"times_s": times, "cpu_s": cpu, "phases_s": phased or None}
+        out = {"times_s": times, "cpu_s": cpu, "phases_s": phased or None}
+        return {**out, "problems": problems, **checked} if checks else out
 
     def fold(self, spec, name: str, results: list[RankResult]) -> TimingFigures:
         t = np.array([r.times_s[name] for r in results])  # ranks × rounds
@@ -155,6 +169,22 @@ class TimedRounds(Phase):
             **cpu_figures(name, results),
             **phase_figures(name, results),
         )
+
+
+def checks_in_rounds(spec) -> bool:
+    """Whether a job's calls are checked inside its rounds (``TimedRounds``) instead of in
+    calls of their own (``Verification``): each strategy's last timed call is compared bit for
+    bit once its clock stopped, and its last warm-up call, the second or later (a first call
+    sets up channels a steady one does not), is the one whose collectives are recorded. Each
+    strategy's calls then pay for no call of its own, which at a gigabyte is the price of a
+    round. Broadcast jobs of a constant workload with at least two warm-up rounds; elsewhere
+    (a dispatch's check travels inside its call; a varying workload checks one call per shape
+    of its period) ``Verification`` makes its own calls."""
+    return (
+        spec.scope is Scope.BROADCAST
+        and spec.warmup >= 2
+        and not (spec.workload is not None and spec.workload.varying)
+    )
 
 
 def _agreed_rounds(spec, job: Job, warm: dict[str, float]) -> dict[str, int]:
@@ -327,13 +357,18 @@ class Verification(Phase):
     ranks the first checked call of each strategy is also recorded (``strategies.core.trace``):
     the collectives it made (kind, ranks, root, bytes) and its local work (bytes packed,
     pickled, copied), the call alone (not the fingerprints' exchange), so no call is spent on
-    counting alone."""
+    counting alone. Its own calls are made only where the rounds do not check theirs
+    (``checks_in_rounds``); it judges and folds their answers either way."""
 
     scopes = BOTH
     part = "collectives"
     record_fields = (
         "collectives_per_call", "collectives_leader", "comm_bytes_leader", "collectives_unavailable"
     )  # fmt: skip
+
+    def applies(self, ctx, spec) -> bool:
+        # Where the rounds check their own calls, their answers are this phase's to judge.
+        return not checks_in_rounds(spec)
 
     def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
         problems: dict[str, list[str]] = {name: [] for name in job.order}

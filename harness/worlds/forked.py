@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
 import shutil
 import socket
 import tempfile
@@ -42,7 +43,11 @@ from harness.worlds.rank import (  # noqa: E402
     forget_megatron_groups,
     ps,
 )
-from harness.worlds.ray_network import PrivateNetwork  # noqa: E402
+from harness.worlds.ray_network import (  # noqa: E402
+    PrivateNetwork,
+    namespace_handle,
+    visiting,
+)
 
 
 def _free_port() -> int:
@@ -77,6 +82,8 @@ class ForkedWorld:
         self.start_s = 0.0
         self.private_network = False
         """Whether the ranks run in a loopback-only network namespace of their own."""
+        self._netns: int | None = None
+        """A handle on that namespace: the driver reads the ranks' answers inside it."""
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> ForkedWorld:
@@ -91,7 +98,8 @@ class ForkedWorld:
         t0 = time.perf_counter()
         self._job = 0  # the ranks' "ready" answers carry job 0
         self._answers = self._fork()
-        self._answers.collect(self._job, "starting the world", self.timeout_s)
+        with visiting(self._netns):
+            self._answers.collect(self._job, "starting the world", self.timeout_s)
         self.start_s = time.perf_counter() - t0
         _LIVE.add(self)
         return self
@@ -122,6 +130,7 @@ class ForkedWorld:
         # transport, UCX's) is then reachable from nothing outside the job.
         network = PrivateNetwork()
         self.private_network = network.enter()
+        self._netns = namespace_handle() if self.private_network else None
         try:
             self._ctx = tmp.start_processes(
                 _worker,
@@ -171,6 +180,9 @@ class ForkedWorld:
     def close(self, kill: bool = False) -> None:
         if self._ctx is None:
             self._drop_stacks()
+            if self._netns is not None:
+                os.close(self._netns)
+                self._netns = None
             return
         procs = self._ctx.processes
         if not kill:
@@ -190,6 +202,9 @@ class ForkedWorld:
         for c in self._conns + self._status:
             c.close()
         self._drop_stacks()
+        if self._netns is not None:
+            os.close(self._netns)
+            self._netns = None
         self._ctx = self._answers = None
         _LIVE.discard(self)
 
@@ -214,9 +229,10 @@ class ForkedWorld:
         try:
             for c in self._conns:
                 c.send((self._job, fn, args))
-            return self._answers.collect(
-                self._job, what or getattr(fn, "__name__", "task"), timeout_s or self.timeout_s
-            )
+            with visiting(self._netns):
+                return self._answers.collect(
+                    self._job, what or getattr(fn, "__name__", "task"), timeout_s or self.timeout_s
+                )
         except WorldError:
             raise  # torn down by the collector, unless every rank refused before any collective
         except BaseException:

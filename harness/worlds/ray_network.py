@@ -1,6 +1,7 @@
-"""A private Ray cluster's own network: the thread that starts the cluster moves into a new
-network namespace holding only a loopback interface, and everything it starts (the GCS, the
-raylet, the workers and the driver's own Ray threads) lives there.
+"""A world's own network: the thread that starts a private Ray cluster (or forks a forked
+world's ranks) moves into a new network namespace holding only a loopback interface, and
+everything it starts (the GCS, the raylet, the workers and the driver's own Ray threads; the
+ranks) lives there; ``visiting`` takes a thread back in for a while.
 
 Ray's gRPC servers listen on every interface, and Ray has no setting to change that. Inside a
 namespace whose only interface is loopback, "every interface" is loopback: nothing outside
@@ -15,6 +16,7 @@ import os
 import shutil
 import subprocess
 import threading
+from contextlib import contextmanager
 
 CLONE_NEWNET = 0x40000000
 
@@ -72,3 +74,35 @@ class PrivateNetwork:
         self._home = None
         if err != 0:
             raise OSError(ctypes.get_errno(), "setns back to the host's network failed")
+
+
+def _this_thread_ns() -> int:
+    """A handle (file descriptor) on this thread's network namespace."""
+    return os.open(f"/proc/self/task/{threading.get_native_id()}/ns/net", os.O_RDONLY)
+
+
+def namespace_handle() -> int:
+    """A handle on the network namespace this thread is in now, for ``visiting`` later (the
+    caller closes it)."""
+    return _this_thread_ns()
+
+
+@contextmanager
+def visiting(namespace: int | None):
+    """This thread inside ``namespace`` (a ``namespace_handle``) for the block, then back where
+    it was; nothing where it is None. A driver reads its ranks' answers there: torch passes a
+    tensor in an answer as a descriptor through the sender's abstract Unix socket, and an
+    abstract socket is reachable only from its own network namespace."""
+    if namespace is None:
+        yield
+        return
+    home = _this_thread_ns()
+    try:
+        if _libc().setns(namespace, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), "setns into the world's network failed")
+        yield
+    finally:
+        err = _libc().setns(home, CLONE_NEWNET)
+        os.close(home)
+        if err != 0:
+            raise OSError(ctypes.get_errno(), "setns back from the world's network failed")
