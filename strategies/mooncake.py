@@ -87,8 +87,8 @@ class Mooncake(EngineStore):
         "one transfer_sync_read per reader from the leader's engine"
     )
 
-    @classmethod
-    def unavailable(cls) -> str | None:
+    @staticmethod
+    def missing_package() -> str | None:
         return missing_package()
 
     def start_engine(self):

@@ -27,6 +27,8 @@ announces a loopback address.
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
 import weakref
 from dataclasses import dataclass
@@ -52,6 +54,24 @@ class Where:
     engine: str
     address: int
     nbytes: int
+
+
+def no_private_network_here() -> str | None:
+    """Why no world here can give its ranks a network namespace of their own (a forked or Ray
+    world makes one only when its driver is root and has ``ip``), or None: checked before any
+    rank starts, so a job or a sweep leaves the engine out with this line instead of every rank
+    refusing it."""
+    if os.geteuid() != 0:
+        return (
+            "its transport listens on every interface, and only a driver running as root "
+            "gives the ranks a loopback-only network namespace of their own"
+        )
+    if shutil.which("ip") is None:
+        return (
+            "its transport listens on every interface, and without iproute2's ip no world here "
+            "can give the ranks a network namespace of their own"
+        )
+    return None
 
 
 def private_network_problem() -> str | None:
@@ -85,6 +105,17 @@ class EngineStore(PulledStore, PackedStrategy):
     prices the announcement, the barrier and the reads at the engine's store costs)."""
     engine_name = ""
     """The engine, as the refusals name it."""
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        missing = cls.missing_package()
+        return missing if missing is not None else no_private_network_here()
+
+    @staticmethod
+    def missing_package() -> str | None:
+        """Why the engine's package cannot be imported here (one line naming what to install),
+        or None."""
+        return None
 
     def __init__(self, groups, **options) -> None:
         super().__init__(groups, **options)
