@@ -1,7 +1,7 @@
 """Push beside pull in the report: for every cell (layout × payload size) whose records hold
 both a push strategy (the leader broadcasts, or signals a segment it wrote: every strategy but
 the pull ones and ``auto``) and a pull one (each rank fetches its copy from a store:
-``independent_fetch``, ``ray_object_store``, ``transferqueue``), the best of each by
+``independent_fetch``, ``ray_object_store``, ``transferqueue``, ``mooncake``), the best of each by
 ``vs_floor`` and the pull one's time over the push one's, with its interval where the two were
 timed in the same job (paired by round, ``sure.paired_interval``). No such cell: no section.
 """
@@ -16,8 +16,8 @@ from harness.report.sure import bare, paired_interval
 from harness.report.tables import layouts_of, strategy_table
 from harness.units import human_bytes
 
-PULL = ("independent_fetch", "ray_object_store", "transferqueue")
-"""The strategies whose ranks fetch from a store."""
+PULL = ("independent_fetch", "ray_object_store", "transferqueue", "mooncake")
+"""The strategies whose ranks fetch from a store (``mooncake``: READ from the leader's engine)."""
 NEITHER = ("auto",)
 """A choice among push strategies, not a way of its own."""
 
