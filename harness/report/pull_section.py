@@ -16,8 +16,15 @@ from harness.report.sure import bare, paired_interval
 from harness.report.tables import layouts_of, strategy_table
 from harness.units import human_bytes
 
-PULL = ("independent_fetch", "ray_object_store", "transferqueue", "mooncake")
-"""The strategies whose ranks fetch from a store (``mooncake``: READ from the leader's engine)."""
+FAMILIES = {
+    "store": ("independent_fetch", "ray_object_store", "transferqueue"),
+    "engine": ("mooncake",),
+}
+"""The pull strategies by family: ``store``, every rank gets its copy from a store the leader
+put the batch in; ``engine``, every rank READs it one-sided from the leader's transfer
+engine. Every other strategy but ``NEITHER`` is a push."""
+PULL = tuple(name for names in FAMILIES.values() for name in names)
+"""The strategies whose ranks fetch their own copy."""
 NEITHER = ("auto",)
 """A choice among push strategies, not a way of its own."""
 
@@ -38,11 +45,18 @@ def push_pull_table(df: pd.DataFrame) -> pd.DataFrame:
             best_push = push.loc[push["vs_floor"].idxmin()]
             best_pull = pull.loc[pull["vs_floor"].idxmin()]
             over = best_pull["vs_floor"] / best_push["vs_floor"]
+            families = {}
+            for family, names in FAMILIES.items():
+                mine = pull[pull["strategy"].map(lambda n, names=names: bare(n) in names)]
+                if not mine.empty:
+                    best = mine.loc[mine["vs_floor"].idxmin()]
+                    families[family] = (best["strategy"], float(best["vs_floor"]))
             rows.append({
                 "layout": layout, "payload_bytes": int(size),
                 "push": best_push["strategy"], "push_vs_floor": best_push["vs_floor"],
                 "pull": best_pull["strategy"], "pull_vs_floor": best_pull["vs_floor"],
                 "pull_over_push": over,
+                "families": families,
                 "interval": paired_interval(df, layout, size, best_pull["strategy"],
                                             best_push["strategy"]),
             })  # fmt: skip
@@ -55,10 +69,11 @@ def push_pull_markdown(df: pd.DataFrame) -> str:
     if table.empty:
         return ""
     header = ["layout", "payload", "best push", "vs_floor", "best pull", "vs_floor",
-              "pull / push (×, paired 95 % interval)"]  # fmt: skip
+              "pull / push (×, paired 95 % interval)", "fastest of each pull family"]  # fmt: skip
     body = [
         [r.layout, human_bytes(r.payload_bytes), r.push, ratio_range([r.push_vs_floor]), r.pull,
-         ratio_range([r.pull_vs_floor]), interval_text(r.pull_over_push, r.interval)]
+         ratio_range([r.pull_vs_floor]), interval_text(r.pull_over_push, r.interval),
+         _families_text(r.families)]
         for r in table.itertuples()
     ]  # fmt: skip
     return (
@@ -66,6 +81,16 @@ def push_pull_markdown(df: pd.DataFrame) -> str:
         "it, or writes and signals a segment) beside the fastest that pulls it (each rank "
         "fetches its own copy from a store), both by their `vs_floor`; above 1 the store is "
         "slower. The interval is paired by round where the two were timed in the same job; "
-        "without one, the ratio is of medians from different jobs.\n\n"
-        + md_table(header, body, align="lllrlrr")
+        "without one, the ratio is of medians from different jobs. The last column names the "
+        "fastest of each pull family measured: `store` (a store the leader put the batch in) "
+        "and `engine` (a one-sided READ from the leader's transfer engine).\n\n"
+        + md_table(header, body, align="lllrlrrl")
+    )
+
+
+def _families_text(families: dict[str, tuple[str, float]]) -> str:
+    """``store: independent_fetch 8.8×; engine: mooncake 16.5×``, each family measured."""
+    return "; ".join(
+        f"{family}: {name} {ratio_range([vs_floor])}"
+        for family, (name, vs_floor) in families.items()
     )

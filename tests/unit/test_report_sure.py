@@ -264,14 +264,19 @@ def test_push_or_pull_sets_the_best_of_each_side_by_side(tmp_path):
     report without a pull strategy has no such section."""
     from harness.report.pull_section import push_pull_markdown, push_pull_table
 
-    p50s = {"shm": 120.0, "auto": 110.0, "flat": 300.0, "independent_fetch": 180.0}
+    p50s = {
+        "shm": 120.0, "auto": 110.0, "flat": 300.0, "independent_fetch": 180.0, "mooncake": 400.0
+    }  # fmt: skip
     _job(tmp_path / "mixed", "0_b3", p50s, _pairs(p50s, 0.05), batch_size=3, payload_bytes=1000)
     row = push_pull_table(tables.load(tmp_path / "mixed")).iloc[0]
     assert (row.push, row.pull) == ("shm", "independent_fetch")
     assert row.pull_over_push == pytest.approx(1.5) and row.interval == pytest.approx((1.45, 1.55))
-    assert "| shm | 1.20× | independent_fetch | 1.80× | 1.50× [1.45–1.55] |" in push_pull_markdown(
-        tables.load(tmp_path / "mixed")
-    )
+    assert row.families == {
+        "store": ("independent_fetch", pytest.approx(1.8)), "engine": ("mooncake", pytest.approx(4.0))
+    }  # fmt: skip
+    section = push_pull_markdown(tables.load(tmp_path / "mixed"))
+    assert "| shm | 1.20× | independent_fetch | 1.80× | 1.50× [1.45–1.55] |" in section
+    assert "store: independent_fetch 1.80×; engine: mooncake 4.00×" in section
     _job(tmp_path / "push", "0_b3", CLEAR, _pairs(CLEAR, 0.05), payload_bytes=1000)
     assert push_pull_markdown(tables.load(tmp_path / "push")) == ""
 
