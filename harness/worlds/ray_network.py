@@ -52,7 +52,7 @@ class PrivateNetwork:
         """Move this thread; False (and nothing changed) where that is not possible."""
         if self.entered or unavailable_reason() is not None:
             return self.entered
-        home = os.open(f"/proc/self/task/{threading.get_native_id()}/ns/net", os.O_RDONLY)
+        home = namespace_handle()
         if _libc().unshare(CLONE_NEWNET) != 0:
             os.close(home)
             return False
@@ -76,15 +76,10 @@ class PrivateNetwork:
             raise OSError(ctypes.get_errno(), "setns back to the host's network failed")
 
 
-def _this_thread_ns() -> int:
-    """A handle (file descriptor) on this thread's network namespace."""
-    return os.open(f"/proc/self/task/{threading.get_native_id()}/ns/net", os.O_RDONLY)
-
-
 def namespace_handle() -> int:
-    """A handle on the network namespace this thread is in now, for ``visiting`` later (the
-    caller closes it)."""
-    return _this_thread_ns()
+    """A handle (file descriptor) on the network namespace this thread is in now: to come back
+    to, or for ``visiting`` later (the caller closes it)."""
+    return os.open(f"/proc/self/task/{threading.get_native_id()}/ns/net", os.O_RDONLY)
 
 
 @contextmanager
@@ -96,7 +91,7 @@ def visiting(namespace: int | None):
     if namespace is None:
         yield
         return
-    home = _this_thread_ns()
+    home = namespace_handle()
     try:
         if _libc().setns(namespace, CLONE_NEWNET) != 0:
             raise OSError(ctypes.get_errno(), "setns into the world's network failed")
