@@ -20,6 +20,7 @@ from strategies.core.contract import (
     Unsupported,
     broadcast_objects,
     deliver,
+    failure_text,
     raise_failure,
     wants_non_tensor,
 )
@@ -68,6 +69,11 @@ class PulledStore(Strategy):
         fails here fails before any collective (the failure takes the batch's place)."""
         raise NotImplementedError
 
+    def readers_through(self) -> None:
+        """Leader, after the signal: wait at the call's barrier until every reader is through.
+        An engine whose reads need the leader's own progress (``nixl``) makes it meanwhile."""
+        dist.barrier(group=self.groups.cpu_replica_group)
+
     def settle(self) -> None:
         """Leader, once every rank passed the call's barrier: let go of what the call put (no
         reader still fetches it)."""
@@ -83,9 +89,17 @@ class PulledStore(Strategy):
     # -- the call ----------------------------------------------------------------------------
     def _lead(self, batch):
         g = self.groups
-        box = [self.put(batch)]
+        try:
+            box = [self.put(batch)]
+        except Exception as exc:  # noqa: BLE001 -- any type: it travels in the signal's place
+            # Shipping a failure batch would go through ``put`` again, which may fail the same
+            # way (an engine that cannot expose any buffer): the error itself is the signal.
+            box = [ShippedFailure(failure_text(exc))]
+            broadcast_objects(box, g.leader, g.cpu_replica_group)
+            dist.barrier(group=g.cpu_replica_group)
+            raise_failure(g, box[0].text, exc)
         failed = broadcast_objects(box, g.leader, g.cpu_replica_group)
-        dist.barrier(group=g.cpu_replica_group)
+        self.readers_through()
         self.settle()
         if failed is not None:
             raise_failure(g, box[0].text, failed)
