@@ -20,6 +20,8 @@ STORE_OF = {
     "ray_object_store": "ray_object",
     "transferqueue": "transferqueue",
     "mooncake": "mooncake",
+    "nixl": "nixl",
+    "self_load": "page_cache",
 }
 """The store each pull strategy fetches from (its plan's ``StoreFetch.store``)."""
 CONTENTION_GRID = np.round(np.arange(0.0, 5.001, 0.01), 2)

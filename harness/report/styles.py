@@ -20,7 +20,7 @@ BUILTIN = (
     "megatron_broadcast_data", "nemo_rl_leader_broadcast", "vllm_tensor_dict",
     "vllm_shm_broadcast", "tensordict_broadcast", "pickled", "ray_object_store", "transferqueue",
     "independent_fetch", "pickled_pickle5", "pickled_verl_numpy", "areal_broadcast",
-    "mindspeed_transfer_dock", "torch_shared", "mooncake",
+    "mindspeed_transfer_dock", "torch_shared", "mooncake", "nixl", "self_load",
 )  # fmt: skip
 """The shipped strategies, in the order they take colours (the usual winners first: the
 most distinct colours go to the lines a reader looks for)."""

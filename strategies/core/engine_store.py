@@ -1,8 +1,8 @@
 """The one-sided engine store: the base of every strategy whose replica leader exposes its packed
 message in a transfer engine's registered memory and sends its replica only where the message
 lies; every other rank then reads it with a one-sided READ into a buffer of its own, and the
-leader's CPU takes no part in the reads. ``mooncake`` (Mooncake's Transfer Engine) fills it; a
-NIXL agent would fill the same hooks.
+leader's CPU takes no part in the reads. ``mooncake`` (Mooncake's Transfer Engine) and ``nixl``
+(a NIXL agent over UCX) fill it.
 
 Built on the two bases it joins, not beside them: the call's shape is the pulled store's
 (``strategies.core.pulled_store.PulledStore``: the leader's put, the signal over the replica's
@@ -12,14 +12,15 @@ flat buffer, its header first, unpacked as views), so a READ of one contiguous r
 whole batch, the non-tensor blob included.
 
 An engine says how it starts in this process (``start_engine``, once per process: its listening
-ports and threads are the process's, not an instance's), how the leader's buffer is exposed and
-withdrawn (``expose``, ``withdraw``) and how a reader reads a range into its own buffer
-(``read``). The leader's send buffer is reused from call to call and exposed again only when it
+ports and threads are the process's, not an instance's), how a reader reaches it
+(``engine_address``, and ``engine_credentials`` where an address is not enough: a NIXL agent's
+metadata, with the keys of what it registered), how the leader's buffer is exposed and withdrawn
+(``expose``, ``withdraw``) and how a reader reads a range into its own buffer (``read``). The leader's send buffer is reused from call to call and exposed again only when it
 grows; a reader's buffer is new on every call (the batch it returns is made of views of it, and
 the caller keeps them).
 
 Where the engines here listen: Mooncake's TCP transport binds every interface whatever it is
-told, so an engine starts only where every interface the rank sees is loopback (a network
+told, and UCX's listens on the host's interfaces, so an engine starts only where every interface the rank sees is loopback (a network
 namespace of the job's own: the forked world's as root, a Ray world's); elsewhere the strategy
 refuses on every rank, before any collective, saying where it runs. One node only: the leader
 announces a loopback address.
@@ -31,13 +32,13 @@ import os
 import shutil
 import socket
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from strategies.core.contract import Unsupported
+from strategies.core.contract import FAILURE_KEY, ContractError, Unsupported, leaves
 from strategies.core.footprint import Footprint
-from strategies.core.header_format import DEFAULT_MAX_BYTES, HeaderError, read_header
+from strategies.core.header_format import DEFAULT_MAX_BYTES, Header, HeaderError, read_header
 from strategies.core.packed import PackedStrategy
 from strategies.core.pulled_store import PulledStore
 from strategies.core.strategy_base import Strategy
@@ -49,11 +50,15 @@ from strategies.core.wire import Wire
 @dataclass(frozen=True)
 class Where:
     """What the leader announces: the engine to read from, the message's address in the
-    leader's process and its length in bytes."""
+    leader's process and its length in bytes, and what else a reader needs to reach that engine
+    (``EngineStore.engine_credentials``; empty for an engine an address reaches)."""
 
     engine: str
     address: int
     nbytes: int
+    credentials: bytes = b""
+    header_bytes: int = 0
+    """The header's length: what a reader that reads only some fields reads first."""
 
 
 def no_private_network_here() -> str | None:
@@ -97,19 +102,37 @@ class EngineStore(PulledStore, PackedStrategy):
     class Options(Strategy.Options):
         max_bytes: int = DEFAULT_MAX_BYTES
         """Readers refuse an announcement or a header that claims more than this."""
+        fields: tuple[str, ...] | list[str] = ()
+        """ROLL's lazy fetch (``RemoteBatch``): the fields a stage reads, by name (a nested
+        leaf as ``outer.inner``; a name covers every leaf under it). Readers read the header,
+        then only those leaves' bytes (and the non-tensor batch, when the call carries one),
+        and get a batch of those fields; the leader keeps its whole batch. Empty: every
+        field. A field the batch lacks fails the call on every rank."""
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            bad = [f for f in self.fields if not isinstance(f, str) or not f.strip(".")]
+            if isinstance(self.fields, str) or bad:
+                raise ValueError(
+                    f"fields must be a list of field names (e.g. [input_ids, log_probs]), got "
+                    f"{self.fields!r}"
+                )
 
     footprint = Footprint(leader=1, receiver=1, leader_kept=1)
     """The leader's reused send buffer (the message), every reader's own copy of it."""
     store_scope = "replica"
     """One copy, the leader's, that every reader of the replica READs (``PulledStore.plan``
     prices the announcement, the barrier and the reads at the engine's store costs)."""
-    engine_name = ""
-    """The engine, as the refusals name it."""
+    listens = True
+    """Whether the engine listens on the network (and may only start where the rank sees
+    loopback alone); a recorded file read from the page cache (``self_load``) does not."""
 
     @classmethod
     def unavailable(cls) -> str | None:
         missing = cls.missing_package()
-        return missing if missing is not None else no_private_network_here()
+        if missing is not None or not cls.listens:
+            return missing
+        return no_private_network_here()
 
     @staticmethod
     def missing_package() -> str | None:
@@ -129,10 +152,11 @@ class EngineStore(PulledStore, PackedStrategy):
             )
         if len(groups.replica_nodes) > 1:
             raise Unsupported(
-                f"rank {groups.rank}: {self.name} announces a loopback address: one node per "
-                f"replica only, and this replica spans {len(groups.replica_nodes)} nodes"
+                f"rank {groups.rank}: {self.name} reads only on the leader's node (a loopback "
+                f"address, a file there): one node per replica only, and this replica spans "
+                f"{len(groups.replica_nodes)} nodes"
             )
-        problem = private_network_problem()
+        problem = private_network_problem() if self.listens else None
         if problem is not None:
             raise Unsupported(f"rank {groups.rank}: {self.name}: {problem}")
         self.engine = self.start_engine()
@@ -144,6 +168,35 @@ class EngineStore(PulledStore, PackedStrategy):
         """The message crosses no broadcast: the wire only sizes the leader's buffer."""
         return Wire(self.groups.device, self.groups.rank, max_bytes=self.options.max_bytes)
 
+    # -- which fields a reader reads --------------------------------------------------------
+    def _wanted(self, key: tuple[str, ...]) -> bool:
+        """Whether a leaf (its key path) is among ``fields``: named, or under a named one. A
+        failure batch's one leaf is always read: it is the leader's error."""
+        if key == (FAILURE_KEY,):
+            return True
+        name = ".".join(key)
+        return any(name == f or name.startswith(f + ".") for f in self.options.fields)
+
+    def delivers(self, key: tuple[str, ...]) -> bool:
+        return not self.options.fields or self._wanted(key)
+
+    def check(self, batch) -> None:
+        """Leader: every field the readers ask for is in the batch."""
+        super().check(batch)
+        if not self.options.fields or batch.batch is None:
+            return
+        names = [".".join(k) for k, _ in leaves(batch.batch)]
+        missing = [
+            f
+            for f in self.options.fields
+            if not any(n == f or n.startswith(f + ".") for n in names)
+        ]
+        if missing:
+            raise ContractError(
+                f"rank {self.groups.rank}: {self.name}: the readers ask for fields {missing}, "
+                f"which the batch lacks; its fields: {names}"
+            )
+
     # -- an engine's hooks -------------------------------------------------------------------
     def start_engine(self):
         """This process's engine, started on first use (its ports and threads live as long as
@@ -153,6 +206,11 @@ class EngineStore(PulledStore, PackedStrategy):
     def engine_address(self) -> str:
         """What a reader names to reach this rank's engine."""
         raise NotImplementedError
+
+    def engine_credentials(self) -> bytes:
+        """What a reader needs besides ``engine_address`` to read what this rank exposed (sent
+        with every announcement); none by default."""
+        return b""
 
     def expose(self, address: int, nbytes: int) -> None:
         """Leader: ``nbytes`` at ``address`` readable by the replica's engines."""
@@ -164,9 +222,10 @@ class EngineStore(PulledStore, PackedStrategy):
         method: it runs when the instance is gone)."""
         raise NotImplementedError
 
-    def read(self, where: Where, into: torch.Tensor) -> None:
-        """A reader: the announced range into ``into`` (``where.nbytes`` bytes); raise on any
-        failure the engine reports."""
+    def read(self, where: Where, into: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
+        """A reader: each ``(offset, nbytes)`` of ``ranges`` of the announced message into the
+        same offset of ``into`` (a buffer of ``where.nbytes`` bytes); raise on any failure the
+        engine reports."""
         raise NotImplementedError
 
     # -- the pulled store's hooks ------------------------------------------------------------
@@ -186,7 +245,10 @@ class EngineStore(PulledStore, PackedStrategy):
             # The engine outlives this instance: what it exposed goes when the instance does.
             self._finalizer = weakref.finalize(self, self.withdraw, self.engine, span[0])
         self.last_header = header
-        return Where(self.engine_address(), buf.data_ptr(), total)
+        return Where(
+            self.engine_address(), buf.data_ptr(), total, self.engine_credentials(),
+            header.header_len,
+        )  # fmt: skip
 
     def fetched(self, signal) -> str:
         return f"message of {signal.nbytes} bytes"
@@ -207,9 +269,12 @@ class EngineStore(PulledStore, PackedStrategy):
                 "max_bytes to allow it)"
             )
         own = torch.empty(signal.nbytes, dtype=torch.uint8)
-        self.read(signal, own)
-        WORK["copied_bytes"] += signal.nbytes
-        header = read_header(own, limit, g.rank, self._headers)
+        if self.options.fields:
+            header = self._read_fields(signal, own)
+        else:
+            self.read(signal, own, [(0, signal.nbytes)])
+            WORK["copied_bytes"] += signal.nbytes
+            header = read_header(own, limit, g.rank, self._headers)
         if header.total_bytes != signal.nbytes:
             raise HeaderError(
                 f"rank {g.rank}: {self.name}: the message's header says {header.total_bytes} "
@@ -217,6 +282,26 @@ class EngineStore(PulledStore, PackedStrategy):
             )
         self.last_header = header
         return unpack(own, header, td_device=None)
+
+    def _read_fields(self, signal: Where, own: torch.Tensor) -> Header:
+        """A reader of some fields: the header, then the bytes of the leaves it wants (and the
+        non-tensor blob), each at its own offset in ``own`` (the pages of what is not read are
+        never touched, so never resident); returns the header of what was read."""
+        g, limit = self.groups, self.options.max_bytes
+        if not 0 < signal.header_bytes <= signal.nbytes:
+            raise HeaderError(
+                f"rank {g.rank}: {self.name}: the leader announced a header of "
+                f"{signal.header_bytes} bytes in a {signal.nbytes}-byte message"
+            )
+        self.read(signal, own, [(0, signal.header_bytes)])
+        header = read_header(own, limit, g.rank, self._headers)
+        entries = tuple(e for e in header.entries if self._wanted(e.key))
+        ranges = [(header.header_len + e.offset, e.nbytes) for e in entries if e.nbytes]
+        if header.non_tensor is not None:
+            ranges.append((header.header_len + header.non_tensor[0], header.non_tensor[1]))
+        self.read(signal, own, ranges)
+        WORK["copied_bytes"] += signal.header_bytes + sum(n for _, n in ranges)
+        return replace(header, entries=entries)
 
     def _withdraw_exposed(self) -> None:
         if self._finalizer is not None:

@@ -26,6 +26,7 @@ OPTIONAL = {
     "verl": "verl",
     "transfer_queue": "transferqueue",
     "mooncake": "engines",
+    "nixl_cu12": "engines",
 }
 """Modules the product imports only where an optional extra is installed: module → extra."""
 
