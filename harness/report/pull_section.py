@@ -1,9 +1,10 @@
 """Push beside pull in the report: for every cell (layout × payload size) whose records hold
 both a push strategy (the leader broadcasts, or signals a segment it wrote: every strategy but
-the pull ones and ``auto``) and a pull one (each rank fetches its copy from a store:
-``independent_fetch``, ``ray_object_store``, ``transferqueue``, ``mooncake``), the best of each by
-``vs_floor`` and the pull one's time over the push one's, with its interval where the two were
-timed in the same job (paired by round, ``sure.paired_interval``). No such cell: no section.
+the pull ones and ``auto``) and a pull one (each rank fetches its copy from a store or an
+engine: ``independent_fetch``, ``ray_object_store``, ``transferqueue``, ``mooncake``, ``nixl``;
+or loads it itself: ``self_load``), the best of each family by ``vs_floor`` and the pull one's
+time over the push one's, with its interval where the two were timed in the same job (paired by
+round, ``sure.paired_interval``). No such cell: no section.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from harness.units import human_bytes
 
 FAMILIES = {
     "store": ("independent_fetch", "ray_object_store", "transferqueue"),
-    "engine": ("mooncake",),
+    "engine": ("mooncake", "nixl"),
+    "self": ("self_load",),
 }
 """The pull strategies by family: ``store``, every rank gets its copy from a store the leader
 put the batch in; ``engine``, every rank READs it one-sided from the leader's transfer
-engine. Every other strategy but ``NEITHER`` is a push."""
+engine; ``self``, no hand-off: every rank loads the batch itself from disk, as its loader
+would. Every other strategy but ``NEITHER`` is a push."""
 PULL = tuple(name for names in FAMILIES.values() for name in names)
 """The strategies whose ranks fetch their own copy."""
 NEITHER = ("auto",)

@@ -86,11 +86,12 @@ class LinkConf:
         check_number(f"{where}.bandwidth_gbytes_per_s", self.bandwidth_gbytes_per_s)
 
 
-STORES = ("node_shm", "ray_object", "transferqueue", "mooncake")
+STORES = ("node_shm", "ray_object", "transferqueue", "mooncake", "nixl", "page_cache")
 """The stores a pull strategy fetches from (``plan.StoreFetch.store``): ``independent_fetch``'s
 node-local shared-memory segment, Ray's object store (``ray_object_store``), TransferQueue's
-storage unit (``transferqueue``) and the leader's Mooncake Transfer Engine (``mooncake``: the
-readers' READs of its registered message)."""
+storage unit (``transferqueue``), and the leader's transfer engine, whose registered message the
+readers READ: Mooncake's Transfer Engine (``mooncake``) or a NIXL agent (``nixl``); and the page
+cache a record on disk is read from (``self_load``)."""
 
 
 @dataclass(unsafe_hash=True)
@@ -314,10 +315,11 @@ class ClusterConf:
     def store(self, kind: str) -> StoreConf:
         """The costs of store ``kind`` (``STORES``) as measured here. Not measured: a node store
         is a copy out of host memory (into a rank's own buffer, or onto its device: the host's
-        memcpy or host-to-device rate, readers not contending), any other store is free."""
+        memcpy or host-to-device rate, readers not contending), and so is the page cache; any
+        other store is free."""
         if kind in self.stores:
             return self.stores[kind]
-        if kind == "node_shm":
+        if kind in ("node_shm", "page_cache"):
             rate = self.h2d_gbytes_per_s if self.device != "cpu" else self.memcpy_gbytes_per_s
             return StoreConf(gbytes_per_s=rate)
         return StoreConf()
