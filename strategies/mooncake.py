@@ -24,7 +24,8 @@ whole message, the engine's own one-sided path without the store's master. Its T
 listens on every interface even when told loopback, so it starts only in a network namespace of
 the job's own (``strategies.core.engine_store``); one node per replica.
 
-Options: see ``strategies.core.engine_store.EngineStore.Options`` (``max_bytes``).
+Options: see ``strategies.core.engine_store.EngineStore.Options`` (``max_bytes``; ``fields``:
+ROLL's lazy fetch, the readers read only the named fields' bytes).
 
 Per call: 3 collectives over the replica (the announcement's size and bytes, the barrier) and
 one READ per reader from the leader's engine.
@@ -121,15 +122,16 @@ class Mooncake(EngineStore):
     def withdraw(engine, address: int) -> None:
         engine.unregister_memory(address)
 
-    def read(self, where: Where, into: torch.Tensor) -> None:
-        rc = self.engine.transfer_sync_read(
-            where.engine, into.data_ptr(), where.address, where.nbytes
-        )
-        if rc != 0:
-            raise RuntimeError(
-                f"mooncake: transfer_sync_read of {where.nbytes} bytes from {where.engine} "
-                f"returned {rc}"
+    def read(self, where: Where, into: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
+        for offset, nbytes in ranges:
+            rc = self.engine.transfer_sync_read(
+                where.engine, into.data_ptr() + offset, where.address + offset, nbytes
             )
+            if rc != 0:
+                raise RuntimeError(
+                    f"mooncake: transfer_sync_read of {nbytes} bytes at offset {offset} from "
+                    f"{where.engine} returned {rc}"
+                )
 
 
 STRATEGY = Mooncake

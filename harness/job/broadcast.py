@@ -23,7 +23,13 @@ from harness.job.phases import run_phases, start_line, sync
 from harness.job.probes import build_probe, is_probe
 from harness.job.results import RankResult
 from harness.job.spec import JobSpec, Scope
-from harness.job.verification import batch_problems, bytes_problems, digest, tensor_digest
+from harness.job.verification import (
+    batch_problems,
+    bytes_problems,
+    delivered,
+    digest,
+    tensor_digest,
+)
 from harness.payload.workload import CallShape
 from strategies.core.layout import Layout
 from strategies.core.phase_clock import CLOCK
@@ -169,8 +175,11 @@ class BroadcastJob:
         if Label.parse(name).is_floor:
             sent = self._from_leader(tensor_digest(strategy.sent) if groups.is_leader else None)
             return bytes_problems(name, groups.rank, sent, tensor_digest(strategy.received))
+        expected = self._from_leader(self.leader_digest)
+        if not groups.is_leader:
+            expected = delivered(expected, strategy.delivers)
         return batch_problems(
-            name, groups.rank, self._from_leader(self.leader_digest), digest(out, True),
+            name, groups.rank, expected, digest(out, True),
             meta_changed=out.meta_info != self.full.meta_info,
             non_tensor_sent=bool(self.full.broadcast_non_tensor),
             receiver=not groups.is_leader,

@@ -65,6 +65,15 @@ def digest(dp: DataProto, with_non_tensor: bool) -> dict:
     return out
 
 
+def delivered(expected: dict, delivers) -> dict:
+    """A leader's fingerprint (``digest``) cut to the leaves a receiver's batch holds:
+    ``delivers(key path)`` is the strategy's (``Strategy.delivers``: a lazy fetch's fields)."""
+    keys = {
+        k: v for k, v in expected["keys"].items() if delivers(k if isinstance(k, tuple) else (k,))
+    }
+    return expected if len(keys) == len(expected["keys"]) else {**expected, "keys": keys}
+
+
 def compare(expected: dict, got: dict, rank: int, strategy: str) -> list[str]:
     """Every difference, each naming the rank and the key."""
     problems = []

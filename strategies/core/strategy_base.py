@@ -129,6 +129,12 @@ class Strategy:
     def prepare(self, batch: DataProto) -> None:
         """Untimed set-up before a run of calls (the floor packs its buffer here)."""
 
+    def delivers(self, key: tuple[str, ...]) -> bool:
+        """Whether a receiver's batch holds the leaf at ``key`` (its key path): every leaf,
+        unless the strategy's options say its receivers read only some (a lazy fetch's
+        ``fields``). What a job checks a receiver's batch against."""
+        return True
+
     def check(self, batch) -> None:
         """Leader, before any collective: raise for anything this strategy cannot carry that
         the contract allows (a dtype, a jagged leaf, a shape). The batch has passed
