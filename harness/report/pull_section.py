@@ -82,11 +82,12 @@ def push_pull_markdown(df: pd.DataFrame) -> str:
     return (
         "## Push or pull\n\nThe fastest strategy that pushes the batch (the leader broadcasts "
         "it, or writes and signals a segment) beside the fastest that pulls it (each rank "
-        "fetches its own copy from a store), both by their `vs_floor`; above 1 the store is "
-        "slower. The interval is paired by round where the two were timed in the same job; "
-        "without one, the ratio is of medians from different jobs. The last column names the "
-        "fastest of each pull family measured: `store` (a store the leader put the batch in) "
-        "and `engine` (a one-sided READ from the leader's transfer engine).\n\n"
+        "fetches its own copy, or loads it itself), both by their `vs_floor`; above 1 the "
+        "pull is slower. The interval is paired by round where the two were timed in the same "
+        "job; without one, the ratio is of medians from different jobs. The last column names "
+        "the fastest of each pull family measured: `store` (a store the leader put the batch "
+        "in), `engine` (a one-sided READ from the leader's transfer engine) and `self` (no "
+        "hand-off: every rank loads the batch from disk, as its loader would).\n\n"
         + md_table(header, body, align="lllrlrrl")
     )
 
