@@ -27,16 +27,23 @@ from harness.paths import REPO
 from strategies.core import engine_store
 from strategies.core.layout import Layout
 
-ENGINES = [
-    pytest.param(
-        name,
-        marks=pytest.mark.skipif(
-            strategies.get_class(name).unavailable() is not None,
-            reason=str(strategies.get_class(name).unavailable()),
-        ),
-    )
-    for name in ("mooncake", "nixl")
-]
+
+def where_available(*names: str) -> list:
+    """``names`` as parameters, each skipped with its strategy's own reason where it cannot run
+    here (a missing package, no network namespace of the job's own)."""
+    return [
+        pytest.param(
+            name,
+            marks=pytest.mark.skipif(
+                strategies.get_class(name).unavailable() is not None,
+                reason=str(strategies.get_class(name).unavailable()),
+            ),
+        )
+        for name in names
+    ]
+
+
+ENGINES = where_available("mooncake", "nixl")
 
 
 def test_refused_where_the_network_has_more_than_loopback(monkeypatch):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
+from test_engines import where_available
 
 import strategies
 from harness.job.execute import run_job
@@ -20,16 +21,7 @@ from strategies.core.layout import Layout
 from strategies.core.trace import Recorder
 
 LAYOUT = Layout(tp=2, pp=2)
-NAMES = [
-    pytest.param(
-        name,
-        marks=pytest.mark.skipif(
-            strategies.get_class(name).unavailable() is not None,
-            reason=str(strategies.get_class(name).unavailable()),
-        ),
-    )
-    for name in ("mooncake", "nixl", "self_load")
-]
+NAMES = where_available("mooncake", "nixl", "self_load")
 
 
 def _needs_network(world, name: str) -> None:
