@@ -17,8 +17,8 @@ Adapted:
 - the record: a loader reads a dataset prepared ahead; here the leader records the batch it is
   handed, once, into an unnamed file (``O_TMPFILE``) in ``directory``, and again only when the
   batch changed (another batch object, a tensor leaf replaced or written in place, other
-  non-tensor or meta_info contents): that call pays the packing and the write, a steady one
-  does not. A workload that changes every call therefore pays a record every call: its figure
+  non-tensor contents where the call carries them): that call pays the packing and the write,
+  a steady one does not. A workload that changes every call therefore pays a record every call: its figure
   is a write plus a read through the page cache, not a loader's. The file has no name, so a
   killed job leaves nothing on disk; receivers open it through ``/proc/<leader pid>/fd``;
 - the leader announces which record to read (a small object broadcast) and a barrier ends the
@@ -45,7 +45,7 @@ from typing import Literal
 
 import torch
 
-from strategies.core.contract import Unsupported
+from strategies.core.contract import Unsupported, wants_non_tensor
 from strategies.core.engine_store import EngineStore, Where
 from strategies.core.footprint import Footprint
 from strategies.core.packer import Packer
@@ -136,7 +136,8 @@ class SelfLoad(EngineStore):
     def _key(self, batch) -> tuple:
         """What says the batch is the one recorded: the objects, every tensor leaf's storage,
         shape, stride, dtype and version counter (bumped by any in-place write), and the
-        pickled non-tensor arrays and meta_info (no version counter of their own)."""
+        pickled non-tensor arrays where the call carries them (numpy has no version counter).
+        meta_info is not in the message: every rank holds its own."""
         td = batch.batch
         leaves = (
             ()
@@ -146,7 +147,8 @@ class SelfLoad(EngineStore):
                 for name, t in td.items(include_nested=True, leaves_only=True)
             )
         )
-        rest = pickle.dumps((batch.non_tensor_batch, batch.meta_info), protocol=5)
+        carried = wants_non_tensor(batch)
+        rest = pickle.dumps(batch.non_tensor_batch, protocol=5) if carried else b""
         return (id(td), leaves, rest)
 
     def put(self, batch):
