@@ -18,9 +18,10 @@ Adapted:
   handed, once, into an unnamed file (``O_TMPFILE``) in ``directory``, and again only when the
   batch changed (another batch object, a tensor leaf replaced or written in place, other
   non-tensor contents where the call carries them): that call pays the packing and the write,
-  a steady one does not. A workload that changes every call therefore pays a record every call: its figure
-  is a write plus a read through the page cache, not a loader's. The file has no name, so a
-  killed job leaves nothing on disk; receivers open it through ``/proc/<leader pid>/fd``;
+  a steady one does not. A workload that changes every call therefore pays a record every
+  call: its figure is a write plus a read through the page cache, not a loader's. The file has
+  no name, so a killed job leaves nothing on disk; receivers open it through
+  ``/proc/<leader pid>/fd``;
 - the leader announces which record to read (a small object broadcast) and a barrier ends the
   call (``strategies.core.pulled_store``'s shape): loaders that agree on the sample order need
   neither, at the price of about a microsecond-scale collective each here;

@@ -15,15 +15,16 @@ An engine says how it starts in this process (``start_engine``, once per process
 ports and threads are the process's, not an instance's), how a reader reaches it
 (``engine_address``, and ``engine_credentials`` where an address is not enough: a NIXL agent's
 metadata, with the keys of what it registered), how the leader's buffer is exposed and withdrawn
-(``expose``, ``withdraw``) and how a reader reads a range into its own buffer (``read``). The leader's send buffer is reused from call to call and exposed again only when it
-grows; a reader's buffer is new on every call (the batch it returns is made of views of it, and
-the caller keeps them).
+(``expose``, ``withdraw``) and how a reader reads a range into its own buffer (``read``). The
+leader's send buffer is reused from call to call and exposed again only when it grows; a reader's
+buffer is new on every call (the batch it returns is made of views of it, and the caller keeps
+them).
 
-Where the engines here listen: Mooncake's TCP transport binds every interface whatever it is
-told, and UCX's listens on the host's interfaces, so an engine starts only where every interface the rank sees is loopback (a network
-namespace of the job's own: the forked world's as root, a Ray world's); elsewhere the strategy
-refuses on every rank, before any collective, saying where it runs. One node only: the leader
-announces a loopback address.
+Where the engines here listen: Mooncake's TCP transport binds every interface whatever it is told,
+and UCX's listens on the host's interfaces, so an engine starts only where every interface the rank
+sees is loopback (a network namespace of the job's own: the forked world's as root, a Ray world's);
+elsewhere the strategy refuses on every rank, before any collective, saying where it runs. One node
+only: the leader announces a loopback address, or a file on its node.
 """
 
 from __future__ import annotations
