@@ -13,27 +13,14 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import subprocess
 import threading
 from contextlib import contextmanager
 
+from strategies.core.netns import libc as _libc
+from strategies.core.netns import unavailable_reason
+
 CLONE_NEWNET = 0x40000000
-
-
-def _libc():
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def unavailable_reason() -> str | None:
-    """Why this process cannot make a private network (None: it can)."""
-    if os.geteuid() != 0:
-        return "not root"
-    if shutil.which("ip") is None:
-        return "no ip command (iproute2)"
-    if not hasattr(_libc(), "unshare") or not hasattr(_libc(), "setns"):
-        return "no unshare/setns in the C library"
-    return None
 
 
 class PrivateNetwork:

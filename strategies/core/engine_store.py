@@ -29,8 +29,6 @@ only: the leader announces a loopback address, or a file on its node.
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
 import weakref
 from dataclasses import dataclass, replace
@@ -40,6 +38,7 @@ import torch
 from strategies.core.contract import FAILURE_KEY, ContractError, Unsupported, leaves
 from strategies.core.footprint import Footprint
 from strategies.core.header_format import DEFAULT_MAX_BYTES, Header, HeaderError, read_header
+from strategies.core.netns import unavailable_reason
 from strategies.core.packed import PackedStrategy
 from strategies.core.pulled_store import PulledStore
 from strategies.core.strategy_base import Strategy
@@ -63,21 +62,17 @@ class Where:
 
 
 def no_private_network_here() -> str | None:
-    """Why no world here can give its ranks a network namespace of their own (a forked or Ray
-    world makes one only when its driver is root and has ``ip``), or None: checked before any
-    rank starts, so a job or a sweep leaves the engine out with this line instead of every rank
-    refusing it."""
-    if os.geteuid() != 0:
-        return (
-            "its transport listens on every interface, and only a driver running as root "
-            "gives the ranks a loopback-only network namespace of their own"
-        )
-    if shutil.which("ip") is None:
-        return (
-            "its transport listens on every interface, and without iproute2's ip no world here "
-            "can give the ranks a network namespace of their own"
-        )
-    return None
+    """Why no world here can give its ranks a network namespace of their own (the worlds' own
+    check, ``strategies.core.netns``), or None: checked before any rank starts, so a job or a
+    sweep leaves the engine out with this line instead of every rank refusing it."""
+    reason = unavailable_reason()
+    if reason is None:
+        return None
+    return (
+        "its transport listens on every interface, and no world here can give the ranks a "
+        f"loopback-only network namespace of their own ({reason}: a driver running as root "
+        "with iproute2's ip makes one)"
+    )
 
 
 def private_network_problem() -> str | None:
@@ -92,6 +87,11 @@ def private_network_problem() -> str | None:
         "loopback-only network namespace of their own: a forked world started as root, or "
         "world=ray as root"
     )
+
+
+def _covers(field: str, name: str) -> bool:
+    """Whether a ``fields`` entry names the leaf ``name`` (dotted), or a container above it."""
+    return name == field or name.startswith(field + ".")
 
 
 class EngineStore(PulledStore, PackedStrategy):
@@ -176,7 +176,7 @@ class EngineStore(PulledStore, PackedStrategy):
         if key == (FAILURE_KEY,):
             return True
         name = ".".join(key)
-        return any(name == f or name.startswith(f + ".") for f in self.options.fields)
+        return any(_covers(f, name) for f in self.options.fields)
 
     def delivers(self, key: tuple[str, ...]) -> bool:
         return not self.options.fields or self._wanted(key)
@@ -187,11 +187,7 @@ class EngineStore(PulledStore, PackedStrategy):
         if not self.options.fields or batch.batch is None:
             return
         names = [".".join(k) for k, _ in leaves(batch.batch)]
-        missing = [
-            f
-            for f in self.options.fields
-            if not any(n == f or n.startswith(f + ".") for n in names)
-        ]
+        missing = [f for f in self.options.fields if not any(_covers(f, n) for n in names)]
         if missing:
             raise ContractError(
                 f"rank {self.groups.rank}: {self.name}: the readers ask for fields {missing}, "
