@@ -3,6 +3,7 @@ failed, died or stopped responding named with its phase and where it is."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -16,6 +17,13 @@ from harness.units import human_bytes
 from harness.worlds.forked_rank import OUT_OF_MEMORY, STACK_SIGNAL, PhaseBoard
 from harness.worlds.protocol import WorldError
 from harness.worlds.rank import in_collective
+
+log = logging.getLogger("bcastbench")
+
+PROGRESS_EVERY_S = 20.0
+"""A long job's progress line (rank 0's phase) comes at most this often, the first this long
+after the job began: a gigabyte cell runs for minutes, and a quiet terminal looks hung. Every
+phase change is logged at DEBUG (``hydra.verbose=bcastbench``), with its time, for profiling."""
 
 
 class Collector:
@@ -34,6 +42,7 @@ class Collector:
         self._job = 0
         self._last: dict[int, tuple[int, str]] = {}
         """Each rank's last (step, phase) in the current job."""
+        self._began = self._echoed = 0.0
 
     def collect(self, job: int, what: str, timeout_s: float) -> list[Any]:
         """Every rank's answer to job ``job``, in rank order; any rank's error, death or
@@ -41,6 +50,7 @@ class Collector:
         self._job = job
         answers = _Answers(self.world_size)
         self._last = {r: (0, what) for r in range(self.world_size)}
+        self._began = self._echoed = time.monotonic()
         conn_rank = {c: r for r, c in enumerate(self._conns)}
         sentinels = {p.sentinel: r for r, p in enumerate(self._processes)}
         while not answers.complete:
@@ -69,6 +79,19 @@ class Collector:
             if job == self._job and step > self._last[rank][0]:
                 self._last[rank] = (step, phase)
                 answers.last_progress = time.monotonic()
+                if rank == 0:
+                    self._echo(phase)
+
+    def _echo(self, phase: str) -> None:
+        """Rank 0's new phase on the log: every one at DEBUG, one at INFO per
+        ``PROGRESS_EVERY_S``."""
+        now = time.monotonic()
+        line = f"  ... {now - self._began:.0f} s into the job: rank 0 at {phase}"
+        if now - self._echoed >= PROGRESS_EVERY_S:
+            self._echoed = now
+            log.info(line)
+        else:
+            log.debug(line)
 
     def _receive(self, rank: int, conn: Connection, answers: _Answers, what: str) -> bool:
         """Take one message from ``rank``; False when its pipe is closed."""
@@ -87,6 +110,8 @@ class Collector:
         answers.last_progress = time.monotonic()
         if kind == "phase":
             self._last[rank] = (step, payload)
+            if rank == 0:
+                self._echo(payload)
         elif kind in ("error", "refused"):
             answers.errors[rank] = payload
             if kind == "refused":
