@@ -111,14 +111,17 @@ class BroadcastJob:
         sync(self.groups.device)
         return out
 
-    def timed(self, name: str, check: bool = False) -> Timing:
+    def timed(
+        self, name: str, check: bool = False, during: AbstractContextManager | None = None
+    ) -> Timing:
         """One call of ``name`` timed on this rank from ``start_line`` until the rank holds
         the batch: its seconds, and the CPU seconds this process spent inside them (every
         thread's: gloo moves the bytes on threads of its own, not the caller's). What the call
         returned is let go after the clock stopped (a caller keeps its batch for the step;
         freeing it is not the call's cost), the floor's received bytes alike. The fault rank
         of a ``fault.kind=delay`` job spends its delay inside the call of the strategy under
-        test."""
+        test. ``during``: a context the call alone runs in (a recorder of its collectives: the
+        start line and the check are outside it)."""
         strategy = self.built[name]
         entry = self.full.entry_state(self.groups.is_leader)
         delay_s = self.delay_s if name == self.order[0] else 0.0
@@ -130,8 +133,9 @@ class BroadcastJob:
         if split:
             CLOCK.begin()
         try:
-            out = strategy.get_data_input(entry)
-            sync(self.groups.device)
+            with during or nullcontext():
+                out = strategy.get_data_input(entry)
+                sync(self.groups.device)
         finally:  # a call that raised leaves no clock running into the next untimed one
             phases = CLOCK.end()
         if delay_s:

@@ -376,13 +376,16 @@ class DispatchJob:
     def call(self, name: str):
         return self._dispatch(name, False)[1]
 
-    def timed(self, name: str, check: bool = False) -> Timing:
+    def timed(
+        self, name: str, check: bool = False, during: AbstractContextManager | None = None
+    ) -> Timing:
         """One dispatch on the driver's clock (the ranks' CPU is not the driver's to read). A
         dispatch's check travels inside the call (each rank's fingerprint comes back with its
         chunk), so a dispatch job checks in calls of its own (``Verification``), never here."""
         if check:
             raise ValueError("a dispatch job checks its calls in the Verification phase")
-        return Timing(self._dispatch(name, False)[0])
+        with during or nullcontext():
+            return Timing(self._dispatch(name, False)[0])
 
     def fence(self) -> None:
         """Nothing: a dispatch returns when every rank has its chunk."""

@@ -35,10 +35,13 @@ class Job(Protocol):
     def call(self, name: str) -> Any:
         """One untimed call of ``name``, finished (device work included) when it returns."""
 
-    def timed(self, name: str, check: bool = False) -> Timing:
+    def timed(
+        self, name: str, check: bool = False, during: AbstractContextManager | None = None
+    ) -> Timing:
         """One call of ``name``: its seconds, the clock where the scope puts it, and the CPU
         seconds this process spent in it (None where the clock is a driver's); with ``check``,
-        its result checked bit for bit once the clock stopped (``Timing.problems``)."""
+        its result checked bit for bit once the clock stopped (``Timing.problems``).
+        ``during``: a context the call alone runs in, as ``verify``'s."""
 
     def fence(self) -> None:
         """Separate what came before from what comes next (a barrier over the world where the

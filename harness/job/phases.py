@@ -121,6 +121,8 @@ class TimedRounds(Phase):
         checked: dict[str, dict] = {"collectives": {}, "collectives_unavailable": {}, "work": {}}
         problems: dict[str, list[str]] = {name: [] for name in job.order}
         rounds = dict.fromkeys(job.order, spec.timed_rounds)
+        settled: set[str] = set()
+        """Strategies whose first call bought their whole budget: one warm-up call each."""
 
         def call(name: str, it: int, timed: bool) -> float | None:
             if not timed:
@@ -134,7 +136,14 @@ class TimedRounds(Phase):
             ctx.report(f"timed iteration {it} of {name}")
             if name == spec.strategy:
                 _fault(spec, job, ctx.rank, it)
-            timing = job.timed(name, check=checks and it == rounds[name] - 1)
+            last = it == rounds[name] - 1
+            # A settled strategy had no steady untimed call: its collectives are recorded in
+            # its last timed call, the recorder's wrappers a vanishing share of a call that
+            # costs the whole budget.
+            rec = Recorder() if checks and last and name in settled else None
+            timing = job.timed(name, check=checks and last, during=rec)
+            if rec is not None:
+                _counted(checked, name, rec)
             cpu[name].append(timing.cpu_s)
             split[name].append(timing.phases)
             problems[name] += timing.problems or []
@@ -143,14 +152,20 @@ class TimedRounds(Phase):
         def round_start(c: int, timed: bool) -> None:
             job.use(spec.shape_of_call(c))
 
-        budget = None
+        budget = settle = None
         if spec.time_budget_s is not None:
 
             def budget(warm: dict[str, float]) -> dict[str, int]:
                 rounds.update(_agreed_rounds(spec, job, warm))
                 return rounds
 
-        times = interleaved(job.order, spec.warmup, spec.timed_rounds, call, round_start, budget)
+            def settle(warm: dict[str, float]) -> set[str]:
+                settled.update(_settled(spec, job, warm))
+                return settled
+
+        times = interleaved(
+            job.order, spec.warmup, spec.timed_rounds, call, round_start, budget, settle
+        )
         phased = {name: calls for name, calls in split.items() if any(calls)}
         out = {"times_s": times, "cpu_s": cpu, "phases_s": phased or None}
         return {**out, "problems": problems, **checked} if checks else out
@@ -187,18 +202,34 @@ def checks_in_rounds(spec) -> bool:
     )
 
 
-def _agreed_rounds(spec, job: Job, warm: dict[str, float]) -> dict[str, int]:
-    """Each strategy's timed rounds under ``time_budget_s``, the same on every rank: from its
-    slowest rank's warm-up seconds per call (a driver's own where the clock is a driver's)."""
+def _agreed(job: Job, warm: dict[str, float]) -> dict[str, float]:
+    """Each strategy's warm-up seconds per call as its slowest rank has them, the same on every
+    rank (a driver's own where the clock is a driver's)."""
     seconds = torch.tensor([warm[name] for name in job.order], dtype=torch.float64)
     if job.scope is Scope.BROADCAST:
         seconds = seconds.to(job.groups.device)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return dict(zip(job.order, seconds.cpu().tolist()))
+
+
+def _agreed_rounds(spec, job: Job, warm: dict[str, float]) -> dict[str, int]:
+    """Each strategy's timed rounds under ``time_budget_s``, the same on every rank: from its
+    slowest rank's warm-up seconds per call."""
     least = min(spec.timed_rounds, MIN_SAMPLES)
     return {
         name: budget_rounds(spec.time_budget_s, s, spec.timed_rounds, least)
-        for name, s in zip(job.order, seconds.cpu().tolist())
+        for name, s in _agreed(job, warm).items()
     }
+
+
+def _settled(spec, job: Job, warm: dict[str, float]) -> set[str]:
+    """The strategies whose first warm-up call (its slowest rank's) cost at least
+    ``time_budget_s``: a second untimed call would cost more than all their timed calls may,
+    so they take no more warm-up, and their rounds are priced by that call (the fewest an
+    interval needs where it was a set-up call slower than the steady ones). What a steady call
+    sets up (a large message's second slot) then falls in their first timed call, which their
+    interval shows."""
+    return {name for name, s in _agreed(job, warm).items() if s >= spec.time_budget_s}
 
 
 class SteadyRounds(Phase):

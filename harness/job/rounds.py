@@ -50,6 +50,7 @@ def interleaved(
     call: Callable[[str, int, bool], float | None],
     round_start: Callable[[int, bool], None] | None = None,
     budget: Callable[[dict[str, float]], dict[str, int]] | None = None,
+    settled: Callable[[dict[str, float]], set[str]] | None = None,
 ) -> dict[str, list[float]]:
     """``warmup`` untimed rounds of every strategy in ``order``, then ``iters`` timed rounds,
     each in its own order (``round_order``); seconds per call, by strategy.
@@ -60,15 +61,22 @@ def interleaved(
     (warm-up rounds first): the job moves call c's shape there. ``budget``, where given (and
     warm-up rounds ran), takes each strategy's fastest warm-up call's seconds and returns how many
     timed rounds it takes part in: one whose rounds are spent sits out the rest, so any two
-    strategies share their first rounds."""
+    strategies share their first rounds. ``settled``, where given, takes each strategy's
+    first warm-up call's seconds after the first warm-up round and returns the strategies that
+    need no more warm-up: they sit out the other warm-up rounds (``call`` is then never given
+    their ``it = -1``)."""
     warm = dict.fromkeys(order, math.inf)
+    warming = list(order)
     for c in range(warmup):
         if round_start is not None:
             round_start(c, False)
-        for name in order:
+        for name in warming:
             t0 = time.perf_counter()
             call(name, c - warmup, False)
             warm[name] = min(warm[name], time.perf_counter() - t0)
+        if c == 0 and settled is not None and warmup > 1:
+            done = settled(dict(warm))
+            warming = [name for name in warming if name not in done]
     rounds = dict.fromkeys(order, iters)
     if budget is not None and warmup > 0:
         # The fastest warm-up call: a first call that set up a channel or faulted in its

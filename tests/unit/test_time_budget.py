@@ -103,6 +103,27 @@ def test_the_budget_prices_a_strategy_by_its_fastest_warm_up_call(monkeypatch):
     assert seen == {"a": 0.5}
 
 
+def test_a_strategy_whose_first_call_bought_its_budget_takes_no_second_warm_up():
+    """A gigabyte call of a pickled way costs seconds: its second untimed call would cost more
+    than its timed ones may, so only the others warm up again; the timed rounds are shared."""
+    made = []
+
+    def call(name, it, timed):
+        made.append((name, it, timed))
+        return 1.0 if timed else None
+
+    def settled(warm):
+        assert set(warm) == {"fast", "slow"}  # after the first warm-up round
+        return {"slow"}
+
+    times = interleaved(["fast", "slow"], 3, 6, call, settled=settled)
+    warm_ups = [(name, it) for name, it, timed in made if not timed]
+    assert warm_ups == [("fast", -3), ("slow", -3), ("fast", -2), ("fast", -1)]
+    assert len(times["fast"]) == len(times["slow"]) == 6
+    made.clear()
+    interleaved(["a"], 1, 2, call, settled=lambda warm: pytest.fail("one warm-up: no choice"))
+
+
 def test_each_round_orders_a_williams_design_so_no_strategy_keeps_its_neighbour():
     """A call right after one that moved a large batch is slower; with the first strategy
     merely rotating, each strategy would follow the same one in every round."""

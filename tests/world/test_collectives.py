@@ -241,3 +241,26 @@ def test_spec_of_matches_what_the_codec_packs():
         assert sum(spec.dtype_bytes) == spec.tensor_bytes
         assert spec.pickle_bytes == len(pickle.dumps(dp.batch))
         assert torch.bfloat16 in {e.dtype for e in header.entries}
+
+
+def test_a_settled_strategy_records_its_collectives_in_its_last_timed_call(world4):
+    """A budget its first call already spent (``time_budget_s`` below any call) leaves every
+    strategy one warm-up call: its collectives are then recorded in its last timed call, the
+    same count and check a steady warm-up call gives."""
+    from harness.job.execute import run_job
+    from harness.job.spec import JobSpec
+
+    def job(budget):
+        spec = JobSpec(
+            "header", TP2PP2, batch_size=8, seq_len=64, iters=6, warmup=2,
+            references=("shm", "pickled"), time_budget_s=budget,
+        )  # fmt: skip
+        return run_job(world4, spec)
+
+    settled, steady = job(1e-9), job(None)
+    for record in (settled, steady):
+        assert record["correct"], record
+    assert settled["collectives_per_call"] == steady["collectives_per_call"] == 2
+    for name in ("shm", "pickled"):
+        counted = settled["references"][name]["collectives_per_call"]
+        assert counted == steady["references"][name]["collectives_per_call"], name
