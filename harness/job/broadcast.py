@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import strategies
 from harness.job.label import Label
-from harness.job.node_memory import release_free_heap, resident
+from harness.job.node_memory import release_free_heap, resident, rss_now
 from harness.job.phase_base import Timing
 from harness.job.phases import run_phases, start_line, sync
 from harness.job.probes import build_probe, is_probe
@@ -82,6 +82,9 @@ class BroadcastJob:
     """Builds strategy ``name`` anew on this rank (``rebuild``)."""
     base_pss: int | None = None
     """This rank's PSS before any batch of the job existed (``harness.job.node_memory``)."""
+    idle: tuple = (None, 0)
+    """This rank's memory holding the job's batches and nothing of any strategy: its
+    ``Resident`` (None where unread) and resident bytes (``harness.job.node_memory.Watch``)."""
     scope = Scope.BROADCAST
 
     def release(self, full: bool = True) -> bool:
@@ -94,6 +97,11 @@ class BroadcastJob:
         self.built = {}
         return release_free_heap(full=full)
 
+    def drop(self, name: str) -> None:
+        """Strategy ``name`` dropped, and with it what it holds (``rebuild`` makes it again;
+        every rank drops it at the same point: dropping may close a channel)."""
+        del self.built[name]
+
     def rebuild(self, name: str) -> None:
         """Strategy ``name`` built anew and prepared for the current batch (every rank calls
         it in the same order: building may set up a channel)."""
@@ -104,9 +112,7 @@ class BroadcastJob:
         """One call of ``name`` from the entry state ROLL's dispatcher leaves, its device work
         done. Whatever a raw method received in an earlier untimed call is let go first: a
         receiver would otherwise keep one batch per floor method between warm-up calls."""
-        for other in self.order:
-            if other in self.built:
-                self.let_go(other)
+        self.let_go_all()
         out = self.built[name].get_data_input(self.full.entry_state(self.groups.is_leader))
         sync(self.groups.device)
         return out
@@ -145,6 +151,12 @@ class BroadcastJob:
         del out, entry
         self.let_go(name)
         return Timing(elapsed, cpu, phases, problems)
+
+    def let_go_all(self) -> None:
+        """``let_go`` of every built strategy."""
+        for name in self.order:
+            if name in self.built:
+                self.let_go(name)
 
     def let_go(self, name: str) -> None:
         """Drop what a raw method (the floor) received in its last call: a caller keeps the
@@ -228,6 +240,8 @@ def prepare(ctx, spec: JobSpec) -> BroadcastJob | RankResult:
     before = resident()
     ctx.report("generating the payload")
     batches = _batches(spec, groups)
+    release_free_heap(full=False)  # what generating left free is not the batches'
+    idle = (resident(), rss_now())
     first = spec.period()[0]
     full = batches[first]
     order, options = job_order(spec)
@@ -245,7 +259,7 @@ def prepare(ctx, spec: JobSpec) -> BroadcastJob | RankResult:
     return BroadcastJob(
         groups, full, order, built, batches, first, delay_s=delay_s, refused=refused,
         build=lambda name: _build(ctx, groups, name, options[name]),
-        base_pss=before.pss if before is not None else None,
+        base_pss=before.pss if before is not None else None, idle=idle,
     )  # fmt: skip
 
 

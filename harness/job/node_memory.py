@@ -1,7 +1,8 @@
 """How much of a node's memory each way of moving a batch keeps alive at its peak: this
 process's resident set read from ``/proc`` (the high-water mark, ``smaps_rollup``'s
-proportional set), a sampler that follows it during a call, and the ``NodeMemory`` phase that
-measures every strategy from nothing and folds the ranks of each node into the node's figures.
+proportional set), a sampler that follows it during a call, the ``Watch`` that reads each
+strategy's calls apart from the others', and the ``NodeMemory`` phase that measures every
+strategy as if alone and folds the ranks of each node into the node's figures.
 
 Why proportional (PSS): a shared segment mapped by four ranks is one copy on the node, but each
 rank's resident set counts it whole; PSS splits a shared page among its mappers, so the sum over
@@ -20,6 +21,7 @@ import resource
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from harness.job.label import Label
-from harness.job.phase_base import Job, Phase
+from harness.job.phase_base import Job, Phase, checks_in_rounds
 from harness.job.results import NodeMemoryFigures, RankResult
 from strategies.core.segment_ring import REUSE_MIN_BYTES
 
@@ -138,16 +140,144 @@ class Sampler:
         self._thread.join()
 
 
+@dataclass
+class _Own:
+    """One strategy's memory on this rank over its watched calls, in bytes above what the rank
+    held before them: its peaks, and what it keeps between calls."""
+
+    peak_pss: int = 0
+    peak_shm: int = 0
+    hwm: int = 0
+    """Resident high-water mark (shared pages whole)."""
+    cuda: int = 0
+    kept_pss: int = 0
+    kept_shm: int = 0
+    kept_rss: int = 0
+    kept_cuda: int = 0
+    honest: bool = True
+    """Whether every call's VmHWM was reset and the free heap handed back before it."""
+    interval_s: float = SAMPLE_S
+
+
+class Watch:
+    """One rank's reads of each strategy's memory, call by call: a call's peak is read above
+    what the rank held when it began, less what the strategy kept from its own earlier calls
+    (and, credited, what a raw method would have packed alone). What the job's other strategies
+    keep between calls (their segments, buffers, the shared packed bytes) is then in no
+    strategy's figure, so a strategy need not be measured alone to be measured apart: calls run
+    one at a time and the others sit idle meanwhile. ``entry`` states the figures above
+    ``idle``, the rank's memory holding the job's batches and the harness, as a strategy
+    measured alone from nothing would read."""
+
+    def __init__(self, device, idle: Resident | None = None, idle_rss: int = 0) -> None:
+        self.device = device
+        self.idle, self.idle_rss = idle, idle_rss
+        """The reads a figure is stated above: given, or the first ``begin``'s."""
+        self.own: dict[str, _Own] = {}
+        self._open: tuple | None = None
+
+    def begin(self, name: str, released: bool | None = None, credit: int = 0) -> None:
+        """Before a call of ``name`` (no collective: the caller fences): the free heap handed
+        back (unless ``released`` says whether the caller did), the reads the call's figures
+        start from, VmHWM reset. ``credit``: bytes the strategy holds already that it would
+        have allocated alone (a raw method's packed buffer, which the harness shares)."""
+        if released is None:
+            released = release_free_heap(full=False)
+        now, rss = resident(), rss_now()
+        honest = rss_peak_reset() and released
+        cuda = _cuda_reset(self.device)
+        if self.idle is None:
+            self.idle, self.idle_rss = now, rss
+        own = self.own.get(name)
+        if own is None:
+            own = self.own[name] = _Own(kept_pss=credit, kept_rss=credit)
+        own.honest = own.honest and honest
+        self._open = (name, now, rss, cuda)
+
+    def end(self, sampler: Sampler) -> None:
+        """After the call ``begin`` opened, every rank past a fence: its peaks and what it kept
+        added to its strategy's."""
+        name, base, rss, cuda = self._open
+        self._open = None
+        # Kept is what the strategy holds, not the free heap its call left (a trim hands that
+        # back; left in, a second call would be read on top of a copy nobody holds).
+        release_free_heap(full=False)
+        now = resident()
+        own = self.own[name]
+        peak = sampler.peak if sampler.peak is not None else now
+        own.peak_pss = max(own.peak_pss, own.kept_pss + peak.pss - base.pss)
+        own.peak_shm = max(own.peak_shm, own.kept_shm + peak.pss_shmem - base.pss_shmem)
+        own.hwm = max(own.hwm, own.kept_rss + rss_peak() - rss)
+        own.cuda = max(own.cuda, own.kept_cuda + _cuda_peak(self.device, cuda))
+        own.kept_pss += now.pss - base.pss
+        own.kept_shm += now.pss_shmem - base.pss_shmem
+        own.kept_rss += rss_now() - rss
+        own.kept_cuda += _cuda_now(self.device) - cuda
+        own.interval_s = max(own.interval_s, sampler.mean_interval_s)
+
+    def kept_anywhere(self, job: Job, name: str, payload: int | None) -> bool:
+        """Whether ``name``'s calls so far left ``1 / KEPT_SHARE`` of ``payload`` (or
+        anything, for an unknown payload) resident on some rank: every rank asks, every rank
+        gets the same answer."""
+        least = 1 if payload is None else max(1, payload // KEPT_SHARE)
+        kept = self.own[name].kept_pss if name in self.own else 0
+        flag = torch.tensor([1 if kept >= least else 0], dtype=torch.int64)
+        flag = flag.to(job.groups.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def entry(self, name: str, host: str) -> dict:
+        """``name``'s figures on this rank as ``NodeMemory.fold`` reads them."""
+        own, idle = self.own[name], self.idle
+        return {
+            "host": host, "idle_pss": idle.pss, "peak_pss": idle.pss + max(0, own.peak_pss),
+            "peak_shm": idle.pss_shmem + max(0, own.peak_shm),
+            "hwm": self.idle_rss + max(0, own.hwm), "kept_pss": idle.pss + max(0, own.kept_pss),
+            "interval_s": own.interval_s,
+        }  # fmt: skip
+
+    def results(self) -> dict[str, Any]:
+        """Every watched strategy's ``RankResult`` fields: ``node_memory`` and ``PeakMemory``'s
+        figures of the same calls."""
+        host = socket.gethostname()
+        return {
+            "node_memory": {name: self.entry(name, host) for name in self.own},
+            "peak_rss_bytes": {n: self.idle_rss + max(0, o.hwm) for n, o in self.own.items()},
+            # None where VmHWM could not be reset or the free heap not released: the growth
+            # would then be the process's lifetime peak or the reused pages' 0, neither the
+            # strategy's.
+            "peak_rss_delta_bytes": {
+                n: max(0, o.hwm) if o.honest else None for n, o in self.own.items()
+            },
+            "peak_cuda_bytes": {n: max(0, o.cuda) for n, o in self.own.items()},
+        }
+
+
+def sampled_call(watch: Watch, job: Job, name: str, call: Callable[[], Any]) -> None:
+    """The call ``watch.begin`` opened: ``call()`` (which returns what it received) sampled
+    with its result still held, the result dropped, a fence, ``watch.end``. Every rank calls it
+    at the same point."""
+    with Sampler() as sampler:
+        received = call()
+        sampler.take()  # the result still held: a receiver's peak
+        del received  # the next call starts clean
+        job.let_go(name)
+    job.fence()
+    watch.end(sampler)
+
+
 class NodeMemory(Phase):
-    """Each strategy's memory on its node, measured from nothing: every strategy of the job is
-    dropped (what it keeps between calls goes with it) and the free heap handed back, each rank
-    reads its idle PSS, then the strategy alone is built anew and called (``calls_for``) while
-    a ``Sampler`` follows every rank (``measured`` says which strategies: a raw method of the
-    floor's whose footprint another shares is not). A node's peak is the sum of its ranks' sampled peaks (an
-    upper bound on their sum at one instant: the ranks of a broadcast peak together, when the
-    batch has arrived). Where it runs it also gives ``PeakMemory``'s figures, of these calls
-    (each rank's VmHWM reset before the rebuild): one set of calls answers both. Last in
-    ``PHASES``: it leaves the job's strategies dropped."""
+    """Each strategy's memory on its node, as if measured alone from nothing: a ``Watch``
+    reads each rank around the strategy's first call (and its second, ``calls_for``) while a
+    ``Sampler`` follows it, the strategy built anew just before (``measured`` says which
+    strategies: a raw method of the floor's whose footprint another shares is not). Where the
+    rounds check their own calls (``in_rounds``) those are their warm-up calls, the job's other
+    strategies built beside it and subtracted (``harness.job.phases``), and this phase makes no
+    call; elsewhere it makes its own, every strategy dropped first. A node's peak is the sum
+    of its ranks' sampled peaks (an upper bound on their sum at one instant: the ranks of a
+    broadcast peak together, when the batch has arrived). The same calls give ``PeakMemory``'s
+    figures (each rank's VmHWM reset before each): one set of calls answers both. Last in
+    ``PHASES``: its own calls leave the job's strategies dropped."""
 
     part = "node_memory"
     record_fields = (
@@ -156,7 +286,7 @@ class NodeMemory(Phase):
     )  # fmt: skip
 
     def applies(self, ctx, spec) -> bool:
-        return self.runs(spec)
+        return self.runs(spec) and not self.in_rounds(spec)
 
     @staticmethod
     def runs(spec) -> bool:
@@ -166,51 +296,37 @@ class NodeMemory(Phase):
         # rebuilding those per strategy is not measured yet.
         return spec.node_memory and spec.world != "ray" and resident() is not None
 
+    @classmethod
+    def in_rounds(cls, spec) -> bool:
+        """Whether the warm-up rounds read the node's memory (``harness.job.phases``'s
+        ``TimedRounds``), so this phase makes no call of its own: where the rounds check their
+        own calls (``checks_in_rounds``: two warm-up rounds of one constant shape)."""
+        return cls.runs(spec) and checks_in_rounds(spec)
+
     def measure(self, ctx, spec, job: Job) -> dict[str, Any]:
-        host = socket.gethostname()
-        out: dict[str, dict] = {}
-        peaks: dict[str, dict] = {  # ``PeakMemory``'s figures, of these calls
-            k: {} for k in ("peak_rss_bytes", "peak_rss_delta_bytes", "peak_cuda_bytes")
-        }
         payload = spec.largest_generated_bytes()
+        # Figures stated above what the rank held with the job's batches alone, before any
+        # strategy was built (``BroadcastJob.idle``): by now the rounds' freed heap has
+        # fragments no trim hands back, which are no strategy's and not the harness's.
+        watch = Watch(job.groups.device, *getattr(job, "idle", (None, 0)))
         for k, name in enumerate(self.measured(spec, job)):
             ctx.report(f"measuring the node's memory of {name}")
-            # Every rank holds what the last call sent before anything is dropped: a sender
-            # whose socket closes with a message still queued loses it (vllm_shm_broadcast).
-            job.fence()
-            released = job.release(full=k == 0)
-            job.fence()
-            idle = resident()
-            base = rss_now()
-            honest = rss_peak_reset() and released
-            cuda_base = _cuda_reset(job.groups.device)
-            job.rebuild(name)
-            with Sampler() as sampler:
-                for c in range(calls_for(payload)):
-                    if c and not _kept_anywhere(job, idle, payload):
-                        break
-                    job.fence()
-                    received = job.call(name)
-                    sampler.take()  # the result still held: a receiver's peak
-                    del received  # the next call starts clean
-                    job.let_go(name)
-            job.fence()
-            kept = resident()
-            hwm = rss_peak()
-            peaks["peak_rss_bytes"][name] = hwm
-            # None where VmHWM could not be reset or the free heap not released: the growth
-            # would then be the process's lifetime peak or the reused pages' 0, neither the
-            # strategy's.
-            peaks["peak_rss_delta_bytes"][name] = max(0, hwm - base) if honest else None
-            peaks["peak_cuda_bytes"][name] = _cuda_peak(job.groups.device, cuda_base)
-            out[name] = {
-                "host": host, "idle_pss": idle.pss, "peak_pss": sampler.peak.pss,
-                "peak_shm": sampler.peak.pss_shmem, "hwm": hwm, "kept_pss": kept.pss,
-                "interval_s": sampler.mean_interval_s,
-            }  # fmt: skip
+            for c in range(calls_for(payload)):
+                if c and not watch.kept_anywhere(job, name, payload):
+                    break
+                # Every rank holds what the last call sent before anything is dropped: a
+                # sender whose socket closes with a message still queued loses it
+                # (vllm_shm_broadcast).
+                job.fence()
+                released = job.release(full=k == 0) if c == 0 else None
+                job.fence()
+                watch.begin(name, released)
+                if c == 0:
+                    job.rebuild(name)
+                sampled_call(watch, job, name, lambda name=name: job.call(name))
         job.fence()
         job.release(full=False)
-        return {"node_memory": out, **peaks}
+        return watch.results()
 
     @staticmethod
     def measured(spec, job: Job) -> list[str]:
@@ -263,24 +379,17 @@ class NodeMemory(Phase):
         )
 
 
-def _kept_anywhere(job: Job, idle: Resident, payload: int | None) -> bool:
-    """Whether the call just made left ``1 / KEPT_SHARE`` of ``payload`` (or anything, for an
-    unknown payload) resident above ``idle`` on some rank: every rank asks, every rank gets the
-    same answer."""
-    now = resident()
-    kept = max(0, now.pss - idle.pss) if now is not None else 0
-    least = 1 if payload is None else max(1, payload // KEPT_SHARE)
-    flag = torch.tensor([1 if kept >= least else 0], dtype=torch.int64, device=job.groups.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
 def _cuda_reset(device) -> int:
     """On a CUDA device: its peak statistics reset, and what is allocated now (0 elsewhere)."""
     if device.type != "cuda":
         return 0
     torch.cuda.reset_peak_memory_stats(device)
     return torch.cuda.memory_allocated(device)
+
+
+def _cuda_now(device) -> int:
+    """What is allocated on a CUDA device now (0 elsewhere)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
 def _cuda_peak(device, base: int) -> int:

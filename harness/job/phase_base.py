@@ -86,3 +86,20 @@ class Phase:
 
     record_fields: tuple[str, ...] = ()
     """The summary fields of the strategy under test a record carries as they are."""
+
+
+def checks_in_rounds(spec) -> bool:
+    """Whether a job's calls are checked inside its rounds (``TimedRounds``) instead of in
+    calls of their own (``Verification``): each strategy's last timed call is compared bit for
+    bit once its clock stopped, and its last warm-up call, the second or later (a first call
+    sets up channels a steady one does not), is the one whose collectives are recorded; the
+    node's memory is read in its first warm-up calls (``harness.job.node_memory.Watch``). Each
+    strategy's calls then pay for no call of its own, which at a gigabyte is the price of a
+    round. Broadcast jobs of a constant workload with at least two warm-up rounds; elsewhere
+    (a dispatch's check travels inside its call; a varying workload checks one call per shape
+    of its period) ``Verification`` makes its own calls."""
+    return (
+        spec.scope is Scope.BROADCAST
+        and spec.warmup >= 2
+        and not (spec.workload is not None and spec.workload.varying)
+    )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -32,13 +33,16 @@ from harness.job.interval import Interval, interval_fields, interval_keys
 from harness.job.leader_phases import PHASE_FIELDS, cpu_figures, phase_figures
 from harness.job.node_memory import (
     NodeMemory,
+    Watch,
+    calls_for,
     release_free_heap,
     rss_now,
     rss_peak,
     rss_peak_reset,
     run_out_of_memory,
+    sampled_call,
 )
-from harness.job.phase_base import BOTH, Job, Phase
+from harness.job.phase_base import BOTH, Job, Phase, checks_in_rounds
 from harness.job.results import (
     ChoiceFigures,
     CollectiveFigures,
@@ -123,16 +127,27 @@ class TimedRounds(Phase):
         rounds = dict.fromkeys(job.order, spec.timed_rounds)
         settled: set[str] = set()
         """Strategies whose first call bought their whole budget: one warm-up call each."""
+        memory = _WarmUpMemory(spec, job) if NodeMemory.in_rounds(spec) else None
 
         def call(name: str, it: int, timed: bool) -> float | None:
             if not timed:
-                if not (checks and it == -1):
+                record = checks and it == -1
+                watched = memory is not None and memory.watches(name, it + spec.warmup)
+                if not (record or watched):
                     return _untimed_call(ctx, job, name, f"warm-up {it + spec.warmup}")
-                ctx.report(f"warm-up {it + spec.warmup} of {name}, its collectives recorded")
+                said = ("its collectives recorded", "its memory read")
+                what = ", ".join(w for w, on in zip(said, (record, watched)) if on)
+                ctx.report(f"warm-up {it + spec.warmup} of {name}, {what}")
                 job.fence()
-                with Recorder() as rec:
-                    job.call(name)
-                return _counted(checked, name, rec)
+                rec = Recorder() if record else None
+                if watched:
+                    memory.call(name, it + spec.warmup, rec)
+                else:
+                    with rec or nullcontext():
+                        job.call(name)
+                if rec is not None:
+                    _counted(checked, name, rec)
+                return None
             ctx.report(f"timed iteration {it} of {name}")
             if name == spec.strategy:
                 _fault(spec, job, ctx.rank, it)
@@ -160,7 +175,9 @@ class TimedRounds(Phase):
                 return rounds
 
             def settle(warm: dict[str, float]) -> set[str]:
-                settled.update(_settled(spec, job, warm))
+                # One whose memory needs its second call read keeps its second warm-up.
+                keep = memory.second if memory is not None else set()
+                settled.update(_settled(spec, job, warm) - keep)
                 return settled
 
         times = interleaved(
@@ -168,6 +185,8 @@ class TimedRounds(Phase):
         )
         phased = {name: calls for name, calls in split.items() if any(calls)}
         out = {"times_s": times, "cpu_s": cpu, "phases_s": phased or None}
+        if memory is not None:
+            out.update(memory.watch.results())
         return {**out, "problems": problems, **checked} if checks else out
 
     def fold(self, spec, name: str, results: list[RankResult]) -> TimingFigures:
@@ -186,20 +205,58 @@ class TimedRounds(Phase):
         )
 
 
-def checks_in_rounds(spec) -> bool:
-    """Whether a job's calls are checked inside its rounds (``TimedRounds``) instead of in
-    calls of their own (``Verification``): each strategy's last timed call is compared bit for
-    bit once its clock stopped, and its last warm-up call, the second or later (a first call
-    sets up channels a steady one does not), is the one whose collectives are recorded. Each
-    strategy's calls then pay for no call of its own, which at a gigabyte is the price of a
-    round. Broadcast jobs of a constant workload with at least two warm-up rounds; elsewhere
-    (a dispatch's check travels inside its call; a varying workload checks one call per shape
-    of its period) ``Verification`` makes its own calls."""
-    return (
-        spec.scope is Scope.BROADCAST
-        and spec.warmup >= 2
-        and not (spec.workload is not None and spec.workload.varying)
-    )
+class _WarmUpMemory:
+    """The node's memory read in the warm-up rounds (``NodeMemory.in_rounds``): each measured
+    strategy's first call (``NodeMemory.measured``), and its second where the first left
+    something of the batch behind (``Watch.kept_anywhere``), read as ``NodeMemory`` would
+    read them with every other strategy dropped. The strategy is built anew just before its
+    first call, so what its build and preparation allocate is its own; a raw method, which
+    the harness hands the job's one packed buffer instead of packing its own, is credited that
+    buffer instead. One set of warm-up calls then answers both the memory and the warm-up."""
+
+    def __init__(self, spec, job: Job) -> None:
+        self.job = job
+        self.watch = Watch(job.groups.device, *job.idle)
+        self.measured = set(NodeMemory.measured(spec, job))
+        self.payload = spec.largest_generated_bytes()
+        self.second: set[str] = set()
+        """Measured strategies whose second call is read too."""
+
+    def watches(self, name: str, warm_up: int) -> bool:
+        """Whether warm-up call ``warm_up`` (0 first) of ``name`` is read."""
+        return name in self.measured and (warm_up == 0 or (warm_up == 1 and name in self.second))
+
+    def call(self, name: str, warm_up: int, rec: Recorder | None) -> None:
+        """Warm-up call ``warm_up`` of ``name``, read (every rank, past a fence)."""
+        job = self.job
+        # What another raw method received in its last call goes before the reads, not
+        # inside the call, where its freeing would hide as much of this call's growth.
+        job.let_go_all()
+        if warm_up == 0:
+            strategy = job.built[name]
+            if getattr(strategy, "raw_bytes", False):
+                sent = getattr(strategy, "sent", None)
+                credit = 0 if sent is None else sent.numel() * sent.element_size()
+                self.watch.begin(name, credit=credit)
+            else:
+                job.drop(name)
+                del strategy
+                self.watch.begin(name)
+                job.rebuild(name)
+        else:
+            self.watch.begin(name)
+
+        def one():
+            with rec or nullcontext():
+                return job.call(name)
+
+        sampled_call(self.watch, job, name, one)
+        if (
+            warm_up == 0
+            and calls_for(self.payload) > 1
+            and self.watch.kept_anywhere(job, name, self.payload)
+        ):
+            self.second.add(name)
 
 
 def _agreed(job: Job, warm: dict[str, float]) -> dict[str, float]:
@@ -459,7 +516,7 @@ PHASES: tuple[Phase, ...] = (
 )
 """Every measured phase, in the order a job runs them; every phase but the rounds starts on
 the period's first shape (auto's choice is read after the calls; the node's memory last, since
-it rebuilds every strategy from nothing)."""
+where it makes calls of its own it drops every strategy)."""
 
 
 def run_phases(ctx, spec, job: Job, result: RankResult) -> RankResult:

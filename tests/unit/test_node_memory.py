@@ -43,6 +43,50 @@ def test_resident_counts_a_known_allocation():
     mapping.close()
 
 
+def test_a_watched_strategy_is_read_apart_from_what_the_others_keep(monkeypatch):
+    """``Watch``'s arithmetic on scripted reads: each call's peak above what the rank held when
+    it began, plus what the strategy itself kept from its earlier calls (or was credited);
+    what the others keep, and grow between its calls, is in none of its figures."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from harness.job import node_memory as nm
+
+    reads = iter([])
+    monkeypatch.setattr(nm, "resident", lambda: next(reads))
+    monkeypatch.setattr(nm, "rss_now", lambda: 0)
+    monkeypatch.setattr(nm, "rss_peak", lambda: 0)
+    monkeypatch.setattr(nm, "rss_peak_reset", lambda: True)
+    monkeypatch.setattr(nm, "release_free_heap", lambda full=False: True)
+
+    def at(mib):
+        return nm.Resident(pss=mib * MIB, rss=mib * MIB, pss_shmem=0)
+
+    def sampled(peak_mib):
+        return SimpleNamespace(peak=at(peak_mib), mean_interval_s=0.004)
+
+    idle = at(1000)  # the job's batches and the harness
+    watch = nm.Watch(torch.device("cpu"), idle, 0)
+    # First call: the others keep 300 MiB; the call peaks 500 above that and keeps 200.
+    reads = iter([at(1300), at(1500)])
+    watch.begin("s")
+    watch.end(sampled(1800))
+    # The others grew by 100 before its second call, which peaks 400 above and keeps nothing.
+    reads = iter([at(1600), at(1600)])
+    watch.begin("s")
+    watch.end(sampled(2000))
+    # A raw method credited the 250 MiB packed buffer the harness shares: its call adds 100.
+    reads = iter([at(1600), at(1600)])
+    watch.begin("raw", credit=250 * MIB)
+    watch.end(sampled(1700))
+    entry = watch.results()["node_memory"]
+    assert entry["s"]["peak_pss"] == (1000 + 600) * MIB  # 200 kept + the second call's 400
+    assert entry["s"]["kept_pss"] == (1000 + 200) * MIB and entry["s"]["idle_pss"] == idle.pss
+    assert entry["raw"]["peak_pss"] == (1000 + 350) * MIB
+    assert entry["raw"]["kept_pss"] == (1000 + 250) * MIB
+
+
 def test_the_sampler_sees_a_peak_that_is_gone_by_the_end():
     """A block allocated and freed inside the window: the samples taken while it lived (the
     wait is for samples, not for a clock) hold it. Read as shared memory (the block is a

@@ -4,19 +4,27 @@ declared footprint (``strategies.core.footprint``) within what sampling and the 
 
 from __future__ import annotations
 
+import pytest
+
 import strategies
 from harness.job.execute import run_job
 from harness.job.label import Label
+from harness.job.node_memory import NodeMemory
 from harness.job.spec import JobSpec
 from harness.model import memory
 from strategies.core.layout import Layout
 
 
-def test_every_record_carries_the_nodes_memory_and_the_copies_match_the_footprints(world4):
+@pytest.mark.parametrize("warmup", [0, 2], ids=["own_calls", "in_warm_up"])
+def test_every_record_carries_the_nodes_memory_and_the_copies_match_the_footprints(world4, warmup):
+    """Read in calls of the phase's own (every strategy dropped and built alone) or in the
+    warm-up rounds (``NodeMemory.in_rounds``: the others built beside it, their memory
+    subtracted): the same figures."""
     spec = JobSpec(
         strategy="shm", layout=Layout(tp=2, pp=2), batch_size=512, seq_len=2048,  # ≈ 46 MiB
-        iters=1, warmup=0, references=("floor", "flat", "direct"),
+        iters=1 if warmup == 0 else 2, warmup=warmup, references=("floor", "flat", "direct"),
     )  # fmt: skip
+    assert NodeMemory.in_rounds(spec) == (warmup == 2)
     record = run_job(world4, spec)
     node = memory.busiest_node(spec.layout)
     assert record["node_ranks"] == 4 and record["memory_sample_ms"] > 0
