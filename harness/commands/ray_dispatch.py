@@ -67,9 +67,9 @@ class RayDispatchConf:
     """What the driver generates per replica: ``payload.batch_size`` rows each, so the global
     batch has ``batch_size * dp``; reuses ``conf/payload/`` (generated payloads only)."""
     modes: list[str] = field(default_factory=lambda: ["leader:header", "leader:pickled", ALL_RANKS])
-    """Dispatch modes (``leader:<strategy>``, ``leader:floor``, ``all_ranks``, ``edge_stages``,
-    ``chain``, each of the last three with ``:raw`` for its floor); each family's floor is added
-    when missing."""
+    """Dispatch modes (``leader:<strategy>``, ``leader:floor``, ``all_ranks``, ``rdt``,
+    ``edge_stages``, ``chain``, each of the last four with ``:raw`` for its floor); each
+    family's floor is added when missing."""
     iters: int = 5
     """Timed calls per mode, interleaved, each round in its own order."""
     warmup: int = 2

@@ -11,6 +11,11 @@ Modes (``scope = "dispatch+broadcast"``; the forked world's jobs are ``"broadcas
 - ``all_ranks`` (verl, NeMo-RL by default, OpenRLHF): one ``ray.put`` per DP chunk; every rank of
   the replica gets the same ObjectRef and deserializes it. No collective.
 - ``all_ranks:raw``, its floor: one put of the flat array per replica, every rank gets it.
+- ``rdt`` (Ray Direct Transport, Ray 2.60): the chunk's ref to the replica leader's actor, which
+  lends it (``RayWorld.lend``: ``@ray.method(tensor_transport="gloo")``); every rank of the
+  replica gets the lent ref, its tensors sent to it over the ranks' gloo group point to point,
+  out of the object store, the rest of the DataProto through it. ``rdt:raw``, its floor: the
+  flat array lent as one tensor.
 - ``edge_stages`` (a verl fork): the chunk's ref to TP×CP rank 0 of the first and of the last
   pipeline stage, each broadcasting it over its stage's TP×CP group; the middle stages hold
   nothing. ``chain`` (TensorRT-LLM): the ref to the replica leader, a broadcast on the first
@@ -43,7 +48,7 @@ import torch
 
 import strategies
 from harness.job.dispatch_hops import hops_call, on_device
-from harness.job.dispatch_modes import ALL_RANKS, EDGE_STAGES, HOPS, LEADER, DispatchMode
+from harness.job.dispatch_modes import ALL_RANKS, EDGE_STAGES, HOPS, LEADER, RDT, DispatchMode
 from harness.job.phase_base import Timing
 from harness.job.phases import run_phases
 from harness.job.results import RankResult
@@ -55,6 +60,12 @@ from harness.worlds.emulated import link_counter
 from harness.worlds.protocol import WorldError
 from strategies import DataProto
 from strategies.floor import raw_parts
+
+
+# rdt hands the leader its own lent ref too (Ray serves it from the leader's store), and Ray warns,
+# from the thread that starts the transfers, that a tensor written there would change what it
+# lends next: no rank writes what it received.
+warnings.filterwarnings("ignore", message=r"RDT ObjectRef.*passed back to the actor")
 
 
 # -- the driver's data -----------------------------------------------------------------------
@@ -226,6 +237,20 @@ def _all_ranks_call(ctx, data, verify: bool):
     return end, ((digest(data, True), data.meta_info) if verify else None)
 
 
+def _rdt_lend(ctx, data):
+    """The replica leader's answer to lend (``rdt``): the chunk as Ray handed it, the floor's
+    flat array as one tensor (Ray Direct Transport moves torch tensors only)."""
+    return _tensor(data) if isinstance(data, np.ndarray) else data
+
+
+def _rdt_call(ctx, data, verify: bool):
+    """What the leader lent reached this rank (its tensors over gloo): keep it."""
+    if isinstance(data, torch.Tensor):
+        end = time.time_ns()
+        return end, (tensor_digest(data) if verify else None)
+    return _all_ranks_call(ctx, data, verify)
+
+
 # -- on the driver -------------------------------------------------------------------------
 def _call(world, drv: _Driver, mode: DispatchMode, verify: bool, what: str, timeout_s: float):
     """One timed dispatch: chunk, put, hand out, wait for every rank's end time; (seconds, every
@@ -245,6 +270,10 @@ def _call(world, drv: _Driver, mode: DispatchMode, verify: bool, what: str, time
     elif mode.kind == ALL_RANKS:
         fn = _all_ranks_call
         args = [(refs[d], verify) for d in drv.replica_of]
+    elif mode.kind == RDT:
+        fn = _rdt_call
+        lent = [world.lend(drv.leaders[d], _rdt_lend, ref) for d, ref in enumerate(refs)]
+        args = [(lent[d], verify) for d in drv.replica_of]
     else:
         fn, sources = hops_call, drv.sources[mode.kind]
         args = [

@@ -16,8 +16,10 @@ One call is priced as the sum of its phases, as ``harness.job.dispatch`` runs th
   object store, no copy of the bytes, but a DataProto is unpickled per actor): α_get + n·β_get,
   slowed by max(1, getters/cores) where ranks share a host's cores; on a GPU cluster each
   receiving rank then copies n bytes host→device.
-- **broadcast** (``leader``): the strategy's own price (``harness.model.prices``); for
-  ``edge_stages`` and ``chain`` the price of their hops' plan
+- **broadcast** (``leader``): the strategy's own price (``harness.model.prices``); for ``rdt``
+  a second round of tasks and the point-to-point sends of its plan
+  (``harness.model.dispatch_ranks.rdt_plan``); for ``edge_stages`` and ``chain`` the price of
+  their hops' plan
   (``harness.model.dispatch_ranks.hop_plan``), by the same pricing, with the put, transfer and
   get of the ranks Ray hands the object to (two per replica for ``edge_stages`` when pp > 1).
 
@@ -34,7 +36,7 @@ from pathlib import Path
 
 import strategies
 from harness import paths
-from harness.model.dispatch_ranks import HOPS, hop_plan, ray_ranks
+from harness.model.dispatch_ranks import HOPS, RDT, hop_plan, ray_ranks, rdt_plan
 from harness.model.prices import predicted_cross_bytes, price_strategy
 from strategies.core.cluster import GB, US, ClusterConf, ClusterError, check_number
 from strategies.core.pricing import price
@@ -260,6 +262,26 @@ def price_hops(kind: str, layout, spec, cluster: ClusterConf, ray: RayCostConf,
                          hops.total_s, cross, host_cores)  # fmt: skip
 
 
+def price_rdt(layout, spec, cluster: ClusterConf, ray: RayCostConf, raw: bool = False,
+              host_cores: int | None = None) -> DispatchCost:  # fmt: skip
+    """``rdt`` (``raw``: its floor): the object through Ray to each replica's leader, as
+    ``leader``'s; a second round of tasks (each leader's lend); then ``rdt_plan``'s point to
+    point sends of the tensors, priced as a strategy's plan is, on the same cluster. The
+    object's rest (non-tensor data, meta_info) reaches each receiver through the object store,
+    priced as its get of those bytes."""
+    nbytes = spec.tensor_bytes + spec.non_tensor_bytes
+    plan = rdt_plan(layout, spec, raw)
+    sends = price(plan, cluster, layout, check=False)
+    cross = 0.0
+    if layout.world_size <= 4096:  # the plan walk is O(ranks), as for a leader mode
+        cross = float(predicted_cross_bytes(plan, cluster.gpus_per_node))
+    rest_s = 0.0 if raw else ray.get_s(spec.non_tensor_bytes, False)
+    lending_s = ray.calls_s(layout.dp) + sends.total_s + rest_s
+    leaders = ray_ranks(RDT, layout)
+    return _to_receivers(plan.strategy, layout, nbytes, cluster, ray, leaders, raw,
+                         lending_s, cross, host_cores)  # fmt: skip
+
+
 def price_mode(mode: str, layout, spec, cluster: ClusterConf, ray: RayCostConf,
                host_cores: int | None = None) -> DispatchCost:  # fmt: skip
     """Any dispatch mode of ``harness.job.dispatch`` on ``layout`` with a chunk of ``spec``."""
@@ -269,10 +291,12 @@ def price_mode(mode: str, layout, spec, cluster: ClusterConf, ray: RayCostConf,
         return price_all_ranks(layout, nbytes, cluster, ray, rest == "raw", host_cores)
     if kind in HOPS and rest in ("", "raw"):
         return price_hops(kind, layout, spec, cluster, ray, rest == "raw", host_cores)
+    if kind == RDT and rest in ("", "raw"):
+        return price_rdt(layout, spec, cluster, ray, rest == "raw", host_cores)
     if kind != "leader" or not rest:
         raise ValueError(
-            f"dispatch mode {mode!r}: expected leader:<strategy>, or all_ranks, edge_stages or "
-            "chain with an optional :raw"
+            f"dispatch mode {mode!r}: expected leader:<strategy>, or all_ranks, rdt, edge_stages "
+            "or chain with an optional :raw"
         )
     pred = price_strategy(rest, layout, spec, cluster)
     cross = 0.0

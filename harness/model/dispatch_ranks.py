@@ -6,6 +6,9 @@ rank maths on a ``Layout``, shared by the job that runs the modes (``harness.job
 - ``leader`` and ``chain``: the replica leader alone (pipeline stage 0, tp = cp = 0) gets it
   through Ray; every rank of the replica holds it at the end.
 - ``all_ranks``: every rank gets it through Ray and holds it.
+- ``rdt``: the replica leader gets it through Ray, then lends it to every other rank of its
+  replica over Ray Direct Transport (the tensors out of band, gloo point to point); every rank
+  holds it.
 - ``edge_stages``: TP×CP rank 0 (tp = cp = 0) of the first and of the last pipeline stage get it
   through Ray; the ranks of those two stages hold it at the end, the middle stages nothing
   (in training they receive activations, not the batch). With pp = 1 the first stage is the
@@ -18,10 +21,11 @@ from strategies.core.layout import Layout
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 
 LEADER, ALL_RANKS, EDGE_STAGES, CHAIN = "leader", "all_ranks", "edge_stages", "chain"
+RDT = "rdt"
 HOPS = (EDGE_STAGES, CHAIN)
 """The families whose in-group hops the dispatch itself runs (``harness.job.dispatch_hops``),
 no broadcast strategy."""
-KINDS = (LEADER, ALL_RANKS, *HOPS)
+KINDS = (LEADER, ALL_RANKS, RDT, *HOPS)
 """Every dispatch mode's family (``harness.job.dispatch_modes.DispatchMode.kind``)."""
 
 
@@ -106,3 +110,25 @@ def hop_plan(kind: str, layout: Layout, spec: PayloadSpec, raw: bool) -> Plan:
         receiver=LocalWork(pickled_bytes=nbytes if hops else 0),
         forwarder=LocalWork(pickled_bytes=2 * nbytes * forwarders),
     )
+
+
+def rdt_plan(layout: Layout, spec: PayloadSpec, raw: bool) -> Plan:
+    """The comms of ``rdt``'s lending after Ray (``raw``: its floor), as Ray Direct Transport
+    runs them over gloo: each replica's leader sends every tensor (the floor: its one flat
+    array) to each other rank of its replica point to point, one receiver after another, a
+    send priced as a broadcast on its group of two (as ``hop_plan``'s); every replica at
+    once. The non-tensor data and meta_info travel in the object itself, through Ray's object
+    store (the get prices them)."""
+    if raw:
+        sizes, exact = [spec.tensor_bytes + spec.non_tensor_bytes], True
+    else:
+        sizes, exact = spec.leaf_nbytes()
+    comms, step = [], 0
+    for k in range(layout.replica_size - 1):
+        for size in sizes:
+            comms += [
+                Comm("broadcast", (rep[0], rep[k + 1]), rep[0], size, step, "leaf", exact)
+                for rep in layout.replica_groups()
+            ]
+            step += 1
+    return Plan(f"{RDT}:raw" if raw else RDT, comms, leader=LocalWork(), receiver=LocalWork())

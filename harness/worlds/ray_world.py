@@ -57,6 +57,9 @@ class RayWorld(NodesFoundAtStart):
         self._cluster: PrivateCluster | None = None
         """The private cluster this world started (``address="local"``), until its close."""
         self._node_ids: set[str] = set()
+        self._lending = None
+        """Ray's collective group over the ranks for Ray Direct Transport (``lend``), made on
+        first use and gone with the actors."""
 
     @property
     def started_pids(self) -> set[int]:
@@ -127,6 +130,7 @@ class RayWorld(NodesFoundAtStart):
             except Exception:
                 pass
         self.actors = []
+        self._lending = None
         if self._pg is not None:
             try:
                 ray.util.remove_placement_group(self._pg)
@@ -267,6 +271,20 @@ class RayWorld(NodesFoundAtStart):
                 f"{len(per_rank_args)} argument lists for a world of {self.world_size}"
             )
         return [a.call.remote(fn, *args) for a, args in zip(self.actors, per_rank_args)]
+
+    def lend(self, rank: int, fn: Callable[..., Any], *args: Any):
+        """Start ``fn(ctx, *args)`` on rank ``rank``, its answer kept there and lent over Ray
+        Direct Transport (``RankActor.lend``); return its ObjectRef, which a task of another
+        rank takes (``submit``) over the ranks' collective group. The group is Ray's over every
+        rank in rank order, torch gloo: where torch.distributed is up, as on these ranks, Ray
+        makes it a subgroup of their world, so it opens no rendezvous or port of its own."""
+        if not self.alive:
+            raise WorldError("the Ray world is not running (it was closed or failed)")
+        if self._lending is None:
+            from ray.experimental.collective import create_collective_group
+
+            self._lending = create_collective_group(self.actors, backend="torch_gloo")
+        return self.actors[rank].lend.remote(fn, *args)
 
     def collect(self, refs: list, what: str, timeout_s: float | None = None) -> list[Any]:
         """Every rank's answer in rank order. A rank that fails or dies, or that reports no

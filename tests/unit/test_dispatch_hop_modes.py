@@ -11,7 +11,7 @@ from harness.job.dispatch import _Driver, _verify
 from harness.job.dispatch_modes import DispatchMode, with_floors
 from harness.job.spec import JobSpec
 from harness.model.dispatch_prices import RayCostConf, price_mode
-from harness.model.dispatch_ranks import holding_ranks, hop_plan, ray_ranks
+from harness.model.dispatch_ranks import holding_ranks, hop_plan, ray_ranks, rdt_plan
 from harness.payload import generated
 from strategies.core.cluster import ClusterConf, LinkConf
 from strategies.core.layout import Layout
@@ -119,3 +119,29 @@ def test_the_driver_checks_every_rank_that_must_hold_the_chunk_and_no_other():
     assert _verify(drv, DispatchMode.parse("chain:raw"), raw) == [
         "chain:raw: rank 1: received bytes differ from chunk 0"
     ]
+
+
+def test_rdt_lends_from_each_leader_to_its_replica_one_receiver_after_another():
+    """``rdt`` (Ray Direct Transport): Ray hands the leader the chunk, the leader sends each
+    tensor to each other rank of its replica point to point, every replica at once; every rank
+    holds it. Its floor sends the flat bytes as one tensor."""
+    assert [m.name for m in with_floors(["rdt"])] == ["rdt", "rdt:raw"]
+    assert DispatchMode.parse("rdt:raw").raw
+    lay = Layout(tp=2, pp=2, dp=2)
+    assert ray_ranks("rdt", lay) == [[lead] for lead in lay.leaders()]
+    assert holding_ranks("rdt", lay) == list(range(lay.world_size))
+    plan = rdt_plan(lay, SPEC, raw=False)
+    leaves = len(SPEC.leaf_nbytes()[0])
+    assert len(plan.comms) == lay.dp * (lay.replica_size - 1) * leaves
+    assert plan.steps == (lay.replica_size - 1) * leaves  # one receiver, one leaf at a time
+    assert {c.ranks for c in plan.comms} == {
+        (rep[0], r) for rep in lay.replica_groups() for r in rep[1:]
+    }
+    assert sum(c.nbytes for c in plan.comms) == lay.dp * (lay.replica_size - 1) * SPEC.tensor_bytes
+    raw = rdt_plan(lay, SPEC, raw=True)
+    assert {c.nbytes for c in raw.comms} == {SPEC.tensor_bytes + SPEC.non_tensor_bytes}
+    rdt = price_mode("rdt", Layout(pp=2, tp=2), SPEC, TWO_PER_NODE, RAY)
+    leader = price_mode("leader:header", Layout(pp=2, tp=2), SPEC, TWO_PER_NODE, RAY)
+    # The same way to the leader; then stage 1's two ranks are sent every tensor across nodes.
+    assert (rdt.put_s, rdt.transfer_s) == (leader.put_s, leader.transfer_s)
+    assert rdt.cross_node_bytes == 2 * SPEC.tensor_bytes and rdt.broadcast_s > 0

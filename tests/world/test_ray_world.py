@@ -128,7 +128,7 @@ def test_verification_names_rank_and_key():
 def test_dispatch_modes_deliver_every_chunk(ray_world):
     """The driver runs the broadcast job's own phases (rounds, verification) through the
     dispatch scope's Job, and the one record builder writes its record: every family's."""
-    modes = ("leader:header", "all_ranks", "edge_stages", "chain")
+    modes = ("leader:header", "all_ranks", "rdt", "edge_stages", "chain")
     spec = dispatch_spec(TP2PP2, modes, iters=2, warmup=1, **SMALL)
     record = run_job(ray_world, spec)  # raises VerificationError on any wrong byte
     assert record["floor_method"] == "leader:floor"
