@@ -61,7 +61,6 @@ from harness.worlds.protocol import WorldError
 from strategies import DataProto
 from strategies.floor import raw_parts
 
-
 # rdt hands the leader its own lent ref too (Ray serves it from the leader's store), and Ray warns,
 # from the thread that starts the transfers, that a tensor written there would change what it
 # lends next: no rank writes what it received.
