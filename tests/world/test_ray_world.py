@@ -9,6 +9,7 @@ and megatron-core is most of the time), also serving the ``bcastbench run world=
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import replace
 
@@ -513,3 +514,27 @@ def _title(proc) -> str:
         return proc.name()
     except psutil.Error:
         return ""
+
+
+def _lend_fails(ctx, data):
+    raise RuntimeError(f"rank {ctx.rank}: the chunk cannot be lent")
+
+
+def test_rdt_a_leader_that_cannot_lend_fails_its_receivers_by_name(ray_world):
+    """The leader's lend raises: every rank handed its ref fails at once with the leader's own
+    error (no rank waits for tensors that never come), and the world is torn down."""
+    import ray.cloudpickle
+
+    from harness.job.dispatch import _rdt_call
+
+    here = sys.modules[__name__]  # the actors' path holds the repository, not tests/
+    ray.cloudpickle.register_pickle_by_value(here)
+    try:
+        lent = ray_world.lend(0, _lend_fails, None)
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(here)
+    t0 = time.monotonic()
+    with pytest.raises(WorldError, match="rank 0: the chunk cannot be lent"):
+        ray_world.collect(ray_world.submit(_rdt_call, [(lent, False)] * 4), "rdt", timeout_s=60)
+    assert time.monotonic() - t0 < 30
+    assert not ray_world.alive
