@@ -16,6 +16,10 @@ Modes (``scope = "dispatch+broadcast"``; the forked world's jobs are ``"broadcas
   replica gets the lent ref, its tensors sent to it over the ranks' gloo group point to point,
   out of the object store, the rest of the DataProto through it. ``rdt:raw``, its floor: the
   flat array lent as one tensor.
+- ``cgraph`` (a Ray Compiled Graph, Ray 2.60's ``experimental_compile``): compiled once per job,
+  the global batch's chunks go in through the graph's input channel to each replica leader's
+  actor, whose output channel every rank of its replica reads (shared memory on one node); no
+  task is submitted per call. ``cgraph:raw``, its floor: the same graph with the flat arrays.
 - ``edge_stages`` (a verl fork): the chunk's ref to TP×CP rank 0 of the first and of the last
   pipeline stage, each broadcasting it over its stage's TP×CP group; the middle stages hold
   nothing. ``chain`` (TensorRT-LLM): the ref to the replica leader, a broadcast on the first
@@ -48,7 +52,15 @@ import torch
 
 import strategies
 from harness.job.dispatch_hops import hops_call, on_device
-from harness.job.dispatch_modes import ALL_RANKS, EDGE_STAGES, HOPS, LEADER, RDT, DispatchMode
+from harness.job.dispatch_modes import (
+    ALL_RANKS,
+    CGRAPH,
+    EDGE_STAGES,
+    HOPS,
+    LEADER,
+    RDT,
+    DispatchMode,
+)
 from harness.job.phase_base import Timing
 from harness.job.phases import run_phases
 from harness.job.results import RankResult
@@ -250,15 +262,68 @@ def _rdt_call(ctx, data, verify: bool):
     return _all_ranks_call(ctx, data, verify)
 
 
+def _cgraph_give(ctx, data):
+    """The replica leader's node of the compiled graph: its chunk, as the input channel handed
+    it, on to its replica's ranks through its output channel."""
+    return data
+
+
+def _cgraph_take(ctx, data, verify: bool):
+    """A rank's node of the compiled graph: its replica's chunk, read from the leader's
+    output channel: keep it."""
+    return _all_ranks_call(ctx, data, verify)
+
+
 # -- on the driver -------------------------------------------------------------------------
-def _call(world, drv: _Driver, mode: DispatchMode, verify: bool, what: str, timeout_s: float):
+class CompiledDispatch:
+    """``cgraph``'s Ray Compiled Graph over a world's ranks, for one layout: the input is every
+    replica's chunk, then whether to check; each replica leader's actor passes its chunk on and
+    every rank of the replica (the leader too) takes it. Compiled once per job, torn down when
+    the job ends (``close``), so the actors' other tasks (every other mode) run beside it."""
+
+    def __init__(self, world, drv: _Driver) -> None:
+        from ray.dag import InputNode, MultiOutputNode
+
+        dp = len(drv.flats)
+        with InputNode() as inp:
+            lent = [world.actors[drv.leaders[d]].call.bind(_cgraph_give, inp[d]) for d in range(dp)]
+            takes = [
+                actor.call.bind(_cgraph_take, lent[drv.replica_of[r]], inp[dp])
+                for r, actor in enumerate(world.actors)
+            ]
+            dag = MultiOutputNode(takes)
+        self.graph = dag.experimental_compile()
+
+    def __call__(self, chunks: list, verify: bool, what: str, timeout_s: float) -> list:
+        """Every rank's answer to one execution, in rank order."""
+        import ray
+
+        try:
+            return ray.get(self.graph.execute(*chunks, verify), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WorldError(
+                f"{what}: the compiled graph gave no answer within {timeout_s:.0f} s"
+            ) from None
+
+    def close(self) -> None:
+        try:
+            self.graph.teardown()
+        except Exception:  # a failed job's ranks are gone, and the graph's loops with them
+            pass
+
+
+def _call(world, drv: _Driver, mode: DispatchMode, verify: bool, what: str, timeout_s: float,
+          graph: CompiledDispatch | None = None):  # fmt: skip
     """One timed dispatch: chunk, put, hand out, wait for every rank's end time; (seconds, every
-    rank's answer)."""
+    rank's answer). ``cgraph``'s chunks go into ``graph``'s input instead of a put."""
     import ray
 
     meta = drv.global_batch.meta_info
     t0 = time.time_ns()
     objs = drv.flats if mode.raw else chunk(drv.global_batch, drv.rows)
+    if mode.kind == CGRAPH:
+        out = graph(objs, verify, what, timeout_s)
+        return (max(end for end, _ in out) - t0) / 1e9, out
     refs = [ray.put(o) for o in objs]
     if mode.kind == LEADER:
         fn = _leader_call
@@ -376,6 +441,8 @@ class DispatchJob:
     ctx: DriverContext
     timeout_s: float
     current: object = None
+    graph: CompiledDispatch | None = None
+    """``cgraph``'s compiled graph, where the job times it."""
     scope = Scope.DISPATCH
 
     @property
@@ -399,7 +466,9 @@ class DispatchJob:
 
     def _dispatch(self, name: str, verify: bool):
         what = f"{self.ctx.phase} (dispatch {name})"
-        return _call(self.world, self.drv, self.modes[name], verify, what, self.timeout_s)
+        return _call(
+            self.world, self.drv, self.modes[name], verify, what, self.timeout_s, self.graph
+        )
 
     def call(self, name: str):
         return self._dispatch(name, False)[1]
@@ -439,6 +508,8 @@ def run_dispatch(world, spec: JobSpec) -> RankResult:
         return RankResult(0, True, unsupported=f"{spec.under_test}: {refused[mine.strategy]}")
     ctx = DriverContext(link_counter=link_counter())
     job = DispatchJob(world, drivers, {m.name: m for m in modes}, ctx, timeout_s, shapes[0])
+    if any(m.kind == CGRAPH for m in modes):
+        job.graph = CompiledDispatch(world, drivers[shapes[0]])
     result = RankResult(
         rank=0,
         is_leader=True,
@@ -447,4 +518,8 @@ def run_dispatch(world, spec: JobSpec) -> RankResult:
         shape_bytes=[drivers[s].payload_bytes for s in shapes],
         refused=refused,
     )
-    return run_phases(ctx, spec, job, result)
+    try:
+        return run_phases(ctx, spec, job, result)
+    finally:
+        if job.graph is not None:
+            job.graph.close()

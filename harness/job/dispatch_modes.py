@@ -1,5 +1,5 @@
 """The dispatch modes' names and their parsed form (``leader:<strategy>``, ``all_ranks[:raw]``,
-``rdt[:raw]``, ``edge_stages[:raw]``, ``chain[:raw]``): what the job's config checks and its records name,
+``rdt[:raw]``, ``cgraph[:raw]``, ``edge_stages[:raw]``, ``chain[:raw]``): what the job's config checks and its records name,
 apart from the code that runs them (``harness.job.dispatch``, which imports the config and the
 records)."""
 
@@ -8,12 +8,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import strategies
-from harness.model.dispatch_ranks import ALL_RANKS, CHAIN, EDGE_STAGES, HOPS, LEADER, RDT
+from harness.model.dispatch_ranks import (
+    ALL_RANKS,
+    CGRAPH,
+    CHAIN,
+    EDGE_STAGES,
+    HOPS,
+    LEADER,
+    RDT,
+)
 
 FLOORS = {
     LEADER: "leader:floor",
     ALL_RANKS: "all_ranks:raw",
     RDT: "rdt:raw",
+    CGRAPH: "cgraph:raw",
     EDGE_STAGES: "edge_stages:raw",
     CHAIN: "chain:raw",
 }
@@ -23,10 +32,10 @@ FLOORS = {
 @dataclass(frozen=True)
 class DispatchMode:
     """One way to get the chunks to the ranks, parsed from ``leader:<strategy>`` or
-    ``<family>[:raw]`` (``all_ranks``, ``rdt``, ``edge_stages``, ``chain``)."""
+    ``<family>[:raw]`` (``all_ranks``, ``rdt``, ``cgraph``, ``edge_stages``, ``chain``)."""
 
     kind: str
-    """``leader``, ``all_ranks``, ``rdt``, ``edge_stages`` or ``chain``."""
+    """``leader``, ``all_ranks``, ``rdt``, ``cgraph``, ``edge_stages`` or ``chain``."""
     strategy: str | None = None
     """The broadcast strategy after a leader dispatch (``floor`` for the raw floor)."""
     raw: bool = False
@@ -50,11 +59,11 @@ class DispatchMode:
                     f"of {sorted(strategies.names())} or 'floor'"
                 )
             return cls(LEADER, rest)
-        if kind in (ALL_RANKS, RDT, *HOPS) and rest in ("", "raw"):
+        if kind in (ALL_RANKS, RDT, CGRAPH, *HOPS) and rest in ("", "raw"):
             return cls(kind, raw=rest == "raw")
         raise ValueError(
             f"dispatch mode {text!r}: expected 'leader:<strategy>', 'leader:floor', or one of "
-            f"{[ALL_RANKS, RDT, *HOPS]} with an optional ':raw'"
+            f"{[ALL_RANKS, RDT, CGRAPH, *HOPS]} with an optional ':raw'"
         )
 
 
@@ -75,4 +84,10 @@ def with_floors(names: tuple[str, ...] | list[str]) -> list[DispatchMode]:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ValueError(f"dispatch modes {dupes} named more than once")
+    if {m.kind for m in modes} >= {RDT, CGRAPH}:
+        raise ValueError(
+            "dispatch modes rdt and cgraph cannot run in one job: a compiled graph's loop holds "
+            "each actor's system concurrency group, where Ray Direct Transport's transfers run "
+            "(Ray 2.60: they hang); time them in jobs of their own"
+        )
     return modes

@@ -22,6 +22,8 @@ One call is priced as the sum of its phases, as ``harness.job.dispatch`` runs th
   their hops' plan
   (``harness.model.dispatch_ranks.hop_plan``), by the same pricing, with the put, transfer and
   get of the ranks Ray hands the object to (two per replica for ``edge_stages`` when pp > 1).
+- ``cgraph`` (a Compiled Graph, one node) submits no task and uses no object store: its input
+  channel and each leader's output channel, priced as puts and gets of the bytes they carry.
 
 The Ray terms (put, get, call) are fitted on a local Ray world by ``bcastbench
 calibrate target=ray`` into ``conf/ray/local.yaml`` (``RayCostConf``); links, host cores and
@@ -36,7 +38,7 @@ from pathlib import Path
 
 import strategies
 from harness import paths
-from harness.model.dispatch_ranks import HOPS, RDT, hop_plan, ray_ranks, rdt_plan
+from harness.model.dispatch_ranks import CGRAPH, HOPS, RDT, hop_plan, ray_ranks, rdt_plan
 from harness.model.prices import predicted_cross_bytes, price_strategy
 from strategies.core.cluster import GB, US, ClusterConf, ClusterError, check_number
 from strategies.core.pricing import price
@@ -282,6 +284,25 @@ def price_rdt(layout, spec, cluster: ClusterConf, ray: RayCostConf, raw: bool = 
                          lending_s, cross, host_cores)  # fmt: skip
 
 
+def price_cgraph(layout, nbytes: float, cluster: ClusterConf, ray: RayCostConf,
+                 raw: bool = False, host_cores: int | None = None) -> DispatchCost:  # fmt: skip
+    """``cgraph`` (``raw``: its floor), one node: no task submitted per call and no object
+    store. The driver writes the input (every replica's chunk) into the graph's input channel,
+    priced as a put of all of it; each leader reads the whole input (a get of every chunk) and
+    writes its own into its output channel (a put); every rank of its replica reads that (a
+    get), a host's ranks at once."""
+    every = layout.dp * nbytes
+    getters = min(cluster.gpus_per_node, layout.world_size)
+    return DispatchCost(
+        "cgraph:raw" if raw else "cgraph",
+        put_s=ray.put_s(every, raw) + ray.put_s(nbytes, raw),
+        call_s=0.0,
+        transfer_s=0.0,
+        get_s=ray.get_s(every, raw)
+        + _per_rank_get_s(ray, cluster, nbytes, raw, getters, host_cores),
+    )
+
+
 def price_mode(mode: str, layout, spec, cluster: ClusterConf, ray: RayCostConf,
                host_cores: int | None = None) -> DispatchCost:  # fmt: skip
     """Any dispatch mode of ``harness.job.dispatch`` on ``layout`` with a chunk of ``spec``."""
@@ -293,10 +314,12 @@ def price_mode(mode: str, layout, spec, cluster: ClusterConf, ray: RayCostConf,
         return price_hops(kind, layout, spec, cluster, ray, rest == "raw", host_cores)
     if kind == RDT and rest in ("", "raw"):
         return price_rdt(layout, spec, cluster, ray, rest == "raw", host_cores)
+    if kind == CGRAPH and rest in ("", "raw"):
+        return price_cgraph(layout, nbytes, cluster, ray, rest == "raw", host_cores)
     if kind != "leader" or not rest:
         raise ValueError(
-            f"dispatch mode {mode!r}: expected leader:<strategy>, or all_ranks, rdt, edge_stages "
-            "or chain with an optional :raw"
+            f"dispatch mode {mode!r}: expected leader:<strategy>, or all_ranks, rdt, cgraph, "
+            "edge_stages or chain with an optional :raw"
         )
     pred = price_strategy(rest, layout, spec, cluster)
     cross = 0.0

@@ -9,6 +9,9 @@ rank maths on a ``Layout``, shared by the job that runs the modes (``harness.job
 - ``rdt``: the replica leader gets it through Ray, then lends it to every other rank of its
   replica over Ray Direct Transport (the tensors out of band, gloo point to point); every rank
   holds it.
+- ``cgraph``: a Ray Compiled Graph carries it, the driver's input channel to the replica leader,
+  the leader's output channel to every rank of its replica (shared memory on one node); every
+  rank holds it.
 - ``edge_stages``: TP×CP rank 0 (tp = cp = 0) of the first and of the last pipeline stage get it
   through Ray; the ranks of those two stages hold it at the end, the middle stages nothing
   (in training they receive activations, not the batch). With pp = 1 the first stage is the
@@ -21,11 +24,11 @@ from strategies.core.layout import Layout
 from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
 
 LEADER, ALL_RANKS, EDGE_STAGES, CHAIN = "leader", "all_ranks", "edge_stages", "chain"
-RDT = "rdt"
+RDT, CGRAPH = "rdt", "cgraph"
 HOPS = (EDGE_STAGES, CHAIN)
 """The families whose in-group hops the dispatch itself runs (``harness.job.dispatch_hops``),
 no broadcast strategy."""
-KINDS = (LEADER, ALL_RANKS, RDT, *HOPS)
+KINDS = (LEADER, ALL_RANKS, RDT, CGRAPH, *HOPS)
 """Every dispatch mode's family (``harness.job.dispatch_modes.DispatchMode.kind``)."""
 
 

@@ -145,3 +145,17 @@ def test_rdt_lends_from_each_leader_to_its_replica_one_receiver_after_another():
     # The same way to the leader; then stage 1's two ranks are sent every tensor across nodes.
     assert (rdt.put_s, rdt.transfer_s) == (leader.put_s, leader.transfer_s)
     assert rdt.cross_node_bytes == 2 * SPEC.tensor_bytes and rdt.broadcast_s > 0
+
+
+def test_cgraph_carries_each_chunk_through_its_leader_with_no_task_and_no_store():
+    """``cgraph`` (a Ray Compiled Graph): the chunk through the input channel to the leader,
+    through the leader's output channel to every rank; no call round, nothing crosses a node."""
+    assert [m.name for m in with_floors(["cgraph"])] == ["cgraph", "cgraph:raw"]
+    lay = Layout(tp=2, pp=2)
+    assert ray_ranks("cgraph", lay) == [[0]] and holding_ranks("cgraph", lay) == [0, 1, 2, 3]
+    n = SPEC.tensor_bytes + SPEC.non_tensor_bytes
+    cost = price_mode("cgraph", lay, SPEC, TWO_PER_NODE, RAY)
+    assert cost.call_s == 0 and cost.transfer_s == 0 and cost.cross_node_bytes == 0
+    assert cost.put_s == pytest.approx(2 * RAY.put_s(n, False))  # the driver's, the leader's
+    raw = price_mode("cgraph:raw", lay, SPEC, TWO_PER_NODE, RAY)
+    assert raw.mode == "cgraph:raw" and raw.total_s < cost.total_s
