@@ -33,26 +33,36 @@ Adapted to the ``get_data_input`` contract:
   ``uint32``, ``uint64``, float8 on torch 2.13: ``strategies.core.roll_proto.loads_back``), which the receivers
   could not read.
 
-Left out: slime's Mooncake transfer across nodes, and Ray's direct tensor transport
-(``tensor_transport=``); the driver's own puts (the ``all_ranks`` dispatch mode measures those).
+ROLL's lazy fetch (``Options.fields``, ``strategies.core.lazy_fields``): the leader puts each
+leaf as an object of its own (and the non-tensor batch as one more) and sends their
+references; a reader gets only the leaves of the fields it names, as ROLL's ``RemoteBatch``
+fetches a stage's fields from the object store. Without ``fields``, one object as above.
+
+Left out: slime's Mooncake transfer across nodes; Ray's direct tensor transport and the
+driver's own puts (the ``rdt`` and ``all_ranks`` dispatch modes measure those).
 
 Per call: 3 collectives over the replica (reference sizes, reference bytes, barrier) and one
-``ray.put`` + one ``ray.get`` per receiver.
+``ray.put`` + one ``ray.get`` per receiver (with ``fields``: one put per leaf, and a get of each
+named leaf).
 """
 
 from __future__ import annotations
 
+from tensordict import TensorDict
+
 from strategies.core.contract import ContractError, is_non_tensor_leaf, leaves, wants_non_tensor
 from strategies.core.footprint import Footprint
+from strategies.core.lazy_fields import FieldsOptions, LazyFields
 from strategies.core.pulled_store import PulledStore, ray_actor_module
 from strategies.core.roll_proto import loads_back
 
 WORLD_HINT = "run it on a Ray world: bcastbench run world=ray strategy=ray_object_store"
 
 
-class RayObjectStore(PulledStore):
+class RayObjectStore(LazyFields, PulledStore):
     """The leader ``ray.put``s, the reference goes over the replica, every rank ``ray.get``s."""
 
+    Options = FieldsOptions
     name = "ray_object_store"
     footprint = Footprint(leader=1, receiver=1, node=1)
     """Not measured yet (the node memory phase runs on forked worlds): the object in the
@@ -67,6 +77,7 @@ class RayObjectStore(PulledStore):
         """References whose out-of-band pin is still held (see the module docstring)."""
 
     def check(self, batch) -> None:
+        self.check_fields(batch)
         rank = self.groups.rank
         for key, value in leaves(batch.batch):
             if is_non_tensor_leaf(value):
@@ -89,10 +100,15 @@ class RayObjectStore(PulledStore):
         ``settle``)."""
         ray = self._ray
         non_tensor = batch.non_tensor_batch if wants_non_tensor(batch) else None
-        ref = ray.put((batch.batch, non_tensor))
-        blob = ray.cloudpickle.dumps(ref)
-        self._pinned.append(ref)
-        return blob
+        if not self.options.fields or batch.batch is None:
+            ref = ray.put((batch.batch, non_tensor))
+            self._pinned.append(ref)
+            return ray.cloudpickle.dumps(ref)
+        # Lazy fetch: a reference per leaf, so each reader gets only the ones it names.
+        refs = {key: ray.put(value) for key, value in leaves(batch.batch)}
+        rest = ray.put(non_tensor) if non_tensor is not None else None
+        self._pinned += [*refs.values(), *([rest] if rest is not None else [])]
+        return ray.cloudpickle.dumps((tuple(batch.batch.batch_size), refs, rest))
 
     def settle(self) -> None:
         """Every rank has passed this call's barrier: no reference of this instance is still
@@ -102,10 +118,18 @@ class RayObjectStore(PulledStore):
             core.remove_object_ref_reference(self._pinned.pop())
 
     def fetch(self, signal):
-        ref = self._ray.cloudpickle.loads(signal)
-        td, non_tensor = self._ray.get(ref)
-        del ref
-        return td, non_tensor
+        ray = self._ray
+        sent = ray.cloudpickle.loads(signal)
+        if not isinstance(sent, tuple):  # the whole batch, one object
+            td, non_tensor = ray.get(sent)
+            del sent
+            return td, non_tensor
+        batch_size, refs, rest = sent
+        keys = [key for key in refs if self.wanted(key)]
+        td = TensorDict({}, batch_size=batch_size)
+        for key, value in zip(keys, ray.get([refs[key] for key in keys])):
+            td.set(key, value)
+        return td, (ray.get(rest) if rest is not None else None)
 
 
 STRATEGY = RayObjectStore

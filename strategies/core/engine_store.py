@@ -35,13 +35,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from strategies.core.contract import FAILURE_KEY, ContractError, Unsupported, leaves
+from strategies.core.contract import Unsupported
 from strategies.core.footprint import Footprint
 from strategies.core.header_format import DEFAULT_MAX_BYTES, Header, HeaderError, read_header
+from strategies.core.lazy_fields import FieldsOptions, LazyFields
 from strategies.core.netns import unavailable_reason
 from strategies.core.packed import PackedStrategy
 from strategies.core.pulled_store import PulledStore
-from strategies.core.strategy_base import Strategy
 from strategies.core.trace import WORK
 from strategies.core.unpacker import unpack
 from strategies.core.wire import Wire
@@ -89,35 +89,15 @@ def private_network_problem() -> str | None:
     )
 
 
-def _covers(field: str, name: str) -> bool:
-    """Whether a ``fields`` entry names the leaf ``name`` (dotted), or a container above it."""
-    return name == field or name.startswith(field + ".")
-
-
-class EngineStore(PulledStore, PackedStrategy):
+class EngineStore(LazyFields, PulledStore, PackedStrategy):
     """A transfer engine the readers READ from (see the module docstring). Options:
     ``Options`` (the message crosses no broadcast, so the wire's first-message sizes are not
     among them)."""
 
     @dataclass(frozen=True, kw_only=True)
-    class Options(Strategy.Options):
+    class Options(FieldsOptions):
         max_bytes: int = DEFAULT_MAX_BYTES
         """Readers refuse an announcement or a header that claims more than this."""
-        fields: tuple[str, ...] | list[str] = ()
-        """ROLL's lazy fetch (``RemoteBatch``): the fields a stage reads, by name (a nested
-        leaf as ``outer.inner``; a name covers every leaf under it). Readers read the header,
-        then only those leaves' bytes (and the non-tensor batch, when the call carries one),
-        and get a batch of those fields; the leader keeps its whole batch. Empty: every
-        field. A field the batch lacks fails the call on every rank."""
-
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            bad = [f for f in self.fields if not isinstance(f, str) or not f.strip(".")]
-            if isinstance(self.fields, str) or bad:
-                raise ValueError(
-                    f"fields must be a list of field names (e.g. [input_ids, log_probs]), got "
-                    f"{self.fields!r}"
-                )
 
     footprint = Footprint(leader=1, receiver=1, leader_kept=1)
     """The leader's reused send buffer (the message), every reader's own copy of it."""
@@ -169,30 +149,9 @@ class EngineStore(PulledStore, PackedStrategy):
         """The message crosses no broadcast: the wire only sizes the leader's buffer."""
         return Wire(self.groups.device, self.groups.rank, max_bytes=self.options.max_bytes)
 
-    # -- which fields a reader reads --------------------------------------------------------
-    def _wanted(self, key: tuple[str, ...]) -> bool:
-        """Whether a leaf (its key path) is among ``fields``: named, or under a named one. A
-        failure batch's one leaf is always read: it is the leader's error."""
-        if key == (FAILURE_KEY,):
-            return True
-        name = ".".join(key)
-        return any(_covers(f, name) for f in self.options.fields)
-
-    def delivers(self, key: tuple[str, ...]) -> bool:
-        return not self.options.fields or self._wanted(key)
-
     def check(self, batch) -> None:
-        """Leader: every field the readers ask for is in the batch."""
         super().check(batch)
-        if not self.options.fields or batch.batch is None:
-            return
-        names = [".".join(k) for k, _ in leaves(batch.batch)]
-        missing = [f for f in self.options.fields if not any(_covers(f, n) for n in names)]
-        if missing:
-            raise ContractError(
-                f"rank {self.groups.rank}: {self.name}: the readers ask for fields {missing}, "
-                f"which the batch lacks; its fields: {names}"
-            )
+        self.check_fields(batch)
 
     # -- an engine's hooks -------------------------------------------------------------------
     def start_engine(self):
@@ -292,7 +251,7 @@ class EngineStore(PulledStore, PackedStrategy):
             )
         self.read(signal, own, [(0, signal.header_bytes)])
         header = read_header(own, limit, g.rank, self._headers)
-        entries = tuple(e for e in header.entries if self._wanted(e.key))
+        entries = tuple(e for e in header.entries if self.wanted(e.key))
         ranges = [(header.header_len + e.offset, e.nbytes) for e in entries if e.nbytes]
         if header.non_tensor is not None:
             ranges.append((header.header_len + header.non_tensor[0], header.non_tensor[1]))

@@ -552,3 +552,24 @@ def test_rdt_a_leader_that_cannot_lend_fails_its_receivers_by_name(ray_world):
         ray_world.collect(ray_world.submit(_rdt_call, [(lent, False)] * 4), "rdt", timeout_s=60)
     assert time.monotonic() - t0 < 30
     assert not ray_world.alive
+
+
+def test_ray_object_store_lazy_fetch_gets_each_stage_only_its_fields(ray_world):
+    """ROLL's ``RemoteBatch`` on Ray's object store (``fields``): each leaf its own object, a
+    reader gets only the ones it names, bit for bit, with the non-tensor batch; the leader
+    keeps its whole batch; a field the batch lacks fails every rank, naming it."""
+    import ray.cloudpickle
+    import test_lazy_fetch as lf
+
+    ray.cloudpickle.register_pickle_by_value(lf)  # the actors' path holds no tests/
+    try:
+        some = ray_world.run(lf.lazy_calls, "ray_object_store", ["log_probs", "nested.mask"])
+        said = ray_world.run(lf.unknown_field, "ray_object_store", what="an unknown field")
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(lf)
+    assert some[0]["keys"] == ["input_ids", "log_probs", "nested.mask", "nested.pos", "rewards"]
+    for rank in range(1, 4):
+        assert some[rank]["keys"] == ["log_probs", "nested.mask"], some[rank]
+        assert some[rank]["exact"] and some[rank]["prompt"] == [f"prompt {i}" for i in range(4)]
+    for line in said:
+        assert "'values'" in line and "input_ids" in line, said

@@ -1,0 +1,63 @@
+"""ROLL's lazy fetch (``RemoteBatch``: a stage fetches only the fields it reads) as the
+``fields`` option of the pull strategies: which leaves a reader reads, what the harness checks
+it got (``Strategy.delivers``), and the leader's check that the batch holds every field asked
+for. Shared by the engine stores (``strategies.core.engine_store``) and ``ray_object_store``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strategies.core.contract import FAILURE_KEY, ContractError, leaves
+from strategies.core.strategy_base import Strategy
+
+
+@dataclass(frozen=True, kw_only=True)
+class FieldsOptions(Strategy.Options):
+    fields: tuple[str, ...] | list[str] = ()
+    """ROLL's lazy fetch (``RemoteBatch``): the fields a stage reads, by name (a nested leaf as
+    ``outer.inner``; a name covers every leaf under it). Readers read only those leaves (and
+    the non-tensor batch, when the call carries one) and get a batch of those fields; the
+    leader keeps its whole batch. Empty: every field. A field the batch lacks fails the call
+    on every rank."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        bad = [f for f in self.fields if not isinstance(f, str) or not f.strip(".")]
+        if isinstance(self.fields, str) or bad:
+            raise ValueError(
+                f"fields must be a list of field names (e.g. [input_ids, log_probs]), got "
+                f"{self.fields!r}"
+            )
+
+
+def covers(field: str, name: str) -> bool:
+    """Whether a ``fields`` entry names the leaf ``name`` (dotted), or a container above it."""
+    return name == field or name.startswith(field + ".")
+
+
+class LazyFields:
+    """A strategy whose readers read ``options.fields`` only (its ``Options`` derive from
+    ``FieldsOptions``)."""
+
+    def wanted(self, key: tuple[str, ...]) -> bool:
+        """Whether a leaf (its key path) is among ``fields``: named, or under a named one. A
+        failure batch's one leaf is always read: it is the leader's error."""
+        if key == (FAILURE_KEY,):
+            return True
+        name = ".".join(key)
+        return any(covers(f, name) for f in self.options.fields)
+
+    def delivers(self, key: tuple[str, ...]) -> bool:
+        return not self.options.fields or self.wanted(key)
+
+    def check_fields(self, batch) -> None:
+        """Leader: every field the readers ask for is in the batch."""
+        if not self.options.fields or batch.batch is None:
+            return
+        names = [".".join(k) for k, _ in leaves(batch.batch)]
+        missing = [f for f in self.options.fields if not any(covers(f, n) for n in names)]
+        if missing:
+            raise ContractError(
+                f"rank {self.groups.rank}: {self.name}: the readers ask for fields {missing}, "
+                f"which the batch lacks; its fields: {names}"
+            )
