@@ -37,25 +37,37 @@ replaced by a failure batch, which is put and fetched like any other; a leader t
 its sockets and every reader raises at once naming it. The store's segments are memfds, so a
 kill -9 leaves nothing in /dev/shm.
 
-Options: see ``strategies.core.node_store.NodeStore.Options`` (``shm``'s, less its own); a
-reader releases its slot as soon as it has copied the message, so few slots are ever held.
+ROLL's lazy fetch (``Options.fields``, ``strategies.core.lazy_fields``): a reader copies the
+header, then only the named leaves' bytes (and the non-tensor blob) out of the store, each at its
+own offset in a buffer of its own whose other pages are never touched.
+
+Options: ``Options``, ``strategies.core.node_store.NodeStore.Options`` (``shm``'s, less its own)
+and ``fields``; a reader releases its slot as soon as it has copied the message, so few slots
+are ever held.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from strategies.core.contract import DataProto, deliver
 from strategies.core.footprint import Footprint
 from strategies.core.header_format import Header
+from strategies.core.lazy_fields import FieldsOptions, LazyFields
 from strategies.core.node_store import NodeStore
 from strategies.core.segment_ring import Slot
 from strategies.core.trace import WORK
 from strategies.core.unpacker import unpack_non_tensor, unpack_tensors
 
 
-class IndependentFetch(NodeStore):
+class IndependentFetch(LazyFields, NodeStore):
     """``shm``'s node store whose readers copy the message out (see the module docstring)."""
+
+    @dataclass(frozen=True, kw_only=True)
+    class Options(NodeStore.Options, FieldsOptions):
+        pass
 
     name = "independent_fetch"
     footprint = Footprint(leader=0.15, receiver=1.3, node=1)
@@ -67,6 +79,10 @@ class IndependentFetch(NodeStore):
         "each of which copies the batch out of the store; two point-to-point sends per other "
         "node of the replica"
     )
+
+    def check(self, batch) -> None:
+        super().check(batch)
+        self.check_fields(batch)
 
     def publish(self, slot: Slot, batch: DataProto) -> tuple[Header, int]:
         """Leader: the message into the next slot of the store, then the readiness signal (and,
@@ -86,11 +102,17 @@ class IndependentFetch(NodeStore):
         _, header = self.stored_header(stored)  # what to copy
         total = header.total_bytes
         own = torch.empty(total, dtype=torch.uint8, device=g.device)
-        own.copy_(stored[:total])
-        WORK["h2d_bytes" if self.stage else "copied_bytes"] += total
+        ranges = [(0, total)]
+        wanted = header
+        if self.options.fields:
+            wanted, ranges = self.field_ranges(header)
+            ranges = [(0, header.header_len), *ranges]
+        for offset, nbytes in ranges:
+            own[offset : offset + nbytes].copy_(stored[offset : offset + nbytes])
+        WORK["h2d_bytes" if self.stage else "copied_bytes"] += sum(n for _, n in ranges)
         del stored  # the last view of the segment: its release goes out now
         self.agree(header, total)
-        return deliver(batch, unpack_tensors(own, header), unpack_non_tensor(own, header))
+        return deliver(batch, unpack_tensors(own, wanted), unpack_non_tensor(own, wanted))
 
 
 STRATEGY = IndependentFetch

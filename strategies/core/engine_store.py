@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import socket
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -250,14 +250,10 @@ class EngineStore(LazyFields, PulledStore, PackedStrategy):
                 f"{signal.header_bytes} bytes in a {signal.nbytes}-byte message"
             )
         self.read(signal, own, [(0, signal.header_bytes)])
-        header = read_header(own, limit, g.rank, self._headers)
-        entries = tuple(e for e in header.entries if self.wanted(e.key))
-        ranges = [(header.header_len + e.offset, e.nbytes) for e in entries if e.nbytes]
-        if header.non_tensor is not None:
-            ranges.append((header.header_len + header.non_tensor[0], header.non_tensor[1]))
+        wanted, ranges = self.field_ranges(read_header(own, limit, g.rank, self._headers))
         self.read(signal, own, ranges)
         WORK["copied_bytes"] += signal.header_bytes + sum(n for _, n in ranges)
-        return replace(header, entries=entries)
+        return wanted
 
     def _withdraw_exposed(self) -> None:
         if self._finalizer is not None:

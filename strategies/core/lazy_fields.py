@@ -1,13 +1,15 @@
 """ROLL's lazy fetch (``RemoteBatch``: a stage fetches only the fields it reads) as the
 ``fields`` option of the pull strategies: which leaves a reader reads, what the harness checks
 it got (``Strategy.delivers``), and the leader's check that the batch holds every field asked
-for. Shared by the engine stores (``strategies.core.engine_store``) and ``ray_object_store``."""
+for. Shared by the engine stores (``strategies.core.engine_store``), ``independent_fetch`` and
+``ray_object_store``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from strategies.core.contract import FAILURE_KEY, ContractError, leaves
+from strategies.core.header_format import Header
 from strategies.core.strategy_base import Strategy
 
 
@@ -61,3 +63,13 @@ class LazyFields:
                 f"rank {self.groups.rank}: {self.name}: the readers ask for fields {missing}, "
                 f"which the batch lacks; its fields: {names}"
             )
+
+    def field_ranges(self, header: Header) -> tuple[Header, list[tuple[int, int]]]:
+        """A reader of some fields, the message's ``header`` read: the header of the leaves it
+        wants, and the byte ranges of the message to read, (offset, bytes): those leaves' and
+        the non-tensor blob's."""
+        entries = tuple(e for e in header.entries if self.wanted(e.key))
+        ranges = [(header.header_len + e.offset, e.nbytes) for e in entries if e.nbytes]
+        if header.non_tensor is not None:
+            ranges.append((header.header_len + header.non_tensor[0], header.non_tensor[1]))
+        return replace(header, entries=entries), ranges

@@ -1,6 +1,7 @@
 """Tier 2 (real gloo worlds): ROLL's lazy fetch (``RemoteBatch``: a stage fetches only the fields
 it reads) as the ``fields`` option of the strategies whose readers read ranges of the leader's
-message (``mooncake``, ``nixl``, ``self_load``: ``strategies.core.engine_store``). A receiver gets
+message (``mooncake``, ``nixl``, ``self_load``: ``strategies.core.engine_store``; and
+``independent_fetch``, out of its node store). A receiver gets
 exactly the named fields, bit for bit, and reads only their bytes; the leader keeps its whole
 batch; a field the batch lacks fails every rank at once, naming it and the batch's fields; a job
 records the fields and the bytes each receiver moved, and checks what the stage asked for.
@@ -21,11 +22,11 @@ from strategies.core.layout import Layout
 from strategies.core.trace import Recorder
 
 LAYOUT = Layout(tp=2, pp=2)
-NAMES = where_available("mooncake", "nixl", "self_load")
+NAMES = where_available("mooncake", "nixl", "self_load", "independent_fetch")
 
 
 def _needs_network(world, name: str) -> None:
-    if strategies.get_class(name).listens and not world.private_network:
+    if getattr(strategies.get_class(name), "listens", False) and not world.private_network:
         pytest.skip("the forked world has no network of its own here (not root)")
 
 
