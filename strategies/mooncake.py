@@ -43,8 +43,6 @@ from strategies.core.engine_store import EngineStore, Where
 
 EXTRA = "pip install 'bcastbench[engines]' (and Debian's libibverbs1, which make setup installs)"
 HOST = "127.0.0.1"
-_ENGINE = None
-"""This process's engine (``start_engine``)."""
 
 # Mooncake's own log level, read once when its library loads (before ``missing_package`` first
 # imports it): every rank's INFO lines (topology, handshakes) would bury the job's own output.
@@ -92,20 +90,17 @@ class Mooncake(EngineStore):
     def missing_package() -> str | None:
         return missing_package()
 
-    def start_engine(self):
-        global _ENGINE
-        if _ENGINE is None:
-            from mooncake.engine import TransferEngine  # optional: the engines extra
+    def new_engine(self):
+        from mooncake.engine import TransferEngine  # optional: the engines extra
 
-            engine = TransferEngine()
-            rc, said = _capturing_stderr(lambda: engine.initialize(HOST, "P2PHANDSHAKE", "tcp", ""))
-            if rc != 0:
-                raise RuntimeError(
-                    f"rank {self.groups.rank}: mooncake: TransferEngine.initialize({HOST!r}, "
-                    f"'P2PHANDSHAKE', 'tcp') returned {rc}; it said: {said.strip() or 'nothing'}"
-                )
-            _ENGINE = engine
-        return _ENGINE
+        engine = TransferEngine()
+        rc, said = _capturing_stderr(lambda: engine.initialize(HOST, "P2PHANDSHAKE", "tcp", ""))
+        if rc != 0:
+            raise RuntimeError(
+                f"rank {self.groups.rank}: mooncake: TransferEngine.initialize({HOST!r}, "
+                f"'P2PHANDSHAKE', 'tcp') returned {rc}; it said: {said.strip() or 'nothing'}"
+            )
+        return engine
 
     def engine_address(self) -> str:
         return f"{HOST}:{self.engine.get_rpc_port()}"

@@ -43,8 +43,6 @@ import torch.distributed as dist
 from strategies.core.engine_store import EngineStore, Where
 
 EXTRA = "pip install 'bcastbench[engines]'"
-_AGENT = None
-"""This process's agent (``start_engine``)."""
 _REGISTERED: dict[int, object] = {}
 """Leader: what ``register_memory`` returned for each address this process exposed (what
 ``deregister_memory`` takes back)."""
@@ -94,11 +92,8 @@ class Nixl(EngineStore):
     def missing_package() -> str | None:
         return missing_package()
 
-    def start_engine(self):
-        global _AGENT
-        if _AGENT is None:
-            _AGENT = start_agent(f"bcastbench-rank{self.groups.rank}-pid{os.getpid()}")
-        return _AGENT
+    def new_engine(self):
+        return start_agent(f"bcastbench-rank{self.groups.rank}-pid{os.getpid()}")
 
     def readers_through(self) -> None:
         # Without a progress thread a READ of the leader's memory moves only while the

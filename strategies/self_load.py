@@ -116,7 +116,7 @@ class SelfLoad(EngineStore):
         self._cold_synced = False
 
     # -- the engine's hooks: a file, read through the page cache --------------------------------
-    def start_engine(self):
+    def new_engine(self):
         return None
 
     def engine_address(self) -> str:

@@ -239,10 +239,13 @@ def _leader_call(ctx, name: str, data, verify: bool):
 
 
 def _all_ranks_call(ctx, data, verify: bool):
-    """Every rank got the replica's object through Ray itself: nothing left to do but keep it."""
-    if isinstance(data, np.ndarray):
+    """Every rank got the replica's object through Ray itself (the object store, a lent ref,
+    a compiled graph's channel): nothing left to do but keep it. The floor's flat bytes come
+    as an array, or as a tensor where they were lent."""
+    if isinstance(data, (np.ndarray, torch.Tensor)):
         end = time.time_ns()
-        return end, (tensor_digest(_tensor(data)) if verify else None)
+        flat = _tensor(data) if isinstance(data, np.ndarray) else data
+        return end, (tensor_digest(flat) if verify else None)
     data = on_device(data, ctx.device)
     end = time.time_ns()
     return end, ((digest(data, True), data.meta_info) if verify else None)
@@ -254,24 +257,10 @@ def _rdt_lend(ctx, data):
     return _tensor(data) if isinstance(data, np.ndarray) else data
 
 
-def _rdt_call(ctx, data, verify: bool):
-    """What the leader lent reached this rank (its tensors over gloo): keep it."""
-    if isinstance(data, torch.Tensor):
-        end = time.time_ns()
-        return end, (tensor_digest(data) if verify else None)
-    return _all_ranks_call(ctx, data, verify)
-
-
 def _cgraph_give(ctx, data):
     """The replica leader's node of the compiled graph: its chunk, as the input channel handed
     it, on to its replica's ranks through its output channel."""
     return data
-
-
-def _cgraph_take(ctx, data, verify: bool):
-    """A rank's node of the compiled graph: its replica's chunk, read from the leader's
-    output channel: keep it."""
-    return _all_ranks_call(ctx, data, verify)
 
 
 # -- on the driver -------------------------------------------------------------------------
@@ -288,7 +277,7 @@ class CompiledDispatch:
         with InputNode() as inp:
             lent = [world.actors[drv.leaders[d]].call.bind(_cgraph_give, inp[d]) for d in range(dp)]
             takes = [
-                actor.call.bind(_cgraph_take, lent[drv.replica_of[r]], inp[dp])
+                actor.call.bind(_all_ranks_call, lent[drv.replica_of[r]], inp[dp])
                 for r, actor in enumerate(world.actors)
             ]
             dag = MultiOutputNode(takes)
@@ -335,7 +324,7 @@ def _call(world, drv: _Driver, mode: DispatchMode, verify: bool, what: str, time
         fn = _all_ranks_call
         args = [(refs[d], verify) for d in drv.replica_of]
     elif mode.kind == RDT:
-        fn = _rdt_call
+        fn = _all_ranks_call
         lent = [world.lend(drv.leaders[d], _rdt_lend, ref) for d, ref in enumerate(refs)]
         args = [(lent[d], verify) for d in drv.replica_of]
     else:

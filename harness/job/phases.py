@@ -236,7 +236,7 @@ class _WarmUpMemory:
             strategy = job.built[name]
             if getattr(strategy, "raw_bytes", False):
                 sent = getattr(strategy, "sent", None)
-                credit = 0 if sent is None else sent.numel() * sent.element_size()
+                credit = 0 if sent is None else sent.nbytes
                 self.watch.begin(name, credit=credit)
             else:
                 job.drop(name)

@@ -11,7 +11,7 @@ place), and the message is the header family's (``strategies.core.packed.PackedS
 flat buffer, its header first, unpacked as views), so a READ of one contiguous range moves the
 whole batch, the non-tensor blob included.
 
-An engine says how it starts in this process (``start_engine``, once per process: its listening
+An engine says how it starts in this process (``new_engine``, once per process: its listening
 ports and threads are the process's, not an instance's), how a reader reaches it
 (``engine_address``, and ``engine_credentials`` where an address is not enough: a NIXL agent's
 metadata, with the keys of what it registered), how the leader's buffer is exposed and withdrawn
@@ -45,6 +45,9 @@ from strategies.core.pulled_store import PulledStore
 from strategies.core.trace import WORK
 from strategies.core.unpacker import unpack
 from strategies.core.wire import Wire
+
+_ENGINES: dict[str, object] = {}
+"""This process's engines, by strategy name (``EngineStore.start_engine``)."""
 
 
 @dataclass(frozen=True)
@@ -155,8 +158,14 @@ class EngineStore(LazyFields, PulledStore, PackedStrategy):
 
     # -- an engine's hooks -------------------------------------------------------------------
     def start_engine(self):
-        """This process's engine, started on first use (its ports and threads live as long as
-        the process)."""
+        """This process's engine of this kind, started on first use (``new_engine``) and kept:
+        its ports and threads live as long as the process, however many instances come."""
+        if self.name not in _ENGINES:
+            _ENGINES[self.name] = self.new_engine()
+        return _ENGINES[self.name]
+
+    def new_engine(self):
+        """A new engine of this kind, started (``start_engine`` calls it once per process)."""
         raise NotImplementedError
 
     def engine_address(self) -> str:

@@ -539,7 +539,7 @@ def test_rdt_a_leader_that_cannot_lend_fails_its_receivers_by_name(ray_world):
     error (no rank waits for tensors that never come), and the world is torn down."""
     import ray.cloudpickle
 
-    from harness.job.dispatch import _rdt_call
+    from harness.job.dispatch import _all_ranks_call
 
     here = sys.modules[__name__]  # the actors' path holds the repository, not tests/
     ray.cloudpickle.register_pickle_by_value(here)
@@ -549,7 +549,9 @@ def test_rdt_a_leader_that_cannot_lend_fails_its_receivers_by_name(ray_world):
         ray.cloudpickle.unregister_pickle_by_value(here)
     t0 = time.monotonic()
     with pytest.raises(WorldError, match="rank 0: the chunk cannot be lent"):
-        ray_world.collect(ray_world.submit(_rdt_call, [(lent, False)] * 4), "rdt", timeout_s=60)
+        ray_world.collect(
+            ray_world.submit(_all_ranks_call, [(lent, False)] * 4), "rdt", timeout_s=60
+        )
     assert time.monotonic() - t0 < 30
     assert not ray_world.alive
 
