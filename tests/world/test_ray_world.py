@@ -547,12 +547,11 @@ def test_rdt_a_leader_that_cannot_lend_fails_its_receivers_by_name(ray_world):
         lent = ray_world.lend(0, _lend_fails, None)
     finally:
         ray.cloudpickle.unregister_pickle_by_value(here)
-    t0 = time.monotonic()
+    # A receiver left waiting would be named as silent after 60 s, not with the leader's error.
     with pytest.raises(WorldError, match="rank 0: the chunk cannot be lent"):
         ray_world.collect(
             ray_world.submit(_all_ranks_call, [(lent, False)] * 4), "rdt", timeout_s=60
         )
-    assert time.monotonic() - t0 < 30
     assert not ray_world.alive
 
 
