@@ -48,13 +48,16 @@ named leaf).
 
 from __future__ import annotations
 
+import torch
 from tensordict import TensorDict
 
 from strategies.core.contract import ContractError, is_non_tensor_leaf, leaves, wants_non_tensor
 from strategies.core.footprint import Footprint
 from strategies.core.lazy_fields import FieldsOptions, LazyFields
+from strategies.core.parts import nbytes_of
 from strategies.core.pulled_store import PulledStore, ray_actor_module
 from strategies.core.roll_proto import loads_back
+from strategies.core.trace import WORK
 
 WORLD_HINT = "run it on a Ray world: bcastbench run world=ray strategy=ray_object_store"
 
@@ -123,13 +126,22 @@ class RayObjectStore(LazyFields, PulledStore):
         if not isinstance(sent, tuple):  # the whole batch, one object
             td, non_tensor = ray.get(sent)
             del sent
+            WORK["copied_bytes"] += _tensor_bytes(td)
             return td, non_tensor
         batch_size, refs, rest = sent
         keys = [key for key in refs if self.wanted(key)]
         td = TensorDict({}, batch_size=batch_size)
         for key, value in zip(keys, ray.get([refs[key] for key in keys])):
             td.set(key, value)
+        WORK["copied_bytes"] += _tensor_bytes(td)
         return td, (ray.get(rest) if rest is not None else None)
+
+
+def _tensor_bytes(td) -> int:
+    """The tensor bytes a reader got out of the object store (what it copied out of it)."""
+    if td is None:
+        return 0
+    return sum(nbytes_of(v) for _, v in leaves(td) if type(v) is torch.Tensor and not v.is_nested)
 
 
 STRATEGY = RayObjectStore

@@ -43,6 +43,12 @@ Adapted to the ``get_data_input`` contract:
   through this same path (``strategies.Strategy``); a reader whose get fails still joins the
   barrier, then raises naming its rank.
 
+ROLL's lazy fetch (``Options.fields``, ``strategies.core.lazy_fields``): a reader's
+``kv_batch_get`` names the fields of the leaves it reads (``select_fields``) and the pickled
+field, so the storage unit sends it only those; the leader still puts every field. Jagged,
+non-tensor leaves and the non-tensor batch travel pickled together, so a reader of some fields
+reads that one field whole and keeps the named leaves of it.
+
 Left out: the controller's samplers, streaming data loader, tags and the Mooncake/Yuanrong
 backends (they need services this suite does not start).
 
@@ -53,6 +59,7 @@ Per call: 3 collectives over the replica (signal sizes, signal bytes, barrier), 
 from __future__ import annotations
 
 import itertools
+import math
 import pickle
 from dataclasses import dataclass
 
@@ -62,7 +69,9 @@ from tensordict import TensorDict
 
 from strategies.core.contract import Unsupported, leaves, wants_non_tensor
 from strategies.core.footprint import Footprint
+from strategies.core.lazy_fields import FieldsOptions, LazyFields
 from strategies.core.pulled_store import PulledStore, ray_actor_module
+from strategies.core.trace import WORK
 
 EXTRA = "pip install 'bcastbench[transferqueue]'"
 WORLD_HINT = "run it on a Ray world: bcastbench run world=ray strategy=transferqueue"
@@ -96,9 +105,10 @@ class Signal:
     whole: object = None
 
 
-class TransferQueue(PulledStore):
+class TransferQueue(LazyFields, PulledStore):
     """The leader puts, signals the replica, every rank gets; the leader clears."""
 
+    Options = FieldsOptions
     name = "transferqueue"
     footprint = Footprint(leader=1, receiver=1, node=1)
     """Not measured yet (the node memory phase runs on forked worlds): the batch in the
@@ -147,6 +157,10 @@ class TransferQueue(PulledStore):
         torch.set_num_threads(threads)
 
     # -- leader --------------------------------------------------------------------------------
+    def check(self, batch) -> None:
+        super().check(batch)
+        self.check_fields(batch)
+
     def put(self, batch):
         """The batch's fields under this call's keys (``kv_batch_put``); the signal rebuilds it."""
         g = self.groups
@@ -187,9 +201,23 @@ class TransferQueue(PulledStore):
 
     def fetch(self, signal: Signal):
         if signal.whole is not None:
-            return signal.whole
-        got = self._call(self._tq.kv_batch_get, keys=_keys(signal), partition_id=PARTITION)
-        return _decode(signal, got)
+            td, non_tensor = signal.whole
+            return self.keep_wanted(td), non_tensor
+        # Only the fields this rank reads (every field that was put, without ``fields``):
+        # a field of a leaf with no bytes was never put, and asking for it would fail.
+        select = [
+            field
+            for field, key, _, shape in signal.dense
+            if math.prod(shape) and self.delivers(key)
+        ]
+        got = self._call(
+            self._tq.kv_batch_get,
+            keys=_keys(signal),
+            partition_id=PARTITION,
+            select_fields=[*select, PICKLED_FIELD],
+        )
+        WORK["copied_bytes"] += sum(_rows(got[f]).numel() for f in [*select, PICKLED_FIELD])
+        return _decode(signal, got, self.delivers)
 
 
 def _controller_exists(ray) -> bool:
@@ -245,20 +273,23 @@ def _rows(value) -> torch.Tensor:
     return value.reshape(-1)
 
 
-def _decode(signal: Signal, got) -> tuple[TensorDict, dict | None]:
-    """What ``kv_batch_get`` returned, rebuilt into the leader's TensorDict and
-    ``non_tensor_batch`` (None when not flagged)."""
+def _decode(signal: Signal, got, delivers) -> tuple[TensorDict, dict | None]:
+    """What ``kv_batch_get`` returned, rebuilt into the leader's TensorDict (the leaves
+    ``delivers`` names) and ``non_tensor_batch`` (None when not flagged)."""
     raw = _rows(got[PICKLED_FIELD])[: signal.pickled_bytes]
     other, non_tensor, batch_size = pickle.loads(raw.numpy().tobytes())
     by_key = dict(other)
     for field, key, dtype, shape in signal.dense:
+        if not delivers(key):
+            continue
         if field in got.keys():
             by_key[key] = _rows(got[field]).view(dtype).view(shape)
         else:
             by_key[key] = torch.empty(shape, dtype=dtype)
     td = TensorDict({}, batch_size=batch_size)
     for key in signal.order:
-        td.set(key, by_key[key])
+        if delivers(key):
+            td.set(key, by_key[key])
     return td, non_tensor
 
 

@@ -1,12 +1,14 @@
 """ROLL's lazy fetch (``RemoteBatch``: a stage fetches only the fields it reads) as the
 ``fields`` option of the pull strategies: which leaves a reader reads, what the harness checks
 it got (``Strategy.delivers``), and the leader's check that the batch holds every field asked
-for. Shared by the engine stores (``strategies.core.engine_store``), ``independent_fetch`` and
-``ray_object_store``."""
+for. Shared by the engine stores (``strategies.core.engine_store``), ``independent_fetch``,
+``ray_object_store`` and ``transferqueue``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+from tensordict import TensorDict
 
 from strategies.core.contract import FAILURE_KEY, ContractError, leaves
 from strategies.core.header_format import Header
@@ -51,6 +53,16 @@ class LazyFields:
 
     def delivers(self, key: tuple[str, ...]) -> bool:
         return not self.options.fields or self.wanted(key)
+
+    def keep_wanted(self, td):
+        """A reader's TensorDict of the leaves it reads (``td`` itself, without ``fields``)."""
+        if not self.options.fields or td is None:
+            return td
+        out = TensorDict({}, batch_size=td.batch_size)
+        for key, value in leaves(td):
+            if self.wanted(key):
+                out.set(key, value)
+        return out
 
     def check_fields(self, batch) -> None:
         """Leader: every field the readers ask for is in the batch."""

@@ -88,14 +88,16 @@ VARIANTS = {
     "independent_fetch:fields": ("independent_fetch", {"fields": ["x"]}),
     "self_load:fields": ("self_load", {"fields": ["x"]}),
     "ray_object_store:fields": ("ray_object_store", {"fields": ["x"]}),
+    "transferqueue:fields": ("transferqueue", {"fields": ["x"]}),
 }
 """Leader paths a strategy takes only under an option, run through the same cases: shm's
 staged (GPU) path packs into the leader's own buffer and copies it into the segment; its
 ``early_min_bytes=None`` signals every message once, whole (by default the header and blob go
 before the leaves); lazy fetch (``fields``: the readers read ``good_td``'s one field, the leader
-checks the batch has it, ``ray_object_store`` puts each leaf on its own)."""
+checks the batch has it, ``ray_object_store`` puts each leaf on its own, ``transferqueue``'s
+readers get only that field's column)."""
 FORKED_VARIANTS = [v for v, (name, _) in VARIANTS.items() if name in strategies.names_for_world()]
-"""The variants the forked world runs (``ray_object_store``'s runs on a Ray world)."""
+"""The variants the forked world runs (the Ray stores' run on a Ray world)."""
 
 
 def build_strategy(name: str, groups):

@@ -410,7 +410,7 @@ def test_ray_only_strategies_carry_verl_objects(ray_world, by_value, name):
         assert [p for _, problems in results for p in problems] == [], payload
 
 
-@pytest.mark.parametrize("name", [*RAY_ONLY, "ray_object_store:fields"])
+@pytest.mark.parametrize("name", [*RAY_ONLY, "ray_object_store:fields", "transferqueue:fields"])
 def test_ray_only_strategies_take_the_leaders_failure_to_every_rank(ray_world, by_value, name):
     """Every leader failure case of the gloo suite (a foreign object, None, bad shapes,
     unpicklable values, after a good call too, every hostile leaf kind): each rank ends with
@@ -557,22 +557,30 @@ def test_rdt_a_leader_that_cannot_lend_fails_its_receivers_by_name(ray_world):
     assert not ray_world.alive
 
 
-def test_ray_object_store_lazy_fetch_gets_each_stage_only_its_fields(ray_world):
-    """ROLL's ``RemoteBatch`` on Ray's object store (``fields``): each leaf its own object, a
-    reader gets only the ones it names, bit for bit, with the non-tensor batch; the leader
+@pytest.mark.parametrize("name", ["ray_object_store", "transferqueue"])
+def test_a_ray_store_lazy_fetch_gets_each_stage_only_its_fields(ray_world, name):
+    """ROLL's ``RemoteBatch`` on Ray's object store (``fields``: each leaf its own object) and
+    on TransferQueue (``select_fields``): a reader gets only the leaves it names, bit for bit,
+    with the non-tensor batch, and moves fewer bytes than a reader of every field; the leader
     keeps its whole batch; a field the batch lacks fails every rank, naming it."""
+    ray_only(name)
     import ray.cloudpickle
     import test_lazy_fetch as lf
 
     ray.cloudpickle.register_pickle_by_value(lf)  # the actors' path holds no tests/
     try:
-        some = ray_world.run(lf.lazy_calls, "ray_object_store", ["log_probs", "nested.mask"])
-        said = ray_world.run(lf.unknown_field, "ray_object_store", what="an unknown field")
+        full = ray_world.run(lf.lazy_calls, name, [])
+        some = ray_world.run(lf.lazy_calls, name, ["log_probs", "nested.mask"])
+        said = ray_world.run(lf.unknown_field, name, what="an unknown field")
     finally:
         ray.cloudpickle.unregister_pickle_by_value(lf)
-    assert some[0]["keys"] == ["input_ids", "log_probs", "nested.mask", "nested.pos", "rewards"]
+    everything = ["input_ids", "log_probs", "nested.mask", "nested.pos", "rewards"]
+    assert some[0]["keys"] == everything, "the leader keeps its whole batch"
+    picked = 4 * 512 * 4 + 4 * 512  # log_probs (float32) and the mask (bool)
     for rank in range(1, 4):
+        assert full[rank]["keys"] == everything and full[rank]["exact"]
         assert some[rank]["keys"] == ["log_probs", "nested.mask"], some[rank]
         assert some[rank]["exact"] and some[rank]["prompt"] == [f"prompt {i}" for i in range(4)]
+        assert picked <= some[rank]["copied"] < full[rank]["copied"] - 4 * 512 * 8 + picked
     for line in said:
         assert "'values'" in line and "input_ids" in line, said
