@@ -223,6 +223,7 @@ def spec_of_header(header) -> PayloadSpec:
         broadcast_non_tensor=header.non_tensor is not None,
         dtype_bytes=bytes_per_dtype([e.dtype for e in header.entries], sizes),
         leaf_bytes=tuple(sizes),
+        leaf_names=tuple(".".join(e.key) for e in header.entries),
     )
 
 

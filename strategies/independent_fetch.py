@@ -48,14 +48,15 @@ are ever held.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from strategies.core.contract import DataProto, deliver
 from strategies.core.footprint import Footprint
 from strategies.core.header_format import Header
-from strategies.core.lazy_fields import FieldsOptions, LazyFields
+from strategies.core.lazy_fields import FieldsOptions, LazyFields, fields_bytes
+from strategies.core.node_channel import DEFAULT_STRIPE_MIN_BYTES
 from strategies.core.node_store import NodeStore
 from strategies.core.segment_ring import Slot
 from strategies.core.trace import WORK
@@ -83,6 +84,22 @@ class IndependentFetch(LazyFields, NodeStore):
     def check(self, batch) -> None:
         super().check(batch)
         self.check_fields(batch)
+
+    @classmethod
+    def plan(
+        cls,
+        layout,
+        spec,
+        stage: bool = False,
+        stripe_min_bytes: int | None = DEFAULT_STRIPE_MIN_BYTES,
+        fields: tuple[str, ...] | str = (),
+    ):
+        """``NodeStore.plan``, each reader's copy out of the store (its fetch) only the header
+        and the named ``fields`` where it reads some (lazy fetch)."""
+        plan = super().plan(layout, spec, stage, stripe_min_bytes)
+        got = fields_bytes(spec, fields, header=True)
+        plan.stores = [replace(f, read_bytes=got) for f in plan.stores]
+        return plan
 
     def publish(self, slot: Slot, batch: DataProto) -> tuple[Header, int]:
         """Leader: the message into the next slot of the store, then the readiness signal (and,

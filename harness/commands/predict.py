@@ -121,6 +121,7 @@ def scaled_spec(
         pickle_exact=False,
         dtype_bytes=bytes_per_dtype([t.dtype for _, t in leaves], sizes),
         leaf_bytes=sizes,
+        leaf_names=spec0.leaf_names,
     )
 
 

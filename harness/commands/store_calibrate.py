@@ -28,7 +28,7 @@ from harness.report import collect
 from harness.report.collect import records_dir_problem
 from strategies.core.cluster import ClusterConf, ClusterError, load_cluster, preset_path
 from strategies.core.layout import Layout
-from strategies.core.plan import plan_of, spec_of
+from strategies.core.plan import plan_of, plan_options, spec_of
 
 MODULE = "harness.commands.store_calibrate"
 """Where ``bcastbench calibrate target=store`` lives (its printed name:
@@ -50,7 +50,8 @@ def samples_from(df: pd.DataFrame, cluster: ClusterConf) -> list[StoreSample]:
         layout = Layout(
             dp=int(r["dp"]), pp=int(r["pp"]), tp=int(r["tp"]), cp=int(r["cp"]), order=r["order"]
         )
-        plan = plan_of(strategies.get_class(r["strategy"]), layout, specs[key])
+        cls = strategies.get_class(r["strategy"])
+        plan = plan_of(cls, layout, specs[key], **plan_options(cls, r.get("options")))
         sample = sample_of(plan, layout, cluster, float(r["p50_us"]) / 1e6)
         if sample is not None:
             out.append(sample)

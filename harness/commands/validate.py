@@ -46,7 +46,7 @@ from harness.report.collect import records_dir_problem
 from harness.report.pull_section import PULL
 from strategies.core.cluster import ClusterError, load_cluster, preset_path
 from strategies.core.layout import Layout
-from strategies.core.plan import plan_of, spec_of
+from strategies.core.plan import plan_of, plan_options, spec_of
 from strategies.core.pricing import price
 
 # Megatron's import-time warnings say nothing about a price (a strategy may import it).
@@ -95,8 +95,9 @@ def price_records(df: pd.DataFrame, cluster_name: str) -> pd.DataFrame:
             dp=int(r["dp"]), pp=int(r["pp"]), tp=int(r["tp"]), cp=int(r["cp"]), order=r["order"]
         )
         device = r.get("device") if isinstance(r.get("device"), str) else "cpu"
-        pred = price(plan_of(strategies.get_class(r["strategy"]), layout, spec, device), cluster,
-                     layout)  # fmt: skip
+        cls = strategies.get_class(r["strategy"])
+        plan = plan_of(cls, layout, spec, device, **plan_options(cls, r.get("options")))
+        pred = price(plan, cluster, layout)
         floor = price(floor_plan(layout, spec, r.get("floor_method")), cluster, layout)
         rows.append(_priced_row(r, layout, pred, floor))
     out = pd.DataFrame(rows)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from strategies.core.cluster import GB, US, ClusterConf, StoreConf
+from strategies.core.cluster import GB, US, ClusterConf, StoreConf, put_share
 from strategies.core.plan import Plan
 from strategies.core.pricing import price
 from strategies.core.store_pricing import readers
@@ -34,8 +34,9 @@ class StoreSample:
     """One pull record, split into what its store costs and what the rest of its plan does."""
 
     store: str
-    nbytes: int
-    """Bytes put once and fetched by each reader (``StoreFetch.nbytes``)."""
+    nbytes: float
+    """The bytes the store's β prices: put once and fetched by each reader
+    (``StoreFetch.priced_bytes``: fewer where the readers read some fields)."""
     readers: int
     """Readers of one store at once (``store_pricing.readers``)."""
     rest_s: float
@@ -72,8 +73,9 @@ def sample_of(plan: Plan, layout, cluster: ClusterConf, p50_s: float) -> StoreSa
     fetch = plan.stores[0]
     rest = price(plan, free_stores(cluster), layout, check=False)
     factor = rest.oversubscription
+    nbytes = fetch.priced_bytes(put_share(fetch.store))
     return StoreSample(
-        fetch.store, fetch.nbytes, readers(fetch, cluster), rest.total_s / factor, p50_s / factor
+        fetch.store, nbytes, readers(fetch, cluster), rest.total_s / factor, p50_s / factor
     )
 
 

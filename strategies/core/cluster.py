@@ -94,6 +94,16 @@ readers READ: Mooncake's Transfer Engine (``mooncake``) or a NIXL agent (``nixl`
 cache a record on disk is read from (``self_load``)."""
 
 
+def put_share(kind: str) -> float:
+    """Of the bytes store ``kind``'s β prices, the put's share (the rest is the get's): only a
+    reader of some fields (ROLL's lazy fetch) tells them apart, getting fewer bytes than the
+    leader put. Half where a put and a get each move the bytes once (Ray's object store,
+    TransferQueue's storage unit, an engine's packed and read message); none where the plan
+    prices the put apart (``node_shm``: the leader's pack) or no call makes one (``page_cache``:
+    the record is written when the batch changes)."""
+    return 0.0 if kind in ("node_shm", "page_cache") else 0.5
+
+
 @dataclass(unsafe_hash=True)
 class StoreConf:
     """What a store costs one replica per call: a put and one reader's get together take

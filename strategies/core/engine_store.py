@@ -107,6 +107,7 @@ class EngineStore(LazyFields, PulledStore, PackedStrategy):
     store_scope = "replica"
     """One copy, the leader's, that every reader of the replica READs (``PulledStore.plan``
     prices the announcement, the barrier and the reads at the engine's store costs)."""
+    reads_header = True
     listens = True
     """Whether the engine listens on the network (and may only start where the rank sees
     loopback alone); a recorded file read from the page cache (``self_load``) does not."""

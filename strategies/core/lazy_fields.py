@@ -85,3 +85,28 @@ class LazyFields:
         if header.non_tensor is not None:
             ranges.append((header.header_len + header.non_tensor[0], header.non_tensor[1]))
         return replace(header, entries=entries), ranges
+
+
+def fields_bytes(spec, fields, header: bool = False) -> int | None:
+    """The bytes a reader of ``fields`` gets of a batch of ``spec`` (``plan.PayloadSpec``):
+    its named leaves', the non-tensor batch's where it travels, and with ``header`` the
+    message's header a reader of the packed message reads first; None without ``fields``
+    (it reads everything). ``fields`` as a label gives them (``predict``'s
+    ``ray_object_store[fields=input_ids+log_probs]``) is one string joined by ``+``."""
+    names = tuple(fields.split("+")) if isinstance(fields, str) else tuple(fields)
+    if not names:
+        return None
+    if spec.leaf_names is None or spec.leaf_bytes is None:
+        raise ValueError(
+            f"pricing fields {list(names)} needs the batch's leaf names and bytes "
+            "(PayloadSpec.leaf_names, leaf_bytes; spec_of gives both)"
+        )
+    missing = [f for f in names if not any(covers(f, n) for n in spec.leaf_names)]
+    if missing:
+        raise ValueError(
+            f"fields {missing} are not in the batch; its fields: {list(spec.leaf_names)}"
+        )
+    picked = sum(
+        n for key, n in zip(spec.leaf_names, spec.leaf_bytes) if any(covers(f, key) for f in names)
+    )
+    return picked + spec.sent_non_tensor_bytes + (spec.header_bytes if header else 0)

@@ -100,10 +100,24 @@ class StoreFetch:
     crosses: bool = True
     """Whether the fetch's crossings of nodes are priced with it; False where the plan's
     ``Handoff`` already carries them (``independent_fetch`` feeds each node's store so)."""
+    read_bytes: int | None = None
+    """Bytes each reader gets, where it reads only some fields (ROLL's lazy fetch: the store
+    strategies' ``fields``); None: all ``nbytes``."""
 
     @property
     def writer(self) -> int:
         return self.ranks[0]
+
+    @property
+    def got_bytes(self) -> int:
+        """Bytes each reader gets."""
+        return self.nbytes if self.read_bytes is None else self.read_bytes
+
+    def priced_bytes(self, put_share: float) -> float:
+        """The bytes a store's β prices for one put and one get: the put's share of every byte
+        put and the get's share of the bytes read (``cluster.put_share``); ``nbytes`` where
+        the readers read everything."""
+        return put_share * self.nbytes + (1.0 - put_share) * self.got_bytes
 
 
 @dataclass
@@ -141,6 +155,15 @@ def plan_of(cls, layout, spec, device: str = "cpu", **options) -> Plan:
     return cls.plan(layout, spec, **options)
 
 
+def plan_options(cls, options) -> dict:
+    """Of a strategy's options (a record's ``options``; anything but a dict is none), those its
+    plan prices: the ones ``cls.plan`` takes by name (``fields``, ``stage``...)."""
+    if not isinstance(options, dict):
+        return {}
+    takes = inspect.signature(cls.plan).parameters
+    return {k: v for k, v in options.items() if k in takes and k not in ("layout", "spec")}
+
+
 @dataclass(frozen=True)
 class PayloadSpec:
     """What a plan needs to know about a batch, without holding its data."""
@@ -164,6 +187,9 @@ class PayloadSpec:
     send one buffer per dtype)."""
     leaf_bytes: tuple[int, ...] | None = None
     """Bytes of each tensor leaf in iteration order (strategies that send one per tensor)."""
+    leaf_names: tuple[str, ...] | None = None
+    """Each tensor leaf's key, dotted (``nested.mask``), in ``leaf_bytes``'s order (a jagged
+    leaf's parts each under its key): what a reader of some fields (``fields``) reads."""
 
     @property
     def sent_non_tensor_bytes(self) -> int:
@@ -230,4 +256,5 @@ def spec_of(dp) -> PayloadSpec:
         pickle_exact=True,
         dtype_bytes=bytes_per_dtype([t.dtype for _, t in leaves], sizes),
         leaf_bytes=tuple(sizes),
+        leaf_names=tuple(".".join(key) for key, _ in leaves),
     )

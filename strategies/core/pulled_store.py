@@ -24,6 +24,7 @@ from strategies.core.contract import (
     raise_failure,
     wants_non_tensor,
 )
+from strategies.core.lazy_fields import fields_bytes
 from strategies.core.plan import Comm, PayloadSpec, Plan, StoreFetch
 from strategies.core.strategy_base import Strategy
 
@@ -59,6 +60,9 @@ class PulledStore(Strategy):
     store_scope = "node"
     """Where a store's copy lives: ``node`` (one per node, read there) or ``replica`` (one
     storage unit every reader of the replica fetches from)."""
+    reads_header = False
+    """Whether a reader of some fields reads the message's header first (an engine's packed
+    message) rather than asking the store for the fields by name."""
 
     def transfer(self, batch):
         return self._lead(batch) if self.groups.is_leader else self._take(batch)
@@ -126,20 +130,23 @@ class PulledStore(Strategy):
 
     # -- the cost model ----------------------------------------------------------------------
     @classmethod
-    def plan(cls, layout, spec: PayloadSpec) -> Plan:
+    def plan(cls, layout, spec: PayloadSpec, fields: tuple[str, ...] | str = ()) -> Plan:
         """Per replica: the signal's size and bytes (its pickled size, ~``REF_BYTES``, is not
         predicted: inexact) and the barrier, priced as an empty broadcast (inexact); the
         leader's put and every other rank's fetch of the batch from ``store``
         (``StoreFetch``: the cluster's put/get α, β and fetch contention, the store's
         serialization included; a node-scoped store's object is copied once to each other
-        node and read there by that node's ranks)."""
+        node and read there by that node's ranks). ``fields`` (lazy fetch): each reader gets
+        only those fields' bytes (``StoreFetch.read_bytes``), the leader still puts all."""
         comms: list[Comm] = []
         replicas = layout.replica_groups() if layout.replica_size > 1 else []
         steps = [(8, "sizes", True), (REF_BYTES, "reference", False), (0, "barrier", False)]
         for step, (nbytes, what, exact) in enumerate(steps):
             for ranks in replicas:
                 comms.append(Comm("broadcast", tuple(ranks), ranks[0], nbytes, step, what, exact))
+        got = fields_bytes(spec, fields, header=cls.reads_header)
         stores = [
-            StoreFetch(cls.store, tuple(r), spec.sent_bytes, cls.store_scope) for r in replicas
+            StoreFetch(cls.store, tuple(r), spec.sent_bytes, cls.store_scope, read_bytes=got)
+            for r in replicas
         ]
         return Plan(cls.name, comms, stores=stores)

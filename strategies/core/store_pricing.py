@@ -8,14 +8,15 @@ no torch.
 
 from __future__ import annotations
 
-from strategies.core.cluster import ClusterConf, StoreConf
+from strategies.core.cluster import ClusterConf, StoreConf, put_share
 from strategies.core.groups import node_split
 from strategies.core.plan import Plan, StoreFetch
 
 
-def fetch_s(store: StoreConf, nbytes: int, readers: int) -> float:
+def fetch_s(store: StoreConf, nbytes: float, readers: int) -> float:
     """Seconds until the last of ``readers`` concurrent readers of one store holds its copy: a
-    put and one get take α + n·β, each further reader adds ``fetch_contention`` of that."""
+    put and one get take α + n·β (n: ``StoreFetch.priced_bytes``), each further reader adds
+    ``fetch_contention`` of that."""
     if readers <= 0:
         return 0.0
     one = store.call_s + nbytes * store.beta_s_per_byte
@@ -42,9 +43,11 @@ def crossing_s(fetch: StoreFetch, cluster: ClusterConf) -> float:
         return 0.0
     remote = nodes[1:]
     flows = len(remote) if fetch.scope == "node" else sum(len(node) for node in remote)
+    # A node store's copy is the whole object; a remote reader of one store gets its fields.
+    nbytes = fetch.nbytes if fetch.scope == "node" else fetch.got_bytes
     link = cluster.link("broadcast", crosses_nodes=True)
     share = max(1.0, flows / cluster.nics_per_node)
-    return link.alpha_s + fetch.nbytes * link.beta_s_per_byte * share
+    return link.alpha_s + nbytes * link.beta_s_per_byte * share
 
 
 def store_s(plan: Plan, cluster: ClusterConf) -> float:
@@ -53,6 +56,7 @@ def store_s(plan: Plan, cluster: ClusterConf) -> float:
     worst = 0.0
     for fetch in plan.stores:
         store = cluster.store(fetch.store)
-        seconds = crossing_s(fetch, cluster) + fetch_s(store, fetch.nbytes, readers(fetch, cluster))
+        nbytes = fetch.priced_bytes(put_share(fetch.store))
+        seconds = crossing_s(fetch, cluster) + fetch_s(store, nbytes, readers(fetch, cluster))
         worst = max(worst, seconds)
     return worst

@@ -20,7 +20,8 @@ from strategies.core.cluster import (
     load_cluster,
 )
 from strategies.core.layout import Layout
-from strategies.core.plan import PayloadSpec, Plan, StoreFetch, plan_of
+from strategies.core.lazy_fields import fields_bytes
+from strategies.core.plan import PayloadSpec, Plan, StoreFetch, plan_of, plan_options
 from strategies.core.pricing import price
 from strategies.core.store_pricing import crossing_s, fetch_s, readers, store_s
 from strategies.independent_fetch import IndependentFetch
@@ -169,3 +170,44 @@ def test_validate_states_the_pull_target_only_where_pull_records_are():
     assert "pull strategies (18 records) | 12.0% (met)" in met and "≤ 15 %" in met
     (missed,) = _pull_row({"pull_records": 18, "pull_median_abs_err": 0.165})
     assert "16.5% (**missed**)" in missed
+
+
+LAZY = replace(
+    SPEC,
+    n_tensors=3,
+    leaf_bytes=(MB, MB, 2 * MB),
+    leaf_names=("input_ids", "nested.mask", "nested.pos"),
+    non_tensor_bytes=1000,
+    broadcast_non_tensor=True,
+)
+
+
+def test_a_reader_of_some_fields_gets_their_bytes_and_the_non_tensor_batch():
+    assert fields_bytes(LAZY, ()) is None
+    assert fields_bytes(LAZY, ["input_ids"]) == MB + 1000
+    assert fields_bytes(LAZY, ["nested"]) == 3 * MB + 1000  # a container covers its leaves
+    assert fields_bytes(LAZY, "input_ids+nested.pos") == 3 * MB + 1000  # a label's form
+    assert fields_bytes(LAZY, ["nested.mask"], header=True) == MB + 1000 + 512
+    with pytest.raises(ValueError, match=r"\['values'\] are not in the batch.*input_ids"):
+        fields_bytes(LAZY, ["input_ids", "values"])
+    with pytest.raises(ValueError, match="leaf names"):
+        fields_bytes(SPEC, ["input_ids"])
+
+
+def test_lazy_fetch_prices_every_byte_put_and_only_the_bytes_read():
+    whole = StoreFetch("ray_object", (0, 1), 4 * MB)
+    lazy = replace(whole, read_bytes=MB)
+    assert whole.priced_bytes(0.5) == 4 * MB and lazy.priced_bytes(0.5) == 2.5 * MB
+    assert lazy.priced_bytes(0.0) == MB  # a store whose put the plan prices apart
+    cluster = _cluster(ray_object=STORE, transferqueue=STORE, node_shm=STORE)
+    for cls in (RayObjectStore, TransferQueue, IndependentFetch):
+        full = price(cls.plan(Layout(tp=2), LAZY), cluster, Layout(tp=2)).total_s
+        some = price(cls.plan(Layout(tp=2), LAZY, fields=("input_ids",)), cluster, Layout(tp=2))
+        every = cls.plan(Layout(tp=2), LAZY, fields=("input_ids", "nested"))
+        assert some.total_s < full, cls.name
+        assert price(every, cluster, Layout(tp=2)).total_s == pytest.approx(full, rel=1e-3)
+
+
+def test_a_records_options_reach_its_plan_where_the_plan_takes_them():
+    assert plan_options(RayObjectStore, {"fields": ["x"], "max_bytes": 9}) == {"fields": ["x"]}
+    assert plan_options(RayObjectStore, None) == {} and plan_options(RayObjectStore, "nan") == {}
