@@ -41,6 +41,7 @@ for its replica.
 
 from __future__ import annotations
 
+import gc
 import time
 import warnings
 from collections.abc import Sequence
@@ -251,13 +252,13 @@ def _all_ranks_call(ctx, data, verify: bool):
     return end, ((digest(data, True), data.meta_info) if verify else None)
 
 
-def _rdt_lend(ctx, data):
+def rdt_lend(ctx, data):
     """The replica leader's answer to lend (``rdt``): the chunk as Ray handed it, the floor's
     flat array as one tensor (Ray Direct Transport moves torch tensors only)."""
     return _tensor(data) if isinstance(data, np.ndarray) else data
 
 
-def _cgraph_give(ctx, data):
+def cgraph_give(ctx, data):
     """The replica leader's node of the compiled graph: its chunk, as the input channel handed
     it, on to its replica's ranks through its output channel."""
     return data
@@ -275,7 +276,7 @@ class CompiledDispatch:
 
         dp = len(drv.flats)
         with InputNode() as inp:
-            lent = [world.actors[drv.leaders[d]].call.bind(_cgraph_give, inp[d]) for d in range(dp)]
+            lent = [world.actors[drv.leaders[d]].call.bind(cgraph_give, inp[d]) for d in range(dp)]
             takes = [
                 actor.call.bind(_all_ranks_call, lent[drv.replica_of[r]], inp[dp])
                 for r, actor in enumerate(world.actors)
@@ -299,6 +300,10 @@ class CompiledDispatch:
             self.graph.teardown()
         except Exception:  # a failed job's ranks are gone, and the graph's loops with them
             pass
+        # Now, while the world is up: collected later, the graph's own teardown would call
+        # Ray after the world closed.
+        self.graph = None
+        gc.collect()
 
 
 def _call(world, drv: _Driver, mode: DispatchMode, verify: bool, what: str, timeout_s: float,
@@ -325,7 +330,7 @@ def _call(world, drv: _Driver, mode: DispatchMode, verify: bool, what: str, time
         args = [(refs[d], verify) for d in drv.replica_of]
     elif mode.kind == RDT:
         fn = _all_ranks_call
-        lent = [world.lend(drv.leaders[d], _rdt_lend, ref) for d, ref in enumerate(refs)]
+        lent = [world.lend(drv.leaders[d], rdt_lend, ref) for d, ref in enumerate(refs)]
         args = [(lent[d], verify) for d in drv.replica_of]
     else:
         fn, sources = hops_call, drv.sources[mode.kind]
