@@ -17,15 +17,19 @@ One call is priced as the sum of its phases, as ``harness.job.dispatch`` runs th
   slowed by max(1, getters/cores) where ranks share a host's cores; on a GPU cluster each
   receiving rank then copies n bytes host→device.
 - **broadcast** (``leader``): the strategy's own price (``harness.model.prices``); for ``rdt``
-  a second round of tasks and the point-to-point sends of its plan
+  the lend as calibrated (α_lend + (k − 1)·(α_rank + n·β_lend) to a replica of k ranks: Ray
+  Direct Transport sends to each in turn), or, on a preset without a lend fit, a second round
+  of tasks and the point-to-point sends of its plan on the cluster's links
   (``harness.model.dispatch_ranks.rdt_plan``); for ``edge_stages`` and ``chain`` the price of
   their hops' plan
   (``harness.model.dispatch_ranks.hop_plan``), by the same pricing, with the put, transfer and
   get of the ranks Ray hands the object to (two per replica for ``edge_stages`` when pp > 1).
-- ``cgraph`` (a Compiled Graph, one node) submits no task and uses no object store: its input
-  channel and each leader's output channel, priced as puts and gets of the bytes they carry.
+- ``cgraph`` (a Compiled Graph, one node) submits no task and uses no object store: its
+  channels as calibrated (α_channel + (every replica's bytes)·β_write + n·β_read·max(1,
+  W/cores): the driver writes the input, every rank reads its chunk on the host's cores), or,
+  on a preset without a channel fit, as puts and gets of the bytes they carry.
 
-The Ray terms (put, get, call) are fitted on a local Ray world by ``bcastbench
+The Ray terms (put, get, call, lend, channel) are fitted on a local Ray world by ``bcastbench
 calibrate target=ray`` into ``conf/ray/local.yaml`` (``RayCostConf``); links, host cores and
 device copies come from the cluster preset (``strategies.core.cluster.ClusterConf``).
 """
@@ -33,7 +37,7 @@ device copies come from the cluster preset (``strategies.core.cluster.ClusterCon
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import strategies
@@ -86,6 +90,29 @@ class RayCostConf:
     """Fixed cost of pulling objects to other nodes (object-manager round trips), µs."""
     transfer_gbytes_per_s: float = 0.0
     """Rate of a cross-node object transfer, GB/s; 0 = the cluster's inter-node link."""
+    lend_call_us: float = 0.0
+    """``rdt``: fixed cost of one lend of a DataProto chunk its leader holds (the lend task,
+    the ref, the takers' round of tasks), µs. All lend terms 0: not calibrated (the plan's
+    sends on the cluster's links price it)."""
+    lend_per_rank_us: float = 0.0
+    """What each more rank taking the lend adds (Ray Direct Transport sends in turn), µs."""
+    lend_gbytes_per_s: float = 0.0
+    """Per-byte rate of the lend to each more rank, GB/s."""
+    lend_raw_call_us: float = 0.0
+    """The same three of the floor's flat tensor."""
+    lend_raw_per_rank_us: float = 0.0
+    lend_raw_gbytes_per_s: float = 0.0
+    channel_call_us: float = 0.0
+    """``cgraph``: fixed cost of one execution of the compiled graph with a DataProto chunk, µs.
+    All channel terms 0: not calibrated (priced as puts and gets)."""
+    channel_write_gbytes_per_s: float = 0.0
+    """Rate of the bytes written into the graph's channels once per execution, GB/s."""
+    channel_read_gbytes_per_s: float = 0.0
+    """Rate of each rank's read of its chunk, on a core of its own, GB/s."""
+    channel_raw_call_us: float = 0.0
+    """The same three of the floor's flat array."""
+    channel_raw_write_gbytes_per_s: float = 0.0
+    channel_raw_read_gbytes_per_s: float = 0.0
     calibrated_ranks: int = 0
     """Actors that ran ``get`` at once during calibration (the fit includes their sharing)."""
     calibrated_cores: int = 0
@@ -118,6 +145,34 @@ class RayCostConf:
 
     def calls_s(self, actors: int) -> float:
         return (self.call_us + actors * self.call_per_actor_us) * US
+
+    def _terms(self, prefix: str, raw: bool) -> tuple[float, ...]:
+        """The fitted terms ``prefix_[raw_]*`` in field order."""
+        start = f"{prefix}_raw_" if raw else f"{prefix}_"
+        return tuple(
+            getattr(self, f.name)
+            for f in fields(self)
+            if f.name.startswith(start) and (raw or not f.name.startswith(f"{prefix}_raw_"))
+        )
+
+    def lend_s(self, nbytes: float, takers: int, raw: bool) -> float | None:
+        """``rdt``'s lend of ``nbytes`` from a leader to ``takers`` ranks (itself among them);
+        None where the preset has no lend fit."""
+        call_us, per_rank_us, rate = self._terms("lend", raw)
+        if not (call_us or per_rank_us or rate):
+            return None
+        return call_us * US + (takers - 1) * self._affine(per_rank_us, rate, nbytes)
+
+    def channel_s(self, written: float, nbytes: float, sharing: float, raw: bool) -> float | None:
+        """``cgraph``'s execution: ``written`` bytes into its channels, each rank's read of
+        ``nbytes`` slowed by ``sharing``; None where the preset has no channel fit."""
+        call_us, write_rate, read_rate = self._terms("channel", raw)
+        if not (call_us or write_rate or read_rate):
+            return None
+        return (
+            self._affine(call_us, write_rate, written)
+            + self._affine(0.0, read_rate, nbytes) * sharing
+        )
 
     def transfer_s(self, nbytes: float, cluster: ClusterConf) -> float:
         if nbytes <= 0:
@@ -267,11 +322,20 @@ def price_hops(kind: str, layout, spec, cluster: ClusterConf, ray: RayCostConf,
 def price_rdt(layout, spec, cluster: ClusterConf, ray: RayCostConf, raw: bool = False,
               host_cores: int | None = None) -> DispatchCost:  # fmt: skip
     """``rdt`` (``raw``: its floor): the object through Ray to each replica's leader, as
-    ``leader``'s; a second round of tasks (each leader's lend); then ``rdt_plan``'s point to
-    point sends of the tensors, priced as a strategy's plan is, on the same cluster. The
-    object's rest (non-tensor data, meta_info) reaches each receiver through the object store,
-    priced as its get of those bytes."""
+    ``leader``'s; then each leader's lend to its replica as the preset's lend fit prices it
+    (``RayCostConf.lend_s``: the lend task, Ray Direct Transport's sends in turn and the takers'
+    round of tasks, the object's rest through the store). A preset without a lend fit prices a
+    second round of tasks and ``rdt_plan``'s point to point sends of the tensors, as a
+    strategy's plan is, on the same cluster, and the rest as each receiver's get of it."""
     nbytes = spec.tensor_bytes + spec.non_tensor_bytes
+    leaders = ray_ranks(RDT, layout)
+    lend = ray.lend_s(nbytes, layout.replica_size, raw)
+    if lend is not None:
+        # The lend's own round of tasks on the takers is in its fit: the mode's one round of
+        # tasks is not priced again.
+        cost = _to_receivers(f"{RDT}:raw" if raw else RDT, layout, nbytes, cluster, ray,
+                             leaders, raw, lend, 0.0, host_cores)  # fmt: skip
+        return replace(cost, call_s=0.0)
     plan = rdt_plan(layout, spec, raw)
     sends = price(plan, cluster, layout, check=False)
     cross = 0.0
@@ -279,7 +343,6 @@ def price_rdt(layout, spec, cluster: ClusterConf, ray: RayCostConf, raw: bool = 
         cross = float(predicted_cross_bytes(plan, cluster.gpus_per_node))
     rest_s = 0.0 if raw else ray.get_s(spec.non_tensor_bytes, False)
     lending_s = ray.calls_s(layout.dp) + sends.total_s + rest_s
-    leaders = ray_ranks(RDT, layout)
     return _to_receivers(plan.strategy, layout, nbytes, cluster, ray, leaders, raw,
                          lending_s, cross, host_cores)  # fmt: skip
 
@@ -287,12 +350,19 @@ def price_rdt(layout, spec, cluster: ClusterConf, ray: RayCostConf, raw: bool = 
 def price_cgraph(layout, nbytes: float, cluster: ClusterConf, ray: RayCostConf,
                  raw: bool = False, host_cores: int | None = None) -> DispatchCost:  # fmt: skip
     """``cgraph`` (``raw``: its floor), one node: no task submitted per call and no object
-    store. The driver writes the input (every replica's chunk) into the graph's input channel,
+    store. With the preset's channel fit (``RayCostConf.channel_s``): every replica's chunk
+    written into the graph's channels, and each rank's read of its chunk, a host's ranks at
+    once on its cores. Without one: the driver's write of the input (every replica's chunk)
     priced as a put of all of it; each leader reads the whole input (a get of every chunk) and
     writes its own into its output channel (a put); every rank of its replica reads that (a
     get), a host's ranks at once."""
     every = layout.dp * nbytes
     getters = min(cluster.gpus_per_node, layout.world_size)
+    cores = cluster.cpu_cores if host_cores is None else host_cores
+    channels = ray.channel_s(every, nbytes, _sharing(getters, cores), raw)
+    if channels is not None:
+        name = "cgraph:raw" if raw else "cgraph"
+        return DispatchCost(name, put_s=0.0, call_s=0.0, transfer_s=0.0, get_s=channels)
     return DispatchCost(
         "cgraph:raw" if raw else "cgraph",
         put_s=ray.put_s(every, raw) + ray.put_s(nbytes, raw),

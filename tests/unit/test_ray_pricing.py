@@ -143,3 +143,60 @@ def test_ray_report_names_the_winner_and_draws_the_figure(tmp_path):
     assert "no interval: all_ranks fastest, leader:header 1.50× its p50" in text
     assert "**all_ranks**" not in text
     assert "python -m x" in text and "model ms" in text
+
+
+def test_the_calibrations_fits_recover_what_made_their_points():
+    from harness.commands.ray_calibrate import fitted
+    from harness.model.least_squares import nonneg_lstsq, relative_fit
+
+    sizes = [1e5, 1e6, 1e7, 1e8]
+    points = {
+        "put": [(n, 1e-3 + n / 1e9) for n in sizes],
+        "call": [(k, 2e-4 + k * 1e-4) for k in (1, 2, 3, 4)],
+        # α + (k − 1)·(α_r + n·β): 4 ms, 1 ms a more rank, 2 GB/s
+        "lend": [(n, k, 4e-3 + (k - 1) * (1e-3 + n / 2e9)) for n in sizes for k in (2, 4)],
+        # α + n·β_w + n·β_r·max(1, k / 2 cores): 0.5 ms, 0.25 and 4 GB/s
+        "channel": [
+            (n, k, 5e-4 + n / 2.5e8 + n / 4e9 * max(1, k / 2)) for n in sizes for k in (2, 4)
+        ],  # fmt: skip
+    }
+    for term in ("put_raw", "get", "get_raw"):
+        points[term] = points["put"]
+    for term in ("lend", "channel"):
+        points[f"{term}_raw"] = points[term]
+    conf = fitted(points, cores=2)
+    assert conf["put_call_us"] == pytest.approx(1000.0) and conf["put_gbytes_per_s"] == 1.0
+    assert conf["lend_call_us"] == pytest.approx(4000.0)
+    assert conf["lend_per_rank_us"] == pytest.approx(1000.0)
+    assert conf["lend_gbytes_per_s"] == pytest.approx(2.0)
+    assert conf["channel_call_us"] == pytest.approx(500.0)
+    assert conf["channel_write_gbytes_per_s"] == pytest.approx(0.25)
+    assert conf["channel_read_gbytes_per_s"] == pytest.approx(4.0)
+    # A negative term is noise: the best non-negative fit drops it.
+    assert relative_fit([[1, 1, 1], [1, 2, 3]], [3, 2, 1])[1] == 0.0
+    coef, _ = nonneg_lstsq([[1, 1], [1, 1]], [2, 2])  # copies: the later one stays 0
+    assert list(coef) == pytest.approx([2.0, 0.0])
+
+
+def test_rdt_and_cgraph_use_their_fits_and_fall_back_without_them():
+    from dataclasses import replace
+
+    from harness.model.dispatch_prices import price_cgraph, price_rdt
+    from harness.payload import generated
+    from strategies.core.plan import spec_of
+
+    cluster = load_cluster("local")
+    spec = spec_of(generated.make("rl_rollout", 8, 64, 0, None))
+    n = spec.tensor_bytes + spec.non_tensor_bytes
+    bare = RayCostConf(put_call_us=100.0, get_call_us=100.0, call_us=50.0)
+    lent = replace(bare, lend_call_us=4000.0, lend_per_rank_us=1000.0, lend_gbytes_per_s=2.0)
+    assert bare.lend_s(n, 4, raw=False) is None and bare.channel_s(n, n, 1.0, False) is None
+    tp2pp2 = Layout(tp=2, pp=2)
+    fitted_cost = price_rdt(tp2pp2, spec, cluster, lent)
+    assert fitted_cost.broadcast_s == pytest.approx(4e-3 + 3 * (1e-3 + n / 2e9))
+    assert fitted_cost.call_s == 0.0  # the lend's round of tasks is in its fit
+    assert price_rdt(tp2pp2, spec, cluster, bare).call_s > 0  # the plan's sends and rounds
+    chan = replace(bare, channel_call_us=500.0, channel_write_gbytes_per_s=1.0,
+                   channel_read_gbytes_per_s=2.0)  # fmt: skip
+    cost = price_cgraph(tp2pp2, n, cluster, chan, host_cores=2)
+    assert cost.total_s == pytest.approx(5e-4 + n / 1e9 + n / 2e9 * 2)  # 4 readers, 2 cores
