@@ -26,7 +26,7 @@ from harness.model.store_fit import STORE_OF, StoreSample, fit_all, format_fits,
 from harness.payload import generated
 from harness.report import collect
 from harness.report.collect import records_dir_problem
-from strategies.core.cluster import ClusterConf, ClusterError, load_cluster, preset_path
+from strategies.core.cluster import ClusterConf, ClusterError, StoreConf, load_cluster, preset_path
 from strategies.core.layout import Layout
 from strategies.core.plan import plan_of, plan_options, spec_of
 
@@ -73,6 +73,14 @@ def _header_of(path: Path, sweep: Path, report: str) -> str:
     )
 
 
+def kept_share(conf: StoreConf, old: StoreConf | None) -> StoreConf:
+    """A store's new fit, keeping the put share an earlier fit found where this sweep had no
+    reader of some fields to find it again."""
+    if conf.put_share is None and old is not None:
+        return replace(conf, put_share=old.put_share)
+    return conf
+
+
 def store_calibrate(sweep: Path, cluster_name: str = "local", dry_run: bool = False) -> str:
     """Fit, print and (unless ``dry_run``) write the stores into ``cluster_name``'s preset."""
     cluster = load_cluster(cluster_name)
@@ -87,7 +95,13 @@ def store_calibrate(sweep: Path, cluster_name: str = "local", dry_run: bool = Fa
     print(report)
     if not dry_run:
         path = preset_path(cluster_name)
-        fitted = replace(cluster, stores={**cluster.stores, **{k: f.conf for k, f in fits.items()}})
+        fitted = replace(
+            cluster,
+            stores={
+                **cluster.stores,
+                **{k: kept_share(f.conf, cluster.stores.get(k)) for k, f in fits.items()},
+            },
+        )
         write_cluster_yaml(fitted, path, _header_of(path, sweep, report))
         load_cluster(path)  # what was written must load and validate
         print(f"wrote {path}")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from harness.model.least_squares import nonneg_lstsq
 from strategies.core.cluster import GB, US, ClusterConf, StoreConf, put_share
 from strategies.core.plan import Plan
 from strategies.core.pricing import price
@@ -34,9 +35,8 @@ class StoreSample:
     """One pull record, split into what its store costs and what the rest of its plan does."""
 
     store: str
-    nbytes: float
-    """The bytes the store's β prices: put once and fetched by each reader
-    (``StoreFetch.priced_bytes``: fewer where the readers read some fields)."""
+    nbytes: int
+    """Bytes put once (``StoreFetch.nbytes``)."""
     readers: int
     """Readers of one store at once (``store_pricing.readers``)."""
     rest_s: float
@@ -44,6 +44,13 @@ class StoreSample:
     factor divided out."""
     measured_s: float
     """The record's p50 (max over ranks, median over calls), the factor divided out."""
+    read_bytes: int | None = None
+    """Bytes each reader got, where it read some fields (``StoreFetch.read_bytes``); None: all
+    ``nbytes``."""
+
+    @property
+    def got_bytes(self) -> int:
+        return self.nbytes if self.read_bytes is None else self.read_bytes
 
 
 @dataclass(frozen=True)
@@ -73,28 +80,36 @@ def sample_of(plan: Plan, layout, cluster: ClusterConf, p50_s: float) -> StoreSa
     fetch = plan.stores[0]
     rest = price(plan, free_stores(cluster), layout, check=False)
     factor = rest.oversubscription
-    nbytes = fetch.priced_bytes(put_share(fetch.store))
     return StoreSample(
-        fetch.store, nbytes, readers(fetch, cluster), rest.total_s / factor, p50_s / factor
+        fetch.store,
+        fetch.nbytes,
+        readers(fetch, cluster),
+        rest.total_s / factor,
+        p50_s / factor,
+        fetch.read_bytes,
     )
 
 
-def _lstsq(samples: list[StoreSample], contention: float) -> tuple[float, float, float]:
-    """(α, β, sum of squared relative errors) for one contention, α and β ≥ 0: least squares
-    of measured = rest + w·(α + n·β), w = 1 + contention·(readers − 1), relative to measured."""
+def splits(samples: list[StoreSample]) -> bool:
+    """Whether the samples can tell a put's bytes from a get's: some reader read fewer bytes
+    than were put (lazy fetch)."""
+    return any(s.got_bytes != s.nbytes for s in samples)
+
+
+def _lstsq(samples: list[StoreSample], contention: float) -> tuple[float, float, float, float]:
+    """(α, β_put, β_get, sum of squared relative errors) for one contention, all ≥ 0: least
+    squares of measured = rest + w·(α + n·β_put + m·β_get), n put and m got, w = 1 +
+    contention·(readers − 1), relative to measured. Where no reader read fewer bytes than were
+    put, the two are one β (β_put)."""
     w = np.array([1 + contention * (s.readers - 1) for s in samples])
     t = np.array([s.measured_s for s in samples])
     rest = np.array([s.rest_s for s in samples])
     n = np.array([float(s.nbytes) for s in samples])
-    a = np.stack([w / t, w * n / t], axis=1)
-    b = 1 - rest / t
-    (alpha, beta), *_ = np.linalg.lstsq(a, b, rcond=None)
-    if alpha < 0:  # bandwidth alone
-        alpha, beta = 0.0, max(0.0, float(a[:, 1] @ b / (a[:, 1] @ a[:, 1])))
-    elif beta < 0:  # latency alone
-        alpha, beta = max(0.0, float(a[:, 0] @ b / (a[:, 0] @ a[:, 0]))), 0.0
-    residual = a @ np.array([alpha, beta]) - b
-    return float(alpha), float(beta), float(residual @ residual)
+    m = np.array([float(s.got_bytes) for s in samples])
+    columns = [w / t, w * n / t] + ([w * m / t] if splits(samples) else [])
+    coef, residual = nonneg_lstsq(np.stack(columns, axis=1), 1 - rest / t)
+    alpha, beta_put, beta_get = (*coef, 0.0)[:3]
+    return float(alpha), float(beta_put), float(beta_get), residual
 
 
 def fit_store(samples: list[StoreSample]) -> StoreFit:
@@ -103,12 +118,14 @@ def fit_store(samples: list[StoreSample]) -> StoreFit:
     if not samples:
         raise ValueError("fit_store: no samples")
     grid = CONTENTION_GRID if len({s.readers for s in samples}) > 1 else np.array([0.0])
-    best = min((_lstsq(samples, c) + (float(c),) for c in grid), key=lambda r: r[2])
-    alpha, beta, _, contention = best
+    best = min((_lstsq(samples, c) + (float(c),) for c in grid), key=lambda r: r[3])
+    alpha, beta_put, beta_get, _, contention = best
+    beta = beta_put + beta_get
     conf = StoreConf(
         call_us=alpha / US,
         gbytes_per_s=1 / (beta * GB) if beta > 0 else 0.0,
         fetch_contention=contention,
+        put_share=beta_put / beta if splits(samples) and beta > 0 else None,
     )
     errors = [abs(predict_s(conf, s) / s.measured_s - 1) for s in samples]
     return StoreFit(samples[0].store, conf, len(samples), float(np.median(errors)))
@@ -116,7 +133,9 @@ def fit_store(samples: list[StoreSample]) -> StoreFit:
 
 def predict_s(conf: StoreConf, s: StoreSample) -> float:
     """The whole call as the fitted store prices it (factor divided out)."""
-    one = conf.call_s + s.nbytes * conf.beta_s_per_byte
+    share = put_share(s.store, conf)
+    priced = share * s.nbytes + (1 - share) * s.got_bytes
+    one = conf.call_s + priced * conf.beta_s_per_byte
     return s.rest_s + one * (1 + conf.fetch_contention * (s.readers - 1))
 
 
@@ -130,12 +149,16 @@ def fit_all(samples: list[StoreSample]) -> dict[str, StoreFit]:
 
 def format_fits(fits: dict[str, StoreFit]) -> str:
     """One line per store: its α, rate, contention and how well it fits."""
-    lines = ["store fits (the call's p50 = rest of the plan + (α + n/rate)·(1 + c·(readers − 1))):"]
+    lines = [
+        "store fits (the call's p50 = rest of the plan + (α + n/rate)·(1 + c·(readers − 1)); n: "
+        "the put's share of the bytes put, the rest of the bytes each reader got):"
+    ]
     for kind, f in fits.items():
         c = f.conf
+        share = "" if c.put_share is None else f"  put share {c.put_share:4.2f}"
         lines.append(
             f"  {kind:<13} alpha {c.call_us:9.1f} us  rate {c.gbytes_per_s:7.3f} GB/s  "
-            f"contention {c.fetch_contention:4.2f}  {f.samples} records  "
+            f"contention {c.fetch_contention:4.2f}{share}  {f.samples} records  "
             f"median |err| {100 * f.median_abs_err:5.1f}%"
         )
     return "\n".join(lines)

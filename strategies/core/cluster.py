@@ -94,13 +94,16 @@ readers READ: Mooncake's Transfer Engine (``mooncake``) or a NIXL agent (``nixl`
 cache a record on disk is read from (``self_load``)."""
 
 
-def put_share(kind: str) -> float:
+def put_share(kind: str, store: StoreConf) -> float:
     """Of the bytes store ``kind``'s β prices, the put's share (the rest is the get's): only a
     reader of some fields (ROLL's lazy fetch) tells them apart, getting fewer bytes than the
-    leader put. Half where a put and a get each move the bytes once (Ray's object store,
-    TransferQueue's storage unit, an engine's packed and read message); none where the plan
-    prices the put apart (``node_shm``: the leader's pack) or no call makes one (``page_cache``:
-    the record is written when the batch changes)."""
+    leader put. The store's fitted ``put_share`` where its calibration held such readers; else
+    half where a put and a get each move the bytes once (Ray's object store, TransferQueue's
+    storage unit, an engine's packed and read message), and none where the plan prices the put
+    apart (``node_shm``: the leader's pack) or no call makes one (``page_cache``: the record is
+    written when the batch changes)."""
+    if store.put_share is not None:
+        return store.put_share
     return 0.0 if kind in ("node_shm", "page_cache") else 0.5
 
 
@@ -122,6 +125,10 @@ class StoreConf:
     """Share of one reader's time each further concurrent reader adds: 0 = readers fetch in
     parallel at full speed; 1 = the store serves them one after another; above 1, readers
     also slow each other (time-slicing a loaded host)."""
+    put_share: float | None = None
+    """Of the bytes β prices, the put's share, 0..1 (a reader of some fields gets fewer bytes
+    than were put); fitted where the calibration sweep held such readers, null: the store
+    kind's own (``put_share``)."""
 
     @property
     def call_s(self) -> float:
@@ -135,6 +142,14 @@ class StoreConf:
     def check(self, where: str) -> None:
         for name in ("call_us", "gbytes_per_s", "fetch_contention"):
             check_number(f"{where}.{name}", getattr(self, name), allow_zero=True)
+        if (
+            self.put_share is not None
+            and check_number(f"{where}.put_share", self.put_share, allow_zero=True) > 1.0
+        ):
+            raise ClusterError(
+                f"{where}.put_share must be a share between 0 and 1 (or null), got "
+                f"{self.put_share!r}"
+            )
 
 
 _RATES = ("d2h", "h2d", "pickle", "unpickle", "memcpy")

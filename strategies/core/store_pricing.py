@@ -56,7 +56,7 @@ def store_s(plan: Plan, cluster: ClusterConf) -> float:
     worst = 0.0
     for fetch in plan.stores:
         store = cluster.store(fetch.store)
-        nbytes = fetch.priced_bytes(put_share(fetch.store))
+        nbytes = fetch.priced_bytes(put_share(fetch.store, store))
         seconds = crossing_s(fetch, cluster) + fetch_s(store, nbytes, readers(fetch, cluster))
         worst = max(worst, seconds)
     return worst

@@ -211,3 +211,18 @@ def test_lazy_fetch_prices_every_byte_put_and_only_the_bytes_read():
 def test_a_records_options_reach_its_plan_where_the_plan_takes_them():
     assert plan_options(RayObjectStore, {"fields": ["x"], "max_bytes": 9}) == {"fields": ["x"]}
     assert plan_options(RayObjectStore, None) == {} and plan_options(RayObjectStore, "nan") == {}
+
+
+def test_readers_of_some_fields_let_the_fit_split_the_put_from_the_get():
+    truth = StoreConf(call_us=2000.0, gbytes_per_s=0.8, fetch_contention=0.5, put_share=0.2)
+    samples = _samples(truth, "mooncake")
+    lazy = [replace(s, read_bytes=s.nbytes // 5) for s in samples]
+    lazy = [replace(s, measured_s=predict_s(truth, s)) for s in lazy]
+    fit = fit_store(samples + lazy).conf
+    assert fit.put_share == pytest.approx(0.2, rel=1e-6)
+    assert fit.gbytes_per_s == pytest.approx(0.8, rel=1e-6)
+    assert fit_store(samples).conf.put_share is None  # whole reads cannot tell them apart
+    with pytest.raises(ClusterError, match=r"put_share must be a share between 0 and 1"):
+        StoreConf(put_share=1.5).check("stores.mooncake")
+    with pytest.raises(ClusterError, match=r"put_share must be a number"):
+        StoreConf(put_share="half").check("stores.mooncake")
