@@ -12,8 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from batchgen import batch_problems
 from tensordict import TensorDict
 from test_engines import where_available
+from test_interop import PAYLOADS
+from verl_support import receiver_entry, verl_modules
 
 import strategies
 from harness.job.execute import run_job
@@ -111,3 +114,37 @@ def test_a_job_records_the_fields_and_checks_what_the_stage_asked_for(world4):
     assert record["options"] == {"fields": ["input_ids"]}
     whole = run_job(world4, JobSpec("self_load", LAYOUT, batch_size=8, seq_len=64, iters=2))
     assert record["copied_bytes_receiver"] < whole["copied_bytes_receiver"] / 2
+
+
+def verl_lazy_calls(ctx, name: str, payload: str, fields: list[str]) -> list[str]:
+    """Two calls of ``name`` reading ``fields`` of a verl object: every way a receiver's batch
+    differs from the leader's named fields (its non-tensor batch and meta_info whole); the
+    leader keeps its whole object."""
+    groups = ctx.groups_for(LAYOUT)
+    s = strategies.get(name, groups, fields=fields)
+    problems = []
+    for call in range(2):
+        expected = PAYLOADS[payload](3, call)
+        entry = PAYLOADS[payload](3, call) if groups.is_leader else receiver_entry(expected)
+        out = s.get_data_input(entry)
+        if not groups.is_leader:
+            kept = type(expected)(
+                batch=expected.batch.select(*fields),
+                non_tensor_batch=expected.non_tensor_batch,
+                meta_info=expected.meta_info,
+            )
+            expected = kept
+        problems += batch_problems(expected, out, groups.is_leader, f"rank {ctx.rank} {call}")
+    return problems
+
+
+@pytest.mark.parametrize("payload", ["verl_dataproto_flag", "verl_worker_payload"])
+@pytest.mark.parametrize("name", NAMES)
+def test_a_stage_reads_some_fields_of_verl_objects(world4, name, payload):
+    """verl's own DataProto (its non-tensor arrays flagged) and its worker payload (jagged
+    NestedTensor and NonTensorData leaves): a reader of two fields gets exactly them, a jagged
+    one whole, with the non-tensor batch and meta_info."""
+    verl_modules()  # skip here, before any rank imports verl
+    _needs_network(world4, name)
+    said = world4.run(verl_lazy_calls, name, payload, ["input_ids", "position_ids"])
+    assert [p for problems in said for p in problems] == []

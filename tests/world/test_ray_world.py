@@ -558,6 +558,25 @@ def test_rdt_a_leader_that_cannot_lend_fails_its_receivers_by_name(ray_world):
 
 
 @pytest.mark.parametrize("name", ["ray_object_store", "transferqueue"])
+def test_a_ray_store_lazy_fetch_of_verl_objects(ray_world, by_value, name):
+    """verl's own DataProto and worker payload (jagged and non-tensor leaves) through a Ray
+    store's lazy fetch: a reader of two fields gets exactly them, with the rest whole."""
+    ray_only(name)
+    import test_lazy_fetch as lf
+    from verl_support import verl_modules
+
+    verl_modules()
+    ray.cloudpickle.register_pickle_by_value(lf)
+    try:
+        for payload in ("verl_dataproto_flag", "verl_worker_payload"):
+            fields = ["input_ids", "position_ids"]
+            said = ray_world.run(lf.verl_lazy_calls, name, payload, fields, timeout_s=60)
+            assert [p for problems in said for p in problems] == [], payload
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(lf)
+
+
+@pytest.mark.parametrize("name", ["ray_object_store", "transferqueue"])
 def test_a_ray_store_lazy_fetch_gets_each_stage_only_its_fields(ray_world, name):
     """ROLL's ``RemoteBatch`` on Ray's object store (``fields``: each leaf its own object) and
     on TransferQueue (``select_fields``): a reader gets only the leaves it names, bit for bit,
