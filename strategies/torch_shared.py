@@ -82,7 +82,7 @@ from strategies.core.contract import (
 )
 from strategies.core.footprint import Footprint
 from strategies.core.parts import nbytes_of
-from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan
+from strategies.core.plan import Comm, LocalWork, PayloadSpec, Plan, StoreFetch
 from strategies.core.strategy_base import Strategy
 from strategies.core.trace import WORK
 
@@ -213,6 +213,8 @@ class TorchShared(Strategy):
     """The leader's shared tensors by ForkingPickler, one pickle per receiver (module docstring)."""
 
     name = NAME
+    store = "torch_shared"
+    """The cluster's store its plan prices the shared storages with (``StoreFetch``)."""
     footprint = Footprint(leader=0, receiver=0, node=1)
     """An estimate, not yet measured by the node memory phase: beyond the leader's batch, one
     shared copy on the node; the receivers view it and the leader drops its mapping."""
@@ -287,8 +289,12 @@ class TorchShared(Strategy):
     def plan(cls, layout, spec: PayloadSpec) -> Plan:
         """One ``broadcast_object_list`` per replica: the sizes, then the pickled object (its
         size estimated: ``ENTRY_BYTES_ESTIMATE`` per tensor per receiver, and the non-tensor
-        arrays). The leader copies every tensor byte once into shared memory; the receivers
-        copy none (they map the leader's storages)."""
+        arrays). The storages are priced as the cluster's ``torch_shared`` store
+        (``StoreFetch``, one per replica, its α paid per leaf): the leader's copy of every
+        tensor byte into fresh shared memory, each receiver's fetch of a descriptor per
+        storage from the leader's resource sharer and its mapping (no copy of the bytes);
+        fitted by ``calibrate target=store`` on its pull records. Unfitted, the copy is priced
+        at the host's memcpy rate."""
         if layout.replica_size == 1:
             return Plan(cls.name, [])
         nt = spec.sent_non_tensor_bytes
@@ -298,8 +304,14 @@ class TorchShared(Strategy):
             ranks = tuple(ranks)
             comms.append(Comm("broadcast", ranks, ranks[0], 8, 0, "sizes"))
             comms.append(Comm("broadcast", ranks, ranks[0], pickled, 1, "pickle", False))
-        leader = LocalWork(pickled_bytes=nt, copied_bytes=spec.tensor_bytes)
-        return Plan(cls.name, comms, leader=leader, receiver=LocalWork(pickled_bytes=nt))
+        stores = [
+            StoreFetch(cls.store, tuple(r), spec.tensor_bytes, crosses=False, calls=spec.n_tensors)
+            for r in layout.replica_groups()
+        ]
+        leader = LocalWork(pickled_bytes=nt)
+        return Plan(
+            cls.name, comms, leader=leader, receiver=LocalWork(pickled_bytes=nt), stores=stores
+        )
 
 
 STRATEGY = TorchShared

@@ -23,6 +23,7 @@ STORE_OF = {
     "mooncake": "mooncake",
     "nixl": "nixl",
     "self_load": "page_cache",
+    "torch_shared": "torch_shared",
 }
 """The store each pull strategy fetches from (its plan's ``StoreFetch.store``)."""
 CONTENTION_GRID = np.round(np.arange(0.0, 5.001, 0.01), 2)
@@ -47,6 +48,8 @@ class StoreSample:
     read_bytes: int | None = None
     """Bytes each reader got, where it read some fields (``StoreFetch.read_bytes``); None: all
     ``nbytes``."""
+    calls: int = 1
+    """Times the call paid the store's α (``StoreFetch.calls``)."""
 
     @property
     def got_bytes(self) -> int:
@@ -87,6 +90,7 @@ def sample_of(plan: Plan, layout, cluster: ClusterConf, p50_s: float) -> StoreSa
         rest.total_s / factor,
         p50_s / factor,
         fetch.read_bytes,
+        fetch.calls,
     )
 
 
@@ -98,7 +102,7 @@ def splits(samples: list[StoreSample]) -> bool:
 
 def _lstsq(samples: list[StoreSample], contention: float) -> tuple[float, float, float, float]:
     """(α, β_put, β_get, sum of squared relative errors) for one contention, all ≥ 0: least
-    squares of measured = rest + w·(α + n·β_put + m·β_get), n put and m got, w = 1 +
+    squares of measured = rest + w·(α·calls + n·β_put + m·β_get), n put and m got, w = 1 +
     contention·(readers − 1), relative to measured. Where no reader read fewer bytes than were
     put, the two are one β (β_put)."""
     w = np.array([1 + contention * (s.readers - 1) for s in samples])
@@ -106,7 +110,8 @@ def _lstsq(samples: list[StoreSample], contention: float) -> tuple[float, float,
     rest = np.array([s.rest_s for s in samples])
     n = np.array([float(s.nbytes) for s in samples])
     m = np.array([float(s.got_bytes) for s in samples])
-    columns = [w / t, w * n / t] + ([w * m / t] if splits(samples) else [])
+    calls = np.array([float(s.calls) for s in samples])
+    columns = [w * calls / t, w * n / t] + ([w * m / t] if splits(samples) else [])
     coef, residual = nonneg_lstsq(np.stack(columns, axis=1), 1 - rest / t)
     alpha, beta_put, beta_get = (*coef, 0.0)[:3]
     return float(alpha), float(beta_put), float(beta_get), residual
@@ -135,7 +140,7 @@ def predict_s(conf: StoreConf, s: StoreSample) -> float:
     """The whole call as the fitted store prices it (factor divided out)."""
     share = put_share(s.store, conf)
     priced = share * s.nbytes + (1 - share) * s.got_bytes
-    one = conf.call_s + priced * conf.beta_s_per_byte
+    one = conf.call_s * s.calls + priced * conf.beta_s_per_byte
     return s.rest_s + one * (1 + conf.fetch_contention * (s.readers - 1))
 
 

@@ -86,12 +86,22 @@ class LinkConf:
         check_number(f"{where}.bandwidth_gbytes_per_s", self.bandwidth_gbytes_per_s)
 
 
-STORES = ("node_shm", "ray_object", "transferqueue", "mooncake", "nixl", "page_cache")
+STORES = (
+    "node_shm",
+    "ray_object",
+    "transferqueue",
+    "mooncake",
+    "nixl",
+    "page_cache",
+    "torch_shared",
+)
 """The stores a pull strategy fetches from (``plan.StoreFetch.store``): ``independent_fetch``'s
 node-local shared-memory segment, Ray's object store (``ray_object_store``), TransferQueue's
 storage unit (``transferqueue``), and the leader's transfer engine, whose registered message the
-readers READ: Mooncake's Transfer Engine (``mooncake``) or a NIXL agent (``nixl``); and the page
-cache a record on disk is read from (``self_load``)."""
+readers READ: Mooncake's Transfer Engine (``mooncake``) or a NIXL agent (``nixl``); the page
+cache a record on disk is read from (``self_load``); and torch's shared storages, each leaf
+copied into fresh shared memory by the leader and mapped by each reader through a descriptor
+it fetches (``torch_shared``: α is paid per storage)."""
 
 
 def put_share(kind: str, store: StoreConf) -> float:
@@ -340,11 +350,11 @@ class ClusterConf:
     def store(self, kind: str) -> StoreConf:
         """The costs of store ``kind`` (``STORES``) as measured here. Not measured: a node store
         is a copy out of host memory (into a rank's own buffer, or onto its device: the host's
-        memcpy or host-to-device rate, readers not contending), and so is the page cache; any
-        other store is free."""
+        memcpy or host-to-device rate, readers not contending), and so are the page cache and
+        torch's shared storages; any other store is free."""
         if kind in self.stores:
             return self.stores[kind]
-        if kind in ("node_shm", "page_cache"):
+        if kind in ("node_shm", "page_cache", "torch_shared"):
             rate = self.h2d_gbytes_per_s if self.device != "cpu" else self.memcpy_gbytes_per_s
             return StoreConf(gbytes_per_s=rate)
         return StoreConf()

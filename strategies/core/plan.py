@@ -103,6 +103,9 @@ class StoreFetch:
     read_bytes: int | None = None
     """Bytes each reader gets, where it reads only some fields (ROLL's lazy fetch: the store
     strategies' ``fields``); None: all ``nbytes``."""
+    calls: int = 1
+    """Times a put and a reader's get pay the store's α: once, or once per storage where each
+    leaf is one of its own (``torch_shared``: a fresh shared storage and a descriptor each)."""
 
     @property
     def writer(self) -> int:

@@ -13,13 +13,13 @@ from strategies.core.groups import node_split
 from strategies.core.plan import Plan, StoreFetch
 
 
-def fetch_s(store: StoreConf, nbytes: float, readers: int) -> float:
+def fetch_s(store: StoreConf, nbytes: float, readers: int, calls: int = 1) -> float:
     """Seconds until the last of ``readers`` concurrent readers of one store holds its copy: a
-    put and one get take α + n·β (n: ``StoreFetch.priced_bytes``), each further reader adds
-    ``fetch_contention`` of that."""
+    put and one get take α·calls + n·β (n: ``StoreFetch.priced_bytes``; calls:
+    ``StoreFetch.calls``), each further reader adds ``fetch_contention`` of that."""
     if readers <= 0:
         return 0.0
-    one = store.call_s + nbytes * store.beta_s_per_byte
+    one = store.call_s * calls + nbytes * store.beta_s_per_byte
     return one * (1.0 + store.fetch_contention * (readers - 1))
 
 
@@ -57,6 +57,7 @@ def store_s(plan: Plan, cluster: ClusterConf) -> float:
     for fetch in plan.stores:
         store = cluster.store(fetch.store)
         nbytes = fetch.priced_bytes(put_share(fetch.store, store))
-        seconds = crossing_s(fetch, cluster) + fetch_s(store, nbytes, readers(fetch, cluster))
+        fetched = fetch_s(store, nbytes, readers(fetch, cluster), fetch.calls)
+        seconds = crossing_s(fetch, cluster) + fetched
         worst = max(worst, seconds)
     return worst

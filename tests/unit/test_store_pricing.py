@@ -226,3 +226,17 @@ def test_readers_of_some_fields_let_the_fit_split_the_put_from_the_get():
         StoreConf(put_share=1.5).check("stores.mooncake")
     with pytest.raises(ClusterError, match=r"put_share must be a number"):
         StoreConf(put_share="half").check("stores.mooncake")
+
+
+def test_torch_shared_pays_its_stores_alpha_per_storage():
+    from strategies.torch_shared import TorchShared
+
+    plan = TorchShared.plan(Layout(tp=2, pp=2), SPEC)
+    (fetch,) = plan.stores
+    assert (fetch.store, fetch.ranks, fetch.nbytes, fetch.calls) == ("torch_shared", (0, 1, 2, 3),
+                                                                    SPEC.tensor_bytes, 4)  # fmt: skip
+    assert not fetch.crosses and plan.leader.copied_bytes == 0  # the copy is the store's
+    cluster = replace(_cluster(torch_shared=STORE), gpus_per_node=4)  # one node: 3 readers
+    assert store_s(plan, cluster) == pytest.approx(fetch_s(STORE, SPEC.tensor_bytes, 3, calls=4))
+    assert fetch_s(STORE, 0, 1, calls=4) == pytest.approx(4 * fetch_s(STORE, 0, 1))
+    assert TorchShared.plan(Layout(tp=1, pp=1, dp=2), SPEC).stores == []  # nobody to hand to
