@@ -45,8 +45,7 @@ from harness.worlds.ray_cluster import RayConf, RayUnavailable, import_ray
 
 SIZES = (4, 48, 192, 704, 2816, 11264)
 """rl_rollout rows per chunk at seq_len 512: from tens of KiB to the 256 MiB RL hands a
-replica (``sweep=large``): an affine fit to sizes up to 16 MiB alone priced 256 MiB dispatch
-up to 1.7× what it measured."""
+replica (``sweep=large``): an affine fit to 16 MiB alone overpriced dispatch at 256 MiB."""
 OBJECT_STORE_MB = 4096
 """The calibration's object store: the largest chunk and its flat copy, and a compiled
 graph's channels of that size (as ``sweep=ray``'s dispatch jobs give it)."""

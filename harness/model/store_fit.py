@@ -155,8 +155,9 @@ def fit_all(samples: list[StoreSample]) -> dict[str, StoreFit]:
 def format_fits(fits: dict[str, StoreFit]) -> str:
     """One line per store: its α, rate, contention and how well it fits."""
     lines = [
-        "store fits (the call's p50 = rest of the plan + (α + n/rate)·(1 + c·(readers − 1)); n: "
-        "the put's share of the bytes put, the rest of the bytes each reader got):"
+        "store fits (the call's p50 = rest of the plan + (α·calls + n/rate)·(1 + c·(readers − 1)); "
+        "calls: 1, a storage per leaf for torch_shared; n: the put's share of the bytes put, the "
+        "rest of the bytes each reader got):"
     ]
     for kind, f in fits.items():
         c = f.conf
