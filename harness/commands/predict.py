@@ -181,16 +181,17 @@ def check(cfg) -> None:
     if unknown:
         raise ConfigError(f"strategies: unknown {unknown}; valid: {strategies.names()}")
     for name, options in asked:
-        _check_plan_options(name, options)
+        _check_plan_options(name, options, cfg.payload.name)
 
 
-def _check_plan_options(name: str, options: dict) -> None:
+def _check_plan_options(name: str, options: dict, payload: str) -> None:
     """The options a label gives are ones its plan takes, with values it accepts (the plan
-    says which, for a one-leaf batch on two ranks)."""
+    says which, for a one-row batch of the job's payload on two ranks: ``fields`` name its
+    leaves)."""
     if not options:
         return
     try:
-        strategies.get_class(name).plan(Layout(tp=2), scaled_spec("pretrain", 1, 8), **options)
+        strategies.get_class(name).plan(Layout(tp=2), scaled_spec(payload, 1, 8), **options)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"strategies: {name} with {options}: {exc}") from None
 

@@ -136,6 +136,17 @@ def test_a_gpu_cluster_prices_shm_with_its_staging_copies():
     assert local_leader["leader"].d2h_s == 0
 
 
+def test_lazy_fetch_is_priced_for_the_fields_of_the_jobs_payload(capsys):
+    from harness.commands.predict import main
+
+    label = "mooncake[fields=input_ids+old_log_probs]"
+    assert main(["payload=rl_rollout", f'strategies=[mooncake,"{label}"]']) == 0
+    out = capsys.readouterr().out
+    whole = float(out.split("\nmooncake ")[1].split()[0])
+    some = float(out.split(f"\n{label} ")[1].split()[0])
+    assert some < whole, out
+
+
 def test_predict_prices_the_pull_strategy_and_every_pickled_serialization():
     """independent_fetch is shm's hand-off plus each reader's fetch from the node store; pickled's
     out-of-band serializations pickle only the non-tensor part (cheaper than ROLL's torch.save
@@ -246,6 +257,11 @@ def test_extrapolate_small(tmp_path):
             "serialization='zzz'; expected one of",
         ),
         ("predict", ['strategies=["pickled[oops]"]'], "is not name[key=value,...]"),
+        (
+            "predict",
+            ["payload=rl_rollout", 'strategies=["nixl[fields=input_ids+tokens]"]'],
+            "fields ['tokens'] are not in the batch; its fields: ['prompts', 'responses',",
+        ),
         ("calibrate", ["world=1"], "world must be >= 2"),
         ("calibrate", ["reps=x"], "reps=x"),
         ("extrapolate", ["max_world=4"], "max_world must be >= 8"),
