@@ -146,19 +146,16 @@ class RayCostConf:
     def calls_s(self, actors: int) -> float:
         return (self.call_us + actors * self.call_per_actor_us) * US
 
-    def _terms(self, prefix: str, raw: bool) -> tuple[float, ...]:
-        """The fitted terms ``prefix_[raw_]*`` in field order."""
-        start = f"{prefix}_raw_" if raw else f"{prefix}_"
-        return tuple(
-            getattr(self, f.name)
-            for f in fields(self)
-            if f.name.startswith(start) and (raw or not f.name.startswith(f"{prefix}_raw_"))
-        )
-
     def lend_s(self, nbytes: float, takers: int, raw: bool) -> float | None:
         """``rdt``'s lend of ``nbytes`` from a leader to ``takers`` ranks (itself among them);
         None where the preset has no lend fit."""
-        call_us, per_rank_us, rate = self._terms("lend", raw)
+        if raw:
+            call_us, per_rank_us = self.lend_raw_call_us, self.lend_raw_per_rank_us
+            rate = self.lend_raw_gbytes_per_s
+        else:
+            call_us, per_rank_us, rate = (
+                self.lend_call_us, self.lend_per_rank_us, self.lend_gbytes_per_s
+            )  # fmt: skip
         if not (call_us or per_rank_us or rate):
             return None
         return call_us * US + (takers - 1) * self._affine(per_rank_us, rate, nbytes)
@@ -166,7 +163,12 @@ class RayCostConf:
     def channel_s(self, written: float, nbytes: float, sharing: float, raw: bool) -> float | None:
         """``cgraph``'s execution: ``written`` bytes into its channels, each rank's read of
         ``nbytes`` slowed by ``sharing``; None where the preset has no channel fit."""
-        call_us, write_rate, read_rate = self._terms("channel", raw)
+        if raw:
+            call_us, write_rate = self.channel_raw_call_us, self.channel_raw_write_gbytes_per_s
+            read_rate = self.channel_raw_read_gbytes_per_s
+        else:
+            call_us, write_rate = self.channel_call_us, self.channel_write_gbytes_per_s
+            read_rate = self.channel_read_gbytes_per_s
         if not (call_us or write_rate or read_rate):
             return None
         return (
@@ -197,7 +199,12 @@ def load_ray_costs(name_or_path: str | Path = "local") -> RayCostConf:
         raise ClusterError(
             f"no Ray cost file {path}; presets: {known} (write one: bcastbench calibrate target=ray)"
         )
-    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except (OSError, ValueError, yaml.YAMLError) as exc:  # unreadable, not text, not YAML
+        raise ClusterError(f"{path}: not a readable Ray cost file ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ClusterError(f"{path}: a Ray cost file is a mapping of keys to numbers, got {raw!r}")
     known = {f.name for f in fields(RayCostConf)}
     if set(raw) - known:
         raise ClusterError(

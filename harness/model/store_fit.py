@@ -14,7 +14,7 @@ from harness.model.least_squares import nonneg_lstsq
 from strategies.core.cluster import GB, US, ClusterConf, StoreConf, put_share
 from strategies.core.plan import Plan
 from strategies.core.pricing import price
-from strategies.core.store_pricing import readers
+from strategies.core.store_pricing import fetch_s, readers
 
 STORE_OF = {
     "independent_fetch": "node_shm",
@@ -100,18 +100,20 @@ def splits(samples: list[StoreSample]) -> bool:
     return any(s.got_bytes != s.nbytes for s in samples)
 
 
-def _lstsq(samples: list[StoreSample], contention: float) -> tuple[float, float, float, float]:
+def _lstsq(
+    samples: list[StoreSample], contention: float, split: bool
+) -> tuple[float, float, float, float]:
     """(α, β_put, β_get, sum of squared relative errors) for one contention, all ≥ 0: least
     squares of measured = rest + w·(α·calls + n·β_put + m·β_get), n put and m got, w = 1 +
     contention·(readers − 1), relative to measured. Where no reader read fewer bytes than were
-    put, the two are one β (β_put)."""
+    put (``split`` false: ``splits``), the two are one β (β_put)."""
     w = np.array([1 + contention * (s.readers - 1) for s in samples])
     t = np.array([s.measured_s for s in samples])
     rest = np.array([s.rest_s for s in samples])
     n = np.array([float(s.nbytes) for s in samples])
     m = np.array([float(s.got_bytes) for s in samples])
     calls = np.array([float(s.calls) for s in samples])
-    columns = [w * calls / t, w * n / t] + ([w * m / t] if splits(samples) else [])
+    columns = [w * calls / t, w * n / t] + ([w * m / t] if split else [])
     coef, residual = nonneg_lstsq(np.stack(columns, axis=1), 1 - rest / t)
     alpha, beta_put, beta_get = (*coef, 0.0)[:3]
     return float(alpha), float(beta_put), float(beta_get), residual
@@ -123,14 +125,15 @@ def fit_store(samples: list[StoreSample]) -> StoreFit:
     if not samples:
         raise ValueError("fit_store: no samples")
     grid = CONTENTION_GRID if len({s.readers for s in samples}) > 1 else np.array([0.0])
-    best = min((_lstsq(samples, c) + (float(c),) for c in grid), key=lambda r: r[3])
+    split = splits(samples)
+    best = min((_lstsq(samples, c, split) + (float(c),) for c in grid), key=lambda r: r[3])
     alpha, beta_put, beta_get, _, contention = best
     beta = beta_put + beta_get
     conf = StoreConf(
         call_us=alpha / US,
         gbytes_per_s=1 / (beta * GB) if beta > 0 else 0.0,
         fetch_contention=contention,
-        put_share=beta_put / beta if splits(samples) and beta > 0 else None,
+        put_share=beta_put / beta if split and beta > 0 else None,
     )
     errors = [abs(predict_s(conf, s) / s.measured_s - 1) for s in samples]
     return StoreFit(samples[0].store, conf, len(samples), float(np.median(errors)))
@@ -140,8 +143,7 @@ def predict_s(conf: StoreConf, s: StoreSample) -> float:
     """The whole call as the fitted store prices it (factor divided out)."""
     share = put_share(s.store, conf)
     priced = share * s.nbytes + (1 - share) * s.got_bytes
-    one = conf.call_s * s.calls + priced * conf.beta_s_per_byte
-    return s.rest_s + one * (1 + conf.fetch_contention * (s.readers - 1))
+    return s.rest_s + fetch_s(conf, priced, s.readers, s.calls)
 
 
 def fit_all(samples: list[StoreSample]) -> dict[str, StoreFit]:

@@ -200,3 +200,16 @@ def test_rdt_and_cgraph_use_their_fits_and_fall_back_without_them():
                    channel_read_gbytes_per_s=2.0)  # fmt: skip
     cost = price_cgraph(tp2pp2, n, cluster, chan, host_cores=2)
     assert cost.total_s == pytest.approx(5e-4 + n / 1e9 + n / 2e9 * 2)  # 4 readers, 2 cores
+
+
+def test_a_ray_cost_file_that_is_not_yaml_is_named(tmp_path):
+    from harness.model.dispatch_prices import load_ray_costs
+
+    noise = tmp_path / "noise.yaml"
+    noise.write_bytes(bytes(range(128, 256)) * 8)
+    with pytest.raises(ClusterError, match="noise.yaml: not a readable Ray cost file"):
+        load_ray_costs(noise)
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- 1\n- 2\n")
+    with pytest.raises(ClusterError, match="list.yaml: a Ray cost file is a mapping"):
+        load_ray_costs(listed)
