@@ -113,6 +113,7 @@ class SelfLoad(EngineStore):
         super().__init__(groups, **options)
         self._record: int | None = None  # leader: the record's file descriptor
         self._recorded_key = None
+        self._recorded_refs: list = []
         self._cold_synced = False
 
     # -- the engine's hooks: a file, read through the page cache --------------------------------
@@ -135,10 +136,10 @@ class SelfLoad(EngineStore):
 
     # -- the leader: record where the batch changed, announce --------------------------------
     def _key(self, batch) -> tuple:
-        """What says the batch is the one recorded: the objects, every tensor leaf's storage,
-        shape, stride, dtype and version counter (bumped by any in-place write), and the
-        pickled non-tensor arrays where the call carries them (numpy has no version counter).
-        meta_info is not in the message: every rank holds its own."""
+        """What says the batch is the one recorded, beside its objects (``_objects``): every
+        tensor leaf's storage, shape, stride, dtype and version counter (bumped by any
+        in-place write), and the pickled non-tensor arrays where the call carries them (numpy
+        has no version counter). meta_info is not in the message: every rank holds its own."""
         td = batch.batch
         leaves = (
             ()
@@ -150,13 +151,33 @@ class SelfLoad(EngineStore):
         )
         carried = wants_non_tensor(batch)
         rest = pickle.dumps(batch.non_tensor_batch, protocol=5) if carried else b""
-        return (id(td), leaves, rest)
+        return (leaves, rest)
+
+    @staticmethod
+    def _objects(batch) -> tuple:
+        """The TensorDict and its tensor leaves, held by weak reference while recorded: a new
+        batch can take a freed one's id and addresses (its key would match), never its
+        identity while the old one lives."""
+        td = batch.batch
+        if td is None:
+            return ()
+        return (td, *(t for _, t in td.items(include_nested=True, leaves_only=True)))
+
+    def _recorded(self, batch, key) -> bool:
+        """Whether ``batch`` is the batch on record, unchanged."""
+        if self._record is None or key != self._recorded_key:
+            return False
+        objects = self._objects(batch)
+        return len(objects) == len(self._recorded_refs) and all(
+            ref() is obj for ref, obj in zip(self._recorded_refs, objects)
+        )
 
     def put(self, batch):
         key = self._key(batch)
-        if self._record is None or key != self._recorded_key:
+        if not self._recorded(batch, key):
             self._write_record(batch)
             self._recorded_key = key
+            self._recorded_refs = [weakref.ref(obj) for obj in self._objects(batch)]
         fd = self._record
         if self.options.cache == "cold":
             if not self._cold_synced:
