@@ -8,6 +8,7 @@ import importlib
 import inspect
 import pkgutil
 import warnings
+from dataclasses import fields
 from functools import cache
 from importlib.metadata import entry_points
 
@@ -125,14 +126,18 @@ def has_plan(name: str) -> bool:
 def check_options(name: str, options: dict) -> None:
     """Raise TypeError (one line: the option, the strategy, the accepted ones) if ``name``'s
     class does not accept every key of ``options`` (``accepted_options``: its ``Options``
-    fields, or a plain ``__init__``'s keyword arguments). Values are checked where the
-    strategy is built (``Options.__post_init__``)."""
-    accepted = accepted_options(get_class(name))
+    fields, or a plain ``__init__``'s keyword arguments), and ValueError (one line) if a value
+    its ``Options`` holds is refused (``Strategy.options_of``): before any rank starts, as
+    building the strategy on each rank would."""
+    cls = get_class(name)
+    accepted = accepted_options(cls)
     if accepted is None:
         return
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise unknown_option(name, unknown[0], accepted)
+    held = {f.name for f in fields(cls.Options)}
+    cls.options_of(**{k: v for k, v in options.items() if k in held})
 
 
 def get(name: str, groups: ProcessGroups, **options) -> Strategy:

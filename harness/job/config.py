@@ -122,7 +122,7 @@ def _validate_strategy(cfg, known: list[str]) -> None:
         try:
             options = OmegaConf.to_container(cfg.strategy.options, resolve=True) or {}
             strategies.check_options(strategy, options)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             problem = f"strategy.options: {exc}"
     if problem is None:
         problem = _runs_here(cfg, strategy)

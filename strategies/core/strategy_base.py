@@ -22,6 +22,7 @@ from strategies.core.contract import (
     wants_non_tensor,
 )
 from strategies.core.footprint import Footprint
+from strategies.core.option_types import check_types
 from strategies.core.process_groups import ProcessGroups
 
 
@@ -98,7 +99,8 @@ class Strategy:
         ``__post_init__``, whose messages show the value and what was expected."""
 
         def __post_init__(self) -> None:
-            """Check the values (none here); a subclass's calls its base's first."""
+            """Check the values (none here); a subclass's calls its base's first. Whatever
+            passes them is then checked against its field's annotation (``options_of``)."""
 
     def __init__(self, groups: ProcessGroups, **options: Any) -> None:
         self.groups = groups
@@ -108,12 +110,20 @@ class Strategy:
     @classmethod
     def options_of(cls, **options: Any) -> Options:
         """``cls.Options`` of these keyword options: an unknown one is refused in the one line
-        ``check_options`` gives, a bad value by ``Options.__post_init__``."""
+        ``check_options`` gives, a bad value by ``Options.__post_init__``, then one its field's
+        annotation refuses (``option_types.check_types``: ``views=maybe`` for a bool)."""
+        who = cls.name or cls.__qualname__
         known = {f.name for f in fields(cls.Options)}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise unknown_option(cls.name or cls.__qualname__, unknown[0], accepted_options(cls))
-        return cls.Options(**options)
+            raise unknown_option(who, unknown[0], accepted_options(cls))
+        try:
+            built = cls.Options(**options)
+        except TypeError:  # a check compared a value of another type: say which, in one line
+            check_types(cls.Options, options, who)
+            raise
+        check_types(cls.Options, {f.name: getattr(built, f.name) for f in fields(built)}, who)
+        return built
 
     @classmethod
     def footprint_for(cls, **options) -> Footprint:

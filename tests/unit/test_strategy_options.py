@@ -194,3 +194,51 @@ def test_a_strategy_without_options_keeps_its_keyword_arguments():
     assert accepted_options(ShmWithMore) == ["label", *shm_fields]
     with pytest.raises(TypeError, match="^strategy 'shm_with_more' has no option 'x'; .*'label'"):
         ShmWithMore.options_of(x=1)
+
+
+@pytest.mark.parametrize(
+    "name, options, message",
+    [
+        ("shm", {"views": "maybe"}, "shm: option 'views' must be true or false, got 'maybe'"),
+        ("shm", {"stage": 1}, "shm: option 'stage' must be true or false or null, got 1"),
+        ("shm", {"slots": 2.0}, "shm: slots must be >= 1, got 2.0"),  # its own check first
+        ("shm", {"poll_us": True}, "shm: poll_us must be microseconds"),
+        ("direct", {"direct_min_bytes": 1.5}, "direct: option 'direct_min_bytes' must be an int"),
+        ("self_load", {"directory": 7}, "self_load: directory must be a path (a string), got 7"),
+        ("auto", {"cluster": 7}, "auto: option 'cluster' must be a string, got 7"),
+        (
+            "floor",
+            {"method": "chunks", "chunks": "4"},
+            "floor: option 'chunks' must be an int, got '4'",
+        ),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_naming_option_and_type(name, options, message):
+    """A Hydra override reaches a strategy as YAML gives it (``views=maybe`` is a string, which a
+    bool field would take as true): what passes a strategy's own checks is checked against its
+    field's annotation, in one line, at construction and in the config check alike."""
+    cls = strategies.get_class(name)
+    with pytest.raises(ValueError) as built:
+        cls.options_of(**options)
+    assert str(built.value).startswith(message), str(built.value)
+    assert len(str(built.value).splitlines()) == 1
+    if name != "floor":  # the floor is no strategy a job selects
+        with pytest.raises(ValueError) as checked:
+            strategies.check_options(name, options)
+        assert str(checked.value) == str(built.value)
+
+
+def test_the_type_check_names_the_item_of_a_list_it_refuses():
+    from strategies.core.option_types import check_types
+
+    @dataclasses.dataclass(frozen=True)
+    class Opts:
+        picks: tuple[str, ...] = ()
+        mode: int | None = None
+
+    check_types(Opts, {"picks": ("a", "b"), "mode": None}, "x")  # fits: nothing raised
+    check_types(Opts, {"picks": ["a"], "mode": 3}, "x")  # a list where the default is a tuple
+    with pytest.raises(ValueError, match=r"^x: option 'picks': item 2 is not a string \(got"):
+        check_types(Opts, {"picks": ("a", 2)}, "x")
+    with pytest.raises(ValueError, match=r"^x: option 'mode' must be an int or null, got 'a'$"):
+        check_types(Opts, {"mode": "a"}, "x")

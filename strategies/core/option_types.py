@@ -1,0 +1,114 @@
+"""Each strategy option's value checked against its field's annotation (``Strategy.options_of``,
+after the strategy's own checks in ``Options.__post_init__``):
+a Hydra override such as ``+strategy.options.views=maybe`` reaches a strategy as a string,
+which a ``bool`` field would otherwise take as true. Pure: no torch.
+
+The annotations the options use are checked: ``bool``, ``int``, ``float``, ``str``,
+``Literal[...]``, unions of them with ``None``, and ``tuple[X, ...]`` or ``list[X]`` of them; any
+other annotation (a user's own type) is left to the strategy's ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from dataclasses import fields
+from functools import cache
+from typing import Any, Literal, get_args, get_origin
+
+
+def check_types(options_cls: type, values: dict[str, Any], who: str) -> None:
+    """Raise ValueError (one line, starting with ``who``: the strategy) naming the first of
+    ``values`` (option name -> value) that its field's annotation in ``options_cls`` (a
+    dataclass) refuses, the value and what was expected."""
+    hints = _hints(options_cls)
+    for f in fields(options_cls):
+        hint = hints.get(f.name)
+        if f.name not in values:
+            continue
+        value = values[f.name]
+        if hint is not None and not _fits(value, hint):
+            bad = _bad_item(value, hint)
+            if bad is not None:
+                raise ValueError(
+                    f"{who}: option {f.name!r}: item {bad!r} is not "
+                    f"{describe(_item_hint(hint))} (got {value!r})"
+                )
+            raise ValueError(f"{who}: option {f.name!r} must be {describe(hint)}, got {value!r}")
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 -- an annotation that does not resolve: nothing to check
+        return {}
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    origin, args = get_origin(hint), get_args(hint)
+    if hint is Any:
+        return True
+    if hint is bool:
+        return type(value) is bool
+    if hint is int:
+        return type(value) is int
+    if hint is float:
+        return type(value) in (int, float)
+    if hint is str:
+        return isinstance(value, str)
+    if hint is type(None):
+        return value is None
+    if origin is Literal:
+        return any(type(value) is type(a) and value == a for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if origin in (tuple, list):
+        if not isinstance(value, (tuple, list)):
+            return False
+        item = args[0] if args and (origin is list or args[-1] is Ellipsis) else None
+        return item is None or all(_fits(v, item) for v in value)
+    return True  # an annotation this module does not know: the strategy checks it
+
+
+def _item_hint(hint: Any) -> Any:
+    """The item annotation of ``hint``'s list or tuple (in a union, the first one's); None
+    where it has none."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return next((_item_hint(a) for a in args if _item_hint(a) is not None), None)
+    if origin in (tuple, list) and args and (origin is list or args[-1] is Ellipsis):
+        return args[0]
+    return None
+
+
+def _bad_item(value: Any, hint: Any) -> Any:
+    """The first item of a list ``value`` that ``hint``'s item annotation refuses; None where
+    ``value`` is no list or ``hint`` holds none."""
+    item = _item_hint(hint)
+    if item is None or not isinstance(value, (tuple, list)):
+        return None
+    return next((v for v in value if not _fits(v, item)), None)
+
+
+def describe(hint: Any) -> str:
+    """What ``hint`` accepts, in words (``true or false``, ``an int``, one of the literals)."""
+    origin, args = get_origin(hint), get_args(hint)
+    if hint is bool:
+        return "true or false"
+    if hint is int:
+        return "an int"
+    if hint is float:
+        return "a number"
+    if hint is str:
+        return "a string"
+    if hint is type(None):
+        return "null"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(dict.fromkeys(describe(a) for a in args))  # tuple | list: one
+    if origin in (tuple, list):
+        item = args[0] if args else None
+        return "a list" + (f" of ({describe(item)})" if item is not None else "")
+    return getattr(hint, "__name__", str(hint))
