@@ -459,7 +459,12 @@ def validate(sweep: Path | str, cluster: str = "local", quiet: bool = False) -> 
     sweep = Path(sweep)
     df = collect.load(sweep)
     if df.empty:
-        raise SystemExit(f"no result.json under {sweep}")
+        skipped = df.attrs.get("n_skipped", 0)
+        raise SystemExit(
+            f"{sweep}: no job record in it can be read ({skipped} skipped, each said above)"
+            if skipped
+            else f"no result.json under {sweep}"
+        )
     v = price_records(df, cluster)
     if v.empty:
         raise SystemExit(f"no measured, supported record under {sweep}")

@@ -42,25 +42,60 @@ def records_dir_problem(root: Path | str, also: str = "") -> str | None:
     return None
 
 
+RECORD_KEYS = ("strategy", "layout", "payload", "batch_size", "seq_len")
+"""Keys every job record has, whether the job ran, was refused or failed, since the first
+(``harness.job.records``; ``status`` came later): a JSON object without them is no record of
+ours."""
+
+
+_SKIPPED: set[Path] = set()
+"""Files ``read_record`` has said it skipped in this process (a report reads each twice)."""
+
+
+def read_record(path: Path) -> dict | None:
+    """The record in ``path`` (a result.json); None, said once on stderr naming the file and
+    what is wrong, where it is not readable JSON, not an object, or lacks a key every record
+    has. Never one of ours (records are written whole): a report leaves it out and goes on."""
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        return _skipped(path, f"not a readable record ({exc})")
+    if not isinstance(rec, dict):
+        return _skipped(path, "not a record (a JSON object)")
+    missing = [k for k in RECORD_KEYS if k not in rec]
+    if missing:
+        return _skipped(
+            path,
+            f"not a job record (no {', '.join(missing)}; every record has "
+            f"{', '.join(RECORD_KEYS)})",
+        )
+    return rec
+
+
+def _skipped(path: Path, why: str) -> None:
+    if path.resolve() not in _SKIPPED:
+        _SKIPPED.add(path.resolve())
+        print(f"bcastbench: skipped {path}: {why}", file=sys.stderr)
+
+
 def load(root: Path | str) -> pd.DataFrame:
-    """Every result.json under ``root`` (nested reference dicts flattened as ref_<name>_<field>)."""
-    rows = []
+    """Every result.json under ``root`` (nested reference dicts flattened as ref_<name>_<field>);
+    one that is no record is skipped, said (``read_record``), and counted in
+    ``attrs["n_skipped"]``."""
+    rows, skipped = [], 0
     for path in sorted(Path(root).rglob("result.json")):
-        try:
-            rec = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            # Never one of ours (records are written whole): said, and left out of the table.
-            print(f"bcastbench: skipped {path}: not a readable record ({exc})", file=sys.stderr)
-            continue
-        if not isinstance(rec, dict):
-            print(f"bcastbench: skipped {path}: not a record (a JSON object)", file=sys.stderr)
+        rec = read_record(path)
+        if rec is None:
+            skipped += 1
             continue
         for name, ref in (rec.pop("references", None) or {}).items():
             for k, v in ref.items():
                 rec[f"ref_{name}_{k}"] = v
         rec["job_dir"] = str(path.parent)
         rows.append(rec)
-    return pd.DataFrame(rows)
+    df = pd.DataFrame(rows)
+    df.attrs["n_skipped"] = skipped
+    return df
 
 
 def summary_table(df: pd.DataFrame) -> str:
@@ -132,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: error: {problem}", file=sys.stderr)
         return USAGE_EXIT
     df = load(args.root)
+    if df.empty and df.attrs["n_skipped"]:  # each said above; no CSV of nothing
+        print(f"{prog}: error: {args.root}: no job record in it can be read", file=sys.stderr)
+        return USAGE_EXIT
     out = Path(args.out) if args.out else Path(args.root) / "results.csv"
     write_csv(out, df)
     print(summary_table(df))

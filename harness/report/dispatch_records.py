@@ -4,9 +4,11 @@ Hydra sweep's per-job result.json files, merged into one record per setting (the
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from harness.job.spec import Scope
+from harness.report.collect import read_record
 
 DISPATCH_SCOPE = Scope.DISPATCH.value
 _SAME_RUN = (
@@ -24,7 +26,13 @@ def load_dispatch_records(root: Path | str) -> list[dict]:
     record per setting (``_merge_hydra_dispatch``)."""
     out = []
     for path in sorted(Path(root).glob("*.json")):
-        data = json.loads(path.read_text())
+        if path.name == "result.json":
+            continue  # a job record, read below
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            print(f"bcastbench: skipped {path}: not readable JSON ({exc})", file=sys.stderr)
+            continue
         if isinstance(data, list):
             # A job whose first mode was refused timed nothing: it has no modes to show.
             out += [
@@ -32,10 +40,13 @@ def load_dispatch_records(root: Path | str) -> list[dict]:
                 if isinstance(r, dict) and r.get("scope") == DISPATCH_SCOPE
                 and isinstance(r.get("modes"), dict)
             ]  # fmt: skip
-    jobs = [json.loads(p.read_text()) for p in sorted(Path(root).rglob("result.json"))]
+    jobs = [read_record(p) for p in sorted(Path(root).rglob("result.json"))]
     return out + _merge_hydra_dispatch(
-        [r for r in jobs if r.get("scope") == DISPATCH_SCOPE and r.get("status") == "ok"]
-    )
+        [
+            r for r in jobs
+            if r is not None and r.get("scope") == DISPATCH_SCOPE and r.get("status") == "ok"
+        ]
+    )  # fmt: skip
 
 
 def _hashable(value):

@@ -5,8 +5,10 @@ are checked before any Ray starts."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,8 @@ from harness.job import records
 from harness.job.spec import JobSpec
 from harness.report import collect, tables
 from strategies.core.layout import Layout
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _record(tmp, name, strategy="pickled", options=None, status="ok", p50=100.0, **extra):
@@ -104,6 +108,43 @@ def test_report_of_only_failed_jobs_is_one_line_and_exit_1(tmp_path, capsys):
     assert "all 2 job(s)" in captured.err and "Traceback" not in captured.err
 
 
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ('{"strategy": 5', "not a readable record"),  # a truncated write
+        ("[1, 2]", "not a record (a JSON object)"),
+        ('{"strategy": "shm", "p50_us": "abc"}', "not a job record (no layout, payload"),
+    ],
+)
+def test_a_file_that_is_no_record_is_skipped_naming_it_by_every_reader(tmp_path, capsys, text,
+                                                                        says):  # fmt: skip
+    """A result.json that is not one of ours (records are written whole) is said once, naming
+    the file, and left out: beside a real record the report is made from that one; alone, every
+    reader ends in one line and exit 2 instead of a traceback."""
+    from harness.commands.report import main as report
+    from harness.commands.validate import validate
+    from harness.report.collect import main as to_csv
+
+    alone = tmp_path / "alone"
+    (alone / "x").mkdir(parents=True)
+    (alone / "x" / "result.json").write_text(text)
+    assert report([str(alone)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("skipped") == 1 and says in err and str(alone / "x") in err, err
+    assert "no job record in it can be read" in err and "Traceback" not in err
+    assert to_csv([str(alone)]) == 2 and "no job record" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="no job record in it can be read"):
+        validate(alone, quiet=True)
+
+    beside = tmp_path / "beside"
+    shutil.copytree(REPO / "tests" / "fixtures" / "sweep" / "1_flat_tp2pp2_b32", beside / "good")
+    (beside / "bad").mkdir()
+    (beside / "bad" / "result.json").write_text(text)
+    df = collect.load(beside)
+    assert len(df) == 1 and df.attrs["n_skipped"] == 1
+    assert report([str(beside)]) == 0
+
+
 def _compose(overrides):
     from hydra import compose, initialize_config_dir
 
@@ -139,6 +180,7 @@ def test_ray_settings_are_checked_before_ray_starts(overrides, says):
 
 def test_missing_ray_is_one_line_naming_the_install(monkeypatch, capsys, tmp_path):
     from harness.commands import cli
+    from harness.job import app  # noqa: F401 -- imported with the real Ray, as a run has it
 
     monkeypatch.setitem(sys.modules, "ray", types.ModuleType("ray"))  # not Ray: no init
     assert cli.main(["world=ray", f"hydra.run.dir={tmp_path}"]) == 2

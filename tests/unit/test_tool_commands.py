@@ -179,8 +179,9 @@ def test_the_dispatch_report_skips_refused_jobs_and_keeps_varying_ones_apart(tmp
     refused = {"scope": "dispatch+broadcast", "status": "unsupported", "modes": None}
     listed = {"scope": "dispatch+broadcast", "layout": "tp2pp2", "modes": {"all_ranks": row}}
     (tmp_path / "dispatch.json").write_text(json.dumps([refused, listed]))
-    common = {"scope": "dispatch+broadcast", "status": "ok", "layout": "tp2pp2dp2",
-              "batch_size": 3, "seq_len": 64}  # fmt: skip
+    common = {"scope": "dispatch+broadcast", "status": "ok", "strategy": None,
+              "layout": "tp2pp2dp2", "payload": "rl_rollout", "batch_size": 3,
+              "seq_len": 64}  # fmt: skip
     jobs = [
         {**common, "modes": {"leader:header": row}},
         {**common, "modes": {"all_ranks": row}},
