@@ -33,7 +33,7 @@ from harness.units import human_bytes
 from strategies.core.cluster import ClusterConf
 from strategies.core.header_format import Entry, align, encode_header
 from strategies.core.layout import Layout
-from strategies.core.plan import PayloadSpec, bytes_per_dtype, spec_of
+from strategies.core.plan import PayloadSpec, bytes_per_dtype, plan_options, spec_of
 
 # Megatron's import-time warnings say nothing about a price (a strategy may import it).
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron.*")
@@ -190,8 +190,23 @@ def _check_plan_options(name: str, options: dict, payload: str) -> None:
     leaves)."""
     if not options:
         return
+    cls = strategies.get_class(name)
+    priced = plan_options(cls, options)
+    unpriced = sorted(set(options) - set(priced))
+    if unpriced:
+        accepted = strategies.accepted_options(cls)
+        unknown = [k for k in unpriced if accepted is not None and k not in accepted]
+        try:
+            strategies.check_options(name, dict.fromkeys(unknown))  # raises on an unknown name
+        except TypeError as exc:
+            raise ConfigError(f"strategies: {name} with {options}: {exc}") from None
+        takes = sorted(plan_options(cls, dict.fromkeys(accepted or ())))
+        raise ConfigError(
+            f"strategies: {name} with {options}: option {unpriced[0]!r} changes nothing the "
+            f"model prices; {name}'s plan prices {takes or 'no option'}"
+        )
     try:
-        strategies.get_class(name).plan(Layout(tp=2), scaled_spec(payload, 1, 8), **options)
+        cls.plan(Layout(tp=2), scaled_spec(payload, 1, 8), **options)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"strategies: {name} with {options}: {exc}") from None
 

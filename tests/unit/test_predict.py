@@ -259,6 +259,12 @@ def test_extrapolate_small(tmp_path):
         ("predict", ['strategies=["pickled[oops]"]'], "is not name[key=value,...]"),
         (
             "predict",
+            ['strategies=["shm[views=false]"]'],
+            "option 'views' changes nothing the model prices; shm's plan prices ['stage', ",
+        ),
+        ("predict", ['strategies=["shm[bogus=1]"]'], "strategy 'shm' has no option 'bogus'"),
+        (
+            "predict",
             ["payload=rl_rollout", 'strategies=["nixl[fields=input_ids+tokens]"]'],
             "fields ['tokens'] are not in the batch; its fields: ['prompts', 'responses',",
         ),
