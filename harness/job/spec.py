@@ -97,6 +97,21 @@ class JobSpec:
     ray-dispatch``); empty: the mode ``dispatch`` and ``strategy`` name (``under_test``). Each
     family's floor is added (``harness.job.dispatch_modes.with_floors``)."""
 
+    def __post_init__(self) -> None:
+        """The counts every entry point (the CLI's config check, the pytest plugin, a script)
+        must give sensibly, refused here in one line before any rank starts."""
+        counts = {"batch_size": (self.batch_size, 1), "iters": (self.iters, 1),
+                  "repeats": (self.repeats, 1), "warmup": (self.warmup, 0)}  # fmt: skip
+        if self.seq_len is not None:
+            counts["seq_len"] = (self.seq_len, 1)
+        for name, (value, least) in counts.items():
+            if type(value) is not int or value < least:
+                raise ValueError(f"job: {name} must be an int >= {least}, got {value!r}")
+        for name in ("timeout_s", "time_budget_s"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"job: {name} must be positive seconds, got {value!r}")
+
     @property
     def scope(self) -> Scope:
         """Where the clock runs: on the ranks (broadcast) or on the driver (dispatch)."""

@@ -595,3 +595,27 @@ def test_the_pytest_plugin_prices_a_generated_payload_before_any_rank():
         check_payload(spec)
     assert len(str(err.value).splitlines()) == 1
     check_payload(JobSpec("header", Layout(tp=2, pp=2), batch_size=2, seq_len=512))
+
+
+@pytest.mark.parametrize(
+    "fields, says",
+    [
+        ({"batch_size": 0}, "job: batch_size must be an int >= 1, got 0"),
+        ({"seq_len": -4}, "job: seq_len must be an int >= 1, got -4"),
+        ({"iters": 2.5}, "job: iters must be an int >= 1, got 2.5"),
+        ({"warmup": -1}, "job: warmup must be an int >= 0, got -1"),
+        ({"timeout_s": 0}, "job: timeout_s must be positive seconds, got 0"),
+        ({"time_budget_s": "1"}, "job: time_budget_s must be positive seconds, got '1'"),
+    ],
+)
+def test_a_job_of_no_rows_or_no_calls_is_refused_whoever_builds_it(fields, says):
+    """The CLI's config check refuses these; a job built elsewhere (the pytest plugin's gate, a
+    script) is refused the same, in one line, before any rank: a gate of batch_size=0 ran a job
+    of the non-tensor batch alone and reported it."""
+    import re
+
+    from harness.job.spec import JobSpec
+    from strategies.core.layout import Layout
+
+    with pytest.raises(ValueError, match="^" + re.escape(says) + "$"):
+        JobSpec("header", Layout(tp=2, pp=2), **fields)
