@@ -111,6 +111,9 @@ class SelfLoad(EngineStore):
 
     def __init__(self, groups, **options) -> None:
         super().__init__(groups, **options)
+        # Refused here, on every rank, before any collective: a directory the leader could
+        # not write its record into fails no call halfway.
+        os.close(self._unnamed_file())
         self._record: int | None = None  # leader: the record's file descriptor
         self._recorded_key = None
         self._recorded_refs: list = []
@@ -186,20 +189,25 @@ class SelfLoad(EngineStore):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         return Where(self.engine_address(), 0, self._nbytes, b"", self._header_len)
 
-    def _write_record(self, batch) -> None:
-        buf, header, total = self.pack(batch)
-        fill = self.take_fill()
-        if fill is not None:
-            fill(total)
+    def _unnamed_file(self) -> int:
+        """A new unnamed file (``O_TMPFILE``) in ``Options.directory``, open for reading and
+        writing; Unsupported naming the directory and why where none can be made there."""
         directory = self.options.directory or tempfile.gettempdir()
         try:
-            fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+            return os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
         except OSError as exc:
             raise Unsupported(
                 f"rank {self.groups.rank}: self_load cannot make an unnamed file in "
                 f"{directory!r} ({exc.strerror}); set strategy.options.directory to a directory "
                 "on a file system with O_TMPFILE (ext4, xfs, btrfs, tmpfs)"
             ) from exc
+
+    def _write_record(self, batch) -> None:
+        buf, header, total = self.pack(batch)
+        fill = self.take_fill()
+        if fill is not None:
+            fill(total)
+        fd = self._unnamed_file()
         try:
             _write_all(fd, memoryview(buf[:total].numpy()))
         except BaseException:

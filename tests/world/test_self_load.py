@@ -2,7 +2,8 @@
 tests check. The leader records the batch once and again only when it changed (a tensor written
 in place, a leaf replaced, other non-tensor contents), so every receiver always reads the batch
 it was handed; warm and cold reads are exact; the record has no name on disk and its file goes
-with the instance; a directory that cannot hold it is refused on the leader, every rank told.
+with the instance; a directory that cannot hold it is refused where the strategy is built, on
+every rank.
 """
 
 from __future__ import annotations
@@ -107,17 +108,21 @@ def test_every_change_to_the_batch_is_recorded_and_read_exactly(world4, cache):
 
 def refused_directory(ctx, directory: str) -> str:
     groups = ctx.groups_for(LAYOUT)
-    s = strategies.get("self_load", groups, directory=directory)
-    entry = batch(2) if groups.is_leader else batch(2).entry_state(False)
     try:
-        s.get_data_input(entry)
+        strategies.get("self_load", groups, directory=directory)
     except Exception as exc:  # noqa: BLE001 -- what each rank raised is the answer
         return f"{type(exc).__name__}: {exc}"
-    return "returned"
+    return "built"
 
 
-def test_a_directory_that_cannot_hold_the_record_is_named_on_every_rank(world4, tmp_path):
-    missing = str(tmp_path / "no-such-directory")
-    said = world4.run(refused_directory, missing, what="self_load, bad directory")
-    assert all(missing in line and "O_TMPFILE" in line for line in said), said
-    assert all("rank 0" in line for line in said[1:]), said
+@pytest.mark.parametrize("where", ["no-such-directory", "a-file", "/proc"])
+def test_a_directory_that_cannot_hold_the_record_is_refused_on_every_rank(world4, tmp_path,
+                                                                        where):  # fmt: skip
+    """Refused where the strategy is built, before any collective, each rank naming itself
+    and the directory: a job records it as refused instead of failing at its first call."""
+    (tmp_path / "a-file").write_text("")
+    directory = where if where.startswith("/") else str(tmp_path / where)
+    said = world4.run(refused_directory, directory, what="self_load, bad directory")
+    assert all(line.startswith("Unsupported: ") for line in said), said
+    assert all(directory in line and "O_TMPFILE" in line for line in said), said
+    assert all(f"rank {r}:" in line for r, line in enumerate(said)), said
