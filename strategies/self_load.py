@@ -112,7 +112,8 @@ class SelfLoad(EngineStore):
     def __init__(self, groups, **options) -> None:
         super().__init__(groups, **options)
         # Refused here, on every rank, before any collective: a directory the leader could
-        # not write its record into fails no call halfway.
+        # not write its record into fails no call halfway. Every rank resolves the same one
+        # (the option, or the temporary directory its launcher's environment names for all).
         os.close(self._unnamed_file())
         self._record: int | None = None  # leader: the record's file descriptor
         self._recorded_key = None

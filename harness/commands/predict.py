@@ -190,16 +190,15 @@ def _check_plan_options(name: str, options: dict, payload: str) -> None:
     leaves)."""
     if not options:
         return
+    try:  # the values as a run checks them (the label's text read by type: parse_label)
+        strategies.check_options(name, options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"strategies: {name} with {options}: {exc}") from None
     cls = strategies.get_class(name)
     priced = plan_options(cls, options)
     unpriced = sorted(set(options) - set(priced))
     if unpriced:
         accepted = strategies.accepted_options(cls)
-        unknown = [k for k in unpriced if accepted is not None and k not in accepted]
-        try:
-            strategies.check_options(name, dict.fromkeys(unknown))  # raises on an unknown name
-        except TypeError as exc:
-            raise ConfigError(f"strategies: {name} with {options}: {exc}") from None
         takes = sorted(plan_options(cls, dict.fromkeys(accepted or ())))
         raise ConfigError(
             f"strategies: {name} with {options}: option {unpriced[0]!r} changes nothing the "

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         if dispatch:
             return 0
         failed = df.attrs.get("n_failed", 0)
-        if not failed:  # every result.json below it was skipped, each said above
+        if df.attrs.get("n_skipped") and not failed:  # every one was skipped, each said above
             print(f"{PROG}: error: {args.root}: no job record in it can be read", file=sys.stderr)
             return USAGE_EXIT
         print(

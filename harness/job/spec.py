@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from numbers import Integral, Real
 
+from harness.errors import ConfigError
 from harness.job.dispatch_modes import FLOORS, DispatchMode, under_test, with_floors
 from harness.job.fault import Fault
 from harness.job.label import Label
 from harness.payload import sizes
-from harness.payload.source import PayloadSource, open_payload
+from harness.payload.source import RECORDED, PayloadSource, open_payload
 from harness.payload.workload import CallShape, Workload, constant
 from strategies.core.layout import Layout
 
@@ -99,18 +101,21 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         """The counts every entry point (the CLI's config check, the pytest plugin, a script)
-        must give sensibly, refused here in one line before any rank starts."""
+        must give sensibly, refused here in one line (a ``ConfigError``) before any rank
+        starts. A recording's own tokens per row may be 0 (its only 2-D leaf is empty)."""
         counts = {"batch_size": (self.batch_size, 1), "iters": (self.iters, 1),
                   "repeats": (self.repeats, 1), "warmup": (self.warmup, 0)}  # fmt: skip
         if self.seq_len is not None:
-            counts["seq_len"] = (self.seq_len, 1)
+            counts["seq_len"] = (self.seq_len, 0 if self.payload in RECORDED else 1)
         for name, (value, least) in counts.items():
-            if type(value) is not int or value < least:
-                raise ValueError(f"job: {name} must be an int >= {least}, got {value!r}")
+            if not isinstance(value, Integral) or isinstance(value, bool) or value < least:
+                raise ConfigError(f"job: {name} must be an int >= {least}, got {value!r}")
         for name in ("timeout_s", "time_budget_s"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"job: {name} must be positive seconds, got {value!r}")
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, Real) or not value > 0:
+                raise ConfigError(f"job: {name} must be positive seconds, got {value!r}")
 
     @property
     def scope(self) -> Scope:

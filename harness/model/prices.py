@@ -16,6 +16,7 @@ import strategies
 from strategies.auto import CANDIDATES, pick
 from strategies.core.costs import Prediction
 from strategies.core.formulas import tree_rounds
+from strategies.core.option_types import from_text
 from strategies.core.plan import plan_of
 from strategies.core.pricing import price
 
@@ -136,9 +137,11 @@ def option_label(name: str, options: dict) -> str:
     return f"{name}[{','.join(f'{k}={v}' for k, v in sorted(options.items()))}]"
 
 
-def parse_label(label: str) -> tuple[str, dict[str, str]]:
-    """``option_label``'s inverse (values stay strings, as a plan's string options take them);
-    a label whose brackets hold no ``key=value`` pair raises ValueError naming it."""
+def parse_label(label: str) -> tuple[str, dict[str, Any]]:
+    """``option_label``'s inverse: each value read as its option's annotation reads it
+    (``option_types.from_text``: ``stage=false`` is False, not the truthy text; a field list
+    stays text, as a plan takes it); a label whose brackets hold no ``key=value`` pair raises
+    ValueError naming it."""
     name, sep, rest = label.partition("[")
     if not sep:
         return label, {}
@@ -147,7 +150,12 @@ def parse_label(label: str) -> tuple[str, dict[str, str]]:
         raise ValueError(
             f"strategies: {label!r} is not name[key=value,...] (e.g. pickled[serialization=dataclass])"
         )
-    return name, {k: v for k, _, v in pairs}
+    options = {k: v for k, _, v in pairs}
+    try:
+        cls = strategies.get_class(name)
+    except KeyError:  # unknown: the caller names it
+        return name, options
+    return name, from_text(cls.Options, options)
 
 
 def auto_pick(preds: dict[str, Any]) -> str | None:

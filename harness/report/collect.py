@@ -48,34 +48,28 @@ RECORD_KEYS = ("strategy", "layout", "payload", "batch_size", "seq_len")
 ours."""
 
 
-_SKIPPED: set[Path] = set()
-"""Files ``read_record`` has said it skipped in this process (a report reads each twice)."""
-
-
-def read_record(path: Path) -> dict | None:
-    """The record in ``path`` (a result.json); None, said once on stderr naming the file and
-    what is wrong, where it is not readable JSON, not an object, or lacks a key every record
-    has. Never one of ours (records are written whole): a report leaves it out and goes on."""
+def read_record(path: Path, quiet: bool = False) -> dict | None:
+    """The record in ``path`` (a result.json); None, said on stderr naming the file and what
+    is wrong (unless ``quiet``: a caller whose other reader says it), where it is not readable
+    JSON, not an object, or lacks a key every record has. Never one of ours (records are
+    written whole): a report leaves it out and goes on."""
+    why = None
     try:
         rec = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        return _skipped(path, f"not a readable record ({exc})")
-    if not isinstance(rec, dict):
-        return _skipped(path, "not a record (a JSON object)")
-    missing = [k for k in RECORD_KEYS if k not in rec]
-    if missing:
-        return _skipped(
-            path,
-            f"not a job record (no {', '.join(missing)}; every record has "
-            f"{', '.join(RECORD_KEYS)})",
-        )
-    return rec
-
-
-def _skipped(path: Path, why: str) -> None:
-    if path.resolve() not in _SKIPPED:
-        _SKIPPED.add(path.resolve())
+        why = f"not a readable record ({exc})"
+    else:
+        missing = [k for k in RECORD_KEYS if k not in rec] if isinstance(rec, dict) else None
+        if missing is None:
+            why = "not a record (a JSON object)"
+        elif missing:
+            why = f"not a job record (no {', '.join(missing)}; every record has "
+            why += f"{', '.join(RECORD_KEYS)})"
+    if why is None:
+        return rec
+    if not quiet:
         print(f"bcastbench: skipped {path}: {why}", file=sys.stderr)
+    return None
 
 
 def load(root: Path | str) -> pd.DataFrame:

@@ -40,7 +40,8 @@ def load_dispatch_records(root: Path | str) -> list[dict]:
                 if isinstance(r, dict) and r.get("scope") == DISPATCH_SCOPE
                 and isinstance(r.get("modes"), dict)
             ]  # fmt: skip
-    jobs = [read_record(p) for p in sorted(Path(root).rglob("result.json"))]
+    # Quiet: the report's own reader (``collect.load``) says what it skips.
+    jobs = [read_record(p, quiet=True) for p in sorted(Path(root).rglob("result.json"))]
     return out + _merge_hydra_dispatch(
         [
             r for r in jobs

@@ -148,6 +148,9 @@ class RayConf:
                 f"ray.ranks_per_node={self.ranks_per_node} spreads ranks over nodes, but "
                 "STRICT_PACK puts every bundle on one node; use placement=PACK"
             )
+        for name in ("timeout_s", "start_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ray.{name} must be positive seconds, got {getattr(self, name)}")
         if self.num_cpus < 1 or self.actor_cpus <= 0 or self.object_store_mb < 80:
             raise ValueError(
                 f"ray.num_cpus ({self.num_cpus}) must be >= 1, ray.actor_cpus "

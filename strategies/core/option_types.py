@@ -1,5 +1,5 @@
-"""Each strategy option's value checked against its field's annotation (``Strategy.options_of``,
-after the strategy's own checks in ``Options.__post_init__``):
+"""Each strategy option's value checked against its field's annotation (``Strategy.Options``'s
+``__post_init__``, before a strategy's own checks of the values):
 a Hydra override such as ``+strategy.options.views=maybe`` reaches a strategy as a string,
 which a ``bool`` field would otherwise take as true. Pure: no torch.
 
@@ -17,24 +17,27 @@ from functools import cache
 from typing import Any, Literal, get_args, get_origin
 
 
-def check_types(options_cls: type, values: dict[str, Any], who: str) -> None:
-    """Raise ValueError (one line, starting with ``who``: the strategy) naming the first of
-    ``values`` (option name -> value) that its field's annotation in ``options_cls`` (a
-    dataclass) refuses, the value and what was expected."""
-    hints = _hints(options_cls)
-    for f in fields(options_cls):
+class OptionTypeError(ValueError):
+    """An option's value is not of its field's type (``check_types``); ``Strategy.options_of``
+    names the strategy in front of it."""
+
+
+def check_types(options: Any) -> None:
+    """Raise OptionTypeError (one line) naming the first field of the dataclass ``options``
+    whose value its annotation refuses, the value and what was expected."""
+    hints = _hints(type(options))
+    for f in fields(options):
         hint = hints.get(f.name)
-        if f.name not in values:
-            continue
-        value = values[f.name]
-        if hint is not None and not _fits(value, hint):
-            bad = _bad_item(value, hint)
-            if bad is not None:
-                raise ValueError(
-                    f"{who}: option {f.name!r}: item {bad!r} is not "
-                    f"{describe(_item_hint(hint))} (got {value!r})"
-                )
-            raise ValueError(f"{who}: option {f.name!r} must be {describe(hint)}, got {value!r}")
+        value = getattr(options, f.name)
+        if hint is None or _fits(value, hint) or value is f.default:
+            continue  # a default is the author's: a user's ``x: int = None`` stands
+        bad = _bad_item(value, hint)
+        if bad is not None:
+            raise OptionTypeError(
+                f"option {f.name!r}: item {bad!r} is not {describe(_item_hint(hint))} "
+                f"(got {value!r})"
+            )
+        raise OptionTypeError(f"option {f.name!r} must be {describe(hint)}, got {value!r}")
 
 
 @cache
@@ -69,6 +72,36 @@ def _fits(value: Any, hint: Any) -> bool:
         item = args[0] if args and (origin is list or args[-1] is Ellipsis) else None
         return item is None or all(_fits(v, item) for v in value)
     return True  # an annotation this module does not know: the strategy checks it
+
+
+_WORDS = {"true": True, "false": False, "null": None, "none": None}
+
+
+def from_text(options_cls: type, values: dict[str, str]) -> dict[str, Any]:
+    """``values`` (option name -> its text, as a label ``shm[stage=false]`` gives it) read by
+    each field's annotation in ``options_cls``: ``true``/``false`` for a bool, ``null`` for
+    None, digits for an int or float, ``a+b`` for a list; any other text stays text (a string
+    option, or a value the strategy's checks then refuse)."""
+    hints = _hints(options_cls)
+    return {k: _read(v, hints.get(k)) if isinstance(v, str) else v for k, v in values.items()}
+
+
+def _read(text: str, hint: Any) -> Any:
+    if hint is None:
+        return text
+    if _item_hint(hint) is not None and not _fits(text, hint):  # a list, joined by ``+``
+        return tuple(text.split("+"))
+    word = _WORDS.get(text.strip().lower(), text)
+    if word is not text and _fits(word, hint):
+        return word
+    for kind in (int, float):
+        try:
+            number = kind(text)
+        except ValueError:
+            continue
+        if _fits(number, hint):
+            return number
+    return text
 
 
 def _item_hint(hint: Any) -> Any:

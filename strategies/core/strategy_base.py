@@ -22,7 +22,7 @@ from strategies.core.contract import (
     wants_non_tensor,
 )
 from strategies.core.footprint import Footprint
-from strategies.core.option_types import check_types
+from strategies.core.option_types import OptionTypeError, check_types
 from strategies.core.process_groups import ProcessGroups
 
 
@@ -99,8 +99,10 @@ class Strategy:
         ``__post_init__``, whose messages show the value and what was expected."""
 
         def __post_init__(self) -> None:
-            """Check the values (none here); a subclass's calls its base's first. Whatever
-            passes them is then checked against its field's annotation (``options_of``)."""
+            """Check each value against its field's annotation (``option_types.check_types``:
+            ``views=maybe`` for a bool); a subclass's calls its base's first, then checks the
+            values."""
+            check_types(self)
 
     def __init__(self, groups: ProcessGroups, **options: Any) -> None:
         self.groups = groups
@@ -110,20 +112,17 @@ class Strategy:
     @classmethod
     def options_of(cls, **options: Any) -> Options:
         """``cls.Options`` of these keyword options: an unknown one is refused in the one line
-        ``check_options`` gives, a bad value by ``Options.__post_init__``, then one its field's
-        annotation refuses (``option_types.check_types``: ``views=maybe`` for a bool)."""
+        ``check_options`` gives, a bad value by ``Options.__post_init__`` (its type first:
+        ``option_types``), the strategy named in front of a wrong type."""
         who = cls.name or cls.__qualname__
         known = {f.name for f in fields(cls.Options)}
         unknown = sorted(set(options) - known)
         if unknown:
             raise unknown_option(who, unknown[0], accepted_options(cls))
         try:
-            built = cls.Options(**options)
-        except TypeError:  # a check compared a value of another type: say which, in one line
-            check_types(cls.Options, options, who)
-            raise
-        check_types(cls.Options, {f.name: getattr(built, f.name) for f in fields(built)}, who)
-        return built
+            return cls.Options(**options)
+        except OptionTypeError as exc:
+            raise OptionTypeError(f"{who}: {exc}") from None
 
     @classmethod
     def footprint_for(cls, **options) -> Footprint:

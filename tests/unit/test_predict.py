@@ -254,7 +254,7 @@ def test_extrapolate_small(tmp_path):
         (
             "predict",
             ['strategies=["pickled[serialization=zzz]"]'],
-            "serialization='zzz'; expected one of",
+            "option 'serialization' must be one of 'roll', 'dataclass', 'pickle5', 'verl_numpy'",
         ),
         ("predict", ['strategies=["pickled[oops]"]'], "is not name[key=value,...]"),
         (

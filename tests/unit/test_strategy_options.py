@@ -110,26 +110,7 @@ def test_options_are_built_once_and_read_typed():
             {"early_min_bytes": -1},
             "shm: early_min_bytes must be a byte count (an int >= 0) or None, got -1",
         ),
-        (
-            "independent_fetch",
-            {"stripe_min_bytes": "1MiB"},
-            "shm: stripe_min_bytes must be a byte count (an int >= 0) or None, got '1MiB'",
-        ),
-        (
-            "shm",
-            {"poll_us": 1.5},
-            "shm: poll_us must be microseconds (an int >= 0) or None, got 1.5",
-        ),
-        (
-            "pickled",
-            {"serialization": "zzz"},
-            "pickled: serialization='zzz'; expected one of ('roll', 'dataclass', 'pickle5', "
-            "'verl_numpy')",
-        ),
-        ("floor", {"method": "ring"}, "floor: unknown method 'ring'; valid: ['one', 'chunks', "),
         ("floor", {"chunks": 0}, "floor: chunks must be >= 1, got 0"),
-        ("auto", {"candidates": ["flat", "bogus"]}, "auto: unknown candidates ['bogus']; valid: "),
-        ("auto", {"first": "pickled"}, "auto: unknown candidates ['pickled']; valid: "),
         (
             "vllm_shm_broadcast",
             {"max_chunks": 0},
@@ -201,16 +182,40 @@ def test_a_strategy_without_options_keeps_its_keyword_arguments():
     [
         ("shm", {"views": "maybe"}, "shm: option 'views' must be true or false, got 'maybe'"),
         ("shm", {"stage": 1}, "shm: option 'stage' must be true or false or null, got 1"),
-        ("shm", {"slots": 2.0}, "shm: slots must be >= 1, got 2.0"),  # its own check first
-        ("shm", {"poll_us": True}, "shm: poll_us must be microseconds"),
+        ("shm", {"slots": 2.0}, "shm: option 'slots' must be an int, got 2.0"),
+        ("shm", {"poll_us": 1.5}, "shm: option 'poll_us' must be an int or null, got 1.5"),
+        ("shm", {"poll_us": True}, "shm: option 'poll_us' must be an int or null, got True"),
+        (
+            "independent_fetch",
+            {"stripe_min_bytes": "1MiB"},
+            "independent_fetch: option 'stripe_min_bytes' must be an int or null, got '1MiB'",
+        ),
         ("direct", {"direct_min_bytes": 1.5}, "direct: option 'direct_min_bytes' must be an int"),
-        ("self_load", {"directory": 7}, "self_load: directory must be a path (a string), got 7"),
+        ("self_load", {"directory": 7}, "self_load: option 'directory' must be a string, got 7"),
         ("auto", {"cluster": 7}, "auto: option 'cluster' must be a string, got 7"),
+        (
+            "auto",
+            {"candidates": "flat"},
+            "auto: option 'candidates' must be a list of (one of 'flat', 'direct', ",
+        ),
         (
             "floor",
             {"method": "chunks", "chunks": "4"},
             "floor: option 'chunks' must be an int, got '4'",
         ),
+        (
+            "pickled",
+            {"serialization": "zzz"},
+            "pickled: option 'serialization' must be one of 'roll', 'dataclass', 'pickle5', "
+            "'verl_numpy', got 'zzz'",
+        ),
+        ("floor", {"method": "ring"}, "floor: option 'method' must be one of 'one', 'chunks', "),
+        (
+            "auto",
+            {"candidates": ["flat", "bogus"]},
+            "auto: option 'candidates': item 'bogus' is not one of 'flat', 'direct', ",
+        ),
+        ("auto", {"first": "pickled"}, "auto: option 'first' must be one of 'flat', 'direct', "),
     ],
 )
 def test_a_value_of_the_wrong_type_is_refused_naming_option_and_type(name, options, message):
@@ -228,17 +233,36 @@ def test_a_value_of_the_wrong_type_is_refused_naming_option_and_type(name, optio
         assert str(checked.value) == str(built.value)
 
 
-def test_the_type_check_names_the_item_of_a_list_it_refuses():
+def test_the_type_check_names_the_item_of_a_list_it_refuses_and_lets_defaults_be():
     from strategies.core.option_types import check_types
 
     @dataclasses.dataclass(frozen=True)
     class Opts:
         picks: tuple[str, ...] = ()
         mode: int | None = None
+        size: int = None  # a user's loose default is the author's to give
 
-    check_types(Opts, {"picks": ("a", "b"), "mode": None}, "x")  # fits: nothing raised
-    check_types(Opts, {"picks": ["a"], "mode": 3}, "x")  # a list where the default is a tuple
-    with pytest.raises(ValueError, match=r"^x: option 'picks': item 2 is not a string \(got"):
-        check_types(Opts, {"picks": ("a", 2)}, "x")
-    with pytest.raises(ValueError, match=r"^x: option 'mode' must be an int or null, got 'a'$"):
-        check_types(Opts, {"mode": "a"}, "x")
+    check_types(Opts(picks=("a", "b"), mode=None))  # fits: nothing raised
+    check_types(Opts(picks=["a"], mode=3))  # a list where the default is a tuple
+    with pytest.raises(ValueError, match=r"^option 'picks': item 2 is not a string \(got"):
+        check_types(Opts(picks=("a", 2)))
+    with pytest.raises(ValueError, match=r"^option 'mode' must be an int or null, got 'a'$"):
+        check_types(Opts(mode="a"))
+    with pytest.raises(ValueError, match=r"^option 'size' must be an int, got 'big'$"):
+        check_types(Opts(size="big"))
+
+
+def test_a_label_option_is_read_by_its_type():
+    """predict's labels carry text; each value is read as its field's annotation reads it, so
+    ``shm[stage=false]`` prices stage=False (the text 'false' is true)."""
+    from harness.model.prices import parse_label
+
+    assert parse_label("shm[stage=false,stripe_min_bytes=4096]") == (
+        "shm", {"stage": False, "stripe_min_bytes": 4096}
+    )  # fmt: skip
+    assert parse_label("shm[stripe_min_bytes=null]") == ("shm", {"stripe_min_bytes": None})
+    assert parse_label("mooncake[fields=input_ids+returns]")[1] == {
+        "fields": ("input_ids", "returns")
+    }
+    assert parse_label("pickled[serialization=dataclass]")[1] == {"serialization": "dataclass"}
+    assert parse_label("bogus[x=1]") == ("bogus", {"x": "1"})  # unknown: the caller names it
