@@ -43,7 +43,8 @@ def cell_verdict(df: pd.DataFrame, layout: str, size: float, times: dict[str, fl
     same-job ratio), the intervals come from the fastest one's records in ``df`` (the rows
     ``tables.load`` made: ``ref_<other>_vs_strategy``'s interval, paired in its job's rounds)."""
     best = min((t, n) for n, t in times.items() if not math.isnan(t))[1]
-    return decide(times, lambda name: paired_interval(df, layout, size, name, best))
+    own = _jobs_of(df, layout, size, best)  # once per cell: every other strategy reads it
+    return decide(times, lambda name: _paired_in(own, name))
 
 
 def paired_interval(
@@ -52,7 +53,17 @@ def paired_interval(
     """The interval of ``name``'s time over ``over``'s, paired in the rounds of ``over``'s jobs
     of this cell (the interval of its records' ``ref_<name>_vs_strategy``); None where those
     jobs did not time ``name`` beside it."""
-    own = df[(df["layout"] == layout) & (df["payload_bytes"] == size) & (df["strategy"] == over)]
+    return _paired_in(_jobs_of(df, layout, size, over), name)
+
+
+def _jobs_of(df: pd.DataFrame, layout: str, size: float, strategy: str) -> pd.DataFrame:
+    """The records of ``strategy`` in this cell."""
+    return df[
+        (df["layout"] == layout) & (df["payload_bytes"] == size) & (df["strategy"] == strategy)
+    ]
+
+
+def _paired_in(own: pd.DataFrame, name: str) -> Interval | None:
     lo, hi = interval_keys(f"ref_{bare(name)}_vs_strategy")
     if own.empty or lo not in own.columns or hi not in own.columns:
         return None
