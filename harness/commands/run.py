@@ -128,7 +128,8 @@ def _claim_sweep(argv: list[str]) -> Path | None:
     if not {"-m", "--multirun"} & set(argv) or PASSTHROUGH & set(argv):
         return None
     overrides = [a for a in argv if not a.startswith("-")]
-    STATE.total = check_sweep(overrides, lambda: _job().validate)
+    STATE.weights = check_sweep(overrides, lambda: _job().validate)
+    STATE.total = len(STATE.weights)
     # Claimed before Hydra starts (it ignores what its callbacks raise), and handed back
     # resolved so Hydra writes exactly where the claim is; under torchrun only the rank that
     # writes records owns it.
@@ -146,7 +147,7 @@ def _check_only(argv: list[str]) -> int:
     overrides = [a for a in argv if not a.startswith("-")]
     try:
         if {"-m", "--multirun"} & set(argv):
-            jobs = check_sweep(overrides, lambda: _job().validate)
+            jobs = len(check_sweep(overrides, lambda: _job().validate))
         else:
             with hydra.initialize_config_dir(str(paths.CONF_DIR), version_base="1.3"):
                 config = hydra.compose("config", overrides)

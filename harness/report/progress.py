@@ -9,7 +9,6 @@ failed, and where the records are.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from harness import files
 from harness.job.records import job_line
 from harness.job.verdict import records_beside
 from harness.report.collect import load
-from harness.report.sweep_state import STATE
+from harness.report.sweep_state import STATE, eta_s
 from harness.report.terminal import sweep_summary
 
 
@@ -69,7 +68,7 @@ class Progress(Callback):
         STATE.done += 1
         elapsed = time.monotonic() - self.t0
         total = STATE.total
-        eta = elapsed / STATE.done * (total - STATE.done) if total else math.nan
+        eta = eta_s(elapsed, STATE.done, total, STATE.weights)
         rec = getattr(job_return, "_return_value", None)
         status = getattr(job_return.status, "name", str(job_return.status))
         if status != "COMPLETED" or not isinstance(rec, dict) or rec.get("status") == "failed":

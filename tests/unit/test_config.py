@@ -3,6 +3,7 @@ with the arithmetic, and the CLI says so and exits."""
 
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
@@ -181,7 +182,9 @@ def test_the_real_step_sweep_is_a_varying_workload_on_uneven_replicas():
     assert {j[1] for j in sweep_jobs(["sweep=real_step"])} == {
         f"strategy={n}" for n in strategies.names_for_world()
     }
-    assert check_sweep(["sweep=real_step"], lambda: validate) == len(strategies.names_for_world())
+    assert len(check_sweep(["sweep=real_step"], lambda: validate)) == len(
+        strategies.names_for_world()
+    )
     step = cfg_of("sweep=real_step", "layout=tp2pp2dp2")
     assert step.payload.dp_split == "drawn" and step.payload.draws >= 1
     assert len({entry["seq_len"] for entry in step.payload.cycle}) > 1
@@ -306,3 +309,24 @@ def test_transferqueue_without_its_extra_is_one_line_naming_it_and_exit_2(
     assert "pip install 'bcastbench[transferqueue]'" in err and len(err.splitlines()) == 1, err
     assert "transferqueue" not in strategies.names_for_world("ray")
     assert not run_dir.exists()
+
+
+def test_the_eta_weighs_the_jobs_left_by_their_ranks():
+    """A sweep of small worlds first and large ones last (make bench's order) must not promise
+    the end at the small ones' pace: the jobs left weigh by their ranks (``job_weight``)."""
+    from omegaconf import OmegaConf
+
+    from harness.job.sweep_plan import RANKS_EXPONENT, job_weight
+    from harness.report.sweep_state import eta_s
+
+    def cfg(**layout):
+        return OmegaConf.create({"layout": {"dp": 1, "pp": 1, "tp": 1, "cp": 1, **layout}})
+
+    assert job_weight(cfg(tp=2)) == 2**RANKS_EXPONENT
+    assert job_weight(cfg(tp=2, pp=2, dp=2)) == 8**RANKS_EXPONENT
+    weights = [job_weight(cfg(tp=2))] * 2 + [job_weight(cfg(tp=2, pp=2, dp=2))] * 2
+    by_count = eta_s(10.0, 2, 4, [])  # what the line said before: 10 s more
+    by_ranks = eta_s(10.0, 2, 4, weights)
+    assert by_count == 10.0 and by_ranks == pytest.approx(10.0 * 4**RANKS_EXPONENT)
+    assert eta_s(10.0, 4, 4, weights) == 0.0
+    assert math.isnan(eta_s(10.0, 0, 4, weights)) and math.isnan(eta_s(10.0, 1, 0, []))
