@@ -240,8 +240,10 @@ class PrivateCluster:
 
     def end(self, grace_s: float, terminate: bool) -> None:
         """Wait ``grace_s`` for the processes the cluster started (SIGTERM them first when
-        ``terminate``), SIGKILL any left, by pid; then forget the cluster (``_forget``)."""
+        ``terminate``), SIGKILL any left, by pid; remove the named semaphores they left
+        (``ray_reaper.remove_semaphores``); then forget the cluster (``_forget``)."""
         end_pids(self.started_pids, grace_s, terminate=terminate)
+        ray_reaper.remove_semaphores(self.started_pids)
         self._forget()
 
     def _forget(self) -> None:

@@ -1,6 +1,7 @@
 """The private Ray cluster's undertaker: a small process that outlives the driver and, once the
 driver is gone however it ended (kill -9 included, which runs none of the driver's own
-cleanup), stops every process the cluster started and removes the cluster's directory.
+cleanup), stops every process the cluster started and removes the cluster's directory and the
+named semaphores its processes left in /dev/shm.
 
 Ray's own processes notice a dead driver slowly (its dashboard and runtime-env agents stay for
 a minute or more), and its session folder stays on disk. The driver starts this before
@@ -78,6 +79,27 @@ def end_processes(procs: list, grace_s: float, terminate: bool = True) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
+SEMAPHORES = Path("/dev/shm")
+"""Where POSIX named semaphores live (``sem_open``'s ``/name`` is ``/dev/shm/sem.name``)."""
+
+
+def remove_semaphores(pids) -> list[Path]:
+    """Remove the named semaphores Ray's processes of ``pids`` left (a compiled graph's channels:
+    ``sem.hdr<pid>-…`` and ``sem.obj<pid>-…``, which Ray unlinks only in an orderly raylet
+    exit, never after the SIGTERM or SIGKILL that ends a cluster); the files removed. Only
+    names carrying one of ``pids`` are touched: those processes have ended."""
+    removed = []
+    for pid in pids:
+        for kind in ("hdr", "obj"):
+            for path in SEMAPHORES.glob(f"sem.{kind}{int(pid)}-*"):
+                try:
+                    path.unlink()
+                except OSError:
+                    continue
+                removed.append(path)
+    return removed
+
+
 def watch(driver: int, cluster_dir: Path, pipe_fd: int = 0) -> None:
     """Until ``pipe_fd`` reaches EOF (the driver closed it or died), keep the list of the
     driver's descendants; then stop them and remove ``cluster_dir``."""
@@ -89,6 +111,7 @@ def watch(driver: int, cluster_dir: Path, pipe_fd: int = 0) -> None:
             break
         seen.update({pid: t for pid, t in _descendants(driver).items() if pid != me})
     stop_all(seen)
+    remove_semaphores(seen)
     shutil.rmtree(cluster_dir, ignore_errors=True)
 
 

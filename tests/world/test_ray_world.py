@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import psutil
 import pytest
@@ -333,9 +334,22 @@ def test_a_hung_rank_is_named_with_its_phase_and_the_next_job_revives_the_ranks(
     again.run(run_job_on_rank, healthy)
 
 
+def _semaphores(pids) -> list[Path]:
+    """The named semaphores Ray's processes of ``pids`` made (a compiled graph's channels)."""
+    return [
+        p for pid in pids for k in ("hdr", "obj") for p in Path("/dev/shm").glob(f"sem.{k}{pid}-*")
+    ]
+
+
 def test_crashing_rank_fails_by_name_and_close_leaves_nothing(ray_world):
+    """After a compiled graph ran and a rank crashed, close() leaves no process the cluster
+    started and none of the named semaphores its channels made (Ray unlinks those only when
+    its raylet exits in order, which a stopped cluster's does not)."""
+    graph = dispatch_spec(Layout(tp=2, dp=2), ("cgraph",), iters=1, warmup=0, **SMALL)
+    assert run_job(ray_world, graph)["correct"]
     pids = set(ray_world.started_pids)
     assert set(ray_world.rank_pids) <= pids, "the rank actors must be among the tracked pids"
+    assert _semaphores(pids), "the graph made no named semaphore: nothing here to check"
     spec = JobSpec("header", TP2PP2, iters=2, warmup=0, fault=Fault(1, 0), **SMALL)
     with pytest.raises(WorldError, match="rank 1"):
         ray_world.run(run_job_on_rank, spec, timeout_s=60)
@@ -343,6 +357,7 @@ def test_crashing_rank_fails_by_name_and_close_leaves_nothing(ray_world):
     ray_world.close()
     left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert left == [], f"processes the Ray world started are still running: {left}"
+    assert _semaphores(pids) == [], "the cluster's named semaphores are left in /dev/shm"
 
 
 # -- strategies that need a Ray world: the tests every strategy passes on a gloo world ---------
