@@ -83,9 +83,10 @@ RANKS_EXPONENT = 0.75
 def job_weight(cfg) -> float:
     """How long a job of config ``cfg`` takes beside the sweep's others, for the progress
     line's ETA (``harness.report.progress``): its ranks to ``RANKS_EXPONENT``."""
-    layout = cfg.layout
-    ranks = int(layout.dp) * int(layout.pp) * int(layout.tp) * int(layout.cp)
-    return float(max(ranks, 1)) ** RANKS_EXPONENT
+    # Here, not at the top: a mistyped key is refused before the config's strategies (torch).
+    from harness.job.config import layout_of
+
+    return float(layout_of(cfg).world_size) ** RANKS_EXPONENT
 
 
 def check_sweep(

@@ -130,12 +130,7 @@ def recover(root: Path | str) -> tuple[list[Path], list[Path]]:
     Returns (recovered records, temporaries left)."""
     recovered, left = [], []
     for tmp in unfinished_writes(root):
-        try:
-            record = json.loads(tmp.read_text())
-        except (OSError, ValueError):
-            left.append(tmp)
-            continue
-        if not isinstance(record, dict) or "status" not in record:
+        if read_record(tmp, quiet=True) is None:  # the caller names what is left
             left.append(tmp)
             continue
         os.chmod(tmp, MODE)
