@@ -15,10 +15,8 @@ import sys
 from pathlib import Path
 
 from harness.errors import USAGE_EXIT
-from harness.report import figures_sizes
 from harness.report.collect import records_dir_problem, unfinished_writes
 from harness.report.dispatch_records import load_dispatch_records
-from harness.report.figures import FIGURES
 from harness.report.markdown import write_report
 from harness.report.ray_report import write_ray_report
 from harness.report.tables import load
@@ -63,10 +61,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return FAILED_EXIT
-    path = write_report(args.root, df)
+    written = write_report(args.root, df)
     # The figures by count: their names (in report.md) made the line 225 columns wide.
-    figures = len([*FIGURES.values(), figures_sizes.FIGURE])
-    print(f"bcastbench report: {path} (and {figures} figures beside it)")
+    print(f"bcastbench report: {written.path} (and {len(written.figures)} figures beside it)")
     return 0
 
 

@@ -23,7 +23,7 @@ _HOMES = {
     ),
     "figures": (
         "FIGURES", "PLOTS", "plot_algbw", "plot_latency", "plot_overhead", "plot_speedup",
-        "save_figures",
+        "save_figure", "save_figures",
     ),
     "markdown": (
         "caveat", "commands_markdown", "recommendation_markdown", "results_markdown",

@@ -411,11 +411,16 @@ PLOTS = {
 }
 
 
+def save_figure(df: pd.DataFrame, out_dir: Path | str, name: str, dpi: int = 110) -> Path:
+    """Draw figure ``name`` (of ``PLOTS``) and write it as PNG under ``out_dir`` (atomically);
+    its path."""
+    return write_figure(Path(out_dir) / FIGURES[name], PLOTS[name](df), dpi=dpi)
+
+
 def save_figures(df: pd.DataFrame, out_dir: Path | str, dpi: int = 110) -> dict[str, Path]:
-    """Draw every figure and write it as PNG under ``out_dir`` (atomically); name -> path."""
-    out_dir = Path(out_dir)
-    return {name: write_figure(out_dir / FIGURES[name], plot(df), dpi=dpi)
-            for name, plot in PLOTS.items()}  # fmt: skip
+    """Draw every figure of ``PLOTS`` and write it as PNG under ``out_dir`` (atomically);
+    name -> path."""
+    return {name: save_figure(df, out_dir, name, dpi) for name in PLOTS}
 
 
 # -- Ray dispatch (harness.job.dispatch records) ---------------------------------------------

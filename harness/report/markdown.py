@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pandas as pd
@@ -15,7 +17,8 @@ from harness.job.interval import interval_of
 from harness.job.verdict import interval_text
 from harness.report import figures_memory, figures_pull, figures_sizes
 from harness.report.cost_section import cost_markdown
-from harness.report.figures import save_figures
+from harness.report.drawing import draw_beside
+from harness.report.figures import PLOTS, save_figure
 from harness.report.md_format import fenced_commands, is_missing, md_table, ratio_range
 from harness.report.memory_section import memory_markdown
 from harness.report.pull_section import push_pull_markdown
@@ -44,6 +47,9 @@ from harness.report.tables import (
     strategy_table,
     unique_values,
 )
+
+SIZES_FIGURE = "time and busbw (nccl-tests)"
+"""The link text of ``figures_sizes``' figure."""
 
 CORE_FIELDS = ("cpu_count", "cpus", "cores")
 """Record fields that may say how many cores the machine had (the first present is used)."""
@@ -293,12 +299,60 @@ def shapes_markdown(df: pd.DataFrame) -> str:
     return "\n".join(parts)
 
 
-def write_report(root: Path | str, df: pd.DataFrame | None = None) -> Path:
-    """Write report.md and the PNG figures into ``root``; returns the report's path."""
+@dataclass(frozen=True)
+class Written:
+    """What ``write_report`` wrote: report.md and the figures beside it."""
+
+    path: Path
+    figures: tuple[Path, ...]
+
+
+def write_report(root: Path | str, df: pd.DataFrame | None = None) -> Written:
+    """Write report.md and the PNG figures into ``root``. The figures are drawn beside the
+    text (``drawing.draw_beside``: on a second core where there is one)."""
     root = Path(root)
     df = load(root) if df is None else df
+    push_pull, memory = push_pull_markdown(df), memory_markdown(df)
+    # Most expensive first, so that the last figures taken are the short ones.
+    draws = {
+        "speedup": partial(save_figure, df, root, "speedup"),
+        SIZES_FIGURE: partial(figures_sizes.save, df, root),
+        "push vs pull": partial(figures_pull.save, df, root) if push_pull else None,
+        "latency": partial(save_figure, df, root, "latency"),
+        "overhead": partial(save_figure, df, root, "overhead"),
+        "algbw": partial(save_figure, df, root, "algbw"),
+        "copies per node": partial(figures_memory.save, df, root) if memory else None,
+    }
+    draws = {name: draw for name, draw in draws.items() if draw is not None}
+    paths, parts = draw_beside(list(draws.values()), lambda: _text_parts(df))
+    drawn = dict(zip(draws, paths))
+    text = _report_text(root, df, parts, push_pull, memory, drawn)
+    return Written(write_atomic(root / "report.md", text), tuple(p for p in paths if p))
+
+
+def _text_parts(df: pd.DataFrame) -> dict[str, str]:
+    """The report's sections that take time and no figure, by name."""
+    return {
+        "recommendation": recommendation_markdown(df),
+        "checked": samples_markdown(check_samples(df)),
+        "results": results_markdown(df),
+        "shapes": shapes_markdown(df),
+        "cost": cost_markdown(df),
+    }
+
+
+def _with_figure(section: str, name: str, path: Path | None) -> str:
+    """A section with its figure linked below it (the section alone where none was drawn)."""
+    return f"{section}\n\n![{name}]({path.name})" if path is not None else section
+
+
+def _report_text(root: Path, df: pd.DataFrame, parts: dict[str, str], push_pull: str,
+                 memory: str, drawn: dict[str, Path | None]) -> str:  # fmt: skip
     n_refused = int((~df["supported"]).sum())
-    text = f"""# bcastbench report: {root.name}
+    links = "\n\n".join(
+        f"![{name}]({drawn[name].name})" for name in (*PLOTS, SIZES_FIGURE) if drawn.get(name)
+    )
+    return f"""# bcastbench report: {root.name}
 
 {context_line(df)}. {len(df)} job record(s), {n_refused} of them unsupported (shown as n/a){_failed_note(df)};
 layouts {", ".join(layouts_of(df))}; git {unique_values(df, "git_rev")}, torch {unique_values(df, "torch_version")}.
@@ -318,13 +372,19 @@ Regenerate this report with `bcastbench report {root}`.
 
 ## Recommendation
 
-{recommendation_markdown(df)}
+{parts["recommendation"]}
 
-{_push_pull(df, root)}
+{_with_figure(push_pull, "push vs pull", drawn.get("push vs pull"))}
 
-{_memory(df, root)}
+{_with_figure(memory, "copies per node", drawn.get("copies per node"))}
 
-{_figures_and_checks(df, root)}
+## Figures
+
+{links}
+
+## Checked against the samples
+
+{parts["checked"]}
 
 ## Results per layout
 
@@ -335,40 +395,14 @@ ratio; the widest of the jobs' where several measured it), where the records car
 on a size: its jobs ran more ranks on a node than the host had cores. n/a: the strategy refuses the layout (reason below the
 tables); not run: no job measured it.
 
-{results_markdown(df)}
+{parts["results"]}
 
-{shapes_markdown(df)}
+{parts["shapes"]}
 
 ## Why each costs what it costs
 
-{cost_markdown(df)}
+{parts["cost"]}
 """
-    return write_atomic(root / "report.md", text)
-
-
-def _figures_and_checks(df: pd.DataFrame, root: Path) -> str:
-    """The figures (drawn into ``root``) linked, and what recomputing every p50 found."""
-    figures = save_figures(df, root)
-    figures["time and busbw (nccl-tests)"] = figures_sizes.save(df, root)
-    links = "\n\n".join(f"![{name}]({path.name})" for name, path in figures.items())
-    checked = samples_markdown(check_samples(df))
-    return f"## Figures\n\n{links}\n\n## Checked against the samples\n\n{checked}"
-
-
-def _push_pull(df: pd.DataFrame, root: Path) -> str:
-    """The "Push or pull" table with its figure (drawn into ``root``) below it; '' without a
-    cell that measured both kinds."""
-    section = push_pull_markdown(df)
-    figure = figures_pull.save(df, root) if section else None
-    return f"{section}\n\n![push vs pull]({figure.name})" if figure is not None else section
-
-
-def _memory(df: pd.DataFrame, root: Path) -> str:
-    """The "Memory on the node" tables with their figure (drawn into ``root``) below them; ''
-    without node memory in the records."""
-    section = memory_markdown(df)
-    figure = figures_memory.save(df, root) if section else None
-    return f"{section}\n\n![copies per node]({figure.name})" if figure is not None else section
 
 
 def _failed_note(df: pd.DataFrame) -> str:

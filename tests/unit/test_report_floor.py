@@ -110,5 +110,5 @@ def test_report_renders_old_and_new_records(honest_sweep, tmp_path):
     for src in (FIXTURE, honest_sweep):
         root = tmp_path / src.name
         shutil.copytree(src, root)
-        text = markdown.write_report(root).read_text()
+        text = markdown.write_report(root).path.read_text()
         assert "fastest raw way" in text and "## Why each costs" in text

@@ -127,7 +127,7 @@ def test_growth_measured_on_fresh_pages_is_shown_with_pickled_beside_the_floor(t
 
 def test_report_names_the_command_that_regenerates_it(tmp_path):
     root = _copy(tmp_path)
-    text = markdown.write_report(root).read_text()
+    text = markdown.write_report(root).path.read_text()
     assert f"`bcastbench report {root}`" in text
     assert "harness.commands.report" not in text
 

@@ -201,7 +201,7 @@ def test_a_mismatch_and_a_bad_samples_file_are_named(sweep, tmp_path):
 
 
 def test_report_md_says_what_was_checked_and_links_the_nccl_tests_figure(sweep):
-    text = markdown.write_report(sweep).read_text()
+    text = markdown.write_report(sweep).path.read_text()
     assert "## Checked against the samples" in text and "6 of 6 records checked match" in text
     assert f"]({figures_sizes.FIGURE})" in text and (sweep / figures_sizes.FIGURE).is_file()
 
