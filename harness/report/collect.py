@@ -76,20 +76,50 @@ def load(root: Path | str) -> pd.DataFrame:
     """Every result.json under ``root`` (nested reference dicts flattened as ref_<name>_<field>);
     one that is no record is skipped, said (``read_record``), and counted in
     ``attrs["n_skipped"]``."""
-    rows, skipped = [], 0
-    for path in sorted(Path(root).rglob("result.json")):
-        rec = read_record(path)
-        if rec is None:
-            skipped += 1
-            continue
-        for name, ref in (rec.pop("references", None) or {}).items():
-            for k, v in ref.items():
-                rec[f"ref_{name}_{k}"] = v
-        rec["job_dir"] = str(path.parent)
-        rows.append(rec)
-    df = pd.DataFrame(rows)
-    df.attrs["n_skipped"] = skipped
-    return df
+    return Loader()(root)
+
+
+class Loader:
+    """``load``, for a caller that loads the same directory again as it grows (a sweep's table
+    after every job): each call reads only the result.json files that are new or changed since
+    the last (by size, modification time and inode: records are replaced whole, never edited),
+    so a sweep's table costs a job's records, not the sweep's. An unreadable file is said once,
+    where it first appears."""
+
+    def __init__(self) -> None:
+        self._read: dict[Path, tuple[tuple[int, int, int], dict | None]] = {}
+
+    def __call__(self, root: Path | str) -> pd.DataFrame:
+        rows, skipped, seen = [], 0, {}
+        for path in sorted(Path(root).rglob("result.json")):
+            try:
+                st = path.stat()
+            except OSError:
+                continue  # gone since the listing: no record now
+            key = (st.st_size, st.st_mtime_ns, st.st_ino)
+            known = self._read.get(path)
+            row = known[1] if known is not None and known[0] == key else _row(path)
+            seen[path] = (key, row)
+            if row is None:
+                skipped += 1
+            else:
+                rows.append(row)
+        self._read = seen
+        df = pd.DataFrame(rows)
+        df.attrs["n_skipped"] = skipped
+        return df
+
+
+def _row(path: Path) -> dict | None:
+    """The record in ``path`` as a table row (``read_record``, its references flattened)."""
+    rec = read_record(path)
+    if rec is None:
+        return None
+    for name, ref in (rec.pop("references", None) or {}).items():
+        for k, v in ref.items():
+            rec[f"ref_{name}_{k}"] = v
+    rec["job_dir"] = str(path.parent)
+    return rec
 
 
 def summary_table(df: pd.DataFrame) -> str:

@@ -18,14 +18,15 @@ from hydra.experimental.callback import Callback
 from harness import files
 from harness.job.records import job_line
 from harness.job.verdict import records_beside
-from harness.report.collect import load
+from harness.report.collect import Loader
 from harness.report.sweep_state import STATE, eta_s
 from harness.report.terminal import sweep_summary
 
 
-def write_table(root: Path) -> Path | None:
-    """``root/results.csv`` from every record under ``root`` (None while there is none)."""
-    df = load(root)
+def write_table(root: Path, load=None) -> Path | None:
+    """``root/results.csv`` from every record under ``root`` (None while there is none), read
+    by ``load`` (a ``collect.Loader`` that read the directory before reads only what is new)."""
+    df = (load or Loader())(root)
     if df.empty:
         return None
     return files.write_csv(root / "results.csv", df)
@@ -35,6 +36,7 @@ class Progress(Callback):
     def __init__(self) -> None:
         self.t0 = time.monotonic()
         self.sweeping = False
+        self.load = Loader()
 
     def on_job_start(self, config, **kwargs) -> None:
         # A single run's directory interpolates hydra:runtime, which resolves only once the
@@ -80,11 +82,11 @@ class Progress(Callback):
         print(line, flush=True)
         if STATE.records is not None:
             _append_log(STATE.records, line)
-            write_table(STATE.records)
+            write_table(STATE.records, self.load)
 
     def on_multirun_end(self, config, **kwargs) -> None:
         root = Path(str(config.hydra.sweep.dir))
-        df = load(root)
+        df = self.load(root)
         if not df.empty:
             files.write_csv(root / "results.csv", df)
         if not STATE.done and not df.empty:

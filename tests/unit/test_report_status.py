@@ -10,6 +10,7 @@ import sys
 import types
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from harness.job import records
@@ -143,6 +144,35 @@ def test_a_file_that_is_no_record_is_skipped_naming_it_by_every_reader(tmp_path,
     df = collect.load(beside)
     assert len(df) == 1 and df.attrs["n_skipped"] == 1
     assert report([str(beside)]) == 0
+
+
+def test_a_sweeps_table_reads_each_record_once_and_again_only_when_replaced(
+    tmp_path, capsys, monkeypatch
+):
+    """``collect.Loader`` (the table a sweep rewrites after every job): a second load reads
+    only new or replaced records, says an unreadable one once, and gives the table a fresh
+    ``load`` gives."""
+    load = collect.Loader()
+    _record(tmp_path, "a", p50=100.0)
+    assert list(load(tmp_path)["p50_us"]) == [100.0]
+    read = []
+    real = collect.read_record
+    monkeypatch.setattr(collect, "read_record", lambda path: read.append(path) or real(path))
+    _record(tmp_path, "b", p50=200.0)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "result.json").write_text('{"strategy": 5')  # a torn write
+    df = load(tmp_path)
+    assert [p.parent.name for p in read] == ["b", "c"] and df.attrs["n_skipped"] == 1
+    assert capsys.readouterr().err.count("skipped") == 1
+    # A record replaced whole (a recovered writer's) is read again; the rest are not. Its size
+    # differs: a clock tick can hold both writes, and the freed inode can come back.
+    shutil.rmtree(tmp_path / "a")
+    _record(tmp_path, "a", p50=1500.25)
+    read.clear()
+    df = load(tmp_path)
+    assert [p.parent.name for p in read] == ["a"] and "skipped" not in capsys.readouterr().err
+    assert list(df["p50_us"]) == [1500.25, 200.0]
+    pd.testing.assert_frame_equal(df, collect.load(tmp_path))
 
 
 def _compose(overrides):
