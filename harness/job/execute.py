@@ -60,9 +60,10 @@ def run_job(
         # An emulated cluster's nodes are namespaces of this one host: every rank shares its cores.
         here = (tuple(range(world.world_size)),) if "emulate_nodes" in fields else world.nodes
         common = {**fields, **host.fields(here), **_samples(out_dir, spec, results)}
-        record = {**records.build(spec, summary, start_s), **common, **(extra or {})}
+        env = records.environment()
+        record = {**records.build(spec, summary, start_s, env), **common, **(extra or {})}
         if spec.record_each and not isinstance(summary, Refusal):
-            others = _each_strategy(spec, summary, start_s, {**common, **(extra or {})})
+            others = _each_strategy(spec, summary, start_s, {**common, **(extra or {})}, env)
     except record_failures as exc:
         record = {**records.failed(spec, exc), **(extra or {})}
     record = records.complete(record)
@@ -73,7 +74,9 @@ def run_job(
     return record
 
 
-def _each_strategy(spec: JobSpec, summary: JobSummary, start_s: float, common: dict) -> dict:
+def _each_strategy(
+    spec: JobSpec, summary: JobSummary, start_s: float, common: dict, env: dict
+) -> dict:
     """``record_each``: a record for every other strategy the job timed (floor methods
     aside), each about that strategy with the others as its references, and one saying why
     for every reference that refused; their samples are the job's (one directory up)."""
@@ -83,11 +86,12 @@ def _each_strategy(spec: JobSpec, summary: JobSummary, start_s: float, common: d
     for name in summary.strategies:
         if name != spec.strategy and not Label.parse(name).is_floor:
             as_tested = replace(spec, strategy=name, options={})
-            out[name] = records.complete({**records.build(as_tested, summary, start_s), **common})
+            out[name] = records.complete({**records.build(as_tested, summary, start_s, env),
+                                          **common})  # fmt: skip
     for name, why in (summary.refused or {}).items():
         refusal = Refusal(f"{name}: {why}")
         out[name] = records.complete({**records.build(replace(spec, strategy=name, options={}),
-                                                      refusal, start_s), **common})  # fmt: skip
+                                                      refusal, start_s, env), **common})  # fmt: skip
     return out
 
 

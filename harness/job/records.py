@@ -6,6 +6,7 @@ broadcast or dispatch; forked, joined, Ray or emulated), its fields declared in
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
 import subprocess
@@ -50,6 +51,7 @@ def _ratio(p50_us: float | None, other_p50_us: float | None) -> float | None:
     return None if p50_us is None or not other_p50_us else p50_us / other_p50_us
 
 
+@functools.cache  # a process runs with the packages it started with
 def _version(dist_name: str) -> str:
     try:
         return metadata.version(dist_name)
@@ -144,10 +146,13 @@ def _workload_fields(spec) -> dict:
     }
 
 
-def build(spec, summary: JobSummary | Refusal, world_start_s: float = 0.0) -> Record:
+def build(
+    spec, summary: JobSummary | Refusal, world_start_s: float = 0.0, env: dict | None = None
+) -> Record:
     """One flat record for every job kind: what the job was (from its JobSpec), then what was
     measured for the strategy (or dispatch mode) under test with its references beside it, or
-    why it was refused."""
+    why it was refused. ``env``: the job's ``environment()``, where its caller builds several
+    records of one job (read once: it asks git twice)."""
     if isinstance(summary, Refusal):
         measured = {
             "status": "unsupported",
@@ -157,7 +162,7 @@ def build(spec, summary: JobSummary | Refusal, world_start_s: float = 0.0) -> Re
         }
     else:
         measured = {"status": "ok", **_measured(spec, summary), "world_start_s": world_start_s}
-    return {**_job_fields(spec), **measured, **environment()}
+    return {**_job_fields(spec), **measured, **(environment() if env is None else env)}
 
 
 def failed(spec, error: BaseException) -> Record:

@@ -88,6 +88,8 @@ class Loader:
 
     def __init__(self) -> None:
         self._read: dict[Path, tuple[tuple[int, int, int], dict | None]] = {}
+        self.changed = True
+        """Whether the last call found a file new, replaced or gone since the call before."""
 
     def __call__(self, root: Path | str) -> pd.DataFrame:
         rows, skipped, seen = [], 0, {}
@@ -104,6 +106,9 @@ class Loader:
                 skipped += 1
             else:
                 rows.append(row)
+        self.changed = seen.keys() != self._read.keys() or any(
+            self._read[path][0] != key for path, (key, _) in seen.items()
+        )
         self._read = seen
         df = pd.DataFrame(rows)
         df.attrs["n_skipped"] = skipped

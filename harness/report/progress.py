@@ -13,6 +13,7 @@ import os
 import time
 from pathlib import Path
 
+import pandas as pd
 from hydra.experimental.callback import Callback
 
 from harness import files
@@ -23,13 +24,16 @@ from harness.report.sweep_state import STATE, eta_s
 from harness.report.terminal import sweep_summary
 
 
-def write_table(root: Path, load=None) -> Path | None:
-    """``root/results.csv`` from every record under ``root`` (None while there is none), read
-    by ``load`` (a ``collect.Loader`` that read the directory before reads only what is new)."""
-    df = (load or Loader())(root)
-    if df.empty:
-        return None
-    return files.write_csv(root / "results.csv", df)
+def write_table(root: Path, load=None) -> pd.DataFrame:
+    """``root/results.csv`` from every record under ``root`` (not while there is none), read
+    by ``load`` (a ``collect.Loader`` that read the directory before reads only what is new,
+    and leaves a table it wrote alone when no record changed since); the records' table."""
+    load = load or Loader()
+    df = load(root)
+    table = root / "results.csv"
+    if not df.empty and (load.changed or not table.is_file()):
+        files.write_csv(table, df)
+    return df
 
 
 class Progress(Callback):
@@ -86,9 +90,7 @@ class Progress(Callback):
 
     def on_multirun_end(self, config, **kwargs) -> None:
         root = Path(str(config.hydra.sweep.dir))
-        df = self.load(root)
-        if not df.empty:
-            files.write_csv(root / "results.csv", df)
+        df = write_table(root, self.load)
         if not STATE.done and not df.empty:
             # The launcher ran every job in processes of its own (Slurm tasks), so no job
             # ended here: the records are the count, and a failed one fails the command.

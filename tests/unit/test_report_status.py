@@ -171,8 +171,12 @@ def test_a_sweeps_table_reads_each_record_once_and_again_only_when_replaced(
     read.clear()
     df = load(tmp_path)
     assert [p.parent.name for p in read] == ["a"] and "skipped" not in capsys.readouterr().err
-    assert list(df["p50_us"]) == [1500.25, 200.0]
+    assert list(df["p50_us"]) == [1500.25, 200.0] and load.changed
     pd.testing.assert_frame_equal(df, collect.load(tmp_path))
+    load(tmp_path)
+    assert not load.changed
+    shutil.rmtree(tmp_path / "b")
+    assert len(load(tmp_path)) == 1 and load.changed
 
 
 def _compose(overrides):
