@@ -180,10 +180,10 @@ def _table_of_done_jobs() -> None:
     if STATE.records is None or not Path(STATE.records).is_dir():
         return
     # Deferred: the table needs pandas, which a command refused at config time never loads.
-    from harness.report.progress import write_table
+    from harness.report.progress import SweepTable
 
     try:
-        write_table(Path(STATE.records))
+        SweepTable().write(Path(STATE.records))
     except Exception as exc:  # noqa: BLE001 -- the interrupt's own line still follows
         print(f"bcastbench: no results.csv after the interrupt: {exc}", file=sys.stderr)
 

@@ -1,6 +1,7 @@
 """From records to readers: one table of every job (``collect``), the report's tables, figures
 and text (``tables``, ``figures`` with ``figures_sizes`` and ``styles``, ``markdown`` with
-``cost_section`` and ``md_format``), how sure they are (``sure``), and
+``cost_section`` and ``md_format``; the figures drawn beside the text by ``drawing``), how
+sure they are (``sure``), and
 measured Ray dispatch beside the model (``dispatch_records``, ``dispatch_model``,
 ``ray_report``); ``bcastbench report`` (``harness.commands.report``) writes them.
 

@@ -82,12 +82,12 @@ def load(root: Path | str) -> pd.DataFrame:
 class Loader:
     """``load``, for a caller that loads the same directory again as it grows (a sweep's table
     after every job): each call reads only the result.json files that are new or changed since
-    the last (by size, modification time and inode: records are replaced whole, never edited),
+    the last (by size, times and inode: records are replaced whole, never edited),
     so a sweep's table costs a job's records, not the sweep's. An unreadable file is said once,
-    where it first appears."""
+    where it first appears (and read again once its mode changes: a chmod is a change)."""
 
     def __init__(self) -> None:
-        self._read: dict[Path, tuple[tuple[int, int, int], dict | None]] = {}
+        self._read: dict[Path, tuple[tuple[int, ...], dict | None]] = {}
         self.changed = True
         """Whether the last call found a file new, replaced or gone since the call before."""
 
@@ -98,7 +98,7 @@ class Loader:
                 st = path.stat()
             except OSError:
                 continue  # gone since the listing: no record now
-            key = (st.st_size, st.st_mtime_ns, st.st_ino)
+            key = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
             known = self._read.get(path)
             row = known[1] if known is not None and known[0] == key else _row(path)
             seen[path] = (key, row)

@@ -17,6 +17,7 @@ import select
 import signal
 import struct
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -29,9 +30,11 @@ U = TypeVar("U")
 
 STALL_FACTOR = 10
 """A child silent for this many times the slowest figure seen (or ``STALL_FLOOR_S``, whichever
-is longer) is taken for stalled: it is killed and its figures are drawn here. A figure takes
+is longer) is taken for stalled: it is stopped and its figures are drawn here. A figure takes
 seconds; only a child blocked on something it inherited stays silent that long."""
 STALL_FLOOR_S = 120.0
+STOP_GRACE_S = 5.0
+"""How long a child asked to stop may take to finish its exit before it is killed."""
 
 _LENGTH = struct.Struct("!I")
 
@@ -42,35 +45,28 @@ def draw_beside(
     """Every ``draws[i]()`` (each exactly once; most expensive first balances best) and
     ``meanwhile()``: a forked child draws while this process runs ``meanwhile``, then both draw
     what is left. Returns the draws' results in order and what ``meanwhile`` returned. Serial
-    where there is one core, nothing to share or no ``fork``. ``say`` gets one line where the
-    child ended badly (its figures were drawn here all the same)."""
+    where there is one core, nothing to share, no ``fork``, or a thread beside this one (a
+    notebook's kernel: a lock one of them holds at the fork would stay held in the child), or
+    where the fork fails. ``say`` gets one line where the child ended badly (its figures were
+    drawn here all the same)."""
     if len(draws) > 255:
         raise ValueError(f"{len(draws)} figures: the queue numbers at most 255")
-    if not draws or host_cores() < 2 or not hasattr(os, "fork"):
+    child = None
+    if draws and host_cores() >= 2 and hasattr(os, "fork") and threading.active_count() == 1:
+        child = _Child.fork(draws)
+    if child is None:
         return [draw() for draw in draws], meanwhile()
-    queue_r, queue_w = os.pipe()
-    os.write(queue_w, bytes(range(len(draws))))  # fits a pipe's buffer: at most 255 bytes
-    os.close(queue_w)
-    back_r, back_w = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child's coverage is not collected
-        os.close(back_r)
-        _child(draws, queue_r, back_w)
-    os.close(back_w)
     results: dict[int, T] = {}
     try:
         answer = meanwhile()
-        slowest = _take(draws, queue_r, results)
-        theirs, ending = _collect(pid, back_r, slowest)
+        slowest = _take(draws, child.queue_r, results)
+        buf, ending = child.collect(slowest)
     except BaseException:
-        _stop(pid)
+        child.stop()
         raise
     finally:
-        for fd in (queue_r, back_r):
-            os.close(fd)
-    results.update(theirs)
+        child.close()
+    results.update(_messages(buf))
     missing = [i for i in range(len(draws)) if i not in results]
     if ending:
         say(f"bcastbench report: the process drawing figures beside this one {ending}; "
@@ -90,13 +86,90 @@ def _take(draws, queue_r: int, results: dict) -> float:
     return slowest
 
 
+class _Child:
+    """The forked child drawing beside this process, its queue's read end (shared) and its
+    answers' read end, until reaped (``collect`` or ``stop``: its pid is never signalled
+    after, when it may be another process's)."""
+
+    def __init__(self, pid: int, queue_r: int, back_r: int) -> None:
+        self.pid, self.queue_r, self.back_r = pid, queue_r, back_r
+        self.reaped = False
+
+    @classmethod
+    def fork(cls, draws) -> _Child | None:
+        """The child, drawing; None where a pipe or the fork failed (nothing is left open)."""
+        fds: list[int] = []
+        try:
+            queue_r, queue_w = os.pipe()
+            fds += [queue_r, queue_w]
+            os.write(queue_w, bytes(range(len(draws))))  # fits a pipe's buffer: 255 bytes
+            back_r, back_w = os.pipe()
+            fds += [back_r, back_w]
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            return None
+        if pid == 0:  # pragma: no cover - the child's coverage is not collected
+            os.close(back_r)
+            os.close(queue_w)
+            _child(draws, queue_r, back_w)
+        os.close(queue_w)
+        os.close(back_w)
+        return cls(pid, queue_r, back_r)
+
+    def collect(self, slowest_s: float) -> tuple[bytes, str | None]:
+        """Everything the child sent, read until it closes its end (or stalls: then it is
+        stopped), and how it ended where not well (None for a clean exit); it is reaped."""
+        buf = bytearray()
+        patience = max(STALL_FLOOR_S, STALL_FACTOR * slowest_s)
+        while True:
+            ready, _, _ = select.select([self.back_r], [], [], patience)
+            if not ready:
+                self.stop()
+                return bytes(buf), f"sent nothing for {patience:.0f} s and was stopped"
+            chunk = os.read(self.back_r, 1 << 16)
+            if not chunk:
+                break
+            buf += chunk
+        _, status = os.waitpid(self.pid, 0)
+        self.reaped = True
+        return bytes(buf), _ending(status)
+
+    def stop(self) -> None:
+        """End the child where it is not reaped yet: asked first, so that a figure it is
+        writing leaves no temporary file (``files.write_atomic`` cleans up on the way out),
+        then killed if it does not go within ``STOP_GRACE_S``; reaped."""
+        if self.reaped:
+            return
+        try:
+            os.kill(self.pid, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            while os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+                if time.monotonic() > deadline:
+                    os.kill(self.pid, signal.SIGKILL)
+                    os.waitpid(self.pid, 0)
+                    break
+                time.sleep(0.01)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        self.reaped = True
+
+    def close(self) -> None:
+        for fd in (self.queue_r, self.back_r):
+            os.close(fd)
+
+
 def _child(draws, queue_r: int, back_w: int) -> None:  # pragma: no cover - runs in the child
     """The forked child: draw from the queue, send each result back as ``(index, result)``,
     exit without running the parent's exit handlers or flushing its buffers."""
-    # Interrupts and terminations end the child as themselves, never through the handlers it
-    # inherited, which belong to the parent's sweep or world.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
+    # An interrupt or a termination ends the child through its own exception, never through
+    # the handlers it inherited (the parent's sweep's or world's): a figure being written is
+    # then removed by write_atomic on the way out.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _terminated)
     code = 0
     try:
         while taken := os.read(queue_r, 1):
@@ -112,33 +185,14 @@ def _child(draws, queue_r: int, back_w: int) -> None:  # pragma: no cover - runs
         os._exit(code)
 
 
+def _terminated(signum, frame):  # pragma: no cover - runs in the child
+    raise SystemExit(f"stopped by signal {signum}")
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
-
-
-def _collect(pid: int, back_r: int, slowest_s: float) -> tuple[dict[int, Any], str | None]:
-    """The child's results until it closes its end (or stalls: then it is killed), and how it
-    ended, where not well (``None`` for a clean exit)."""
-    buf, stalled = bytearray(), False
-    patience = max(STALL_FLOOR_S, STALL_FACTOR * slowest_s)
-    while True:
-        ready, _, _ = select.select([back_r], [], [], patience)
-        if not ready:
-            stalled = True
-            break
-        chunk = os.read(back_r, 1 << 16)
-        if not chunk:
-            break
-        buf += chunk
-    if stalled:
-        _stop(pid)
-        ending = f"sent nothing for {patience:.0f} s and was stopped"
-    else:
-        _, status = os.waitpid(pid, 0)
-        ending = _ending(status)
-    return _messages(bytes(buf)), ending
 
 
 def _messages(buf: bytes) -> dict[int, Any]:
@@ -159,13 +213,3 @@ def _ending(status: int) -> str | None:
         return f"was killed by signal {os.WTERMSIG(status)}"
     code = os.waitstatus_to_exitcode(status)
     return None if code == 0 else f"exited with status {code}"
-
-
-def _stop(pid: int) -> None:
-    """Kill the child and reap it, where not reaped yet (its figures are written atomically:
-    none is left torn)."""
-    try:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    except (ProcessLookupError, ChildProcessError):
-        pass

@@ -24,23 +24,34 @@ from harness.report.sweep_state import STATE, eta_s
 from harness.report.terminal import sweep_summary
 
 
-def write_table(root: Path, load=None) -> pd.DataFrame:
-    """``root/results.csv`` from every record under ``root`` (not while there is none), read
-    by ``load`` (a ``collect.Loader`` that read the directory before reads only what is new,
-    and leaves a table it wrote alone when no record changed since); the records' table."""
-    load = load or Loader()
-    df = load(root)
-    table = root / "results.csv"
-    if not df.empty and (load.changed or not table.is_file()):
-        files.write_csv(table, df)
-    return df
+class SweepTable:
+    """A sweep's ``results.csv``, rewritten from every record under its directory whenever a
+    record is new, replaced or gone since the table was last written (``collect.Loader``: each
+    record read once), left alone otherwise."""
+
+    def __init__(self) -> None:
+        self.load = Loader()
+        self._stale = True
+        """Whether records changed since the table was last written (a write that failed
+        leaves it so: the next one writes)."""
+
+    def write(self, root: Path) -> pd.DataFrame:
+        """The table under ``root`` brought up to date (not while there is no record); the
+        records' table."""
+        df = self.load(root)
+        self._stale = self._stale or self.load.changed
+        table = root / "results.csv"
+        if not df.empty and (self._stale or not table.is_file()):
+            files.write_csv(table, df)
+            self._stale = False
+        return df
 
 
 class Progress(Callback):
     def __init__(self) -> None:
         self.t0 = time.monotonic()
         self.sweeping = False
-        self.load = Loader()
+        self.table = SweepTable()
 
     def on_job_start(self, config, **kwargs) -> None:
         # A single run's directory interpolates hydra:runtime, which resolves only once the
@@ -86,11 +97,11 @@ class Progress(Callback):
         print(line, flush=True)
         if STATE.records is not None:
             _append_log(STATE.records, line)
-            write_table(STATE.records, self.load)
+            self.table.write(STATE.records)
 
     def on_multirun_end(self, config, **kwargs) -> None:
         root = Path(str(config.hydra.sweep.dir))
-        df = write_table(root, self.load)
+        df = self.table.write(root)
         if not STATE.done and not df.empty:
             # The launcher ran every job in processes of its own (Slurm tasks), so no job
             # ended here: the records are the count, and a failed one fails the command.

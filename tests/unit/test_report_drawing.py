@@ -6,9 +6,11 @@ on which process happens to take which figure."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
+from harness import files
 from harness.report import drawing
 
 pytestmark = pytest.mark.unit
@@ -100,3 +102,48 @@ def test_an_error_in_the_text_stops_the_child(tmp_path, two_cores):
     with pytest.raises(KeyError, match="supported"):
         drawing.draw_beside(_marks(tmp_path, 3), text)
     _no_child_left(two_cores)
+
+
+def test_a_thread_beside_or_a_failed_fork_draws_here(tmp_path, two_cores, monkeypatch):
+    """A process with a thread beside the main one (a notebook's kernel) is not forked: a lock
+    the thread held would stay held in the child; nor is one whose fork fails."""
+    monkeypatch.setattr(drawing.threading, "active_count", lambda: 2)
+    results, _ = drawing.draw_beside(_marks(tmp_path, 3), lambda: None)
+    assert not two_cores and {pid for _, pid in results} == {os.getpid()}
+    monkeypatch.undo()
+    monkeypatch.setattr(drawing, "host_cores", lambda: 2)
+
+    def no_fork():
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    for mark in tmp_path.iterdir():
+        mark.unlink()
+    results, _ = drawing.draw_beside(_marks(tmp_path, 3), lambda: None)
+    assert {pid for _, pid in results} == {os.getpid()}
+
+
+def test_a_child_stopped_while_writing_leaves_no_temporary_file(tmp_path, two_cores):
+    """The text fails while the child writes a figure: the child is asked to stop, and
+    ``write_atomic`` removes its temporary file on the way out."""
+    started = tmp_path / "started"
+    out = tmp_path / "figures"
+
+    def slow_figure():
+        def write(f):
+            started.touch()
+            time.sleep(120)  # until stopped
+
+        return files.write_atomic(out / "slow.png", write)
+
+    def text():
+        for _ in range(6000):  # the child's first figure has begun: bounded by what is seen
+            if started.exists():
+                raise RuntimeError("the text failed")
+            time.sleep(0.01)
+        raise AssertionError("the child never started its figure")
+
+    with pytest.raises(RuntimeError, match="the text failed"):
+        drawing.draw_beside([slow_figure], text)
+    _no_child_left(two_cores)
+    assert list(out.iterdir()) == []

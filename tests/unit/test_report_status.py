@@ -179,6 +179,25 @@ def test_a_sweeps_table_reads_each_record_once_and_again_only_when_replaced(
     assert len(load(tmp_path)) == 1 and load.changed
 
 
+def test_a_sweeps_table_written_after_a_failed_write_is_current(tmp_path, monkeypatch):
+    """``SweepTable``: a write that failed (a full disk) leaves the table stale, and the next
+    job's write brings it up to date though no record changed in between; with nothing
+    changed since a good write, the table is left alone."""
+    from harness import files
+    from harness.report.progress import SweepTable
+
+    table, real = SweepTable(), files.write_csv
+    _record(tmp_path, "a")
+    monkeypatch.setattr(files, "write_csv", lambda *a: (_ for _ in ()).throw(OSError(28, "full")))
+    with pytest.raises(OSError):
+        table.write(tmp_path)
+    writes = []
+    monkeypatch.setattr(files, "write_csv", lambda *a: writes.append(a) or real(*a))
+    table.write(tmp_path)
+    table.write(tmp_path)
+    assert len(writes) == 1 and len(pd.read_csv(tmp_path / "results.csv")) == 1
+
+
 def _compose(overrides):
     from hydra import compose, initialize_config_dir
 
