@@ -8,6 +8,7 @@ from __future__ import annotations
 import types
 import weakref
 
+import pytest
 import torch
 
 import strategies
@@ -68,3 +69,28 @@ def test_the_floors_received_bytes_are_let_go_after_the_clock_stops(monkeypatch)
     prepared.timed("floor")
     assert log == ["clock", "clock", "bytes dropped"]
     assert floor.received is None
+
+
+@pytest.mark.parametrize(
+    "world, replica, barriers",
+    [
+        (2, (0, 1), ["replica"]),  # DP = 1: the replica's barrier alone
+        (8, (0, 2, 4, 6), ["world", "replica"]),  # DP = 2: replicas start together first
+        (1, (0,), []),  # one rank: nothing to wait for
+        (4, (2,), ["world"]),  # replicas of one rank still start together
+    ],
+)
+def test_a_timed_call_starts_from_the_barriers_its_layout_needs(
+    monkeypatch, world, replica, barriers
+):
+    """``start_line``: a barrier over the world only where there are several replicas to start
+    together, then one over the replica's own group where it has several ranks."""
+    from harness.job import phases
+
+    seen: list[str] = []
+    monkeypatch.setattr(phases.dist, "get_world_size", lambda: world)
+    monkeypatch.setattr(
+        phases.dist, "barrier", lambda group=None: seen.append("world" if group is None else group)
+    )
+    phases.start_line(types.SimpleNamespace(replica_ranks=replica, cpu_replica_group="replica"))
+    assert seen == barriers
