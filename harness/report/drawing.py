@@ -167,8 +167,10 @@ def _child(draws, queue_r: int, back_w: int) -> None:  # pragma: no cover - runs
     exit without running the parent's exit handlers or flushing its buffers."""
     # An interrupt or a termination ends the child through its own exception, never through
     # the handlers it inherited (the parent's sweep's or world's): a figure being written is
-    # then removed by write_atomic on the way out.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # then removed by write_atomic on the way out. An interrupt the parent ignores (a job in
+    # the background) the child ignores too.
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _terminated)
     code = 0
     try:
