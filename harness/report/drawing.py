@@ -23,7 +23,10 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import psutil
+
 from harness.machine import host_cores
+from harness.worlds.ray_reaper import end_processes
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -139,21 +142,15 @@ class _Child:
         return bytes(buf), _ending(status)
 
     def stop(self) -> None:
-        """End the child where it is not reaped yet: asked first, so that a figure it is
-        writing leaves no temporary file (``files.write_atomic`` cleans up on the way out),
-        then killed if it does not go within ``STOP_GRACE_S``; reaped."""
+        """End the child where it is not reaped yet (``ray_reaper.end_processes``, which reaps
+        a child it waits for): SIGTERM first, so that a figure it is writing leaves no
+        temporary file (``files.write_atomic`` cleans up on the way out), SIGKILL if it does
+        not go within ``STOP_GRACE_S``."""
         if self.reaped:
             return
         try:
-            os.kill(self.pid, signal.SIGTERM)
-            deadline = time.monotonic() + STOP_GRACE_S
-            while os.waitpid(self.pid, os.WNOHANG) == (0, 0):
-                if time.monotonic() > deadline:
-                    os.kill(self.pid, signal.SIGKILL)
-                    os.waitpid(self.pid, 0)
-                    break
-                time.sleep(0.01)
-        except (ProcessLookupError, ChildProcessError):
+            end_processes([psutil.Process(self.pid)], STOP_GRACE_S)
+        except psutil.NoSuchProcess:
             pass
         self.reaped = True
 
