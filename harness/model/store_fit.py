@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from harness.model.least_squares import nonneg_lstsq
-from strategies.core.cluster import GB, US, ClusterConf, StoreConf, put_share
+from strategies.core.cluster import GB, NO_PUT_PER_CALL, US, ClusterConf, StoreConf, put_share
 from strategies.core.plan import Plan
 from strategies.core.pricing import price
 from strategies.core.store_pricing import fetch_s, readers
@@ -96,8 +96,8 @@ def sample_of(plan: Plan, layout, cluster: ClusterConf, p50_s: float) -> StoreSa
 
 def splits(samples: list[StoreSample]) -> bool:
     """Whether the samples can tell a put's bytes from a get's: some reader read fewer bytes
-    than were put (lazy fetch)."""
-    return any(s.got_bytes != s.nbytes for s in samples)
+    than were put (lazy fetch), of a store whose calls make a put (``NO_PUT_PER_CALL``)."""
+    return any(s.got_bytes != s.nbytes and s.store not in NO_PUT_PER_CALL for s in samples)
 
 
 def _lstsq(
@@ -105,17 +105,19 @@ def _lstsq(
 ) -> tuple[float, float, float, float]:
     """(α, β_put, β_get, sum of squared relative errors) for one contention, all ≥ 0: least
     squares of measured = rest + w·(α·calls + n·β_put + m·β_get), n put and m got, w = 1 +
-    contention·(readers − 1), relative to measured. Where no reader read fewer bytes than were
-    put (``split`` false: ``splits``), the two are one β (β_put)."""
+    contention·(readers − 1), relative to measured. Where the samples cannot tell the two apart
+    (``split`` false: ``splits``), they are one β on the bytes got (β_get): every byte put
+    where each reader got them all, and only those read where no call makes a put
+    (``NO_PUT_PER_CALL``)."""
     w = np.array([1 + contention * (s.readers - 1) for s in samples])
     t = np.array([s.measured_s for s in samples])
     rest = np.array([s.rest_s for s in samples])
     n = np.array([float(s.nbytes) for s in samples])
     m = np.array([float(s.got_bytes) for s in samples])
     calls = np.array([float(s.calls) for s in samples])
-    columns = [w * calls / t, w * n / t] + ([w * m / t] if split else [])
+    columns = [w * calls / t, w * m / t] + ([w * n / t] if split else [])
     coef, residual = nonneg_lstsq(np.stack(columns, axis=1), 1 - rest / t)
-    alpha, beta_put, beta_get = (*coef, 0.0)[:3]
+    alpha, beta_get, beta_put = (*coef, 0.0)[:3]
     return float(alpha), float(beta_put), float(beta_get), residual
 
 
@@ -133,7 +135,11 @@ def fit_store(samples: list[StoreSample]) -> StoreFit:
         call_us=alpha / US,
         gbytes_per_s=1 / (beta * GB) if beta > 0 else 0.0,
         fetch_contention=contention,
-        put_share=beta_put / beta if split and beta > 0 else None,
+        put_share=(
+            0.0
+            if samples[0].store in NO_PUT_PER_CALL
+            else (beta_put / beta if split and beta > 0 else None)
+        ),
     )
     errors = [abs(predict_s(conf, s) / s.measured_s - 1) for s in samples]
     return StoreFit(samples[0].store, conf, len(samples), float(np.median(errors)))

@@ -102,6 +102,11 @@ readers READ: Mooncake's Transfer Engine (``mooncake``) or a NIXL agent (``nixl`
 cache a record on disk is read from (``self_load``); and torch's shared storages, each leaf
 copied into fresh shared memory by the leader and mapped by each reader through a descriptor
 it fetches (``torch_shared``: α is paid per storage)."""
+NO_PUT_PER_CALL = ("node_shm", "page_cache")
+"""Stores whose β prices no put: the plan prices it apart (``node_shm``: the leader's pack) or
+no steady call makes one (``page_cache``: the record is written when the batch changes). Their
+put share is 0 by construction, never fitted: a fit that split their β would hand the bytes a
+reader skipped a cost no call pays."""
 
 
 def put_share(kind: str, store: StoreConf) -> float:
@@ -112,9 +117,11 @@ def put_share(kind: str, store: StoreConf) -> float:
     storage unit, an engine's packed and read message), and none where the plan prices the put
     apart (``node_shm``: the leader's pack) or no call makes one (``page_cache``: the record is
     written when the batch changes)."""
+    if kind in NO_PUT_PER_CALL:
+        return 0.0
     if store.put_share is not None:
         return store.put_share
-    return 0.0 if kind in ("node_shm", "page_cache") else 0.5
+    return 0.5
 
 
 @dataclass(unsafe_hash=True)
@@ -281,6 +288,11 @@ class ClusterConf:
             if not isinstance(store, StoreConf):
                 raise ClusterError(f"{where}: stores.{kind} must be a StoreConf, got {store!r}")
             store.check(f"{where}: stores.{kind}")
+            if kind in NO_PUT_PER_CALL and store.put_share not in (None, 0, 0.0):
+                raise ClusterError(
+                    f"{where}: stores.{kind}.put_share must be 0 or null (no call of it makes a "
+                    f"put its β prices), got {store.put_share!r}; set it to 0 or remove the key"
+                )
 
     def __hash__(self) -> int:  # the by-kind dicts are not hashable; their items are
         return hash(

@@ -18,6 +18,7 @@ from strategies.core.cluster import (
     StoreConf,
     cluster_from_dict,
     load_cluster,
+    put_share,
 )
 from strategies.core.layout import Layout
 from strategies.core.lazy_fields import fields_bytes
@@ -226,6 +227,26 @@ def test_readers_of_some_fields_let_the_fit_split_the_put_from_the_get():
         StoreConf(put_share=1.5).check("stores.mooncake")
     with pytest.raises(ClusterError, match=r"put_share must be a number"):
         StoreConf(put_share="half").check("stores.mooncake")
+
+
+def test_a_store_whose_calls_make_no_put_prices_only_the_bytes_read():
+    """The page cache's record is written when the batch changes, not by a call: a reader of
+    some fields pays for those alone, and the fit keeps that share at 0 (a free share would
+    take the noise of the calibration as a put no call makes)."""
+    truth = StoreConf(call_us=300.0, gbytes_per_s=4.0, fetch_contention=0.5)
+    samples = _samples(truth, "page_cache")
+    lazy = [replace(s, read_bytes=s.nbytes // 5) for s in samples]
+    lazy = [replace(s, measured_s=predict_s(truth, s)) for s in lazy]
+    assert predict_s(truth, lazy[2]) - lazy[2].rest_s == pytest.approx(
+        300e-6 + lazy[2].got_bytes / 4e9
+    )
+    fit = fit_store(samples + lazy).conf
+    assert fit.put_share == 0.0
+    assert fit.gbytes_per_s == pytest.approx(4.0, rel=1e-6)
+    assert fit.call_us == pytest.approx(300.0, rel=1e-6)
+    assert put_share("page_cache", StoreConf(put_share=None)) == 0.0
+    with pytest.raises(ClusterError, match=r"stores.page_cache.put_share must be 0 or null"):
+        _cluster(page_cache=StoreConf(put_share=0.25))
 
 
 def test_torch_shared_pays_its_stores_alpha_per_storage():
