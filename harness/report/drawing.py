@@ -19,7 +19,6 @@ import struct
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -175,8 +174,13 @@ def _child(draws, queue_r: int, back_w: int) -> None:  # pragma: no cover - runs
             message = pickle.dumps((taken[0], draws[taken[0]]()))
             os.write(back_w, _LENGTH.pack(len(message)))
             _write_all(back_w, message)
-    except BaseException:
-        traceback.print_exc()
+    except Exception as exc:
+        # One line: the parent draws the figure again, and where it fails there too, its own
+        # traceback is the one the user reads (the child's beside it said the same twice).
+        print(f"bcastbench report: the figure drawn beside failed: {type(exc).__name__}: {exc}",
+              file=sys.stderr)  # fmt: skip
+        code = 1
+    except BaseException:  # stopped or interrupted: the parent says why, if anything
         code = 1
     finally:
         sys.stdout.flush()

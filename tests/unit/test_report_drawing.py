@@ -86,6 +86,29 @@ def test_figures_a_dead_child_took_are_drawn_here(tmp_path, two_cores):
     _no_child_left(two_cores)
 
 
+def test_a_figure_that_fails_in_the_child_is_said_in_one_line_and_drawn_here(two_cores, capfd):
+    parent = os.getpid()
+
+    def fails_in_child(i):
+        def one():
+            if os.getpid() != parent:
+                raise ValueError("no such column: p50_us")
+            time.sleep(0.05)  # the parent's draws take a while, as figures do
+            return i
+
+        return one
+
+    said = []
+    results, _ = drawing.draw_beside([fails_in_child(i) for i in range(4)], lambda: 0, said.append)
+    assert results == [0, 1, 2, 3]
+    _no_child_left(two_cores)
+    # Where the child took a figure, its failure is one line (the figure is drawn here, and a
+    # traceback, if any, is this process's own), not a traceback beside the parent's.
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    assert err.count("ValueError: no such column: p50_us") == len(said), (err, said)
+
+
 def test_a_figure_that_cannot_be_drawn_raises_its_own_error(two_cores):
     def broken():
         raise ValueError("no such column: p50_us")
