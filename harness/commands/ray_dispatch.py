@@ -24,9 +24,10 @@ from harness.commands.tool import job_command, job_dir, write_out
 from harness.job import config_schema, records
 from harness.job.config import validate_dispatch
 from harness.job.config_schema import LayoutConf, PayloadConf, RayNode
-from harness.job.dispatch_modes import ALL_RANKS, FLOORS
+from harness.job.dispatch_modes import FLOORS
 from harness.job.execute import run_job
 from harness.job.job_config import DispatchConfig
+from harness.model.dispatch_ranks import ALL_RANKS
 from harness.worlds import opening
 
 # -- command line --------------------------------------------------------------------------

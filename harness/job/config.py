@@ -12,8 +12,9 @@ from omegaconf import OmegaConf
 
 import strategies
 from harness.errors import ConfigError
-from harness.job.dispatch_modes import LEADER, DispatchMode, with_floors
+from harness.job.dispatch_modes import DispatchMode, with_floors
 from harness.job.fault import Fault
+from harness.model.dispatch_ranks import LEADER
 from harness.payload import generated, sizes, source, user_files, workload
 from harness.units import human_bytes
 from harness.worlds.emulated_network import EmulateConf

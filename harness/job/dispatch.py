@@ -53,21 +53,22 @@ import torch
 
 import strategies
 from harness.job.dispatch_hops import hops_call, on_device
-from harness.job.dispatch_modes import (
+from harness.job.dispatch_modes import DispatchMode
+from harness.job.phase_base import Timing
+from harness.job.phases import run_phases
+from harness.job.results import RankResult
+from harness.job.spec import JobSpec, Scope
+from harness.job.verification import batch_problems, bytes_problems, digest, tensor_digest
+from harness.model.dispatch_ranks import (
     ALL_RANKS,
     CGRAPH,
     EDGE_STAGES,
     HOPS,
     LEADER,
     RDT,
-    DispatchMode,
+    holding_ranks,
+    ray_ranks,
 )
-from harness.job.phase_base import Timing
-from harness.job.phases import run_phases
-from harness.job.results import RankResult
-from harness.job.spec import JobSpec, Scope
-from harness.job.verification import batch_problems, bytes_problems, digest, tensor_digest
-from harness.model.dispatch_ranks import holding_ranks, ray_ranks
 from harness.payload import generated
 from harness.worlds.emulated import link_counter
 from harness.worlds.protocol import WorldError

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from harness.job.dispatch_modes import CHAIN, EDGE_STAGES
 from harness.job.verification import digest, tensor_digest
+from harness.model.dispatch_ranks import CHAIN, EDGE_STAGES
 from strategies import DataProto
 from strategies.core.process_groups import ProcessGroups
 

@@ -8,24 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import strategies
-from harness.model.dispatch_ranks import (
-    ALL_RANKS,
-    CGRAPH,
-    CHAIN,
-    EDGE_STAGES,
-    HOPS,
-    LEADER,
-    RDT,
-)
+from harness.model.dispatch_ranks import ALL_RANKS, CGRAPH, KINDS, LEADER, RDT
 
-FLOORS = {
-    LEADER: "leader:floor",
-    ALL_RANKS: "all_ranks:raw",
-    RDT: "rdt:raw",
-    CGRAPH: "cgraph:raw",
-    EDGE_STAGES: "edge_stages:raw",
-    CHAIN: "chain:raw",
-}
+UNLED = tuple(kind for kind in KINDS if kind != LEADER)
+"""The families named alone, with an optional ``:raw`` (every one but ``leader``)."""
+FLOORS = {LEADER: f"{LEADER}:floor", **{kind: f"{kind}:raw" for kind in UNLED}}
 """Each family's floor: the same path with the chunk as one flat uint8 array."""
 
 
@@ -59,11 +46,11 @@ class DispatchMode:
                     f"of {sorted(strategies.names())} or 'floor'"
                 )
             return cls(LEADER, rest)
-        if kind in (ALL_RANKS, RDT, CGRAPH, *HOPS) and rest in ("", "raw"):
+        if kind in UNLED and rest in ("", "raw"):
             return cls(kind, raw=rest == "raw")
         raise ValueError(
             f"dispatch mode {text!r}: expected 'leader:<strategy>', 'leader:floor', or one of "
-            f"{[ALL_RANKS, RDT, CGRAPH, *HOPS]} with an optional ':raw'"
+            f"{list(UNLED)} with an optional ':raw'"
         )
 
 
