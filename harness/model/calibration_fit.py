@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from harness.files import write_atomic
+from harness.model.least_squares import relative_fit
 from strategies.core.cluster import GB, US, ClusterConf, LinkConf
 from strategies.core.formulas import (
     ALLGATHER_ALGORITHMS,
@@ -92,14 +93,8 @@ def fit_kind(samples: list[Sample], kind: str, algorithm: str) -> Fit:
         [coefficients(kind, s.group_size, s.nbytes, **{param: algorithm}) for s in rows]
     )
     t = np.array([s.p50_s for s in rows])
-    weighted = coef / t[:, None]
-    (alpha, beta), *_ = np.linalg.lstsq(weighted, np.ones_like(t), rcond=None)
-    if alpha < 0:  # a burst or cache effect can pull α below zero; refit bandwidth alone
-        alpha = 0.0
-        beta = float(np.sum(weighted[:, 1]) / np.sum(weighted[:, 1] ** 2))
-    if beta <= 0:
-        beta = 1e-15
-        alpha = float(np.sum(weighted[:, 0]) / np.sum(weighted[:, 0] ** 2))
+    alpha, beta = relative_fit([coef[:, 0], coef[:, 1]], t)
+    beta = beta if beta > 0 else 1e-15  # a bandwidth, however large, where bytes cost nothing
     pred = coef @ np.array([alpha, beta])
     rel = (pred - t) / t
     ss_res = float(np.sum((t - pred) ** 2))
