@@ -26,6 +26,11 @@ after the job began: a gigabyte cell runs for minutes, and a quiet terminal look
 phase change is logged at DEBUG (``hydra.verbose=bcastbench``), with its time, for profiling."""
 
 
+PEEK_S = 0.5
+"""How long the driver waits for a rank's status thread while a failed job's other ranks are
+still running: a busy rank is not waited on here, its silence is."""
+
+
 class Collector:
     """The driver's side of a forked world's ranks while a job runs: it reads their task pipes,
     status pipes, phase board and stack dumps, gathers every rank's answer, and on any rank's
@@ -63,8 +68,17 @@ class Collector:
             self._read_board(answers)
             silent_s = time.monotonic() - answers.last_progress
             if answers.errors and not answers.complete:
-                # One rank failed; the others may now block in a collective forever.
-                if silent_s > min(5.0, timeout_s):
+                # One rank failed; the others may now block in a collective forever. Their
+                # own answers are waited for a while: a refusal comes from every rank (the
+                # world stays), a leader's error after the ranks that follow it, and a rank
+                # that ran out of memory is named before the peers it left. Not once every
+                # error is a rank's own failure and each other rank waits on a peer: a rank
+                # there can only wait until it is killed.
+                if silent_s > min(5.0, timeout_s) or (
+                    not answers.followers
+                    and not answers.refused
+                    and self._all_wait_on_peers(answers)
+                ):
                     break
             elif silent_s > timeout_s:
                 self._raise_hung(answers, what, timeout_s)
@@ -112,10 +126,12 @@ class Collector:
             self._last[rank] = (step, payload)
             if rank == 0:
                 self._echo(payload)
-        elif kind in ("error", "refused"):
+        elif kind in ("error", "refused", "follows"):
             answers.errors[rank] = payload
             if kind == "refused":
                 answers.refused.add(rank)
+            elif kind == "follows":
+                answers.followers.add(rank)
         else:
             answers.results[rank] = payload
         return True
@@ -156,9 +172,11 @@ class Collector:
 
     def _raise_failed(self, answers: _Answers, what: str) -> None:
         # A rank whose allocation failed first: its peers fail after it, in a collective it
-        # left, and would be named instead.
+        # left, and would be named instead; then a rank whose error is its own, not its
+        # leader's passed on.
         starved = [r for r, e in answers.errors.items() if e.startswith(OUT_OF_MEMORY)]
-        rank = min(starved or answers.errors)
+        causes = [r for r in answers.errors if r not in answers.followers]
+        rank = min(starved or causes or answers.errors)
         # Tear down even if every rank answered: a root's broadcast can complete while a
         # failed receiver never took part, leaving the ranks' collective sequences out of
         # step, and the next job would hang or read the wrong bytes. A fresh world is cheap.
@@ -172,14 +190,24 @@ class Collector:
             f"rank {rank} {said} in {what}: {first_line}\n--- traceback of rank {rank} ---\n{error}"
         )
 
-    def _where(self, ranks: list[int]) -> dict[int, str]:
-        """Ask each rank's status thread where its main thread is."""
+    def _all_wait_on_peers(self, answers: _Answers) -> bool:
+        """Whether every rank without an answer is in a collective or waits for a node-local
+        peer (asked briefly: a rank whose status thread is slow to answer counts as busy)."""
+        pending = [r for r in range(self.world_size) if not answers.has(r)]
+        places = self._where(pending, patience_s=PEEK_S)
+        return all(in_collective(places[r]) for r in pending)
+
+    def _where(self, ranks: list[int], patience_s: float = 10.0) -> dict[int, str]:
+        """Ask each rank's status thread where its main thread is, waiting ``patience_s`` for
+        each answer; one that comes later is dropped before the next question."""
         out = {}
         for r in ranks:
             try:
+                while self._status[r].poll():  # a late answer to an earlier question
+                    self._status[r].recv()
                 self._status[r].send("?")
                 # Generous: on an overloaded machine a status thread can wait seconds for the GIL.
-                out[r] = self._status[r].recv() if self._status[r].poll(10.0) else None
+                out[r] = self._status[r].recv() if self._status[r].poll(patience_s) else None
             except (OSError, EOFError):
                 out[r] = "no answer (process gone)"
             if out[r] is None:
@@ -227,6 +255,9 @@ class _Answers:
     errors: dict[int, str] = field(default_factory=dict)
     refused: set[int] = field(default_factory=set)
     """Ranks whose error is a refusal raised before any collective (the world stays)."""
+    followers: set[int] = field(default_factory=set)
+    """Ranks whose error follows their replica leader's (``LeaderFailed``): named only when no
+    other rank's error is known."""
     last_progress: float = field(default_factory=time.monotonic)
 
     def has(self, rank: int) -> bool:

@@ -107,3 +107,37 @@ def test_every_peer_wait_names_a_function_of_the_channel():
             if obj is not None
         ]
         assert found, (path, name)
+
+
+def test_a_receivers_error_raised_from_its_leaders_failure_follows_the_leader():
+    """A failed job names a rank's own error before one passed on from its replica leader
+    (``LeaderFailed``, however a caller wrapped it), so the driver waits for the leader's."""
+    from harness.worlds.forked_rank import follows_its_leader
+    from strategies import LeaderFailed
+
+    def raised(make):
+        try:
+            make()
+        except Exception as exc:
+            return exc
+
+    def wrapped():
+        try:
+            raise LeaderFailed("rank 1: the replica leader (rank 0) failed")
+        except LeaderFailed as exc:
+            raise ValueError("batch refused") from exc
+
+    def in_handling():
+        try:
+            raise LeaderFailed("rank 1: the replica leader (rank 0) failed")
+        except LeaderFailed:
+            raise KeyError("while handling it") from None
+
+    assert follows_its_leader(LeaderFailed("rank 2: the replica leader (rank 0) failed"))
+    assert follows_its_leader(raised(wrapped))
+    assert not follows_its_leader(raised(in_handling))  # `from None`: not its cause
+    assert not follows_its_leader(ValueError("its own"))
+    looped = ValueError("a")
+    looped.__context__ = KeyError("b")
+    looped.__context__.__context__ = looped
+    assert not follows_its_leader(looped)
