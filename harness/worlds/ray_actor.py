@@ -20,15 +20,6 @@ from harness.worlds.emulated import LINKS_ENV, link_counter
 from harness.worlds.rank import RankContext, device_for, rendezvous_store, where
 from harness.worlds.ray_cluster import RayConf
 
-try:
-    import ray as _ray
-
-    _lent_over_gloo = _ray.method(tensor_transport="gloo")
-except ImportError:  # the driver imports this module without Ray
-
-    def _lent_over_gloo(method):
-        return method
-
 
 class _ActorBoard:
     """What a rank actor is doing, kept in the actor for the driver to ask (``RankActor.where``)
@@ -106,12 +97,11 @@ class RankActor:
         )  # fmt: skip
         return os.getpid()
 
-    @_lent_over_gloo
     def lend(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(ctx, *args)``, its answer's tensors kept here and lent over Ray Direct
-        Transport: a task of another rank given the ObjectRef receives them over the ranks'
-        collective group (gloo point to point, ``RayWorld.lend``), the rest of the answer
-        through the object store."""
+        Transport (``remote_rank_actor`` marks it): a task of another rank given the ObjectRef
+        receives them over the ranks' collective group (gloo point to point, ``RayWorld.lend``),
+        the rest of the answer through the object store."""
         self.board.write(self.rank, 0, 0, f"lending {getattr(fn, '__name__', 'an answer')}")
         return fn(self.ctx, *args)
 
@@ -126,6 +116,16 @@ class RankActor:
             self.ctx.release_groups()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def remote_rank_actor():
+    """``RankActor`` as a Ray actor class, its ``lend`` answering over Ray Direct Transport
+    (gloo). Ray is imported here, when a Ray world starts: a process that opens any other
+    world never imports it."""
+    import ray
+
+    ray.method(tensor_transport="gloo")(RankActor.lend)
+    return ray.remote(RankActor)
 
 
 def actor_env(conf: RayConf) -> dict[str, str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.worlds.protocol import NodesFoundAtStart, WorldError, group_by_node
-from harness.worlds.ray_actor import RankActor, actor_env
+from harness.worlds.ray_actor import actor_env, remote_rank_actor
 from harness.worlds.ray_answers import collect_answers, placed
 from harness.worlds.ray_cluster import (
     NODE_RESOURCE,
@@ -173,7 +173,7 @@ class RayWorld(NodesFoundAtStart):
                 f"{self.conf.placement}) was not placed within {self.conf.start_timeout_s:.0f} s; "
                 f"the cluster offers {ray.cluster_resources()}"
             )
-        remote = ray.remote(RankActor)
+        remote = remote_rank_actor()
         self.actors = [
             remote.options(
                 max_concurrency=2,  # call, and where beside it
