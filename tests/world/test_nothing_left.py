@@ -107,11 +107,11 @@ sys.path.insert(0, {repo!r})
 from harness.worlds.ray_cluster import RayConf
 from harness.worlds.ray_world import RayWorld
 world = RayWorld(2, RayConf(num_cpus={cpus}, object_store_mb=128)).start()
-if {strategy!r}:
-    from harness.job.execute import run_job
-    from harness.job.spec import JobSpec
-    from strategies.core.layout import Layout
-    spec = JobSpec({strategy!r}, Layout(tp=2), iters=2, warmup=1, batch_size=4, seq_len=64)
+from harness.job.execute import run_job
+from harness.job.spec import JobSpec
+from strategies.core.layout import Layout
+for name in {strategies!r}:
+    spec = JobSpec(name, Layout(tp=2), iters=2, warmup=1, batch_size=4, seq_len=64)
     assert run_job(world, spec)["correct"]
 pids = world.rank_pids
 print(json.dumps({{"dir": str(world._cluster_dir), "started": sorted(world.started_pids),
@@ -120,27 +120,31 @@ time.sleep(600)
 """
 
 
+PULLS = ("ray_object_store", "transferqueue")
+"""The strategies whose actors and objects live in the cluster the driver leaves behind."""
+
+
 @pytest.mark.ray
-@pytest.mark.parametrize("strategy", ["", "ray_object_store", "transferqueue"])
-def test_kill_9_of_a_ray_driver_leaves_nothing(tmp_path, strategy):
-    """The driver is killed with SIGKILL while its cluster runs (after a job of a pull
-    strategy, whose actors and objects live in the cluster: TransferQueue's controller and
-    storage unit): within 15 s every process the cluster started and its directory are gone,
-    and nothing was written to the home directory or to Ray's shared /tmp/ray."""
+def test_kill_9_of_a_ray_driver_leaves_nothing(tmp_path):
+    """The driver is killed with SIGKILL while its cluster runs, after a job of each pull
+    strategy (their objects, and TransferQueue's controller and storage unit, live in the
+    cluster): within 15 s every process the cluster started and its directory are gone, and
+    nothing was written to the home directory or to Ray's shared /tmp/ray. One cluster holds
+    them all, as a sweep's does."""
     _ray_or_skip()
     import json
 
     import strategies
 
-    if strategy and strategies.get_class(strategy).unavailable():
-        pytest.skip(strategies.get_class(strategy).unavailable())
-    cpus = 3 if strategy == "transferqueue" else 2  # its controller and storage unit: 2 CPUs
+    names = [n for n in PULLS if not strategies.get_class(n).unavailable()]
+    print("jobs before the kill:", names or "none", "(the others are unavailable here)")
+    cpus = 3 if "transferqueue" in names else 2  # its controller and storage unit: 2 CPUs
 
     home = tmp_path / "home"
     home.mkdir()
     shared_before = set(Path("/tmp/ray").glob("session_*")) if Path("/tmp/ray").exists() else set()
     proc = subprocess.Popen(
-        [sys.executable, "-c", DRIVER.format(repo=str(REPO), cpus=cpus, strategy=strategy)],
+        [sys.executable, "-c", DRIVER.format(repo=str(REPO), cpus=cpus, strategies=names)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
         env={**os.environ, "HOME": str(home)}, start_new_session=True,
     )  # fmt: skip
@@ -152,7 +156,7 @@ def test_kill_9_of_a_ray_driver_leaves_nothing(tmp_path, strategy):
         reaper = [p for p in cluster if "harness.worlds.ray_reaper" in " ".join(p.cmdline())]
         ray_procs = [p for p in cluster if p not in reaper]
         assert reaper and ray_procs and Path(info["dir"]).is_dir()
-        if strategy == "transferqueue":
+        if "transferqueue" in names:
             titles = {p.name() for p in ray_procs}
             assert {"ray::TransferQueueController", "ray::SimpleStorageUnit"} <= titles, titles
         found = listeners({proc.pid, *(p.pid for p in ray_procs)})

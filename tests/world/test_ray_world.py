@@ -291,10 +291,10 @@ def test_the_limit_is_on_silence_not_on_the_job(ray_world):
     t0 = time.monotonic()
     ray_world.run(run_job_on_rank, spec)
     limit = max(6.0, 3 * (time.monotonic() - t0))
-    # The job outlasts the limit by construction, whatever the load: rank 0 adds an eighth of
-    # the limit to each of its 24 timed calls, which every rank's next call waits for, while
+    # The job outlasts the limit by construction, whatever the load: rank 0 adds a quarter of
+    # the limit to each of its 8 timed calls, which every rank's next call waits for, while
     # every rank reports each call.
-    long = replace(spec, iters=24, fault=Fault(0, kind="delay", delay_us=int(limit / 8 * 1e6)))
+    long = replace(spec, iters=8, fault=Fault(0, kind="delay", delay_us=int(limit / 4 * 1e6)))
     t0 = time.monotonic()
     ray_world.run(run_job_on_rank, long, timeout_s=limit)
     took = time.monotonic() - t0
