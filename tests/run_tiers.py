@@ -42,10 +42,11 @@ RAY_TESTS = [
     "tests/world/test_nothing_left.py::test_ctrl_c_ends_a_ray_sweep_within_5_s",
 ]
 """The world tier's tests that wait on Ray clusters of their own: run with the infra tier."""
-EVEN_FILES = ["tests/world/test_joined_world.py"]
+EVEN_FILES = ["tests/world/test_joined_world.py", "tests/world/test_engines.py"]
 """World tests run with the infra tier so the two sessions end together: with them in it, the
-unit and world session ran about a hundred seconds longer than the other (``--durations=0``),
-and these wait on launchers and a Slurm-style sweep more than they compute."""
+unit and world session ran longer than the other (``--durations=0``: about a hundred seconds
+before the joined world's tests moved, thirty-five before the engines' did), and these wait on
+launchers, a Slurm-style sweep and engine processes more than they compute."""
 SIDE_BY_SIDE = {
     "unit+world": [
         "tests/unit",
