@@ -28,7 +28,8 @@ from harness.worlds.rank import (
     rendezvous_store,
     where,
 )
-from strategies import LeaderFailed, Unsupported
+from strategies import Unsupported
+from strategies.core.contract import follows_its_leader
 
 PHASE_BYTES = 240
 """Room for one rank's phase on a ``PhaseBoard`` (UTF-8; longer phases are cut)."""
@@ -223,19 +224,6 @@ def _serve(ctx: RankContext, conn: Connection) -> None:
             if out_of_memory(exc):
                 said = f"{OUT_OF_MEMORY}: {said}"
             ctx.send(kind, f"{said}\n{traceback.format_exc()}")
-
-
-def follows_its_leader(exc: BaseException) -> bool:
-    """Whether ``exc`` is (or was raised from) a ``LeaderFailed``: this rank failed because its
-    replica leader did, whose own error is the one to name."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, LeaderFailed):
-            return True
-        seen.add(id(exc))
-        # The chain a traceback prints: the cause, else the context unless ``from None``.
-        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
-    return False
 
 
 OUT_OF_MEMORY = "ran out of memory"

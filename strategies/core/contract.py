@@ -298,6 +298,19 @@ class LeaderFailed(ContractError):
     message names the leader's rank and its error (type and text)."""
 
 
+def follows_its_leader(exc: BaseException) -> bool:
+    """Whether ``exc`` is (or was raised from) a ``LeaderFailed``: its rank failed because its
+    replica leader did, whose own error is the one a world names."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, LeaderFailed):
+            return True
+        seen.add(id(exc))
+        # The chain a traceback prints: the cause, else the context unless ``from None``.
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return False
+
+
 def failure_text(exc: BaseException) -> str:
     """A leader's exception as the one line its receivers raise with: ``Type: message``."""
     return f"{type(exc).__name__}: {exc}"

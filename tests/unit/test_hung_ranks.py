@@ -112,8 +112,8 @@ def test_every_peer_wait_names_a_function_of_the_channel():
 def test_a_receivers_error_raised_from_its_leaders_failure_follows_the_leader():
     """A failed job names a rank's own error before one passed on from its replica leader
     (``LeaderFailed``, however a caller wrapped it), so the driver waits for the leader's."""
-    from harness.worlds.forked_rank import follows_its_leader
     from strategies import LeaderFailed
+    from strategies.core.contract import follows_its_leader
 
     def raised(make):
         try:
