@@ -74,9 +74,11 @@ band handed to direct sizes where the model itself priced it above flat)."""
 
 class Auto(Strategy):
     name = "auto"
-    footprint = Footprint(leader=1, receiver=1, node=1, leader_kept=1)
-    """Measured by the node memory phase (serves shm: its slot, and the header family's pack
-    buffer beside it; a receiver rebuilds what it got)."""
+    footprint = Footprint(leader=1, receiver=1, leader_kept=1)
+    """The peak is the first call's, which ``first`` (``flat``) serves before any header: the
+    leader's pack buffer and every receiver's bytes. Between calls it keeps one copy, whichever
+    candidate then serves: shm's segment or a header family's pack buffer, counted as the
+    leader's; a candidate it leaves drops its buffer (``set_aside``)."""
     claims = "the chosen strategy's collectives (priced per batch shape by the cost model)"
 
     @dataclass(frozen=True, kw_only=True)
@@ -140,6 +142,8 @@ class Auto(Strategy):
             remember(self._choice_of, key, choice, NextShape.KEEP)
             predicted = self._next.observe(key)
             self.choice = self._choice_of.get(predicted, self._choice_of[key])
+            if self.choice != self.served:  # every rank switches alike: each drops its own
+                self.built[self.served].set_aside()
         return out
 
     @classmethod

@@ -76,6 +76,9 @@ class ScatterAllgather(Strategy):
         """The header of the last batch that arrived (on every rank alike; ``auto`` decides
         from it)."""
 
+    def set_aside(self) -> None:
+        self.packer.forget()  # the leader's send buffer: a batch's bytes, held for nothing
+
     def transfer(self, batch: DataProto) -> DataProto:
         g = self.groups
         n = g.tp_cp_size

@@ -77,6 +77,9 @@ class PackedStrategy(Strategy):
         """The header of the last batch that arrived (on every rank alike; ``auto`` decides
         from it)."""
 
+    def set_aside(self) -> None:
+        self.packer.forget()  # the leader's send buffer: a batch's bytes, held for nothing
+
     def new_wire(self) -> Wire:
         """This instance's ``Wire``, from its options (a node store's message crosses no
         broadcast, so it takes ``max_bytes`` alone)."""

@@ -138,6 +138,12 @@ class Strategy:
     def prepare(self, batch: DataProto) -> None:
         """Untimed set-up before a run of calls (the floor packs its buffer here)."""
 
+    def set_aside(self) -> None:
+        """Let go of what this strategy keeps between calls (a pack buffer) because another
+        serves the calls that follow (``auto``'s switch); its next call rebuilds it. State
+        its ranks share (a node channel's segments, agreed sizes) is kept: one rank alone
+        must not drop it."""
+
     def delivers(self, key: tuple[str, ...]) -> bool:
         """Whether a receiver's batch holds the leaf at ``key`` (its key path): every leaf,
         unless the strategy's options say its receivers read only some (a lazy fetch's

@@ -83,7 +83,7 @@ def _auto_job(ctx, layout: Layout, sizes: list[int], flag: bool) -> dict:
     groups = ctx.groups_for(layout)
     auto = strategies.get("auto", groups)
     derived = layout_of_groups(groups)
-    choices, digests, comms = [], [], []
+    choices, digests, comms, served, held = [], [], [], [], []
     for batch_size in sizes:
         full = generated.make("rl_rollout", batch_size, 256, seed=7, broadcast_non_tensor=flag)
         with Recorder() as rec:
@@ -91,11 +91,19 @@ def _auto_job(ctx, layout: Layout, sizes: list[int], flag: bool) -> dict:
         digests.append(digest(out, flag))
         comms.append([(c.kind, c.ranks, c.root, c.nbytes) for c in rec.comms])
         choices.append(auto.choice)
+        served.append(auto.served)
+        # A candidate other than the next call's keeps no pack buffer (``set_aside``).
+        held.append(sorted(
+            n for n, s in auto.built.items()
+            if n != auto.choice and getattr(getattr(s, "packer", None), "buffer", None) is not None
+        ))  # fmt: skip
     return {
         "rank": ctx.rank,
         "choices": choices,
         "digests": digests,
         "comms": comms,
+        "served": served,
+        "held": held,
         "specs": [spec_of(generated.make("rl_rollout", b, 256, 7, flag)) for b in sizes],
         "groups_match": [
             derived.group_of("tp-cp", ctx.rank) == list(groups.tp_cp_ranks),
@@ -118,6 +126,8 @@ def test_auto_is_exact_agrees_and_follows_its_choice(request, layout, flag):
         leader = by_rank[layout.group_of("tp-cp-pp", r["rank"])[0]]
         assert r["digests"] == leader["digests"], r["rank"]
         assert r["choices"] == results[0]["choices"]  # every rank, every call: one decision
+        assert r["held"] == [[]] * len(sizes), r["rank"]
+    assert len(set(results[0]["served"])) > 1, results[0]["served"]  # a switch was checked
     # Call i + 1 is served by the choice made from call i's batch; in steady state (the last
     # RECENT_CALLS calls of this shape) its collectives are that strategy's plan.
     for i in (RECENT_CALLS + 2, RECENT_CALLS + 3):
