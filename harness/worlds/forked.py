@@ -49,6 +49,44 @@ from harness.worlds.ray_network import (  # noqa: E402
     visiting,
 )
 
+STACKS_PREFIX = "bcastbench-stacks-"
+"""A world's directory in the temporary directory (its ranks' stack files and their
+rendezvous file) is named this, then its driver's pid, then a random part."""
+
+
+def world_directory() -> str:
+    """A new world's directory, after removing those a killed driver left (``orphaned``)."""
+    for path in orphaned():
+        shutil.rmtree(path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{STACKS_PREFIX}{os.getpid()}-")
+
+
+def orphaned(root: str | None = None) -> list[str]:
+    """This user's world directories whose driver no longer runs: a driver killed by SIGKILL
+    removes nothing, and its ranks die with it, so the next world to start removes them. A
+    directory of a live driver, another user's, or one without a driver's pid in its name is
+    left alone."""
+    root = root or tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(STACKS_PREFIX)]
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        pid, dash, _ = name[len(STACKS_PREFIX) :].partition("-")
+        path = os.path.join(root, name)
+        if not (dash and pid.isdigit()) or int(pid) == os.getpid():
+            continue
+        try:
+            if os.lstat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            out.append(path)
+        except OSError:  # alive under another user, or the directory went meanwhile
+            continue
+    return sorted(out)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -123,7 +161,7 @@ class ForkedWorld:
             forget_megatron_groups()
         gc.collect()
         port = _free_port()
-        self._stacks = tempfile.mkdtemp(prefix="bcastbench-stacks-")
+        self._stacks = world_directory()
         # Where this host allows it (root), the ranks start in a network namespace of their
         # own whose only interface is loopback: gloo's store and pairs are on loopback anyway,
         # and an engine a strategy starts that listens on every interface (Mooncake's TCP

@@ -24,6 +24,7 @@ import strategies
 from harness.job.execute import run_job
 from harness.job.spec import JobSpec
 from harness.paths import REPO
+from harness.worlds.forked import STACKS_PREFIX, orphaned, world_directory
 from strategies.core import engine_store
 from strategies.core.layout import Layout
 
@@ -160,6 +161,14 @@ def test_kill_9_of_the_driver_leaves_no_engine_listening(tmp_path, name):
             assert time.monotonic() < deadline, "a rank outlived its killed driver"
             time.sleep(0.1)
         assert listeners(set(ranks)) == []
+        # Its world's directory outlived it (a SIGKILL removes nothing); the next world's
+        # start removes it. Reaped first: a zombie's pid still answers.
+        proc.wait(timeout=30)
+        mine = [p for p in orphaned() if f"{STACKS_PREFIX}{proc.pid}-" in p]
+        assert mine, "the killed driver's world directory was not found"
+        fresh = world_directory()
+        os.rmdir(fresh)
+        assert not any(os.path.exists(p) for p in mine)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
