@@ -12,6 +12,7 @@ from typing import Any
 
 from harness.worlds.protocol import WorldError
 from harness.worlds.rank import in_collective
+from strategies.core.contract import follows_its_leader
 
 DEATH_GRACE_S = 3.0
 """How long, after a rank fails, the world waits for its peers to fail too before naming one."""
@@ -104,19 +105,40 @@ def culprits(states: list[tuple[int, str, float, str]], limit: float):
 def _root_failure(ray, rank: int, exc: Exception, pending: list, rank_of: dict):
     """The failure to name. When one rank dies, its peers fail too (their collectives lose
     a connection), and whichever answers first is not the cause: wait briefly for the others
-    and prefer a rank whose actor died over one that raised."""
+    and name the first by ``root_of``."""
     died = ray.exceptions.RayActorError
     if isinstance(exc, died) or not pending:
         return rank, exc
     ready, _ = ray.wait(pending, num_returns=len(pending), timeout=DEATH_GRACE_S)
+    others = []
     for ref in sorted(ready, key=rank_of.get):
         try:
             ray.get(ref)
-        except died as other:
-            return rank_of[ref], other
-        except Exception:
-            continue
-    return rank, exc
+        except Exception as other:  # noqa: BLE001 -- every rank's failure is a candidate
+            others.append((rank_of[ref], other))
+    return root_of((rank, exc), others, died)
+
+
+def root_of(first: tuple[int, BaseException], others: list, died: type) -> tuple:
+    """Which of the failed ranks' (rank, error) to name, ``first`` the one that answered first
+    and ``others`` those that failed within the grace, in rank order: a rank whose actor died
+    (``died``), else, where ``first`` only passed on its replica leader's failure (a
+    receiver's ``LeaderFailed``), the first that did not (the leader's own error, as the forked
+    world names it), else ``first``."""
+    for rank, exc in others:
+        if isinstance(exc, died):
+            return rank, exc
+    if _follows(first[1]):
+        for rank, exc in others:
+            if not _follows(exc):
+                return rank, exc
+    return first
+
+
+def _follows(exc: BaseException) -> bool:
+    """``follows_its_leader`` through Ray's wrapper (a task's error holds the rank's as
+    ``cause``)."""
+    return follows_its_leader(exc) or follows_its_leader(getattr(exc, "cause", None))
 
 
 def placed(ray, group, timeout_s: float) -> bool:

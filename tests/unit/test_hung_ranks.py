@@ -141,3 +141,27 @@ def test_a_receivers_error_raised_from_its_leaders_failure_follows_the_leader():
     looped.__context__ = KeyError("b")
     looped.__context__.__context__ = looped
     assert not follows_its_leader(looped)
+
+
+def test_the_ray_world_names_a_leaders_own_error_before_its_receivers():
+    """A Ray world's failed task names, among the ranks that failed together, one whose actor
+    died, else the leader's own error over a receiver's ``LeaderFailed`` (which Ray hands back
+    wrapped, the rank's exception as its ``cause``), else the first to answer."""
+    from harness.worlds.ray_answers import root_of
+    from strategies import LeaderFailed
+
+    class Died(Exception):
+        pass
+
+    class TaskError(Exception):  # Ray's wrapper of a task's exception
+        def __init__(self, cause):
+            super().__init__(str(cause))
+            self.cause = cause
+
+    follower = TaskError(LeaderFailed("rank 1: the replica leader (rank 0) failed"))
+    own, death = TaskError(ValueError("leader's own")), Died("actor died")
+    assert root_of((1, follower), [(0, own)], Died) == (0, own)
+    assert root_of((1, follower), [(0, own), (3, death)], Died) == (3, death)
+    assert root_of((1, follower), [(2, follower)], Died) == (1, follower)  # no leader's error
+    assert root_of((0, own), [(1, follower)], Died) == (0, own)
+    assert root_of((2, own), [(0, TaskError(KeyError("another")))], Died) == (2, own)
