@@ -334,32 +334,6 @@ def test_a_hung_rank_is_named_with_its_phase_and_the_next_job_revives_the_ranks(
     again.run(run_job_on_rank, healthy)
 
 
-def _semaphores(pids) -> list[Path]:
-    """The named semaphores Ray's processes of ``pids`` made (a compiled graph's channels)."""
-    return [
-        p for pid in pids for k in ("hdr", "obj") for p in Path("/dev/shm").glob(f"sem.{k}{pid}-*")
-    ]
-
-
-def test_crashing_rank_fails_by_name_and_close_leaves_nothing(ray_world):
-    """After a compiled graph ran and a rank crashed, close() leaves no process the cluster
-    started and none of the named semaphores its channels made (Ray unlinks those only when
-    its raylet exits in order, which a stopped cluster's does not)."""
-    graph = dispatch_spec(Layout(tp=2, dp=2), ("cgraph",), iters=1, warmup=0, **SMALL)
-    assert run_job(ray_world, graph)["correct"]
-    pids = set(ray_world.started_pids)
-    assert set(ray_world.rank_pids) <= pids, "the rank actors must be among the tracked pids"
-    assert _semaphores(pids), "the graph made no named semaphore: nothing here to check"
-    spec = JobSpec("header", TP2PP2, iters=2, warmup=0, fault=Fault(1, 0), **SMALL)
-    with pytest.raises(WorldError, match="rank 1"):
-        ray_world.run(run_job_on_rank, spec, timeout_s=60)
-    assert not ray_world.alive
-    ray_world.close()
-    left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
-    assert left == [], f"processes the Ray world started are still running: {left}"
-    assert _semaphores(pids) == [], "the cluster's named semaphores are left in /dev/shm"
-
-
 # -- strategies that need a Ray world: the tests every strategy passes on a gloo world ---------
 RAY_ONLY = [n for n in strategies.names() if strategies.get_class(n).world == "ray"]
 """The strategies the gloo-world suites leave out (``strategies.names_for_world()``): each runs
@@ -547,31 +521,6 @@ def _title(proc) -> str:
         return ""
 
 
-def _lend_fails(ctx, data):
-    raise RuntimeError(f"rank {ctx.rank}: the chunk cannot be lent")
-
-
-def test_rdt_a_leader_that_cannot_lend_fails_its_receivers_by_name(ray_world):
-    """The leader's lend raises: every rank handed its ref fails at once with the leader's own
-    error (no rank waits for tensors that never come), and the world is torn down."""
-    import ray.cloudpickle
-
-    from harness.job.dispatch import _all_ranks_call
-
-    here = sys.modules[__name__]  # the actors' path holds the repository, not tests/
-    ray.cloudpickle.register_pickle_by_value(here)
-    try:
-        lent = ray_world.lend(0, _lend_fails, None)
-    finally:
-        ray.cloudpickle.unregister_pickle_by_value(here)
-    # A receiver left waiting would be named as silent after 60 s, not with the leader's error.
-    with pytest.raises(WorldError, match="rank 0: the chunk cannot be lent"):
-        ray_world.collect(
-            ray_world.submit(_all_ranks_call, [(lent, False)] * 4), "rdt", timeout_s=60
-        )
-    assert not ray_world.alive
-
-
 @pytest.mark.parametrize("name", ["ray_object_store", "transferqueue"])
 def test_a_ray_store_lazy_fetch_of_verl_objects(ray_world, by_value, name):
     """verl's own DataProto and worker payload (jagged and non-tensor leaves) through a Ray
@@ -618,3 +567,56 @@ def test_a_ray_store_lazy_fetch_gets_each_stage_only_its_fields(ray_world, name)
         assert picked <= some[rank]["copied"] < full[rank]["copied"] - 4 * 512 * 8 + picked
     for line in said:
         assert "'values'" in line and "input_ids" in line, said
+
+
+# -- last: these end the module's world (the rdt failure drops its ranks, the crash closes
+# the cluster), so no test after them pays for a new one -----------------------------------
+def _lend_fails(ctx, data):
+    raise RuntimeError(f"rank {ctx.rank}: the chunk cannot be lent")
+
+
+def test_rdt_a_leader_that_cannot_lend_fails_its_receivers_by_name(ray_world):
+    """The leader's lend raises: every rank handed its ref fails at once with the leader's own
+    error (no rank waits for tensors that never come), and the world is torn down."""
+    import ray.cloudpickle
+
+    from harness.job.dispatch import _all_ranks_call
+
+    here = sys.modules[__name__]  # the actors' path holds the repository, not tests/
+    ray.cloudpickle.register_pickle_by_value(here)
+    try:
+        lent = ray_world.lend(0, _lend_fails, None)
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(here)
+    # A receiver left waiting would be named as silent after 60 s, not with the leader's error.
+    with pytest.raises(WorldError, match="rank 0: the chunk cannot be lent"):
+        ray_world.collect(
+            ray_world.submit(_all_ranks_call, [(lent, False)] * 4), "rdt", timeout_s=60
+        )
+    assert not ray_world.alive
+
+
+def _semaphores(pids) -> list[Path]:
+    """The named semaphores Ray's processes of ``pids`` made (a compiled graph's channels)."""
+    return [
+        p for pid in pids for k in ("hdr", "obj") for p in Path("/dev/shm").glob(f"sem.{k}{pid}-*")
+    ]
+
+
+def test_crashing_rank_fails_by_name_and_close_leaves_nothing(ray_world):
+    """After a compiled graph ran and a rank crashed, close() leaves no process the cluster
+    started and none of the named semaphores its channels made (Ray unlinks those only when
+    its raylet exits in order, which a stopped cluster's does not)."""
+    graph = dispatch_spec(Layout(tp=2, dp=2), ("cgraph",), iters=1, warmup=0, **SMALL)
+    assert run_job(ray_world, graph)["correct"]
+    pids = set(ray_world.started_pids)
+    assert set(ray_world.rank_pids) <= pids, "the rank actors must be among the tracked pids"
+    assert _semaphores(pids), "the graph made no named semaphore: nothing here to check"
+    spec = JobSpec("header", TP2PP2, iters=2, warmup=0, fault=Fault(1, 0), **SMALL)
+    with pytest.raises(WorldError, match="rank 1"):
+        ray_world.run(run_job_on_rank, spec, timeout_s=60)
+    assert not ray_world.alive
+    ray_world.close()
+    left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert left == [], f"processes the Ray world started are still running: {left}"
+    assert _semaphores(pids) == [], "the cluster's named semaphores are left in /dev/shm"
