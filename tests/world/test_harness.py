@@ -132,8 +132,10 @@ def test_torchrun_joins_the_world(tmp_path):
 def test_ctrl_c_leaves_no_rank_and_no_half_record(tmp_path):
     sweep = tmp_path / "sweep"
     proc = subprocess.Popen(
-        at_a_terminal("-m", "strategy=header,flat,pickled",
-         "iters=150", "warmup=0", "payload.batch_size=2", "payload.seq_len=64",
+        # A short first job, whose record is on disk before the Ctrl-C, then one long enough
+        # to be running when it comes.
+        at_a_terminal("-m", "strategy=header", "iters=6,5000",
+         "warmup=0", "payload.batch_size=2", "payload.seq_len=64",
          f"hydra.sweep.dir={sweep}"),
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
