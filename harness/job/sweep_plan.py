@@ -97,10 +97,11 @@ def check_sweep(
     in the order the sweep runs them (their count is the sweep's)."""
     with _expanded(overrides, config_name) as (loader, master, jobs):
         configs = []
+        compose = _Composer(loader, master)
         for index, job in enumerate(jobs):
             where = f"job {index + 1} of {len(jobs)} ({' '.join(job)})"
             try:
-                configs.append((where, loader.load_sweep_config(master, job)))
+                configs.append((where, compose(job)))
             except (HydraException, OmegaConfBaseException) as exc:
                 raise ConfigError(f"{where}: {describe(exc)}; no job was started") from None
         check = validate()
@@ -110,6 +111,44 @@ def check_sweep(
             except (ConfigError, HydraException, OmegaConfBaseException) as exc:
                 raise ConfigError(f"{where}: {describe(exc)}; no job was started") from None
         return [job_weight(cfg) for _, cfg in configs]
+
+
+class _Composer:
+    """A sweep job's config, as Hydra's ``load_sweep_config`` composes it when the job starts,
+    for every job of one sweep. Hydra composes each job from its files again (reading and
+    parsing every YAML file of its defaults); jobs that choose the same config groups share
+    their defaults, so here each choice of groups is composed once and a job's value
+    overrides are applied to a copy with Hydra's own ``_apply_overrides_to_config``, after the
+    groups, as Hydra applies them. An override is a group's where Hydra takes it for one
+    (``hydra._internal.defaults_list.Overrides``: its key names a config group and its value
+    is not a dict)."""
+
+    def __init__(self, loader, master) -> None:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        self.loader, self.master = loader, master
+        self.parser = OverridesParser.create(config_loader=loader)
+        self.composed: dict[tuple[str, ...], object] = {}
+
+    def __call__(self, job: list[str]):
+        import copy
+
+        from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+        parsed = self.parser.parse_overrides(job)
+        groups = tuple(o.input_line for o in parsed if self._is_group(o))
+        values = [o for o in parsed if not self._is_group(o)]
+        base = self.composed.get(groups)
+        if base is None:
+            base = self.composed[groups] = self.loader.load_sweep_config(self.master, list(groups))
+        cfg = copy.deepcopy(base)
+        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+        return cfg
+
+    def _is_group(self, override) -> bool:
+        return not isinstance(override.value(), dict) and self.loader.repository.group_exists(
+            override.key_or_group
+        )
 
 
 SIZE_RANGE = re.compile(r"^payload\.batch_size=sizes\((?P<args>[^)]*)\)$")

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from cli_support import REPO, cfg_of
+from omegaconf import open_dict
 
 from harness.errors import ConfigError
 from harness.job.config import validate
@@ -330,3 +331,38 @@ def test_the_eta_weighs_the_jobs_left_by_their_ranks():
     assert by_count == 10.0 and by_ranks == pytest.approx(10.0 * 4**RANKS_EXPONENT)
     assert eta_s(10.0, 4, 4, weights) == 0.0
     assert math.isnan(eta_s(10.0, 0, 4, weights)) and math.isnan(eta_s(10.0, 1, 0, []))
+
+
+@pytest.mark.parametrize(
+    "argv, compositions",
+    [
+        (["sweep=bench"], 4),
+        (["sweep=large"], 2),
+        (["layout.pp=1", "layout=tp2,tp2pp2", "+strategy.options.fields=[input_ids]",
+          "strategy=ray_object_store,self_load", "world=ray", "payload.batch_size=48,384"], 4),
+        (["layout=tp2pp2", "~steady_iters", "payload=verl_grpo,rl_rollout", "iters=3,4"], 2),
+        (["strategy=auto", "+strategy.options.first=shm,header", "payload.batch_size=3,8"], 1),
+    ],
+    ids=["bench", "large", "lazy_fetch", "deletion_and_payloads", "options"],
+)  # fmt: skip
+def test_a_sweep_check_composes_each_job_as_hydra_does(argv, compositions):
+    """``check_sweep`` composes each choice of config groups once and applies a job's value
+    overrides to a copy: every job's config equals the one Hydra's own ``load_sweep_config``
+    composes from scratch when the job starts (the config and the groups it chose)."""
+    from omegaconf import OmegaConf
+
+    from harness.job.sweep_plan import _Composer, _expanded
+
+    with _expanded(argv, "config") as (loader, master, jobs):
+        compose = _Composer(loader, master)
+        assert len(jobs) >= 2
+        for job in jobs:
+            ours, hydras = compose(job), loader.load_sweep_config(master, job)
+            assert ours.hydra.runtime.choices == hydras.hydra.runtime.choices, job
+            for cfg in (ours, hydras):
+                with open_dict(cfg):
+                    del cfg["hydra"]
+            assert OmegaConf.to_container(ours) == OmegaConf.to_container(hydras), job
+            assert OmegaConf.is_struct(ours) == OmegaConf.is_struct(hydras)
+        # Composed once per choice of groups (the sizes of a layout share its defaults).
+        assert len(compose.composed) == compositions
