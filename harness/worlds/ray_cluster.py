@@ -174,9 +174,15 @@ def end_pids(pids: Iterable[int], grace_s: float, terminate: bool) -> None:
     ray_reaper.end_processes(procs, grace_s, terminate=terminate)
 
 
-def descendants() -> set[int]:
-    """The pids of every live descendant of this process."""
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+def children() -> dict[int, float]:
+    """pid → start time of this process's live children."""
+    out = {}
+    for proc in psutil.Process().children():
+        try:
+            out[proc.pid] = proc.create_time()
+        except psutil.Error:
+            continue
+    return out
 
 
 class PrivateCluster:
@@ -191,15 +197,26 @@ class PrivateCluster:
         self.started_pids: set[int] = set()
         """Processes the cluster started (raylet, GCS, workers, the ranks' actors): ``end``
         waits for each of them to end and kills any that does not, by pid."""
-        self._before: set[int] = set()
+        self.roots: dict[int, float] = {}
+        """The processes ``ray.init`` started (pid → start time), which start every other
+        process of the cluster: the cluster is they and their descendants, never another
+        process this one runs beside it (``ray_reaper.cluster_processes``)."""
         self._saved_env: dict[str, str | None] = {}
         self._reaper: tuple[int, Any] | None = None
         self._network: PrivateNetwork | None = None
 
     def start(self, ray, conf: RayConf, runtime_env: dict[str, Any]) -> None:
         """Prepare the cluster (``_prepare``) and start it: ``ray.init`` of a new cluster."""
-        self._before = descendants()
         self._prepare()
+        before = children()
+        try:
+            self._init(ray, conf, runtime_env)
+        finally:  # a cluster that failed half way is ended as the roots it has
+            self.roots = {p: t for p, t in children().items() if p not in before}
+            os.write(self._reaper[0], ray_reaper.roots_line(self.roots))
+        self.count_started()
+
+    def _init(self, ray, conf: RayConf, runtime_env: dict[str, Any]) -> None:
         # address="local" always starts a new cluster: a bare ray.init() would join any
         # cluster whose address another run left in /tmp/ray/ray_current_cluster.
         ray.init(
@@ -218,12 +235,11 @@ class PrivateCluster:
             runtime_env=runtime_env,
             log_to_driver=False,
         )
-        self.count_started()
 
     def count_started(self) -> None:
-        """Every process this one has started since the cluster's start (the cluster's, the
-        ranks' actors) among ``started_pids``."""
-        self.started_pids |= descendants() - self._before
+        """Every live process of the cluster (its roots and their descendants: the ranks'
+        actors among them) among ``started_pids``."""
+        self.started_pids |= set(ray_reaper.cluster_processes(os.getpid(), self.roots))
 
     def _prepare(self) -> None:
         """The private cluster's directory, its token (Ray's processes inherit the
@@ -233,7 +249,6 @@ class PrivateCluster:
             self._saved_env[key] = os.environ.get(key)
             os.environ[key] = value
         self._reaper = ray_reaper.start(self.dir)
-        self._before.add(self._reaper[1].pid)  # not the cluster's: it ends when told
         # After the reaper (which must stay on the host's network to outlive the cluster).
         self._network = PrivateNetwork()
         self._network.enter()
@@ -242,6 +257,7 @@ class PrivateCluster:
         """Wait ``grace_s`` for the processes the cluster started (SIGTERM them first when
         ``terminate``), SIGKILL any left, by pid; remove the named semaphores they left
         (``ray_reaper.remove_semaphores``); then forget the cluster (``_forget``)."""
+        self.count_started()  # actors started since the ranks were (a store's)
         end_pids(self.started_pids, grace_s, terminate=terminate)
         ray_reaper.remove_semaphores(self.started_pids)
         self._forget()

@@ -5,9 +5,14 @@ named semaphores its processes left in /dev/shm.
 
 Ray's own processes notice a dead driver slowly (its dashboard and runtime-env agents stay for
 a minute or more), and its session folder stays on disk. The driver starts this before
-``ray.init`` with the write end of a pipe it keeps; the reaper polls the driver's descendants
-while that pipe is open (so it knows every pid, with its start time against pid reuse) and
-acts on EOF. A driver that closes cleanly has already stopped the cluster, so the reaper finds
+``ray.init`` with the write end of a pipe it keeps, and once ``ray.init`` returns writes on it
+the cluster's roots: the processes ``ray.init`` started (GCS, raylet, ...), which start every
+other process of the cluster. While the pipe is open the reaper polls the roots and their
+descendants (so it knows every pid, with its start time against pid reuse), and acts on EOF.
+Anything else the driver runs is not the cluster's and is never touched: what it ran before
+the reaper started, and what it starts beside the cluster (a Slurm test cluster, a user's own
+servers). Until the roots arrive, a process the driver started after the reaper counts as the
+cluster's. A driver that closes cleanly has already stopped the cluster, so the reaper finds
 nothing left but the directory.
 
     python -m harness.worlds.ray_reaper <driver pid> <cluster dir>     (fd 0: the pipe)
@@ -100,19 +105,66 @@ def remove_semaphores(pids) -> list[Path]:
     return removed
 
 
-def watch(driver: int, cluster_dir: Path, pipe_fd: int = 0) -> None:
+def watch(
+    driver: int, cluster_dir: Path, pipe_fd: int = 0, before: dict[int, float] | None = None
+) -> None:
     """Until ``pipe_fd`` reaches EOF (the driver closed it or died), keep the list of the
-    driver's descendants; then stop them and remove ``cluster_dir``."""
-    seen: dict[int, float] = {}
+    cluster's processes (``cluster_processes``, from the roots the driver writes on the pipe;
+    ``before``: the driver's descendants when it started the reaper, never the cluster's);
+    then stop them and remove ``cluster_dir``."""
     me = os.getpid()
+    before = _descendants(driver) if before is None else before
+    roots: dict[int, float] | None = None
+    seen: dict[int, float] = {}
+    pending = b""
     while True:
         ready, _, _ = select.select([pipe_fd], [], [], POLL_S)
-        if ready and not os.read(pipe_fd, 4096):
-            break
-        seen.update({pid: t for pid, t in _descendants(driver).items() if pid != me})
+        if ready:
+            data = os.read(pipe_fd, 4096)
+            if not data:
+                break
+            *lines, pending = (pending + data).split(b"\n")
+            for line in lines:
+                roots = parse_roots(line.decode())
+                # What was counted before the roots were known and is none of theirs
+                # started beside the cluster.
+                ours = cluster_processes(driver, roots)
+                seen = {p: t for p, t in seen.items() if p in ours}
+        seen.update(cluster_processes(driver, roots, before))
+    # A last look, for what started since the last poll (a dead driver's children are no
+    # longer its own: then the roots' and what the polls saw).
+    seen.update(cluster_processes(driver, roots, before))
+    seen.pop(me, None)
     stop_all(seen)
     remove_semaphores(seen)
     shutil.rmtree(cluster_dir, ignore_errors=True)
+
+
+def cluster_processes(
+    driver: int, roots: dict[int, float] | None, before: dict[int, float] | None = None
+) -> dict[int, float]:
+    """pid → start time of the cluster's live processes: ``roots`` (the processes ``ray.init``
+    started, pid → start time) that are still those processes, and their descendants; with no
+    roots yet, every descendant of ``driver`` not in ``before``."""
+    if roots is None:
+        return {p: t for p, t in _descendants(driver).items() if before is None or p not in before}
+    out: dict[int, float] = {}
+    for pid, started in roots.items():
+        proc = _still(pid, started)
+        if proc is not None:
+            out[pid] = started
+            out.update(_descendants(pid))
+    return out
+
+
+def roots_line(roots: dict[int, float]) -> bytes:
+    """The line the driver writes on the reaper's pipe: ``pid:start_time`` for each root."""
+    return (" ".join(f"{pid}:{t!r}" for pid, t in sorted(roots.items())) + "\n").encode()
+
+
+def parse_roots(line: str) -> dict[int, float]:
+    """``roots_line``'s roots back (pid → start time)."""
+    return {int(p): float(t) for p, t in (w.split(":") for w in line.split())}
 
 
 def start(cluster_dir: Path) -> tuple[int, subprocess.Popen]:
@@ -121,9 +173,17 @@ def start(cluster_dir: Path) -> tuple[int, subprocess.Popen]:
     the reaper the driver is done), and the reaper's process."""
     read_fd, write_fd = os.pipe()
     os.set_inheritable(write_fd, False)
+    before = roots_line(_descendants(os.getpid())).decode().split()
     # Its own session: a Ctrl-C or kill of the driver's process group does not reach it.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "harness.worlds.ray_reaper", str(os.getpid()), str(cluster_dir)],
+        [
+            sys.executable,
+            "-m",
+            "harness.worlds.ray_reaper",
+            str(os.getpid()),
+            str(cluster_dir),
+            *before,
+        ],  # fmt: skip
         stdin=read_fd,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -135,9 +195,11 @@ def start(cluster_dir: Path) -> tuple[int, subprocess.Popen]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``<driver pid> <cluster dir> [pid:start_time ...]``: the driver's descendants when it
+    started the reaper follow its directory."""
     args = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver's Ctrl-C is not ours
-    watch(int(args[0]), Path(args[1]))
+    watch(int(args[0]), Path(args[1]), before=parse_roots(" ".join(args[2:])))
     return 0
 
 

@@ -63,9 +63,13 @@ class RayWorld(NodesFoundAtStart):
 
     @property
     def started_pids(self) -> set[int]:
-        """Processes this world's private cluster started (raylet, GCS, workers): close()
-        waits for each of them to end and kills any that does not, by pid."""
-        return self._cluster.started_pids if self._cluster is not None else set()
+        """Processes this world's private cluster started (raylet, GCS, workers, and the
+        actors a strategy started since, a store's): close() waits for each of them to end and
+        kills any that does not, by pid. No other process of the driver's is among them."""
+        if self._cluster is None:
+            return set()
+        self._cluster.count_started()
+        return self._cluster.started_pids
 
     @property
     def _cluster_dir(self) -> Path | None:

@@ -492,7 +492,9 @@ def test_every_port_a_pull_job_opens_is_on_loopback_or_the_clusters_own_network(
     ray_only(name)
     spec = JobSpec(name, TP2PP2, iters=2, warmup=1, **SMALL)
     assert run_job(ray_world, spec)["correct"]
-    cluster = psutil.Process().children(recursive=True)
+    # The cluster's processes, not every child of this one: a Slurm test cluster of the same
+    # session runs beside it, on ports of its own.
+    cluster = [p for p in map(_process, sorted(ray_world.started_pids)) if p is not None]
     found = listeners({p.pid for p in cluster})
     print(f"{name}: listening sockets of the Ray cluster:", *found, sep="\n  ")
     assert found, "the cluster listens somewhere (GCS, raylet, workers)"
@@ -512,6 +514,13 @@ def test_every_port_a_pull_job_opens_is_on_loopback_or_the_clusters_own_network(
 
 TQ_ACTORS = {"TransferQueueController", "SimpleStorageUnit"}
 """TransferQueue's actors' process titles (``ray::<class>``)."""
+
+
+def _process(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None
 
 
 def _title(proc) -> str:
