@@ -15,7 +15,8 @@ servers). Until the roots arrive, a process the driver started after the reaper 
 cluster's. A driver that closes cleanly has already stopped the cluster, so the reaper finds
 nothing left but the directory.
 
-    python -m harness.worlds.ray_reaper <driver pid> <cluster dir>     (fd 0: the pipe)
+    python -m harness.worlds.ray_reaper <driver pid> <cluster dir> [pid:start_time ...]
+    (fd 0: the pipe; the pids: the driver's descendants when it started the reaper)
 """
 
 from __future__ import annotations
