@@ -42,11 +42,17 @@ RAY_TESTS = [
     "tests/world/test_nothing_left.py::test_ctrl_c_ends_a_ray_sweep_within_5_s",
 ]
 """The world tier's tests that wait on Ray clusters of their own: run with the infra tier."""
-EVEN_FILES = ["tests/world/test_joined_world.py", "tests/world/test_engines.py"]
+EVEN_FILES = [
+    "tests/world/test_joined_world.py",
+    "tests/world/test_engines.py",
+    "tests/world/test_byo.py",
+]
 """World tests run with the infra tier so the two sessions end together: with them in it, the
 unit and world session ran longer than the other (``--durations=0``: about a hundred seconds
-before the joined world's tests moved, thirty-five before the engines' did), and these wait on
-launchers, a Slurm-style sweep and engine processes more than they compute."""
+before the joined world's tests moved, thirty-five before the engines' did, and seventy
+before the user's plugin's did, once the Ray tests started one world instead of three), and
+these wait on launchers, a Slurm-style sweep, engine processes and a package install more than
+they compute."""
 SIDE_BY_SIDE = {
     "unit+world": [
         "tests/unit",
