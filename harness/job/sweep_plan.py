@@ -11,6 +11,7 @@ nothing heavy itself, it refuses a mistyped key before the job's modules (torch)
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -124,17 +125,15 @@ class _Composer:
     is not a dict)."""
 
     def __init__(self, loader, master) -> None:
+        from hydra._internal.config_loader_impl import ConfigLoaderImpl
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
         self.loader, self.master = loader, master
         self.parser = OverridesParser.create(config_loader=loader)
+        self.apply = ConfigLoaderImpl._apply_overrides_to_config
         self.composed: dict[tuple[str, ...], object] = {}
 
     def __call__(self, job: list[str]):
-        import copy
-
-        from hydra._internal.config_loader_impl import ConfigLoaderImpl
-
         parsed = self.parser.parse_overrides(job)
         groups = tuple(o.input_line for o in parsed if self._is_group(o))
         values = [o for o in parsed if not self._is_group(o)]
@@ -142,7 +141,7 @@ class _Composer:
         if base is None:
             base = self.composed[groups] = self.loader.load_sweep_config(self.master, list(groups))
         cfg = copy.deepcopy(base)
-        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+        self.apply(values, cfg)
         return cfg
 
     def _is_group(self, override) -> bool:

@@ -174,17 +174,6 @@ def end_pids(pids: Iterable[int], grace_s: float, terminate: bool) -> None:
     ray_reaper.end_processes(procs, grace_s, terminate=terminate)
 
 
-def children() -> dict[int, float]:
-    """pid → start time of this process's live children."""
-    out = {}
-    for proc in psutil.Process().children():
-        try:
-            out[proc.pid] = proc.create_time()
-        except psutil.Error:
-            continue
-    return out
-
-
 class PrivateCluster:
     """The Ray cluster a world starts in this process (``RayConf.address == "local"``) and stops
     at its close: its own directory, its own token, the reaper that cleans up after a driver
@@ -208,11 +197,12 @@ class PrivateCluster:
     def start(self, ray, conf: RayConf, runtime_env: dict[str, Any]) -> None:
         """Prepare the cluster (``_prepare``) and start it: ``ray.init`` of a new cluster."""
         self._prepare()
-        before = children()
+        before = ray_reaper.descendants(os.getpid(), recursive=False)
         try:
             self._init(ray, conf, runtime_env)
         finally:  # a cluster that failed half way is ended as the roots it has
-            self.roots = {p: t for p, t in children().items() if p not in before}
+            now = ray_reaper.descendants(os.getpid(), recursive=False)
+            self.roots = {p: t for p, t in now.items() if p not in before}
             os.write(self._reaper[0], ray_reaper.roots_line(self.roots))
         self.count_started()
 

@@ -37,10 +37,11 @@ GRACE_S = 3.0
 """How long the cluster's processes get to end after SIGTERM before SIGKILL."""
 
 
-def _descendants(pid: int) -> dict[int, float]:
-    """pid → start time of every live descendant of ``pid``."""
+def descendants(pid: int, recursive: bool = True) -> dict[int, float]:
+    """pid → start time of every live descendant of ``pid`` (its children alone where not
+    ``recursive``)."""
     try:
-        return {p.pid: p.create_time() for p in psutil.Process(pid).children(recursive=True)}
+        return {p.pid: p.create_time() for p in psutil.Process(pid).children(recursive=recursive)}
     except psutil.Error:
         return {}
 
@@ -114,24 +115,24 @@ def watch(
     ``before``: the driver's descendants when it started the reaper, never the cluster's);
     then stop them and remove ``cluster_dir``."""
     me = os.getpid()
-    before = _descendants(driver) if before is None else before
+    before = descendants(driver) if before is None else before
     roots: dict[int, float] | None = None
     seen: dict[int, float] = {}
     pending = b""
     while True:
         ready, _, _ = select.select([pipe_fd], [], [], POLL_S)
+        arrived = False
         if ready:
             data = os.read(pipe_fd, 4096)
             if not data:
                 break
             *lines, pending = (pending + data).split(b"\n")
             for line in lines:
-                roots = parse_roots(line.decode())
-                # What was counted before the roots were known and is none of theirs
-                # started beside the cluster.
-                ours = cluster_processes(driver, roots)
-                seen = {p: t for p, t in seen.items() if p in ours}
-        seen.update(cluster_processes(driver, roots, before))
+                roots, arrived = parse_roots(line.decode()), True
+        found = cluster_processes(driver, roots, before)
+        if arrived:  # what was counted before the roots came and is none of theirs: not ours
+            seen = {p: t for p, t in seen.items() if p in found}
+        seen.update(found)
     # A last look, for what started since the last poll (a dead driver's children are no
     # longer its own: then the roots' and what the polls saw).
     seen.update(cluster_processes(driver, roots, before))
@@ -148,13 +149,13 @@ def cluster_processes(
     started, pid → start time) that are still those processes, and their descendants; with no
     roots yet, every descendant of ``driver`` not in ``before``."""
     if roots is None:
-        return {p: t for p, t in _descendants(driver).items() if before is None or p not in before}
+        return {p: t for p, t in descendants(driver).items() if before is None or p not in before}
     out: dict[int, float] = {}
     for pid, started in roots.items():
         proc = _still(pid, started)
         if proc is not None:
             out[pid] = started
-            out.update(_descendants(pid))
+            out.update(descendants(pid))
     return out
 
 
@@ -174,7 +175,7 @@ def start(cluster_dir: Path) -> tuple[int, subprocess.Popen]:
     the reaper the driver is done), and the reaper's process."""
     read_fd, write_fd = os.pipe()
     os.set_inheritable(write_fd, False)
-    before = roots_line(_descendants(os.getpid())).decode().split()
+    before = roots_line(descendants(os.getpid())).decode().split()
     # Its own session: a Ctrl-C or kill of the driver's process group does not reach it.
     proc = subprocess.Popen(
         [
